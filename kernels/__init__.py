@@ -1,0 +1,71 @@
+"""Fused transformer ops with interchangeable backends (Triton, CUDA, torch reference).
+
+Call the ops below; `kernels.registry.configure()` decides, per op, which backend runs them.
+Until it is called every op runs on the torch reference.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from kernels import registry
+from kernels.registry import BackendError, Selection, configure
+
+__all__ = [
+    "BackendError", "Selection", "configure", "registry",
+    "layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm", "embedding_layer_norm",
+]
+
+_active = registry.active
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12) -> Tensor:
+    """LayerNorm over the last dimension."""
+    return _active["layer_norm"](x, weight, bias, eps)
+
+
+def layer_norm_gelu(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12, approximate: str = "none") -> Tensor:
+    """GELU(LayerNorm(x)); exact erf GELU unless approximate="tanh"."""
+    return _active["layer_norm_gelu"](x, weight, bias, eps, approximate)
+
+
+def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
+    """GELU(x + bias), bias broadcast over rows."""
+    return _active["bias_gelu"](x, bias, approximate)
+
+
+def bias_residual_gelu(x: Tensor, bias: Tensor, residual: Tensor, approximate: str = "none") -> Tensor:
+    """GELU(x + bias + residual)."""
+    return _active["bias_residual_gelu"](x, bias, residual, approximate)
+
+
+def add_layer_norm(
+    x: Tensor,
+    residual: Tensor,
+    bias: Tensor | None,
+    weight: Tensor,
+    ln_bias: Tensor,
+    eps: float = 1e-12,
+    *,
+    return_sum: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """LayerNorm(x + bias + residual); with return_sum=True also the pre-norm sum."""
+    return _active["add_layer_norm"](x, residual, bias, weight, ln_bias, eps, return_sum=return_sum)
+
+
+def embedding_layer_norm(
+    input_ids: Tensor,
+    position_ids: Tensor,
+    token_type_ids: Tensor,
+    word_embeddings: Tensor,
+    position_embeddings: Tensor,
+    token_type_embeddings: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    eps: float = 1e-12,
+) -> Tensor:
+    """LayerNorm(word[ids] + position[pos] + token_type[types]) for flat id vectors: [tokens] -> [tokens, hidden]."""
+    return _active["embedding_layer_norm"](
+        input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
+        weight, bias, eps,
+    )

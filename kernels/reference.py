@@ -1,0 +1,133 @@
+"""Plain torch implementations of every fused op: the oracle the fused backends are tested against,
+and the fallback the registry uses when no fused backend is available or the fused path is off.
+
+Math runs in float32 (float64 inputs stay float64, so the same code is the float64 ground truth in
+tests); the result is cast back to the input dtype once. This module never imports Triton or CUDA code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _store(result: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
+    if out is None:
+        return result.to(dtype)
+    out.copy_(result)
+    return out
+
+
+def _gelu(h: Tensor, approximate: str) -> Tensor:
+    # exact: 0.5 * h * (1 + erf(h / sqrt(2)))  (BERT); tanh: the GPT-2 approximation
+    if approximate == "none":
+        return 0.5 * h * (1.0 + torch.erf(h * _SQRT_HALF))
+    if approximate == "tanh":
+        return torch.nn.functional.gelu(h, approximate="tanh")
+    raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+def _layer_norm(h: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    # (h - mean) / sqrt(var + eps) * weight + bias, biased variance over the last dimension
+    mean = h.mean(dim=-1, keepdim=True)
+    centered = h - mean
+    var = (centered * centered).mean(dim=-1, keepdim=True)
+    return centered * torch.rsqrt(var + eps) * weight.to(h.dtype) + bias.to(h.dtype)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
+    h = x.to(_compute_dtype(x.dtype))
+    return _store(_layer_norm(h, weight, bias, eps), x.dtype, out)
+
+
+def layer_norm_gelu(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    eps: float = 1e-12,
+    approximate: str = "none",
+    *,
+    out: Tensor | None = None,
+) -> Tensor:
+    h = x.to(_compute_dtype(x.dtype))
+    return _store(_gelu(_layer_norm(h, weight, bias, eps), approximate), x.dtype, out)
+
+
+def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none", *, out: Tensor | None = None) -> Tensor:
+    h = x.to(_compute_dtype(x.dtype)) + bias
+    return _store(_gelu(h, approximate), x.dtype, out)
+
+
+def bias_residual_gelu(
+    x: Tensor,
+    bias: Tensor,
+    residual: Tensor,
+    approximate: str = "none",
+    *,
+    out: Tensor | None = None,
+) -> Tensor:
+    # gelu(x + bias + residual)
+    compute = _compute_dtype(x.dtype)
+    h = x.to(compute) + bias + residual.to(compute)
+    return _store(_gelu(h, approximate), x.dtype, out)
+
+
+def add_layer_norm(
+    x: Tensor,
+    residual: Tensor,
+    bias: Tensor | None,
+    weight: Tensor,
+    ln_bias: Tensor,
+    eps: float = 1e-12,
+    *,
+    return_sum: bool = False,
+    out: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    # s = x + bias + residual; y = LayerNorm(s). The pre-norm sum s is what pre-LN models carry forward.
+    compute = _compute_dtype(x.dtype)
+    s = x.to(compute) + residual.to(compute)
+    if bias is not None:
+        s = s + bias
+    y = _store(_layer_norm(s, weight, ln_bias, eps), x.dtype, out)
+    return (y, s.to(x.dtype)) if return_sum else y
+
+
+def embedding_layer_norm(
+    input_ids: Tensor,
+    position_ids: Tensor,
+    token_type_ids: Tensor,
+    word_embeddings: Tensor,
+    position_embeddings: Tensor,
+    token_type_embeddings: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    eps: float = 1e-12,
+    *,
+    out: Tensor | None = None,
+) -> Tensor:
+    # LayerNorm(word[input_ids] + position[position_ids] + token_type[token_type_ids]); ids: [tokens]
+    compute = _compute_dtype(word_embeddings.dtype)
+    h = (
+        word_embeddings[input_ids].to(compute)
+        + position_embeddings[position_ids].to(compute)
+        + token_type_embeddings[token_type_ids].to(compute)
+    )
+    return _store(_layer_norm(h, weight, bias, eps), word_embeddings.dtype, out)
+
+
+OPS = {
+    "layer_norm": layer_norm,
+    "layer_norm_gelu": layer_norm_gelu,
+    "bias_gelu": bias_gelu,
+    "bias_residual_gelu": bias_residual_gelu,
+    "add_layer_norm": add_layer_norm,
+    "embedding_layer_norm": embedding_layer_norm,
+}

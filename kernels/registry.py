@@ -1,0 +1,216 @@
+"""Per-op backend choice. Each backend (triton, cuda, torch) is probed once (importable? usable on this
+device?), then self-tested op by op against the float64 reference on fresh random inputs of a few
+shapes and every dtype in use. Auto mode takes, per op, the first candidate in preference order that
+passes and records why every other one was rejected; an explicitly forced backend that fails raises.
+The model never sees any of this: it calls `kernels.<op>`, which dispatches through `active`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import reference
+from kernels.testing import check_op
+
+log = logging.getLogger("fusedserve.kernels")
+
+OPS: tuple[str, ...] = tuple(reference.OPS)
+REFERENCE_BACKEND = "torch"
+
+
+class BackendUnavailable(RuntimeError):
+    """Raised by a backend loader that cannot run here (missing package, no device, ...)."""
+
+
+class BackendError(RuntimeError):
+    """An explicitly requested backend is unavailable or failed its self-test."""
+
+
+# A loader gets the target device and returns {op name: implementation} or raises BackendUnavailable.
+Loader = Callable[[torch.device], Mapping[str, Callable]]
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    loader: Loader
+
+
+def _load_reference(device: torch.device) -> Mapping[str, Callable]:
+    return reference.OPS
+
+
+# Preference order for auto mode; fused backends register themselves ahead of the reference.
+_BACKENDS: list[Backend] = [Backend(REFERENCE_BACKEND, _load_reference)]
+
+
+def register_backend(name: str, loader: Loader, *, before: str = REFERENCE_BACKEND) -> None:
+    """Add (or replace) a backend, placed just ahead of `before` in the preference order."""
+    unregister_backend(name)
+    index = next(i for i, b in enumerate(_BACKENDS) if b.name == before)
+    _BACKENDS.insert(index, Backend(name, loader))
+
+
+def unregister_backend(name: str) -> None:
+    if name == REFERENCE_BACKEND:
+        raise ValueError("the reference backend cannot be removed")
+    _BACKENDS[:] = [b for b in _BACKENDS if b.name != name]
+
+
+def backend_names() -> list[str]:
+    return [b.name for b in _BACKENDS]
+
+
+@dataclass
+class OpChoice:
+    op: str
+    backend: str
+    reason: str
+    rejected: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Selection:
+    device: torch.device
+    dtypes: tuple[torch.dtype, ...]
+    fused: bool
+    choices: dict[str, OpChoice]
+    seconds: float
+
+    def backend_of(self, op: str) -> str:
+        return self.choices[op].backend
+
+    def report(self) -> str:
+        """The human-readable table logged at startup and shown by the CLI."""
+        dtypes = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+        lines = [f"kernel backends (device {self.device}, dtypes {dtypes}, fused path "
+                 f"{'on' if self.fused else 'off'}, chosen in {self.seconds:.2f}s):"]
+        width = max(map(len, self.choices))
+        for choice in self.choices.values():
+            lines.append(f"  {choice.op:<{width}}  {choice.backend:<6}  {choice.reason}")
+            for name, why in choice.rejected.items():
+                lines.append(f"  {'':<{width}}    rejected {name}: {why}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {
+            "device": str(self.device),
+            "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
+            "fused": self.fused,
+            "ops": {c.op: {"backend": c.backend, "reason": c.reason, "rejected": dict(c.rejected)}
+                    for c in self.choices.values()},
+        }
+
+
+# What kernels.<op> calls right now; starts on the reference so the package works before configure().
+active: dict[str, Callable] = dict(reference.OPS)
+_current: Selection | None = None
+
+# Self-test sizes: a single row, an odd row count, and the model's own width plus an awkward one.
+SELF_TEST_ROWS = (1, 37)
+SELF_TEST_COLS = (7, 300)
+
+
+def _self_test(fn: Callable, op: str, device: torch.device, dtypes: Iterable[torch.dtype],
+               cols: Iterable[int]) -> str | None:
+    """None if `fn` matches the reference on every shape and dtype, else the first failure."""
+    seed = 0
+    for dtype in dtypes:
+        for rows in SELF_TEST_ROWS:
+            for n in cols:
+                seed += 1
+                try:
+                    report = check_op(fn, op, rows, n, dtype, device, seed=seed)
+                except Exception as exc:  # a crash in a candidate is a rejection, not a startup failure
+                    return f"self-test raised {type(exc).__name__}: {exc}"
+                if not report.ok:
+                    return f"self-test failed at {rows}x{n} {str(dtype).removeprefix('torch.')}: {report}"
+    return None
+
+
+def configure(
+    device: torch.device | str = "cpu",
+    dtypes: Iterable[torch.dtype] = (torch.float32,),
+    *,
+    backend: str = "auto",
+    overrides: Mapping[str, str] | None = None,
+    fused: bool = True,
+    hidden_sizes: Iterable[int] = (),
+) -> Selection:
+    """Choose a backend per op, make it active, and return what was chosen and why.
+
+    backend: "auto" or a backend name forced for every op; overrides: {op: backend} per op, winning over
+    `backend`; fused=False puts every op on the reference path without probing anything.
+    """
+    global _current
+    started = time.perf_counter()
+    device = torch.device(device)
+    dtypes = tuple(dict.fromkeys(dtypes))
+    overrides = dict(overrides or {})
+    known = set(backend_names())
+    for op, name in overrides.items():
+        if op not in OPS:
+            raise ValueError(f"backend override for unknown op {op!r}; ops are {', '.join(OPS)}")
+        if name != "auto" and name not in known:
+            raise ValueError(f"backend override {op}={name!r}: unknown backend; known: {', '.join(sorted(known))}")
+    if backend != "auto" and backend not in known:
+        raise ValueError(f"unknown backend {backend!r}; known: auto, {', '.join(backend_names())}")
+    test_cols = tuple(dict.fromkeys([*SELF_TEST_COLS, *hidden_sizes]))
+
+    loaded: dict[str, Mapping[str, Callable] | str] = {}
+
+    def load(b: Backend) -> Mapping[str, Callable] | str:
+        if b.name not in loaded:
+            try:
+                loaded[b.name] = b.loader(device)
+            except BackendUnavailable as exc:
+                loaded[b.name] = f"unavailable: {exc}"
+            except Exception as exc:
+                loaded[b.name] = f"unavailable: failed to load ({type(exc).__name__}: {exc})"
+        return loaded[b.name]
+
+    choices: dict[str, OpChoice] = {}
+    for op in OPS:
+        if not fused:
+            choices[op] = OpChoice(op, REFERENCE_BACKEND, "fused path disabled by configuration")
+            continue
+        forced = overrides.get(op, "auto")
+        forced = backend if forced == "auto" else forced
+        candidates = [b for b in _BACKENDS if forced in ("auto", b.name)]
+        choice = OpChoice(op, "", "")
+        for b in candidates:
+            impl = load(b)
+            if isinstance(impl, str):
+                why = impl
+            elif op not in impl:
+                why = "does not implement this op"
+            else:
+                why = _self_test(impl[op], op, device, dtypes, test_cols)
+                if why is None:
+                    choice.backend = b.name
+                    choice.reason = ("forced by configuration; " if forced != "auto" else "") + \
+                        ("reference path" if b.name == REFERENCE_BACKEND else "first in preference order") + \
+                        " that passed its self-test"
+                    break
+            choice.rejected[b.name] = why
+        if not choice.backend:
+            if forced != "auto":
+                raise BackendError(f"backend {forced!r} was forced for op {op!r} but cannot be used: "
+                                   f"{choice.rejected.get(forced)}")
+            raise BackendError(f"no backend passed for op {op!r}: {choice.rejected}")
+        choices[op] = choice
+
+    impls = {op: load(next(b for b in _BACKENDS if b.name == c.backend))[op] for op, c in choices.items()}
+    active.update(impls)
+    _current = Selection(device, dtypes, fused, choices, time.perf_counter() - started)
+    log.info("%s", _current.report())
+    return _current
+
+
+def current() -> Selection | None:
+    return _current

@@ -1,0 +1,149 @@
+"""Accuracy checks shared by the registry's startup self-test and the test suite: the one tolerance
+table, the error measures (relative L2 error and max abs error against a float64 reference), and a
+random-input generator for every op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels import reference
+
+# dtype -> (max relative L2 error ||out-ref||/||ref||, elementwise atol, elementwise rtol).
+# Set from what rounding the output once to the dtype costs (fp16 eps 2^-10, bf16 2^-7) with headroom
+# for fp32 accumulation order; a fused kernel must be as good as the reference cast once.
+TOLERANCES: dict[torch.dtype, tuple[float, float, float]] = {
+    torch.float32: (2e-6, 1e-5, 1e-5),
+    torch.float16: (1e-3, 2e-3, 2e-3),
+    torch.bfloat16: (8e-3, 1.6e-2, 1.6e-2),
+}
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    rel_l2: float
+    max_abs: float
+    ok: bool
+    reason: str
+
+    def __str__(self) -> str:
+        verdict = "ok" if self.ok else f"FAIL ({self.reason})"
+        return f"rel_l2={self.rel_l2:.2e} max_abs={self.max_abs:.2e} {verdict}"
+
+
+def compare(out: Tensor, ref: Tensor, dtype: torch.dtype) -> ErrorReport:
+    """Compare an op's output with a float64 reference. Non-finite values must sit exactly where the
+    reference has the same non-finite value; a NaN anywhere else fails."""
+    rel_tol, atol, rtol = TOLERANCES[dtype]
+    if out.shape != ref.shape:
+        return ErrorReport(float("inf"), float("inf"), False, f"shape {tuple(out.shape)} != {tuple(ref.shape)}")
+    o, r = out.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
+    o_finite, r_finite = torch.isfinite(o), torch.isfinite(r)
+    if not torch.equal(o_finite, r_finite):
+        bad = int((o_finite != r_finite).sum())
+        return ErrorReport(float("nan"), float("nan"), False, f"{bad} elements differ in finiteness (NaN/Inf)")
+    if not torch.equal(torch.nan_to_num(o[~o_finite], nan=0.0), torch.nan_to_num(r[~r_finite], nan=0.0)):
+        return ErrorReport(float("nan"), float("nan"), False, "non-finite values differ")
+    o, r = o[o_finite], r[r_finite]
+    if r.numel() == 0:
+        return ErrorReport(0.0, 0.0, True, "")
+    diff = (o - r).abs()
+    max_abs = float(diff.max())
+    ref_norm = float(r.norm())
+    rel_l2 = float((o - r).norm()) / ref_norm if ref_norm > 0 else float((o - r).norm())
+    if rel_l2 > rel_tol:
+        return ErrorReport(rel_l2, max_abs, False, f"rel_l2 {rel_l2:.2e} > {rel_tol:.0e}")
+    excess = diff - (atol + rtol * r.abs())
+    if bool((excess > 0).any()):
+        return ErrorReport(rel_l2, max_abs, False, f"{int((excess > 0).sum())} elements beyond atol={atol} rtol={rtol}")
+    return ErrorReport(rel_l2, max_abs, True, "")
+
+
+def _randn(shape, dtype, device, gen, scale=1.0, shift=0.0) -> Tensor:
+    return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale + shift).to(device=device, dtype=dtype)
+
+
+# Each generator returns (args, kwargs) for the op on fresh random, non-zero inputs of [rows, cols].
+# LayerNorm inputs get a non-zero mean and spread so that centring and variance are exercised.
+def _ln_inputs(rows, cols, dtype, device, gen):
+    x = _randn((rows, cols), dtype, device, gen, scale=2.0, shift=0.5)
+    w = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (x, w, b, 1e-5), {}
+
+
+def _bias_gelu_inputs(rows, cols, dtype, device, gen):
+    return (_randn((rows, cols), dtype, device, gen, scale=2.0), _randn((cols,), dtype, device, gen)), {}
+
+
+def _bias_residual_gelu_inputs(rows, cols, dtype, device, gen):
+    x = _randn((rows, cols), dtype, device, gen, scale=2.0)
+    return (x, _randn((cols,), dtype, device, gen), _randn((rows, cols), dtype, device, gen)), {}
+
+
+def _add_ln_inputs(rows, cols, dtype, device, gen):
+    x = _randn((rows, cols), dtype, device, gen, scale=2.0, shift=0.5)
+    residual = _randn((rows, cols), dtype, device, gen)
+    bias = _randn((cols,), dtype, device, gen, scale=0.5)
+    w = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (x, residual, bias, w, b, 1e-5), {}
+
+
+def _embedding_ln_inputs(rows, cols, dtype, device, gen):
+    vocab, positions, types = 97, 64, 2
+    ids = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+    pos = torch.randint(0, positions, (rows,), generator=gen).to(device)
+    tt = torch.randint(0, types, (rows,), generator=gen).to(device)
+    tables = [_randn((n, cols), dtype, device, gen) for n in (vocab, positions, types)]
+    w = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (ids, pos, tt, *tables, w, b, 1e-5), {}
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    reference: Callable[..., Tensor]
+    make_inputs: Callable[..., tuple[tuple, dict]]
+
+
+OP_SPECS: dict[str, OpSpec] = {
+    "layer_norm": OpSpec("layer_norm", reference.layer_norm, _ln_inputs),
+    "layer_norm_gelu": OpSpec("layer_norm_gelu", reference.layer_norm_gelu, _ln_inputs),
+    "bias_gelu": OpSpec("bias_gelu", reference.bias_gelu, _bias_gelu_inputs),
+    "bias_residual_gelu": OpSpec("bias_residual_gelu", reference.bias_residual_gelu, _bias_residual_gelu_inputs),
+    "add_layer_norm": OpSpec("add_layer_norm", reference.add_layer_norm, _add_ln_inputs),
+    "embedding_layer_norm": OpSpec("embedding_layer_norm", reference.embedding_layer_norm, _embedding_ln_inputs),
+}
+assert set(OP_SPECS) == set(reference.OPS)
+
+
+def to_float64(value):
+    if isinstance(value, Tensor) and value.is_floating_point():
+        return value.detach().to("cpu", torch.float64)
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    return value
+
+
+def float64_reference(op: str, args: tuple, kwargs: dict) -> Tensor:
+    """The op's reference evaluated in float64 on the CPU, on exactly the (already rounded) inputs."""
+    return OP_SPECS[op].reference(*map(to_float64, args), **kwargs)
+
+
+def check_op(fn: Callable[..., Tensor], op: str, rows: int, cols: int, dtype: torch.dtype,
+             device: torch.device | str, seed: int) -> ErrorReport:
+    """Run `fn` (a backend's implementation of `op`) on fresh random inputs into a NaN-poisoned output
+    and compare it with the float64 reference."""
+    gen = torch.Generator().manual_seed(seed)
+    args, kwargs = OP_SPECS[op].make_inputs(rows, cols, dtype, device, gen)
+    out = torch.full((rows, cols), float("nan"), dtype=dtype, device=device)
+    result = fn(*args, **kwargs, out=out)
+    if result.data_ptr() != out.data_ptr():
+        return ErrorReport(float("nan"), float("nan"), False, "did not write into the out= tensor")
+    return compare(result, float64_reference(op, args, kwargs), dtype)

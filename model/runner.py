@@ -1,0 +1,123 @@
+"""Turns texts or token ids into pooled embeddings: tokenize, pad per batch, forward, pool.
+Device, dtype and the kernel backend choice are decided here, once, at load."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+import kernels
+from model.config import PRESETS, EncoderConfig
+from model.encoder import Encoder, mean_pool
+from model.tokenizer import TextTokenizer
+from model.weights import CheckpointError, default_model_dir, load_encoder
+
+log = logging.getLogger("fusedserve.model")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available here")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    model: str
+    device: torch.device
+    dtype: torch.dtype
+    config: EncoderConfig
+    kernels: kernels.Selection
+    seconds: float
+
+    def __str__(self) -> str:
+        c = self.config
+        return (
+            f"model {self.model}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}, "
+            f"max_seq_length {c.max_seq_length}\n"
+            f"device {self.device}, dtype {str(self.dtype).removeprefix('torch.')}, loaded in {self.seconds:.1f}s\n"
+            f"{self.kernels.report()}"
+        )
+
+
+class Embedder:
+    """Owns one encoder on one device. Not thread-safe: one worker calls it (the server's batcher)."""
+
+    def __init__(self, encoder: Encoder, tokenizer: TextTokenizer, name: str,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.encoder = encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.config = encoder.config
+        self.tokenizer = tokenizer
+        self.name, self.device, self.dtype = name, device, dtype
+
+    @classmethod
+    def load(
+        cls,
+        model: str = "default",
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        fused: bool = True,
+        backend: str = "auto",
+        backend_overrides: dict[str, str] | None = None,
+        max_seq_length: int | None = None,
+    ) -> tuple[Embedder, LoadReport]:
+        """model: "default" (the packaged all-MiniLM-L6-v2), a preset name (random init, default tokenizer),
+        or a checkpoint directory."""
+        started = time.perf_counter()
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        if model in PRESETS:
+            config = EncoderConfig.from_name(model)
+            encoder, tokenizer_dir, name = Encoder(config), default_model_dir(), f"{model} (random init)"
+        else:
+            path = default_model_dir() if model == "default" else Path(model)
+            encoder, tokenizer_dir = load_encoder(path), path
+            name = "all-MiniLM-L6-v2" if model == "default" else path.name
+        if max_seq_length is not None:
+            encoder.config = encoder.config.replace(max_seq_length=max_seq_length)
+        if not (tokenizer_dir / "tokenizer.json").is_file():
+            raise CheckpointError(f"{tokenizer_dir} has no tokenizer.json")
+        tokenizer = TextTokenizer(tokenizer_dir, encoder.config.max_seq_length)
+        selection = kernels.configure(dev, (dt,), backend=backend, overrides=backend_overrides, fused=fused,
+                                      hidden_sizes=(encoder.config.hidden_size,))
+        embedder = cls(encoder, tokenizer, name, dev, dt)
+        return embedder, LoadReport(name, dev, dt, embedder.config, selection, time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def embed_ids(self, batch: list[list[int]], normalize: bool | None = None) -> Tensor:
+        """Pooled embeddings [len(batch), hidden] (float32, on the CPU) for token-id rows of any lengths."""
+        if not batch:
+            return torch.empty(0, self.config.hidden_size)
+        seq = max(len(ids) for ids in batch)
+        input_ids = torch.full((len(batch), seq), self.config.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), seq), dtype=torch.bool)
+        for row, ids in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[row, : len(ids)] = True
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        hidden = self.encoder(input_ids, mask)
+        pooled = mean_pool(hidden, mask, self.config.normalize if normalize is None else normalize)
+        return pooled.float().cpu()
+
+    def embed(self, texts: list[str], normalize: bool | None = None, truncate: bool = True) -> Tensor:
+        return self.embed_ids(self.tokenizer.encode(texts, truncate=truncate), normalize)

@@ -1,0 +1,38 @@
+"""Text -> token ids with HF `tokenizers` from a model's tokenizer.json: no fixed padding (the runner
+pads per batch), truncation to max_seq_length special tokens included, as sentence-transformers does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+class InputTooLong(ValueError):
+    def __init__(self, index: int, tokens: int, limit: int) -> None:
+        super().__init__(f"input {index} has {tokens} tokens, over the limit of {limit} (send truncate=true to cut it)")
+        self.index, self.tokens, self.limit = index, tokens, limit
+
+
+class TextTokenizer:
+    def __init__(self, path: str | Path, max_length: int) -> None:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        self.max_length = max_length
+        self._truncating = Tokenizer.from_file(str(path))
+        self._truncating.no_padding()  # the MiniLM tokenizer.json pads every input to 128
+        self._truncating.enable_truncation(max_length=max_length)
+        self._full = Tokenizer.from_file(str(path))
+        self._full.no_padding()
+        self._full.no_truncation()
+
+    def encode(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
+        """Token ids per text, [CLS] ... [SEP] included. Without truncation, too-long inputs raise InputTooLong."""
+        if truncate:
+            return [e.ids for e in self._truncating.encode_batch(texts)]
+        ids = [e.ids for e in self._full.encode_batch(texts)]
+        for index, row in enumerate(ids):
+            if len(row) > self.max_length:
+                raise InputTooLong(index, len(row), self.max_length)
+        return ids
