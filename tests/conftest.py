@@ -1,0 +1,39 @@
+"""Shared fixtures. The tolerance table is kernels.testing.TOLERANCES (the registry's self-test uses the
+same one); it is re-exported here so tests read it from one place."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.testing import TOLERANCES  # noqa: F401  (the suite's one tolerance table)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Odd widths on purpose: a single column, sub-warp, non-power-of-two, just over / under a power of two.
+ODD_COLS = (1, 7, 300, 769, 1023, 4097)
+ROWS = (1, 333)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none here); run with -m gpu on the H200")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _reset_kernel_selection():
+    """Every test starts with the kernel registry on the reference path, whatever the last one chose."""
+    import kernels
+    from kernels import reference, registry
+
+    registry.active.update(reference.OPS)
+    yield
+    registry.active.update(reference.OPS)

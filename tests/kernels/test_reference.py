@@ -1,0 +1,98 @@
+"""The torch reference ops against a float64 evaluation, and the checker itself (it must be able to fail)."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.testing import OP_SPECS, compare, check_op, float64_reference
+from tests.conftest import DTYPES, ODD_COLS, ROWS
+
+CASES = list(itertools.product(OP_SPECS, ROWS, ODD_COLS, DTYPES))
+
+
+@pytest.mark.parametrize("op,rows,cols,dtype", CASES, ids=lambda v: str(v).removeprefix("torch."))
+def test_reference_matches_float64(op, rows, cols, dtype):
+    seed = zlib.crc32(f"{op}-{rows}-{cols}-{dtype}".encode())
+    report = check_op(reference.OPS[op], op, rows, cols, dtype, "cpu", seed=seed)
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("op", OP_SPECS)
+def test_reference_without_out_returns_input_dtype(op):
+    gen = torch.Generator().manual_seed(1)
+    args, kwargs = OP_SPECS[op].make_inputs(5, 33, torch.bfloat16, "cpu", gen)
+    result = reference.OPS[op](*args, **kwargs)
+    assert result.dtype == torch.bfloat16 and result.shape == (5, 33)
+    assert compare(result, float64_reference(op, args, kwargs), torch.bfloat16).ok
+
+
+def test_add_layer_norm_returns_pre_norm_sum_and_accepts_no_bias():
+    gen = torch.Generator().manual_seed(2)
+    x, residual, bias, w, b = (torch.randn(4, 17, generator=gen) for _ in range(5))
+    w, b, bias = w[0], b[0], bias[0]
+    y, s = reference.add_layer_norm(x, residual, bias, w, b, 1e-5, return_sum=True)
+    torch.testing.assert_close(s, x + residual + bias)
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(s, (17,), w, b, 1e-5))
+    no_bias = reference.add_layer_norm(x, residual, None, w, b, 1e-5)
+    torch.testing.assert_close(no_bias, torch.nn.functional.layer_norm(x + residual, (17,), w, b, 1e-5))
+
+
+def test_gelu_is_exact_erf_and_tanh_is_optional():
+    x = torch.linspace(-6, 6, 1001, dtype=torch.float64)[None]
+    zero = torch.zeros(1001, dtype=torch.float64)
+    torch.testing.assert_close(reference.bias_gelu(x, zero), torch.nn.functional.gelu(x), rtol=0, atol=1e-15)
+    torch.testing.assert_close(reference.bias_gelu(x, zero, "tanh"), torch.nn.functional.gelu(x, approximate="tanh"))
+    with pytest.raises(ValueError, match="approximate"):
+        reference.bias_gelu(x, zero, "sigmoid")
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "bias_gelu", "add_layer_norm"])
+def test_nan_and_inf_propagate_like_float64(op):
+    gen = torch.Generator().manual_seed(3)
+    args, kwargs = OP_SPECS[op].make_inputs(6, 40, torch.float32, "cpu", gen)
+    x = args[0].clone()
+    x[1, 3], x[4, 0] = float("nan"), float("inf")
+    args = (x, *args[1:])
+    assert compare(reference.OPS[op](*args, **kwargs), float64_reference(op, args, kwargs), torch.float32).ok
+
+
+class TestCompare:
+    ref = torch.randn(64, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    def test_accepts_rounding(self):
+        assert compare(self.ref.to(torch.bfloat16), self.ref, torch.bfloat16).ok
+        assert compare(self.ref.to(torch.float16), self.ref, torch.float16).ok
+        assert compare(self.ref.to(torch.float32), self.ref, torch.float32).ok
+
+    def test_nan_never_passes(self):
+        out = self.ref.clone()
+        out[7, 7] = float("nan")
+        report = compare(out, self.ref, torch.float32)
+        assert not report.ok and "finiteness" in report.reason
+
+    def test_unwritten_poisoned_output_fails(self):
+        out = torch.full_like(self.ref, float("nan"))
+        out[:32] = self.ref[:32]
+        assert not compare(out, self.ref, torch.bfloat16).ok
+
+    def test_one_wrong_element_fails(self):
+        out = self.ref.clone()
+        out[3, 5] += 0.05
+        report = compare(out, self.ref, torch.float16)
+        assert not report.ok and "beyond atol" in report.reason
+
+    def test_systematic_error_fails(self):
+        assert not compare(self.ref * 1.02, self.ref, torch.bfloat16).ok
+
+    def test_shape_mismatch_fails(self):
+        assert not compare(self.ref[:5], self.ref, torch.float32).ok
+
+    def test_check_op_rejects_ignoring_out(self):
+        report = check_op(lambda *a, out=None, **k: reference.layer_norm(*a, **k), "layer_norm", 3, 8,
+                          torch.float32, "cpu", seed=0)
+        assert not report.ok and "out=" in report.reason

@@ -1,0 +1,135 @@
+"""The backend registry: probing, self-test, preference order, forcing, per-op overrides, fused off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference, registry
+from kernels.registry import BackendError, BackendUnavailable
+
+
+def _drifting_layer_norm(x, w, b, eps, *, out=None):
+    # a plausible bug: a 1% gain error
+    result = reference.layer_norm(x, w * 1.01, b, eps)
+    return out.copy_(result) if out is not None else result
+
+
+@pytest.fixture
+def fake_backends():
+    """Three fake fused backends ahead of the reference: 'broken' (wrong layer_norm), 'good' (correct
+    layer_norm and bias_gelu, nothing else), 'missing' (cannot load here)."""
+    calls = {"good": 0}
+
+    def good_layer_norm(*args, **kwargs):
+        calls["good"] += 1
+        return reference.layer_norm(*args, **kwargs)
+
+    def load_missing(device):
+        raise BackendUnavailable("no such package (fake)")
+
+    registry.register_backend("missing", load_missing)
+    registry.register_backend("broken", lambda device: {"layer_norm": _drifting_layer_norm})
+    registry.register_backend("good", lambda device: {"layer_norm": good_layer_norm,
+                                                      "bias_gelu": reference.bias_gelu})
+    yield calls
+    for name in ("missing", "broken", "good"):
+        registry.unregister_backend(name)
+
+
+def test_preference_order(fake_backends):
+    assert registry.backend_names() == ["missing", "broken", "good", "torch"]
+
+
+def test_auto_skips_failing_and_unavailable_backends_with_reasons(fake_backends):
+    sel = kernels.configure("cpu", (torch.float32, torch.bfloat16))
+    ln = sel.choices["layer_norm"]
+    assert ln.backend == "good"
+    assert ln.rejected["missing"] == "unavailable: no such package (fake)"
+    assert ln.rejected["broken"].startswith("self-test failed at 1x7 float32")
+    assert sel.backend_of("bias_gelu") == "good"
+    add_ln = sel.choices["add_layer_norm"]
+    assert add_ln.backend == "torch"
+    assert add_ln.rejected["broken"] == "does not implement this op"
+    assert add_ln.rejected["good"] == "does not implement this op"
+    # the public op now dispatches to the chosen implementation
+    before = fake_backends["good"]
+    x = torch.randn(3, 8)
+    kernels.layer_norm(x, torch.ones(8), torch.zeros(8))
+    assert fake_backends["good"] == before + 1
+    text = sel.report()
+    assert "layer_norm" in text and "rejected broken: self-test failed" in text
+
+
+def test_forced_backend_that_fails_raises(fake_backends):
+    with pytest.raises(BackendError, match="'broken' was forced for op 'layer_norm'.*self-test failed"):
+        kernels.configure("cpu", (torch.float32,), overrides={"layer_norm": "broken"})
+    with pytest.raises(BackendError, match="'missing' was forced.*no such package"):
+        kernels.configure("cpu", (torch.float32,), backend="missing")
+    # forcing a backend that lacks an op is an error too, not a silent fallback
+    with pytest.raises(BackendError, match="'good' was forced for op 'layer_norm_gelu'.*does not implement"):
+        kernels.configure("cpu", (torch.float32,), backend="good")
+
+
+def test_per_op_override_wins_over_global(fake_backends):
+    sel = kernels.configure("cpu", (torch.float32,), backend="torch", overrides={"layer_norm": "good"})
+    assert sel.backend_of("layer_norm") == "good"
+    assert sel.choices["layer_norm"].reason.startswith("forced by configuration")
+    assert sel.backend_of("bias_gelu") == "torch"
+
+
+def test_fused_off_puts_everything_on_reference(fake_backends):
+    sel = kernels.configure("cpu", (torch.float32,), fused=False)
+    assert {c.backend for c in sel.choices.values()} == {"torch"}
+    assert all(c.reason == "fused path disabled by configuration" for c in sel.choices.values())
+    assert registry.active["layer_norm"] is reference.layer_norm
+
+
+def test_self_test_covers_every_dtype_in_use():
+    def fp32_only(x, w, b, eps, *, out=None):
+        if x.dtype != torch.float32:
+            result = reference.layer_norm(x.float(), w.float(), b.float(), eps).to(x.dtype) * 1.05
+        else:
+            result = reference.layer_norm(x, w, b, eps)
+        return out.copy_(result)
+
+    registry.register_backend("fp32only", lambda device: {"layer_norm": fp32_only})
+    try:
+        assert kernels.configure("cpu", (torch.float32,)).backend_of("layer_norm") == "fp32only"
+        sel = kernels.configure("cpu", (torch.float32, torch.float16))
+        assert sel.backend_of("layer_norm") == "torch"
+        assert "float16" in sel.choices["layer_norm"].rejected["fp32only"]
+    finally:
+        registry.unregister_backend("fp32only")
+
+
+def test_crashing_candidate_is_rejected_not_fatal():
+    def crash(*args, **kwargs):
+        raise RuntimeError("kernel launch failed (fake)")
+
+    registry.register_backend("crashy", lambda device: {"bias_gelu": crash})
+    try:
+        sel = kernels.configure("cpu", (torch.float32,))
+        assert sel.backend_of("bias_gelu") == "torch"
+        assert "RuntimeError: kernel launch failed (fake)" in sel.choices["bias_gelu"].rejected["crashy"]
+    finally:
+        registry.unregister_backend("crashy")
+
+
+def test_unknown_names_are_configuration_errors():
+    with pytest.raises(ValueError, match="unknown backend 'tritonn'"):
+        kernels.configure("cpu", backend="tritonn")
+    with pytest.raises(ValueError, match="unknown op 'layernorm'"):
+        kernels.configure("cpu", overrides={"layernorm": "torch"})
+    with pytest.raises(ValueError, match="cannot be removed"):
+        registry.unregister_backend("torch")
+
+
+def test_selection_as_dict_is_json_ready():
+    import json
+
+    sel = kernels.configure("cpu", (torch.float32,))
+    data = json.loads(json.dumps(sel.as_dict()))
+    assert data["ops"]["add_layer_norm"]["backend"] == "torch"
+    assert data["dtypes"] == ["float32"]

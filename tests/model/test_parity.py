@@ -1,0 +1,46 @@
+"""Our encoder on the packaged all-MiniLM-L6-v2 vs sentence-transformers on the same directory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+
+from model.runner import Embedder
+from model.weights import default_model_dir
+from tests.model.sentences import SENTENCES
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Embedder:
+    return Embedder.load("default", device="cpu", dtype="float32")[0]
+
+
+@pytest.fixture(scope="module")
+def reference_embeddings() -> torch.Tensor:
+    st = SentenceTransformer(str(default_model_dir()), device="cpu")
+    assert st.max_seq_length == 256
+    return torch.from_numpy(st.encode(SENTENCES, batch_size=16, convert_to_numpy=True))
+
+
+def test_matches_sentence_transformers(embedder, reference_embeddings, record_property):
+    ours = torch.cat([embedder.embed(SENTENCES[i : i + 16]) for i in range(0, len(SENTENCES), 16)])
+    assert ours.shape == reference_embeddings.shape == (len(SENTENCES), 384)
+    cosine = torch.nn.functional.cosine_similarity(ours.double(), reference_embeddings.double(), dim=1)
+    max_abs = float((ours - reference_embeddings).abs().max())
+    record_property("max_abs_error", max_abs)
+    record_property("min_cosine", float(cosine.min()))
+    print(f"\nparity over {len(SENTENCES)} sentences: min cosine {float(cosine.min()):.9f}, max abs error {max_abs:.3e}")
+    worst = int(cosine.argmin())
+    assert float(cosine.min()) >= 0.99999, f"sentence {worst} {SENTENCES[worst][:60]!r}: cosine {float(cosine[worst])}"
+    assert max_abs < 1e-4
+    # normalized, as the model's Normalize module does
+    torch.testing.assert_close(ours.norm(dim=1), torch.ones(len(SENTENCES)), rtol=0, atol=1e-5)
+
+
+def test_truncation_matches_sentence_transformers(embedder):
+    st = SentenceTransformer(str(default_model_dir()), device="cpu")
+    long_text = SENTENCES[-6]  # hundreds of number tokens
+    theirs = st.tokenize([long_text])["input_ids"][0].tolist()
+    ours = embedder.tokenizer.encode([long_text])[0]
+    assert len(ours) == 256 and ours == theirs

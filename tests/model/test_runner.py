@@ -1,0 +1,62 @@
+"""Embedder: presets, dtype/device resolution, and the reference/fused switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.config import EncoderConfig
+from model.runner import Embedder, resolve_dtype, resolve_device
+
+
+def test_presets():
+    assert EncoderConfig.from_name("bert-base").hidden_size == 768
+    assert EncoderConfig.from_name("minilm-l6").num_layers == 6
+    with pytest.raises(ValueError, match="unknown encoder preset 'gpt'"):
+        EncoderConfig.from_name("gpt")
+    with pytest.raises(ValueError, match="not divisible"):
+        EncoderConfig(hidden_size=100, num_heads=12)
+
+
+def test_tiny_preset_runs_and_reports():
+    embedder, report = Embedder.load("tiny", device="cpu")
+    out = embedder.embed(["one", "two words", "three words here"])
+    assert out.shape == (3, 64) and torch.isfinite(out).all()
+    assert not torch.allclose(out[0], out[1])
+    text = str(report)
+    assert "tiny (random init)" in text and "device cpu, dtype float32" in text
+    assert "add_layer_norm" in text
+
+
+def test_fused_off_gives_identical_results_on_cpu():
+    # with only the torch backend here both paths are the reference: equal to the bit
+    fused, _ = Embedder.load("tiny", device="cpu", fused=True)
+    a = fused.embed(["same input"])
+    plain, report = Embedder.load("tiny", device="cpu", fused=False)
+    assert "fused path off" in report.kernels.report()
+    assert torch.equal(a, plain.embed(["same input"]))
+
+
+def test_bfloat16_on_cpu_is_close_to_float32():
+    f32, _ = Embedder.load("default", device="cpu", dtype="float32")
+    bf16, _ = Embedder.load("default", device="cpu", dtype="bfloat16")
+    texts = ["A man is eating food.", "The girl is carrying a baby."]
+    cos = torch.nn.functional.cosine_similarity(f32.embed(texts), bf16.embed(texts))
+    assert (cos > 0.99).all(), cos
+
+
+def test_unnormalized_output_and_empty_batch():
+    embedder, _ = Embedder.load("default", device="cpu")
+    raw = embedder.embed(["hello"], normalize=False)
+    assert float(raw.norm()) > 1.5  # mean-pooled MiniLM vectors are far from unit length
+    assert embedder.embed([]).shape == (0, 384)
+
+
+def test_resolution_errors():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    with pytest.raises(ValueError, match="dtype must be"):
+        resolve_dtype("float8", torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")

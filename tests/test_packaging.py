@@ -1,0 +1,32 @@
+"""Install-level checks: the CLI works, and our top-level `kernels` package does not fool transformers
+into thinking the HF `kernels` hub package is installed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+
+def test_transformers_does_not_mistake_our_kernels_package():
+    from transformers.utils import import_utils
+
+    import kernels
+
+    assert kernels.__file__  # ours is importable...
+    assert not import_utils.is_kernels_available()  # ...and transformers still sees no HF `kernels`
+
+
+def test_cli_embeds_text():
+    result = subprocess.run(
+        [sys.executable, "-m", "model", "A man is eating food.", "hello"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["text"] for r in rows] == ["A man is eating food.", "hello"]
+    assert all(r["dim"] == 384 for r in rows)
+    vec = torch.tensor(rows[0]["embedding"])
+    assert abs(float(vec.norm()) - 1.0) < 1e-4
+    assert "model all-MiniLM-L6-v2" in result.stderr and "kernel backends" in result.stderr
