@@ -6,10 +6,14 @@ Until it is called every op runs on the torch reference.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
+import torch
 from torch import Tensor
 
 from kernels import registry
-from kernels.registry import BackendError, Selection, configure
+from kernels.registry import BackendError, BackendUnavailable, Selection, configure
 
 __all__ = [
     "BackendError", "Selection", "configure", "registry",
@@ -69,3 +73,19 @@ def embedding_layer_norm(
         input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
         weight, bias, eps,
     )
+
+
+def _load_triton(device: torch.device):
+    if importlib.util.find_spec("triton") is None:
+        raise BackendUnavailable("the triton package is not installed")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BackendUnavailable(f"needs a CUDA device, got {device} (TRITON_INTERPRET=1 runs it on the CPU, for tests)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailable("CUDA is not available")
+    from kernels import ops
+    from kernels.triton import LAUNCHERS
+
+    return ops.custom_ops("triton", LAUNCHERS)
+
+
+registry.register_backend("triton", _load_triton)

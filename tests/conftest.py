@@ -8,15 +8,27 @@ import os
 import pytest
 import torch
 
-from kernels.testing import TOLERANCES  # noqa: F401  (the suite's one tolerance table)
-
+# Without a GPU the Triton kernels run on the interpreter; it must be switched on before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from kernels.testing import TOLERANCES  # noqa: E402,F401  (the suite's one tolerance table)
 
 # Odd widths on purpose: a single column, sub-warp, non-power-of-two, just over / under a power of two.
 ODD_COLS = (1, 7, 300, 769, 1023, 4097)
 ROWS = (1, 333)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+HAS_CUDA = torch.cuda.is_available()
+# Kernel tests run on "cuda" on a GPU machine and on the Triton interpreter ("cpu") elsewhere.
+DEVICES = [
+    pytest.param("cuda", marks=pytest.mark.gpu, id="cuda"),
+    pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="interpreter runs only where there is no GPU"),
+                 id="interpreter"),
+]
 
 
 def pytest_collection_modifyitems(config, items):

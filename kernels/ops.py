@@ -1,0 +1,178 @@
+"""torch.library custom-op registration for the fused backends, so `torch.compile` sees each fused op as
+one opaque node (no graph breaks, no tracing into Triton launchers), with fake (meta) implementations for
+shape propagation and autograd for layer_norm_gelu and add_layer_norm.
+
+Eager calls skip the custom-op dispatcher (tens of microseconds per call) and go straight to the launcher,
+unless torch.compile is tracing or autograd needs the graph. Backward passes recompute through the fp32
+torch reference: they are for fine-tuning and tests, not the serving hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from kernels import reference
+
+_cache: dict[str, dict[str, Callable]] = {}
+
+
+def _eager(*tensors: Tensor | None) -> bool:
+    """True when the launcher can be called directly: not tracing, and no input wants a gradient."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled():
+        return not any(t is not None and t.requires_grad for t in tensors)
+    return True
+
+
+def _recompute_grads(fn: Callable, inputs: list[Tensor | None], outputs_grads: Callable) -> list[Tensor | None]:
+    """Gradients of the reference `fn` at `inputs` (recomputed in fp32 under autograd)."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) if t is not None else None for t in inputs]
+        outs, grads = outputs_grads(fn(*leaves))
+        wanted = [t for t in leaves if t is not None]
+        got = iter(torch.autograd.grad(outs, wanted, grads, allow_unused=True))
+        return [next(got) if t is not None else None for t in leaves]
+
+
+def _define(backend: str, launchers: Mapping[str, Callable]) -> dict[str, Callable]:
+    lib = f"fusedserve::{backend}_"
+    ops: dict[str, Callable] = {}
+
+    # ---- layer_norm ------------------------------------------------------------------------------
+    @torch.library.custom_op(lib + "layer_norm", mutates_args=())
+    def layer_norm_op(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+        return launchers["layer_norm"](x, weight, bias, eps)
+
+    layer_norm_op.register_fake(lambda x, weight, bias, eps: torch.empty_like(x))
+
+    def layer_norm(x, weight, bias, eps=1e-12, *, out=None):
+        if out is not None or _eager(x, weight, bias):
+            return launchers["layer_norm"](x, weight, bias, eps, out=out)
+        return layer_norm_op(x, weight, bias, eps)
+
+    ops["layer_norm"] = layer_norm
+
+    # ---- layer_norm_gelu (with autograd) ---------------------------------------------------------
+    @torch.library.custom_op(lib + "layer_norm_gelu", mutates_args=())
+    def layer_norm_gelu_op(x: Tensor, weight: Tensor, bias: Tensor, eps: float, approximate: str) -> Tensor:
+        return launchers["layer_norm_gelu"](x, weight, bias, eps, approximate)
+
+    layer_norm_gelu_op.register_fake(lambda x, weight, bias, eps, approximate: torch.empty_like(x))
+
+    def ln_gelu_setup(ctx, inputs, output):
+        x, weight, bias, ctx.eps, ctx.approximate = inputs
+        ctx.save_for_backward(x, weight, bias)
+
+    def ln_gelu_backward(ctx, grad_y):
+        grads = _recompute_grads(
+            lambda x, w, b: reference.layer_norm_gelu(x, w, b, ctx.eps, ctx.approximate),
+            list(ctx.saved_tensors), lambda y: ([y], [grad_y]))
+        return (*grads, None, None)
+
+    layer_norm_gelu_op.register_autograd(ln_gelu_backward, setup_context=ln_gelu_setup)
+
+    def layer_norm_gelu(x, weight, bias, eps=1e-12, approximate="none", *, out=None):
+        if out is not None or _eager(x, weight, bias):
+            return launchers["layer_norm_gelu"](x, weight, bias, eps, approximate, out=out)
+        return layer_norm_gelu_op(x, weight, bias, eps, approximate)
+
+    ops["layer_norm_gelu"] = layer_norm_gelu
+
+    # ---- bias_gelu, bias_residual_gelu ----------------------------------------------------------
+    @torch.library.custom_op(lib + "bias_gelu", mutates_args=())
+    def bias_gelu_op(x: Tensor, bias: Tensor, approximate: str) -> Tensor:
+        return launchers["bias_gelu"](x, bias, approximate)
+
+    bias_gelu_op.register_fake(lambda x, bias, approximate: torch.empty_like(x))
+
+    def bias_gelu(x, bias, approximate="none", *, out=None):
+        if out is not None or _eager(x, bias):
+            return launchers["bias_gelu"](x, bias, approximate, out=out)
+        return bias_gelu_op(x, bias, approximate)
+
+    ops["bias_gelu"] = bias_gelu
+
+    @torch.library.custom_op(lib + "bias_residual_gelu", mutates_args=())
+    def bias_residual_gelu_op(x: Tensor, bias: Tensor, residual: Tensor, approximate: str) -> Tensor:
+        return launchers["bias_residual_gelu"](x, bias, residual, approximate)
+
+    bias_residual_gelu_op.register_fake(lambda x, bias, residual, approximate: torch.empty_like(x))
+
+    def bias_residual_gelu(x, bias, residual, approximate="none", *, out=None):
+        if out is not None or _eager(x, bias, residual):
+            return launchers["bias_residual_gelu"](x, bias, residual, approximate, out=out)
+        return bias_residual_gelu_op(x, bias, residual, approximate)
+
+    ops["bias_residual_gelu"] = bias_residual_gelu
+
+    # ---- add_layer_norm (with autograd; the pre-norm sum is an empty tensor unless asked for) -------
+    @torch.library.custom_op(lib + "add_layer_norm", mutates_args=())
+    def add_layer_norm_op(x: Tensor, residual: Tensor, bias: Tensor | None, weight: Tensor, ln_bias: Tensor,
+                          eps: float, return_sum: bool) -> tuple[Tensor, Tensor]:
+        if return_sum:
+            return launchers["add_layer_norm"](x, residual, bias, weight, ln_bias, eps, return_sum=True)
+        return launchers["add_layer_norm"](x, residual, bias, weight, ln_bias, eps), x.new_empty(0)
+
+    @add_layer_norm_op.register_fake
+    def _(x, residual, bias, weight, ln_bias, eps, return_sum):
+        return torch.empty_like(x), (torch.empty_like(x) if return_sum else x.new_empty(0))
+
+    def add_ln_setup(ctx, inputs, output):
+        x, residual, bias, weight, ln_bias, ctx.eps, ctx.return_sum = inputs
+        ctx.save_for_backward(x, residual, bias, weight, ln_bias)
+
+    def add_ln_backward(ctx, grad_y, grad_sum):
+        def pick(outputs):
+            y, s = outputs
+            if ctx.return_sum and grad_sum is not None and grad_sum.numel():
+                return [y, s], [grad_y, grad_sum]
+            return [y], [grad_y]
+
+        grads = _recompute_grads(
+            lambda x, r, bias, w, b: reference.add_layer_norm(x, r, bias, w, b, ctx.eps, return_sum=True),
+            list(ctx.saved_tensors), pick)
+        return (*grads, None, None)
+
+    add_layer_norm_op.register_autograd(add_ln_backward, setup_context=add_ln_setup)
+
+    def add_layer_norm(x, residual, bias, weight, ln_bias, eps=1e-12, *, return_sum=False, out=None):
+        if out is not None or _eager(x, residual, bias, weight, ln_bias):
+            return launchers["add_layer_norm"](x, residual, bias, weight, ln_bias, eps, return_sum=return_sum, out=out)
+        y, s = add_layer_norm_op(x, residual, bias, weight, ln_bias, eps, return_sum)
+        return (y, s) if return_sum else y
+
+    ops["add_layer_norm"] = add_layer_norm
+
+    # ---- embedding_layer_norm --------------------------------------------------------------------
+    @torch.library.custom_op(lib + "embedding_layer_norm", mutates_args=())
+    def embedding_layer_norm_op(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor,
+                                word_embeddings: Tensor, position_embeddings: Tensor, token_type_embeddings: Tensor,
+                                weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+        return launchers["embedding_layer_norm"](input_ids, position_ids, token_type_ids, word_embeddings,
+                                                 position_embeddings, token_type_embeddings, weight, bias, eps)
+
+    @embedding_layer_norm_op.register_fake
+    def _(input_ids, position_ids, token_type_ids, word_embeddings, *rest):
+        return word_embeddings.new_empty((*input_ids.shape, word_embeddings.shape[1]))
+
+    def embedding_layer_norm(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
+                             token_type_embeddings, weight, bias, eps=1e-12, *, out=None):
+        args = (input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
+                token_type_embeddings, weight, bias, eps)
+        if out is not None or _eager(word_embeddings, position_embeddings, token_type_embeddings, weight, bias):
+            return launchers["embedding_layer_norm"](*args, out=out)
+        return embedding_layer_norm_op(*args)
+
+    ops["embedding_layer_norm"] = embedding_layer_norm
+    return ops
+
+
+def custom_ops(backend: str, launchers: Mapping[str, Callable]) -> dict[str, Callable]:
+    """The registry-facing callables for a backend (custom ops defined once per process)."""
+    if backend not in _cache:
+        _cache[backend] = _define(backend, launchers)
+    return _cache[backend]

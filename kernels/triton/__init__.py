@@ -1,0 +1,18 @@
+"""Triton implementations of the fused ops, one launcher per file (see _norm.py and _pointwise.py for the
+shared kernels). Importing this package imports triton; the registry does so only when probing."""
+
+from kernels.triton.add_layer_norm import add_layer_norm
+from kernels.triton.bias_gelu import bias_gelu
+from kernels.triton.bias_residual_gelu import bias_residual_gelu
+from kernels.triton.embedding_layer_norm import embedding_layer_norm
+from kernels.triton.layer_norm import layer_norm
+from kernels.triton.layer_norm_gelu import layer_norm_gelu
+
+LAUNCHERS = {
+    "layer_norm": layer_norm,
+    "layer_norm_gelu": layer_norm_gelu,
+    "bias_gelu": bias_gelu,
+    "bias_residual_gelu": bias_residual_gelu,
+    "add_layer_norm": add_layer_norm,
+    "embedding_layer_norm": embedding_layer_norm,
+}

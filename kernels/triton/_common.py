@@ -1,0 +1,123 @@
+"""Shared launcher plumbing for the Triton kernels: interpreter detection, the autotune decorator
+(with a CPU benchmark under TRITON_INTERPRET=1), shape checks and the row view every launcher uses."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import triton
+from torch import Tensor
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# FUSEDSERVE_TRITON_AUTOTUNE=0 skips benchmarking and takes each kernel's heuristic config (the first
+# candidate): for test sweeps over many shapes, where every new shape would otherwise be tuned.
+AUTOTUNE = os.environ.get("FUSEDSERVE_TRITON_AUTOTUNE", "1") != "0"
+
+# Widest row a one-tile-per-row kernel keeps in registers (fp32: 16 KiB per row per program).
+MAX_COLS = 16384
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _cpu_do_bench(fn, quantiles=None, reps: int = 1):
+    """Autotuner benchmark for the interpreter: host wall time, so autotuning runs (cheaply) on CPU."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    median = statistics.median(times)
+    return [median, min(times), max(times)] if quantiles else median
+
+
+def autotune(configs: list[triton.Config], key: list[str], prune=None):
+    """triton.autotune with our defaults. Under the interpreter the cost is per program, not per byte:
+    keep the two surviving configs with the largest tiles and time them with a CPU benchmark, so the
+    autotuning path itself runs in CI in seconds."""
+
+    def early_prune(configs, named_args, **kwargs):
+        kept = prune(configs, named_args, **kwargs) if prune else list(configs)
+        kept = kept or list(configs)[:1]
+        if INTERPRET:
+            kept = sorted(kept, key=lambda c: -_tile(c, kwargs))[:2]
+        elif not AUTOTUNE:
+            kept = kept[:1]
+        return kept
+
+    extra = {"do_bench": _cpu_do_bench} if INTERPRET else {}
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": early_prune}, **extra)
+
+
+def tile_configs(block_n: int, tiles: tuple[int, ...], per_thread: tuple[int, ...],
+                 max_block_m: int = 4096) -> list[triton.Config]:
+    """Candidate configs for a row tile of `block_n` columns: BLOCK_M rows so the tile holds each of
+    `tiles` elements (at least one row), and enough warps for `per_thread` elements per thread.
+    The first one is the heuristic default."""
+    out, seen = [], set()
+    for tile in tiles:
+        tile = max(tile, block_n)
+        block_m = min(tile // block_n, max_block_m)
+        for elems in per_thread:
+            warps = min(max(block_m * block_n // (32 * elems), 1), 16)
+            if (block_m, warps) not in seen:
+                seen.add((block_m, warps))
+                out.append(triton.Config({"BLOCK_M": block_m}, num_warps=warps))
+    return out
+
+
+def _tile(config: triton.Config, kwargs: dict) -> int:
+    meta = {**kwargs, **config.kwargs}
+    return meta.get("BLOCK_M", 1) * meta.get("BLOCK_N", 1)
+
+
+def row_bucket(rows: int) -> int:
+    """Autotune key for the row count: its power-of-two bucket, so serving's ever-changing token counts
+    reuse a tuned config instead of re-tuning per batch."""
+    return min(max(rows, 1).bit_length(), 24)
+
+
+def check_device(name: str, *tensors: Tensor | None) -> None:
+    ref = tensors[0]
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device != ref.device:
+            raise ValueError(f"{name}: all tensors must be on one device, got {ref.device} and {t.device}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name}: unsupported dtype {t.dtype} (float32, float16, bfloat16, float64)")
+    if ref.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"{name}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {ref.device}")
+
+
+def as_rows(x: Tensor, cols: int, name: str) -> Tensor:
+    """x viewed as [rows, cols] with unit column stride (copied only if it cannot be viewed so)."""
+    if x.shape[-1] != cols:
+        raise ValueError(f"{name}: last dimension is {x.shape[-1]}, expected {cols}")
+    if cols > MAX_COLS:
+        raise ValueError(f"{name}: rows of {cols} elements exceed the Triton backend's limit of {MAX_COLS}")
+    if x.dim() == 2 and x.stride(1) == 1:
+        return x
+    x2 = x.reshape(-1, cols)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def as_vector(v: Tensor, cols: int, name: str) -> Tensor:
+    if v.shape != (cols,):
+        raise ValueError(f"{name}: expected shape ({cols},), got {tuple(v.shape)}")
+    return v if v.stride(0) == 1 else v.contiguous()
+
+
+def output_like(x2: Tensor, shape: torch.Size, out: Tensor | None, name: str) -> Tensor:
+    """A fresh [rows, cols] output, or the caller's `out` (must be contiguous, same shape and dtype)."""
+    if out is None:
+        return torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+    if out.shape != shape or out.dtype != x2.dtype or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous {tuple(shape)} {x2.dtype}")
+    return out.view(x2.shape)
+
+
+def block_cols(cols: int) -> int:
+    return triton.next_power_of_2(cols)

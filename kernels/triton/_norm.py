@@ -1,0 +1,102 @@
+"""The one LayerNorm-family kernel behind layer_norm, layer_norm_gelu and add_layer_norm.
+
+Each program normalizes BLOCK_M whole rows held in registers (one read of every input, one write of
+every output); constexpr flags switch the residual/bias add, the pre-norm-sum store and the GELU, so each
+op compiles to exactly the code it needs. One kernel body instead of three near-copies of the same
+reduction: the per-op files hold only launchers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.triton._common import autotune, block_cols, row_bucket, tile_configs
+from kernels.triton._gelu import gelu
+
+
+def _prune(configs, named_args, **kwargs):
+    # Tiles of 4096 / 8192 / 16384 elements (heuristic: 4096), 8 or 16 elements per thread (16-byte
+    # vectors of half types, no spills); BLOCK_N is fixed by the row width.
+    wanted = tile_configs(kwargs["BLOCK_N"], tiles=(4096, 8192, 16384), per_thread=(16, 8))
+    return [c for w in wanted for c in configs
+            if c.kwargs["BLOCK_M"] == w.kwargs["BLOCK_M"] and c.num_warps == w.num_warps]
+
+
+_CONFIGS = [
+    triton.Config({"BLOCK_M": 2**m}, num_warps=2**w)
+    for m in range(13)  # BLOCK_M 1 .. 4096 (4096 rows only for single-column rows)
+    for w in range(5)  # 1 .. 16 warps
+]
+
+
+@autotune(_CONFIGS, key=["N", "M_BUCKET", "HAS_RESIDUAL", "HAS_BIAS", "STORE_SUM", "GELU"], prune=_prune)
+@triton.jit
+def _norm_kernel(
+    X,  # [M, N] input
+    R,  # [M, N] residual (unused unless HAS_RESIDUAL)
+    BIAS,  # [N] bias added before the norm (unused unless HAS_BIAS)
+    W,  # [N] LayerNorm weight
+    B,  # [N] LayerNorm bias
+    Y,  # [M, N] output
+    S,  # [M, N] pre-norm sum output (unused unless STORE_SUM)
+    stride_x, stride_r, stride_y, stride_s,  # row strides; columns are unit-stride
+    M, N, eps,
+    M_BUCKET,  # autotune key only
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_SUM: tl.constexpr,
+    GELU: tl.constexpr,
+    F64: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    mask = (rows < M)[:, None] & col_ok[None, :]
+
+    h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    h = h.to(tl.float64) if F64 else h.to(tl.float32)
+    if HAS_RESIDUAL:
+        h += tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(h.dtype)
+    if HAS_BIAS:
+        h += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(h.dtype)[None, :]
+    if STORE_SUM:
+        tl.store(S + rows[:, None] * stride_s + cols[None, :], h.to(S.dtype.element_ty), mask=mask)
+
+    # mean = sum(h) / N; var = sum((h - mean)^2) / N  (two passes over registers, no re-read)
+    mean = tl.sum(h, axis=1) / N
+    centered = tl.where(mask, h - mean[:, None], 0.0)
+    var = tl.sum(centered * centered, axis=1) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(h.dtype)
+    b = tl.load(B + cols, mask=col_ok, other=0.0).to(h.dtype)
+    y = centered * rstd[:, None] * w[None, :] + b[None, :]
+    y = gelu(y, GELU)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def launch_norm(x: Tensor, residual: Tensor | None, bias: Tensor | None, weight: Tensor, ln_bias: Tensor,
+                y: Tensor, pre_norm_sum: Tensor | None, eps: float, gelu_mode: int) -> None:
+    """All tensors already validated: x, residual, y, pre_norm_sum are [M, N] with unit column stride."""
+    rows, cols = x.shape
+    if rows == 0:
+        return
+
+    def grid(meta):
+        return (triton.cdiv(rows, meta["BLOCK_M"]),)
+
+    _norm_kernel[grid](
+        x, residual if residual is not None else x, bias if bias is not None else weight, weight, ln_bias,
+        y, pre_norm_sum if pre_norm_sum is not None else y,
+        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        pre_norm_sum.stride(0) if pre_norm_sum is not None else 0,
+        rows, cols, eps, row_bucket(rows),
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, STORE_SUM=pre_norm_sum is not None,
+        GELU=gelu_mode, F64=x.dtype == torch.float64, BLOCK_N=block_cols(cols),
+    )
+

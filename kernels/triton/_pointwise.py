@@ -1,0 +1,81 @@
+"""The elementwise kernel behind bias_gelu and bias_residual_gelu: GELU(x + bias [+ residual]) over 2-D
+tiles, so the bias slice is loaded once per tile and no integer modulo is needed for odd widths."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.triton._common import autotune, block_cols, row_bucket
+from kernels.triton._gelu import gelu
+
+
+def _prune(configs, named_args, **kwargs):
+    # Column block: the row width rounded up to a power of two, at most 1024; tiles of 4096 / 8192 /
+    # 2048 elements (heuristic: 4096) with 8 elements per thread.
+    block_n = min(block_cols(named_args["N"]), 1024)
+    kept = []
+    for tile in (4096, 8192, 2048):
+        block_m = max(tile // block_n, 1)
+        warps = min(max(block_m * block_n // 256, 1), 16)
+        kept += [c for c in configs if c.kwargs["BLOCK_N"] == block_n and c.kwargs["BLOCK_M"] == block_m
+                 and c.num_warps == warps and c not in kept]
+    return kept
+
+
+_CONFIGS = [
+    triton.Config({"BLOCK_M": 2**m, "BLOCK_N": 2**n}, num_warps=2**w)
+    for n in range(11)  # BLOCK_N 1 .. 1024
+    for m in range(14)  # BLOCK_M 1 .. 8192
+    for w in range(5)  # 1 .. 16 warps
+    if 2**m * 2**n <= 8192
+]
+
+
+@autotune(_CONFIGS, key=["N", "M_BUCKET", "HAS_RESIDUAL", "GELU"], prune=_prune)
+@triton.jit
+def _bias_gelu_kernel(
+    X,  # [M, N] input
+    BIAS,  # [N] bias
+    R,  # [M, N] residual (unused unless HAS_RESIDUAL)
+    Y,  # [M, N] output
+    stride_x, stride_r, stride_y,  # row strides; columns are unit-stride
+    M, N,
+    M_BUCKET,  # autotune key only
+    HAS_RESIDUAL: tl.constexpr,
+    GELU: tl.constexpr,
+    F64: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    mask = (rows < M)[:, None] & col_ok[None, :]
+
+    # h = x + bias [+ residual]; y = gelu(h)
+    h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    h = h.to(tl.float64) if F64 else h.to(tl.float32)
+    h += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(h.dtype)[None, :]
+    if HAS_RESIDUAL:
+        h += tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(h.dtype)
+    y = gelu(h, GELU)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def launch_bias_gelu(x: Tensor, bias: Tensor, residual: Tensor | None, y: Tensor, gelu_mode: int) -> None:
+    rows, cols = x.shape
+    if rows == 0:
+        return
+
+    def grid(meta):
+        return (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(cols, meta["BLOCK_N"]))
+
+    _bias_gelu_kernel[grid](
+        x, bias, residual if residual is not None else x, y,
+        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        rows, cols, row_bucket(rows),
+        HAS_RESIDUAL=residual is not None, GELU=gelu_mode, F64=x.dtype == torch.float64,
+    )

@@ -1,0 +1,24 @@
+"""Triton bias + residual + GELU: GELU(x + bias + residual)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from kernels.triton._common import as_rows, as_vector, check_device, output_like
+from kernels.triton._gelu import GELU_MODES
+from kernels.triton._pointwise import launch_bias_gelu
+
+
+def bias_residual_gelu(x: Tensor, bias: Tensor, residual: Tensor, approximate: str = "none",
+                       *, out: Tensor | None = None) -> Tensor:
+    check_device("bias_residual_gelu", x, bias, residual)
+    if approximate not in GELU_MODES:
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    if residual.shape != x.shape:
+        raise ValueError(f"bias_residual_gelu: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    cols = x.shape[-1]
+    x2 = as_rows(x, cols, "bias_residual_gelu")
+    y = output_like(x2, x.shape, out, "bias_residual_gelu")
+    launch_bias_gelu(x2, as_vector(bias, cols, "bias_residual_gelu bias"),
+                     as_rows(residual, cols, "bias_residual_gelu residual"), y, GELU_MODES[approximate])
+    return out if out is not None else y.view(x.shape)

@@ -1,0 +1,99 @@
+"""Triton embedding + LayerNorm: gather word, position and token-type rows, sum, normalize; one kernel
+for the encoder's first step. Ids must be in range (the tokenizer and the server's validation ensure it)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.triton._common import as_vector, autotune, block_cols, check_device, row_bucket
+from kernels.triton._norm import _CONFIGS, _prune
+
+
+@autotune(_CONFIGS, key=["N", "M_BUCKET"], prune=_prune)
+@triton.jit
+def _embedding_layer_norm_kernel(
+    IDS,  # [M] token ids
+    POS,  # [M] position ids
+    TYPES,  # [M] token-type ids
+    WORD,  # [vocab, N] word embeddings
+    POSITION,  # [positions, N] position embeddings
+    TOKEN_TYPE,  # [types, N] token-type embeddings
+    W,  # [N] LayerNorm weight
+    B,  # [N] LayerNorm bias
+    Y,  # [M, N] output
+    stride_word, stride_pos, stride_type, stride_y,
+    M, N, eps,
+    M_BUCKET,  # autotune key only
+    F64: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    mask = row_ok[:, None] & col_ok[None, :]
+
+    word = tl.load(IDS + rows, mask=row_ok, other=0).to(tl.int64)
+    pos = tl.load(POS + rows, mask=row_ok, other=0).to(tl.int64)
+    ttype = tl.load(TYPES + rows, mask=row_ok, other=0).to(tl.int64)
+    # h = word[id] + position[pos] + token_type[type]
+    h = tl.load(WORD + word[:, None] * stride_word + cols[None, :], mask=mask, other=0.0)
+    h = h.to(tl.float64) if F64 else h.to(tl.float32)
+    h += tl.load(POSITION + pos[:, None] * stride_pos + cols[None, :], mask=mask, other=0.0).to(h.dtype)
+    h += tl.load(TOKEN_TYPE + ttype[:, None] * stride_type + cols[None, :], mask=mask, other=0.0).to(h.dtype)
+
+    mean = tl.sum(h, axis=1) / N
+    centered = tl.where(mask, h - mean[:, None], 0.0)
+    var = tl.sum(centered * centered, axis=1) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(h.dtype)
+    b = tl.load(B + cols, mask=col_ok, other=0.0).to(h.dtype)
+    y = centered * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _table(t: Tensor, cols: int, name: str) -> Tensor:
+    if t.dim() != 2 or t.shape[1] != cols:
+        raise ValueError(f"embedding_layer_norm: {name} must be [rows, {cols}], got {tuple(t.shape)}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def embedding_layer_norm(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, word_embeddings: Tensor,
+                         position_embeddings: Tensor, token_type_embeddings: Tensor, weight: Tensor, bias: Tensor,
+                         eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
+    check_device("embedding_layer_norm", word_embeddings, position_embeddings, token_type_embeddings, weight, bias)
+    name = "embedding_layer_norm"
+    for ids in (input_ids, position_ids, token_type_ids):
+        if ids.dtype not in (torch.int32, torch.int64) or ids.device != word_embeddings.device:
+            raise ValueError(f"{name}: ids must be int32/int64 on {word_embeddings.device}, got {ids.dtype} on {ids.device}")
+    if not input_ids.shape == position_ids.shape == token_type_ids.shape:
+        raise ValueError(f"{name}: id tensors differ in shape")
+    cols = word_embeddings.shape[-1]
+    shape = (*input_ids.shape, cols)
+    ids, pos, types = (t.reshape(-1).contiguous() for t in (input_ids, position_ids, token_type_ids))
+    rows = ids.numel()
+    if out is None:
+        y = torch.empty((rows, cols), dtype=word_embeddings.dtype, device=word_embeddings.device)
+    elif out.shape != shape or out.dtype != word_embeddings.dtype or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous {shape} {word_embeddings.dtype}")
+    else:
+        y = out.view(rows, cols)
+    word, position, token_type = (_table(t, cols, n) for t, n in (
+        (word_embeddings, "word_embeddings"), (position_embeddings, "position_embeddings"),
+        (token_type_embeddings, "token_type_embeddings")))
+    if rows:
+        def grid(meta):
+            return (triton.cdiv(rows, meta["BLOCK_M"]),)
+
+        _embedding_layer_norm_kernel[grid](
+            ids, pos, types, word, position, token_type, as_vector(weight, cols, f"{name} weight"),
+            as_vector(bias, cols, f"{name} bias"), y,
+            word.stride(0), position.stride(0), token_type.stride(0), y.stride(0),
+            rows, cols, eps, row_bucket(rows),
+            F64=word.dtype == torch.float64, BLOCK_N=block_cols(cols),
+        )
+    return out if out is not None else y.view(shape)

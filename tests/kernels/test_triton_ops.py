@@ -1,0 +1,179 @@
+"""Every Triton op against the float64 reference: odd shapes, all dtypes, poisoned outputs, strided and
+3-D inputs, NaN/Inf propagation; the torch.library registration (opcheck, autograd, torch.compile).
+Runs on the GPU (`-m gpu`) or, where there is none, on the Triton interpreter."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+import kernels
+from kernels import ops, reference
+from kernels.testing import OP_SPECS, check_op, compare, float64_reference
+from tests.conftest import DEVICES, DTYPES, ODD_COLS, ROWS
+
+triton_launchers = pytest.importorskip("kernels.triton").LAUNCHERS
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32("-".join(map(str, parts)).encode())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op,rows,cols,dtype", list(itertools.product(OP_SPECS, ROWS, ODD_COLS, DTYPES)),
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_matches_float64_reference(device, op, rows, cols, dtype):
+    report = check_op(triton_launchers[op], op, rows, cols, dtype, device, seed=_seed(op, rows, cols, dtype))
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", [op for op in OP_SPECS if op != "embedding_layer_norm"])
+def test_strided_and_3d_inputs(device, op):
+    gen = torch.Generator().manual_seed(_seed("strided", op))
+    args, kwargs = OP_SPECS[op].make_inputs(2 * 5, 96, torch.float16, device, gen)
+    # row-strided view (a slice of a wider buffer), column-strided view (a transpose), and 3-D
+    wide = torch.randn(10, 160, generator=gen).to(device, torch.float16)
+    wide[:, :96] = args[0]
+    col_strided = args[0].t().contiguous().t()
+    for x in (wide[:, :96], col_strided, args[0].view(2, 5, 96)):
+        call = (x, *(a.view(2, 5, 96) if x.dim() == 3 and torch.is_tensor(a) and a.dim() == 2 else a for a in args[1:]))
+        out = triton_launchers[op](*call, **kwargs)
+        assert out.shape == x.shape
+        assert compare(out, float64_reference(op, call, kwargs), torch.float16).ok
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", [op for op in OP_SPECS if op != "embedding_layer_norm"])
+def test_nan_and_inf_propagate_like_reference(device, op):
+    gen = torch.Generator().manual_seed(_seed("nan", op))
+    args, kwargs = OP_SPECS[op].make_inputs(9, 300, torch.float32, device, gen)
+    x = args[0].clone()
+    x[2, 17], x[5, 0], x[7, 299] = float("nan"), float("inf"), float("-inf")
+    args = (x, *args[1:])
+    out = triton_launchers[op](*args, **kwargs)
+    ref = float64_reference(op, args, kwargs)
+    assert torch.isnan(out).any()  # the test really has non-finite values in it
+    assert compare(out, ref, torch.float32).ok
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_add_layer_norm_sum_and_no_bias(device):
+    gen = torch.Generator().manual_seed(11)
+    (x, residual, bias, w, b, eps), _ = OP_SPECS["add_layer_norm"].make_inputs(33, 769, torch.bfloat16, device, gen)
+    y, s = triton_launchers["add_layer_norm"](x, residual, bias, w, b, eps, return_sum=True)
+    y_ref, s_ref = reference.add_layer_norm(*(t.double() for t in (x, residual, bias, w, b)), eps, return_sum=True)
+    assert compare(y, y_ref, torch.bfloat16).ok and compare(s, s_ref, torch.bfloat16).ok
+    no_bias = triton_launchers["add_layer_norm"](x, residual, None, w, b, eps)
+    assert compare(no_bias, reference.add_layer_norm(x.double(), residual.double(), None, w.double(), b.double(), eps),
+                   torch.bfloat16).ok
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["layer_norm_gelu", "bias_gelu", "bias_residual_gelu"])
+def test_tanh_gelu_option(device, op):
+    gen = torch.Generator().manual_seed(_seed("tanh", op))
+    args, _ = OP_SPECS[op].make_inputs(17, 300, torch.float32, device, gen)
+    out = triton_launchers[op](*args, approximate="tanh")
+    assert compare(out, float64_reference(op, args, {"approximate": "tanh"}), torch.float32).ok
+    exact = triton_launchers[op](*args)
+    assert not torch.equal(out, exact)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_clear_errors(device):
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match=r"expected shape \(8,\)"):
+        triton_launchers["layer_norm"](x, torch.ones(9, device=device), torch.zeros(8, device=device))
+    with pytest.raises(ValueError, match="residual shape"):
+        triton_launchers["add_layer_norm"](x, x[:2], None, torch.ones(8, device=device), torch.zeros(8, device=device))
+    with pytest.raises(ValueError, match="approximate"):
+        triton_launchers["bias_gelu"](x, torch.ones(8, device=device), "fast")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        triton_launchers["bias_gelu"](x.to(torch.int32), torch.ones(8, device=device, dtype=torch.int32))
+    with pytest.raises(ValueError, match="exceed"):
+        triton_launchers["bias_gelu"](torch.randn(1, 20000, device=device), torch.ones(20000, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_input(device):
+    x = torch.randn(0, 64, device=device)
+    assert triton_launchers["layer_norm"](x, torch.ones(64, device=device), torch.zeros(64, device=device)).shape == (0, 64)
+
+
+# ---- torch.library registration --------------------------------------------------------------------
+
+@pytest.fixture
+def triton_ops():
+    return ops.custom_ops("triton", triton_launchers)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_custom_ops(device, triton_ops):
+    gen = torch.Generator().manual_seed(5)
+    for op in OP_SPECS:
+        args, kwargs = OP_SPECS[op].make_inputs(6, 40, torch.float32, device, gen)
+        if op == "add_layer_norm":
+            args = (*args, False)
+        elif op in ("layer_norm_gelu", "bias_gelu", "bias_residual_gelu"):
+            args = (*args, "none")
+        custom = getattr(torch.ops.fusedserve, f"triton_{op}").default
+        torch.library.opcheck(custom, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_float64(device, triton_ops):
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 11, generator=gen, dtype=torch.float64).to(device).requires_grad_()
+    r = torch.randn(3, 11, generator=gen, dtype=torch.float64).to(device).requires_grad_()
+    vecs = [(torch.randn(11, generator=gen, dtype=torch.float64) * 0.5 + 1).to(device).requires_grad_() for _ in range(3)]
+    w, b, bias = vecs
+    assert torch.autograd.gradcheck(lambda x, w, b: triton_ops["layer_norm_gelu"](x, w, b, 1e-5), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, r, bias, w, b: triton_ops["add_layer_norm"](x, r, bias, w, b, 1e-5),
+                                    (x, r, bias, w, b))
+    # gradients through the pre-norm sum too
+    assert torch.autograd.gradcheck(
+        lambda x, r, w, b: torch.cat(triton_ops["add_layer_norm"](x, r, None, w, b, 1e-5, return_sum=True)),
+        (x, r, w, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_match_reference(device, dtype, triton_ops):
+    gen = torch.Generator().manual_seed(7)
+    (x, residual, bias, w, b, eps), _ = OP_SPECS["add_layer_norm"].make_inputs(8, 300, dtype, device, gen)
+    grad_out = torch.randn(8, 300, generator=gen).to(device, dtype)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, residual, bias, w, b)]
+        fn(*leaves, eps).backward(grad_out)
+        return [t.grad for t in leaves]
+
+    for ours, theirs in zip(grads(triton_ops["add_layer_norm"]), grads(reference.add_layer_norm)):
+        assert compare(ours, theirs.double(), dtype).ok
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    triton_ops["layer_norm_gelu"](*leaves, eps).backward(grad_out)
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    reference.layer_norm_gelu(*ref_leaves, eps).backward(grad_out)
+    for ours, theirs in zip(leaves, ref_leaves):
+        assert compare(ours.grad, theirs.grad.double(), dtype).ok
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph_on_fused_encoder(device):
+    from model.config import EncoderConfig
+    from model.encoder import Encoder
+
+    kernels.configure(device, (torch.float32,), backend="triton", hidden_sizes=(64,))
+    encoder = Encoder(EncoderConfig.from_name("tiny").replace(num_layers=1)).to(device).eval()
+    ids = torch.randint(1000, 2000, (3, 9), device=device)
+    mask = torch.ones(3, 9, dtype=torch.bool, device=device)
+    mask[1, 5:] = False
+    with torch.no_grad():
+        eager = encoder(ids, mask)
+        # fullgraph=True fails on any graph break; aot_eager keeps CPU CI fast, inductor runs on the GPU
+        compiled = torch.compile(encoder, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+        torch.testing.assert_close(compiled(ids, mask), eager, rtol=1e-4, atol=1e-4)
