@@ -93,7 +93,7 @@ def bench_ms(fn: Callable[[], object], device: str) -> float:
     if device == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
     fn()
     times = []
     for _ in range(5):

@@ -119,5 +119,11 @@ def output_like(x2: Tensor, shape: torch.Size, out: Tensor | None, name: str) ->
     return out.view(x2.shape)
 
 
+def needs_wide(*matrices: Tensor | None) -> bool:
+    """True if an element offset of any [rows, cols] matrix can reach 2^31 (then kernels use int64)."""
+    return any(m is not None and m.numel() and (m.shape[0] - 1) * m.stride(0) + m.shape[1] >= 2**31
+               for m in matrices)
+
+
 def block_cols(cols: int) -> int:
     return triton.next_power_of_2(cols)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton._common import autotune, block_cols, row_bucket, tile_configs
+from kernels.triton._common import autotune, block_cols, needs_wide, row_bucket, tile_configs
 from kernels.triton._gelu import gelu
 
 
@@ -50,10 +50,14 @@ def _norm_kernel(
     STORE_SUM: tl.constexpr,
     GELU: tl.constexpr,
     F64: tl.constexpr,
+    WIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid = tl.program_id(0)
+    if WIDE:  # offsets past 2^31 elements need 64-bit arithmetic; otherwise 32-bit is cheaper per element
+        pid = pid.to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
     mask = (rows < M)[:, None] & col_ok[None, :]
@@ -97,6 +101,7 @@ def launch_norm(x: Tensor, residual: Tensor | None, bias: Tensor | None, weight:
         pre_norm_sum.stride(0) if pre_norm_sum is not None else 0,
         rows, cols, eps, row_bucket(rows),
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, STORE_SUM=pre_norm_sum is not None,
-        GELU=gelu_mode, F64=x.dtype == torch.float64, BLOCK_N=block_cols(cols),
+        GELU=gelu_mode, F64=x.dtype == torch.float64, WIDE=needs_wide(x, residual, y, pre_norm_sum),
+        BLOCK_N=block_cols(cols),
     )
 

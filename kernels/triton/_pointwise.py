@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton._common import autotune, block_cols, row_bucket
+from kernels.triton._common import autotune, block_cols, needs_wide, row_bucket
 from kernels.triton._gelu import gelu
 
 
@@ -47,11 +47,15 @@ def _bias_gelu_kernel(
     HAS_RESIDUAL: tl.constexpr,
     GELU: tl.constexpr,
     F64: tl.constexpr,
+    WIDE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    if WIDE:  # offsets past 2^31 elements need 64-bit arithmetic; otherwise 32-bit is cheaper per element
+        pid = pid.to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     mask = (rows < M)[:, None] & col_ok[None, :]
 
@@ -78,4 +82,5 @@ def launch_bias_gelu(x: Tensor, bias: Tensor, residual: Tensor | None, y: Tensor
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         rows, cols, row_bucket(rows),
         HAS_RESIDUAL=residual is not None, GELU=gelu_mode, F64=x.dtype == torch.float64,
+        WIDE=needs_wide(x, residual, y),
     )

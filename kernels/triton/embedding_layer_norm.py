@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton._common import as_vector, autotune, block_cols, check_device, row_bucket
+from kernels.triton._common import as_vector, autotune, block_cols, check_device, needs_wide, row_bucket
 from kernels.triton._norm import _CONFIGS, _prune
 
 
@@ -28,10 +28,14 @@ def _embedding_layer_norm_kernel(
     M, N, eps,
     M_BUCKET,  # autotune key only
     F64: tl.constexpr,
+    WIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid = tl.program_id(0)
+    if WIDE:  # offsets past 2^31 elements need 64-bit arithmetic; otherwise 32-bit is cheaper per element
+        pid = pid.to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -94,6 +98,6 @@ def embedding_layer_norm(input_ids: Tensor, position_ids: Tensor, token_type_ids
             as_vector(bias, cols, f"{name} bias"), y,
             word.stride(0), position.stride(0), token_type.stride(0), y.stride(0),
             rows, cols, eps, row_bucket(rows),
-            F64=word.dtype == torch.float64, BLOCK_N=block_cols(cols),
+            F64=word.dtype == torch.float64, WIDE=needs_wide(y), BLOCK_N=block_cols(cols),
         )
     return out if out is not None else y.view(shape)

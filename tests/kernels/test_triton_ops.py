@@ -177,3 +177,26 @@ def test_torch_compile_fullgraph_on_fused_encoder(device):
         # fullgraph=True fails on any graph break; aot_eager keeps CPU CI fast, inductor runs on the GPU
         compiled = torch.compile(encoder, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
         torch.testing.assert_close(compiled(ids, mask), eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["bias_gelu", "add_layer_norm"])
+def test_offsets_past_two_to_the_31(op):
+    """2^31 + a few rows' worth of bf16 elements (4.3 GB): the int64 offset path must address the tail."""
+    cols = 1024
+    rows = 2**31 // cols + 3
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=gen)
+    bias = torch.randn(cols, device="cuda", dtype=torch.bfloat16, generator=gen)
+    if op == "bias_gelu":
+        out = triton_launchers[op](x, bias)
+        tail_args = (x[-5:], bias)
+    else:
+        residual = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w, b = torch.ones(cols, device="cuda", dtype=torch.bfloat16), torch.zeros(cols, device="cuda", dtype=torch.bfloat16)
+        out = triton_launchers[op](x, residual, bias, w, b, 1e-5)
+        tail_args = (x[-5:], residual[-5:], bias, w, b, 1e-5)
+        del residual
+    tail = out[-5:].clone()
+    del out, x
+    assert compare(tail, float64_reference(op, tail_args, {}), torch.bfloat16).ok
