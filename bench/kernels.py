@@ -252,9 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 accuracy check")
     parser.add_argument("--out", help="write the JSON report here")
     parser.add_argument("--markdown", help="write the markdown table here")
+    parser.add_argument("--render", metavar="JSON", help="only re-render the table of an earlier run's JSON")
     args = parser.parse_args(argv)
-    report = run(args)
-    if args.out:
+    if args.render:
+        with open(args.render) as f:
+            report = json.load(f)
+    else:
+        report = run(args)
+    if args.out and not args.render:
         _write(args.out, report)
     table = markdown(report)
     if args.markdown:

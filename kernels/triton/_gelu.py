@@ -27,7 +27,8 @@ def fast_erf(x):
     q = q * x2 - 1.68282697438203e-03
     q = q * x2 - 7.37332916720468e-03
     q = q * x2 - 1.42647390514189e-02
-    return x * p / q
+    # exactly +-1 at the clamp, so gelu(-inf) = -inf * 0 = NaN and gelu(inf) = inf, as the reference gives
+    return tl.where(x * x >= 16.0, tl.where(x > 0, 1.0, -1.0), x * p / q)
 
 
 @triton.jit
