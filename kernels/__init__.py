@@ -6,8 +6,10 @@ Until it is called every op runs on the torch reference.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import threading
 
 import torch
 from torch import Tensor
@@ -16,31 +18,51 @@ from kernels import registry
 from kernels.registry import BackendError, BackendUnavailable, Selection, configure
 
 __all__ = [
-    "BackendError", "Selection", "configure", "registry",
+    "BackendError", "Selection", "configure", "registry", "reference_path",
     "layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm", "embedding_layer_norm",
 ]
 
 _active = registry.active
+_local = threading.local()
+
+
+def _ops():
+    """The op table for this thread: the registry's choice, or the reference inside reference_path()."""
+    return getattr(_local, "ops", None) or _active
+
+
+@contextlib.contextmanager
+def reference_path():
+    """Run every op on the torch reference in this thread only (the server's background verifier uses
+    this while the serving thread keeps the fused path)."""
+    from kernels import reference
+
+    previous = getattr(_local, "ops", None)
+    _local.ops = reference.OPS
+    try:
+        yield
+    finally:
+        _local.ops = previous
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12) -> Tensor:
     """LayerNorm over the last dimension."""
-    return _active["layer_norm"](x, weight, bias, eps)
+    return _ops()["layer_norm"](x, weight, bias, eps)
 
 
 def layer_norm_gelu(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12, approximate: str = "none") -> Tensor:
     """GELU(LayerNorm(x)); exact erf GELU unless approximate="tanh"."""
-    return _active["layer_norm_gelu"](x, weight, bias, eps, approximate)
+    return _ops()["layer_norm_gelu"](x, weight, bias, eps, approximate)
 
 
 def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     """GELU(x + bias), bias broadcast over rows."""
-    return _active["bias_gelu"](x, bias, approximate)
+    return _ops()["bias_gelu"](x, bias, approximate)
 
 
 def bias_residual_gelu(x: Tensor, bias: Tensor, residual: Tensor, approximate: str = "none") -> Tensor:
     """GELU(x + bias + residual)."""
-    return _active["bias_residual_gelu"](x, bias, residual, approximate)
+    return _ops()["bias_residual_gelu"](x, bias, residual, approximate)
 
 
 def add_layer_norm(
@@ -54,7 +76,7 @@ def add_layer_norm(
     return_sum: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """LayerNorm(x + bias + residual); with return_sum=True also the pre-norm sum."""
-    return _active["add_layer_norm"](x, residual, bias, weight, ln_bias, eps, return_sum=return_sum)
+    return _ops()["add_layer_norm"](x, residual, bias, weight, ln_bias, eps, return_sum=return_sum)
 
 
 def embedding_layer_norm(
@@ -69,7 +91,7 @@ def embedding_layer_norm(
     eps: float = 1e-12,
 ) -> Tensor:
     """LayerNorm(word[ids] + position[pos] + token_type[types]) for flat id vectors: [tokens] -> [tokens, hidden]."""
-    return _active["embedding_layer_norm"](
+    return _ops()["embedding_layer_norm"](
         input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
         weight, bias, eps,
     )

@@ -9,7 +9,7 @@ from tests.model.sentences import SENTENCES
 
 
 def test_single_equals_in_batch_of_32():
-    embedder = Embedder.load("default", device="cpu", dtype="float32")[0]
+    embedder = Embedder.load("default", device="cpu", dtype="float32", backend="torch")[0]
     batch = SENTENCES[:28] + SENTENCES[-4:]  # varied lengths, long ones included
     assert len(batch) == 32
     together = embedder.embed(batch)

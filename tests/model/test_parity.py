@@ -13,7 +13,7 @@ from tests.model.sentences import SENTENCES
 
 @pytest.fixture(scope="module")
 def embedder() -> Embedder:
-    return Embedder.load("default", device="cpu", dtype="float32")[0]
+    return Embedder.load("default", device="cpu", dtype="float32", backend="torch")[0]
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +44,12 @@ def test_truncation_matches_sentence_transformers(embedder):
     theirs = st.tokenize([long_text])["input_ids"][0].tolist()
     ours = embedder.tokenizer.encode([long_text])[0]
     assert len(ours) == 256 and ours == theirs
+
+
+def test_triton_backend_on_interpreter_matches_sentence_transformers(reference_embeddings):
+    """The real model through the Triton kernels (interpreted here; on the H200 in tests/gpu)."""
+    embedder = Embedder.load("default", device="cpu", dtype="float32", backend="triton")[0]
+    picked = [0, 10, 28, 33]  # short English, unicode, emoji, numbers
+    ours = embedder.embed([SENTENCES[i] for i in picked])
+    cosine = torch.nn.functional.cosine_similarity(ours.double(), reference_embeddings[picked].double(), dim=1)
+    assert float(cosine.min()) >= 0.99999

@@ -1,0 +1,329 @@
+"""The dynamic batcher: one worker thread owns the model and the device. Handlers validate, tokenize,
+submit and await a future; they never touch tensors.
+
+A batch closes when its padded cost (rows x longest row) would pass `max_batch_tokens`, when it holds
+`max_batch_requests` inputs, or when its oldest input has waited `max_wait_ms`. Inputs are grouped by
+length to cut padding: the batch is the window of similar lengths around the oldest waiting input (so
+nothing starves). A request's inputs are separate items: they may land in different batches and are
+reassembled in order. Expired inputs are answered 504 and cancelled ones dropped before they run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import reference, registry
+from model.runner import Embedder
+from server.config import Settings
+from server.errors import Overloaded, ServiceError, Timeout, Unavailable
+from server.metrics import Metrics
+
+log = logging.getLogger("fusedserve.batcher")
+
+
+@dataclass(eq=False)
+class Job:
+    """One client request: its inputs' token ids and where their embeddings go."""
+
+    ids: list[list[int]]
+    normalize: bool
+    deadline: float
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    results: list[torch.Tensor | None] = field(default_factory=list)
+    remaining: int = 0
+    cancelled: bool = False
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.ids)
+        self.remaining = len(self.ids)
+
+    def _settle(self, value=None, error: BaseException | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+
+        def apply() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(value)
+
+        self.loop.call_soon_threadsafe(apply)
+
+    def fail(self, error: BaseException) -> None:
+        self._settle(error=error)
+
+    def deliver(self, index: int, row: torch.Tensor) -> None:
+        self.results[index] = row
+        self.remaining -= 1
+        if self.remaining == 0:
+            self._settle(torch.stack(self.results))
+
+
+@dataclass(eq=False)
+class Item:
+    job: Job
+    index: int
+    length: int
+    enqueued: float
+
+
+class Batcher:
+    def __init__(self, embedder: Embedder, settings: Settings, metrics: Metrics,
+                 on_batch: Callable[[list[list[int]], torch.Tensor], None] | None = None) -> None:
+        self.embedder, self.settings, self.metrics = embedder, settings, metrics
+        self.on_batch = on_batch  # sampled batches go to the verifier through this
+        self._pending: list[Item] = []
+        self._cond = threading.Condition()
+        self._control: list[tuple[Callable[[], object], concurrent.futures.Future]] = []
+        self._stopping = False
+        self._draining = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="fusedserve-batcher", daemon=True)
+        self.batches = 0
+
+    # ---- called from the event loop ---------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    def submit(self, ids: list[list[int]], normalize: bool, timeout_s: float) -> Job:
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        job = Job(ids, normalize, now + timeout_s, loop.create_future(), loop)
+        with self._cond:
+            if self._draining or self._stopping:
+                self.metrics.rejected.labels("draining").inc()
+                raise Unavailable("the server is shutting down", headers={"Retry-After": "1"})
+            if len(self._pending) + len(ids) > self.settings.max_queue:
+                self.metrics.rejected.labels("queue_full").inc()
+                raise Overloaded(f"queue full ({len(self._pending)} inputs waiting); retry later",
+                                 headers={"Retry-After": "1"})
+            self._pending.extend(Item(job, i, len(row), now) for i, row in enumerate(ids))
+            self.metrics.queue_depth.set(len(self._pending))
+            self._cond.notify()
+        return job
+
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
+        """The client went away or gave up: drop its inputs that have not run yet."""
+        with self._cond:
+            if job.finished or job.cancelled:
+                return
+            job.cancelled = True
+            self.metrics.rejected.labels(reason).inc()
+
+    def call_between_batches(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn` on the worker thread between two batches (backend switches must not race a forward)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._control.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def drain(self, timeout_s: float) -> bool:
+        """Refuse new work, finish everything accepted, then stop the worker. True if all finished."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._draining = True
+            while (self._pending or self._busy) and time.monotonic() < deadline:
+                self._cond.wait(timeout=0.05)
+            drained = not self._pending and not self._busy
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        return drained
+
+    # ---- the worker thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                self._busy = bool(batch) or bool(self._control)
+                control, self._control = self._control, []
+            for fn, future in control:
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # reported to whoever asked
+                    future.set_exception(exc)
+            if batch:
+                self._execute(batch)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _next_batch(self) -> list[Item] | None:
+        """Under the lock: block until a batch is due (or control work or stop), then take it."""
+        s = self.settings
+        while True:
+            if self._control:
+                return []
+            self._drop_dead()
+            if not self._pending:
+                if self._stopping:
+                    return None
+                self._cond.wait()
+                continue
+            oldest = min(self._pending, key=lambda it: it.enqueued)
+            waited = time.monotonic() - oldest.enqueued
+            batch = self._choose(oldest)
+            full = len(batch) >= s.max_batch_requests or \
+                (max(it.length for it in batch) * (len(batch) + 1) > s.max_batch_tokens) or \
+                len(batch) < len(self._pending)
+            if full or waited * 1e3 >= s.max_wait_ms or self._draining:
+                taken = set(map(id, batch))
+                self._pending = [it for it in self._pending if id(it) not in taken]
+                self.metrics.queue_depth.set(len(self._pending))
+                return batch
+            self._cond.wait(timeout=s.max_wait_ms / 1e3 - waited)
+
+    def _drop_dead(self) -> None:
+        now = time.monotonic()
+        alive = []
+        for it in self._pending:
+            if it.job.cancelled or it.job.finished:
+                continue
+            if now >= it.job.deadline:
+                self.metrics.rejected.labels("timeout").inc()
+                it.job.fail(Timeout(f"not served within {self.settings.request_timeout_s:g}s"))
+                continue
+            alive.append(it)
+        self._pending = alive
+
+    def _choose(self, oldest: Item) -> list[Item]:
+        """The window of similar lengths around the oldest input that fits the token and row budgets."""
+        s = self.settings
+        by_length = sorted(self._pending, key=lambda it: (it.length, it.enqueued))
+        lo = hi = next(i for i, it in enumerate(by_length) if it is oldest)
+        longest = oldest.length
+        while hi - lo + 1 < s.max_batch_requests:
+            left = by_length[lo - 1] if lo > 0 else None
+            right = by_length[hi + 1] if hi + 1 < len(by_length) else None
+            if left is None and right is None:
+                break
+            # take the neighbour closer in length (the shorter one on ties: it adds no padding)
+            if right is None or (left is not None and oldest.length - left.length <= right.length - oldest.length):
+                candidate_longest, step = longest, "left"
+            else:
+                candidate_longest, step = max(longest, right.length), "right"
+            if candidate_longest * (hi - lo + 2) > s.max_batch_tokens:
+                break
+            longest = candidate_longest
+            if step == "left":
+                lo -= 1
+            else:
+                hi += 1
+        return by_length[lo : hi + 1]
+
+    def _execute(self, batch: list[Item]) -> None:
+        m = self.metrics
+        now = time.monotonic()
+        for it in batch:
+            m.queue_duration.observe(now - it.enqueued)
+        ids = [it.job.ids[it.index] for it in batch]
+        longest = max(len(r) for r in ids)
+        real = sum(len(r) for r in ids)
+        m.batch_size.observe(len(batch))
+        m.batch_tokens.observe(longest * len(batch))
+        m.batch_padding_ratio.observe(1 - real / (longest * len(batch)))
+        try:
+            pooled = self._forward(ids)
+        except Exception as exc:
+            log.exception("batch of %d inputs failed on both paths", len(batch))
+            for it in batch:
+                it.job.fail(ServiceError(f"inference failed ({type(exc).__name__})"))
+            return
+        normalized = F.normalize(pooled, p=2, dim=1)
+        for row, it in enumerate(batch):
+            it.job.deliver(it.index, normalized[row] if it.job.normalize else pooled[row])
+        self.batches += 1
+        if self.on_batch is not None and random.random() < self.settings.verify_sample_rate:
+            self.on_batch(ids, pooled)
+
+    def _forward(self, ids: list[list[int]]) -> torch.Tensor:
+        """Pooled, unnormalized embeddings on the current path; a failure re-runs the batch on the reference."""
+        timed = random.random() < self.settings.kernel_timing_sample_rate
+        path = "fused" if any(fn is not reference.OPS[op] for op, fn in registry.active.items()) else "reference"
+        started = time.perf_counter()
+        try:
+            if timed:
+                with KernelTimer(self.embedder.device, self.metrics):
+                    pooled = self.embedder.embed_ids(ids, normalize=False)
+            else:
+                pooled = self.embedder.embed_ids(ids, normalize=False)
+        except Exception as exc:
+            if path == "reference":
+                raise
+            log.warning("fused forward failed (%s: %s); re-running the batch on the reference path",
+                        type(exc).__name__, exc)
+            self.metrics.fallbacks.labels("all", "exception").inc()
+            path = "reference"
+            started = time.perf_counter()
+            with kernels.reference_path():
+                pooled = self.embedder.embed_ids(ids, normalize=False)
+        self.metrics.forward_duration.labels(path).observe(time.perf_counter() - started)
+        return pooled
+
+
+class KernelTimer:
+    """For one sampled batch: wraps every active op to time it (CUDA events on a GPU, so unsampled batches
+    never synchronize; host clock on the CPU) and records fusedserve_kernel_duration_seconds."""
+
+    def __init__(self, device: torch.device, metrics: Metrics) -> None:
+        self.device, self.metrics = device, metrics
+        self.samples: list[tuple[str, object, object]] = []
+
+    def __enter__(self) -> KernelTimer:
+        self.saved = dict(registry.active)
+        selection = registry.current()
+        backends = {op: c.backend for op, c in selection.choices.items()} if selection else {}
+        for op, fn in self.saved.items():
+            registry.active[op] = self._wrap(op, backends.get(op, "torch"), fn)
+        return self
+
+    def _wrap(self, op: str, backend: str, fn):
+        cuda = self.device.type == "cuda"
+
+        def timed(*args, **kwargs):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                self.samples.append((op, backend, (start, end)))
+            else:
+                t = time.perf_counter()
+                out = fn(*args, **kwargs)
+                self.samples.append((op, backend, time.perf_counter() - t))
+            return out
+
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        registry.active.update(self.saved)
+        if exc[0] is not None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for op, backend, sample in self.samples:
+            seconds = sample[0].elapsed_time(sample[1]) / 1e3 if isinstance(sample, tuple) else sample
+            self.metrics.kernel_duration.labels(op, backend).observe(seconds)

@@ -1,0 +1,87 @@
+"""Service settings: environment variables FUSEDSERVE_*, or the same keys (lower-case) in a YAML/TOML
+file given by --config / FUSEDSERVE_CONFIG. Environment wins over the file. Invalid values fail at
+startup with a message naming the setting."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
+                               TomlConfigSettingsSource, YamlConfigSettingsSource)
+
+OP_NAMES = ("layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm", "embedding_layer_norm")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FUSEDSERVE_", extra="forbid", frozen=True)
+
+    # model and device
+    model: str = Field("default", description="'default' (packaged all-MiniLM-L6-v2), a preset, or a checkpoint dir")
+    model_name: str = Field("", description="name clients use in requests and responses (default: derived from model)")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    fused: bool = True
+    backend: Literal["auto", "triton", "cuda", "torch"] = "auto"
+    backend_overrides: Annotated[dict[str, Literal["auto", "triton", "cuda", "torch"]], NoDecode] = Field(
+        default_factory=dict, description="per-op backend, e.g. 'add_layer_norm=cuda,bias_gelu=triton'")
+    max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's)")
+
+    # batching and limits
+    max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per batch (rows x longest row)")
+    max_batch_requests: int = Field(64, ge=1, description="inputs per batch")
+    max_wait_ms: float = Field(2.0, ge=0, description="longest an input waits for a batch to fill")
+    max_queue: int = Field(4096, ge=1, description="queued inputs beyond which requests get 429")
+    max_client_batch: int = Field(256, ge=1, description="inputs per request")
+    request_timeout_s: float = Field(30.0, gt=0)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    warmup: bool = True
+
+    # verification, timing, admin
+    verify_sample_rate: float = Field(0.0, ge=0, le=1)
+    verify_action: Literal["log", "fallback"] = "log"
+    verify_tolerance: float = Field(1e-3, gt=0, description="max cosine distance between fused and reference")
+    verify_queue: int = Field(8, ge=1)
+    kernel_timing_sample_rate: float = Field(0.01, ge=0, le=1)
+    admin_token: str = ""
+    fault_injection: bool = Field(False, description="test-only fault hooks under /admin/faults; never in production")
+
+    @field_validator("backend_overrides", mode="before")
+    @classmethod
+    def _parse_overrides(cls, value):
+        if isinstance(value, str):
+            pairs = [p.strip() for p in value.split(",") if p.strip()]
+            try:
+                value = dict(p.split("=", 1) for p in pairs)
+            except ValueError:
+                raise ValueError("expected op=backend pairs separated by commas") from None
+            value = {k.strip(): v.strip() for k, v in value.items()}
+        unknown = set(value) - set(OP_NAMES)
+        if unknown:
+            raise ValueError(f"unknown op(s) {sorted(unknown)}; ops are {', '.join(OP_NAMES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max_batch_requests > self.max_queue:
+            raise ValueError("max_batch_requests must not exceed max_queue")
+        return self
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = os.environ.get("FUSEDSERVE_CONFIG")
+        if path:
+            file = Path(path)
+            if not file.is_file():
+                raise ValueError(f"FUSEDSERVE_CONFIG: {path} does not exist")
+            if file.suffix in (".yaml", ".yml"):
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=file))
+            elif file.suffix == ".toml":
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=file))
+            else:
+                raise ValueError(f"FUSEDSERVE_CONFIG: {path}: use a .yaml, .yml or .toml file")
+        return tuple(sources)

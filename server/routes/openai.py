@@ -1,0 +1,73 @@
+"""OpenAI-compatible POST /v1/embeddings (float or base64 encoding, `dimensions`, token-id input)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from server.deps import ServiceDep
+from server.errors import BadRequest, NotFound
+
+router = APIRouter(tags=["openai"])
+
+
+class EmbeddingsRequest(BaseModel):
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, description="keep the first N dimensions (renormalized)")
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingsUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingsUsage
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingsResponse)
+async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Request) -> EmbeddingsResponse:
+    service.check_ready()
+    if body.model not in (None, "", service.model_name):
+        raise NotFound(f"model {body.model!r} is not served here; this server serves {service.model_name!r}")
+    if body.dimensions is not None and not 1 <= body.dimensions <= service.dim:
+        raise BadRequest(f"dimensions must be between 1 and {service.dim}")
+    data = body.input
+    if isinstance(data, str):
+        result = await service.embed_texts([data], normalize=True, truncate=True, request=request)
+    elif data and all(isinstance(x, int) for x in data):
+        result = await service.embed_ids(service.validate_ids([data], truncate=True), normalize=True, request=request)
+    elif data and all(isinstance(x, list) for x in data):
+        result = await service.embed_ids(service.validate_ids(data, truncate=True), normalize=True, request=request)
+    else:
+        result = await service.embed_texts(list(data), normalize=True, truncate=True, request=request)
+    vectors = result.embeddings
+    if body.dimensions is not None and body.dimensions < service.dim:
+        vectors = F.normalize(vectors[:, : body.dimensions], dim=1)
+    items = []
+    for i, row in enumerate(vectors):
+        if body.encoding_format == "base64":
+            value = base64.b64encode(row.to(torch.float32).numpy().astype(np.float32).tobytes()).decode()
+        else:
+            value = row.tolist()
+        items.append(Embedding(index=i, embedding=value))
+    return EmbeddingsResponse(data=items, model=service.model_name,
+                              usage=EmbeddingsUsage(prompt_tokens=result.tokens, total_tokens=result.tokens))

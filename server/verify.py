@@ -1,0 +1,74 @@
+"""Sampled shadow checks: a copy of a sampled batch's token ids and served (fused) embeddings goes to a
+background thread that recomputes them on the reference path (torch ops, fp32) and compares. Responses are
+never delayed: the queue is bounded and a full queue drops the sample (counted). With verify_action=fallback
+a mismatch switches every op to the reference (per-op attribution is not possible from pooled outputs)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from model.runner import Embedder
+from server.config import Settings
+from server.metrics import Metrics
+
+log = logging.getLogger("fusedserve.verify")
+
+
+class Verifier:
+    def __init__(self, embedder: Embedder, settings: Settings, metrics: Metrics,
+                 on_mismatch: Callable[[str], None]) -> None:
+        self.settings, self.metrics, self.on_mismatch = settings, metrics, on_mismatch
+        if embedder.dtype == torch.float32:
+            self.reference = embedder  # same weights, same device: only the ops differ
+        else:
+            encoder = copy.deepcopy(embedder.encoder).float()
+            self.reference = Embedder(encoder, embedder.tokenizer, embedder.name, embedder.device, torch.float32)
+        self._queue: queue.Queue = queue.Queue(maxsize=settings.verify_queue)
+        self._thread = threading.Thread(target=self._run, name="fusedserve-verify", daemon=True)
+        self.checked = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def submit(self, ids: list[list[int]], served: torch.Tensor) -> None:
+        try:
+            self._queue.put_nowait(([list(r) for r in ids], served.detach().clone()))
+        except queue.Full:
+            self.metrics.reference_checks.labels("dropped").inc()
+
+    def _run(self) -> None:
+        while (sample := self._queue.get()) is not None:
+            ids, served = sample
+            try:
+                with kernels.reference_path():
+                    expected = self.reference.embed_ids(ids, normalize=False)
+                a, b = F.normalize(served.float(), dim=1), F.normalize(expected.float(), dim=1)
+                max_abs = float((a - b).abs().max())
+                distance = float((1 - (a * b).sum(dim=1)).max())
+            except Exception:
+                log.exception("reference check failed")
+                self.metrics.reference_checks.labels("error").inc()
+                continue
+            finally:
+                self.checked += 1
+            self.metrics.reference_max_abs_error.set(max_abs)
+            self.metrics.reference_cosine_distance.set(distance)
+            ok = torch.isfinite(served).all() and distance <= self.settings.verify_tolerance
+            self.metrics.reference_checks.labels("match" if ok else "mismatch").inc()
+            if not ok:
+                log.error("fused output differs from the reference: cosine distance %.3g, max abs %.3g (tolerance %g)",
+                          distance, max_abs, self.settings.verify_tolerance)
+                if self.settings.verify_action == "fallback":
+                    self.on_mismatch("verify_mismatch")
