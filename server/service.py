@@ -197,7 +197,7 @@ class Service:
         return self.batcher.call_between_batches(apply).result(timeout=120)
 
     def set_fault(self, op: str, mode: str, factor: float) -> None:
-        """Test-only: make one active op raise, drift by `factor`, or emit NaN."""
+        """Test-only: make one active op raise, drift by `factor`, emit NaN, or stall `factor` seconds."""
 
         def apply():
             original = self.faults.get(op, {}).get("original", registry.active[op])
@@ -205,6 +205,9 @@ class Service:
             def faulty(*args, **kwargs):
                 if mode == "raise":
                     raise RuntimeError(f"injected fault in {op}")
+                if mode == "delay":
+                    time.sleep(factor)
+                    return original(*args, **kwargs)
                 out = original(*args, **kwargs)
                 first = out[0] if isinstance(out, tuple) else out
                 if mode == "nan":

@@ -7,7 +7,7 @@ import secrets
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from kernels.registry import OPS
 from server.deps import ServiceDep
@@ -42,8 +42,8 @@ async def set_fused(body: FusedSwitch, service: ServiceDep) -> dict:
 
 class Fault(BaseModel):
     op: str
-    mode: Literal["scale", "raise", "nan"] = "scale"
-    factor: float = 1.05
+    mode: Literal["scale", "raise", "nan", "delay"] = "scale"
+    factor: float = Field(1.05, description="scale: output multiplier; delay: seconds to sleep per call")
 
 
 @router.post("/faults", dependencies=[Admin])

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from server.deps import ServiceDep
-from server.errors import BadRequest, NotFound, Unavailable
+from server.errors import BadRequest, NotFound, Unavailable, Unprocessable
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 
@@ -78,9 +78,16 @@ def _flatten(data: list[Any]) -> list[Any]:
     return out
 
 
-@router.post("/models/{name}/infer")
-async def infer(name: str, body: InferenceRequest, service: ServiceDep, request: Request) -> dict:
+@router.post("/models/{name}/infer", openapi_extra={"requestBody": {"required": True, "content": {
+    "application/json": {"schema": InferenceRequest.model_json_schema()}}}})
+async def infer(name: str, service: ServiceDep, request: Request) -> dict:
+    # Parsed by hand: Open Inference Protocol clients do not all send a JSON content type.
     _model(service, name)
+    try:
+        body = InferenceRequest.model_validate_json(await request.body())
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
+        raise Unprocessable(problems) from None
     if len(body.inputs) != 1 or body.inputs[0].name != INPUT_NAME or body.inputs[0].datatype != "BYTES":
         raise BadRequest(f"expected exactly one BYTES input named {INPUT_NAME!r}")
     tensor = body.inputs[0]

@@ -1,0 +1,94 @@
+"""Real servers for the HTTP tests: `python -m server` under uvicorn on 127.0.0.1, a free port each,
+configured through FUSEDSERVE_* environment variables, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+ADMIN_TOKEN = "test-admin-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+
+def start_server(tmp_path, **settings) -> Server:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDSERVE_") and k != "TRITON_INTERPRET"}
+    env.update({
+        "FUSEDSERVE_MAX_BATCH_TOKENS": "2048",  # keeps the CPU warm-up short
+        "FUSEDSERVE_ADMIN_TOKEN": ADMIN_TOKEN,
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update({f"FUSEDSERVE_{k.upper()}": str(v) for k, v in settings.items()})
+    log_path = str(tmp_path / f"server-{port}.log")
+    log = open(log_path, "w")
+    process = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"],
+                               stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Server(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url + "/readyz", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server not ready in time:\n{server.log()}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The default service (packaged MiniLM on the CPU), shared by a test module."""
+    srv = start_server(tmp_path_factory.mktemp("server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def make_server(tmp_path):
+    """Start servers with custom settings inside one test; all are stopped afterwards."""
+    started: list[Server] = []
+
+    def make(**settings) -> Server:
+        srv = start_server(tmp_path, **settings)
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()
+
+
+def admin_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
