@@ -68,6 +68,34 @@ class _TooLarge(Exception):
     pass
 
 
+class RequestMetrics:
+    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the handlers):
+    fusedserve_requests_total{route,status} and fusedserve_request_duration_seconds{route}."""
+
+    def __init__(self, app: ASGIApp, service: Service) -> None:
+        self.app, self.metrics = app, service.metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        status = 500
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            if route != "/metrics":
+                self.metrics.requests.labels(route, str(status)).inc()
+                self.metrics.request_duration.labels(route).observe(time.perf_counter() - started)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     service = Service(settings)
@@ -109,16 +137,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body("internal_error", "internal error"), status_code=500)
 
-    @app.middleware("http")
-    async def request_metrics(request: Request, call_next):
-        started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        if path not in ("/metrics",):
-            service.metrics.requests.labels(path, str(response.status_code)).inc()
-            service.metrics.request_duration.labels(path).observe(time.perf_counter() - started)
-        return response
-
+    app.add_middleware(RequestMetrics, service=service)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app

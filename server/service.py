@@ -87,7 +87,7 @@ class Service:
         self.ready = False
         if self.batcher:
             drained = self.batcher.drain(timeout_s=self.settings.request_timeout_s)
-            log.info("batcher drained: %s", "all accepted requests answered" if drained else "timed out")
+            log.warning("batcher drained: %s", "all accepted requests answered" if drained else "timed out")
         if self.verifier:
             self.verifier.stop()
 

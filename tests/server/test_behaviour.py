@@ -1,0 +1,190 @@
+"""Exact behaviour under pressure: backpressure, timeouts, client cancellation, SIGTERM drain, the
+admin switch, sampled verification with fallback, and configuration errors. Slow batches come from the
+test-only delay fault (FUSEDSERVE_FAULT_INJECTION), applied to the one op that runs once per forward."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.server.conftest import admin_headers
+
+SLOW_OP = "embedding_layer_norm"
+
+
+def stall(server, seconds: float) -> None:
+    r = httpx.post(server.url + "/admin/faults", json={"op": SLOW_OP, "mode": "delay", "factor": seconds},
+                   headers=admin_headers(), timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def metric(server, name: str, **labels) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+        if m and m.group(1) == name:
+            got = ",".join(sorted((m.group(2) or "").split(","))) if m.group(2) else ""
+            if got == want:
+                return float(m.group(3))
+    raise KeyError(f"{name}{{{want}}} not in /metrics")
+
+
+async def _gather_posts(url: str, bodies: list[dict], timeout: float = 60):
+    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+        return await asyncio.gather(*(client.post("/infer", json=b) for b in bodies), return_exceptions=True)
+
+
+def test_queue_full_gets_429_with_retry_after(make_server):
+    server = make_server(fault_injection="true", max_queue=4, max_batch_requests=1, max_wait_ms=0)
+    stall(server, 1.5)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            first = asyncio.create_task(client.post("/infer", json={"inputs": ["occupies the worker"]}))
+            await asyncio.sleep(0.3)
+            queued = asyncio.create_task(client.post("/infer", json={"inputs": ["a", "b", "c", "d"]}))
+            await asyncio.sleep(0.3)
+            rejected = await client.post("/infer", json={"inputs": ["one too many"]})
+            return await first, await queued, rejected
+
+    first, queued, rejected = asyncio.run(scenario())
+    assert rejected.status_code == 429 and rejected.headers["retry-after"] == "1"
+    assert rejected.json()["error"]["type"] == "overloaded"
+    assert first.status_code == 200 and queued.status_code == 200 and len(queued.json()["embeddings"]) == 4
+    assert metric(server, "fusedserve_rejected_requests_total", reason="queue_full") == 1
+    # recovers once the queue drains
+    assert httpx.post(server.url + "/infer", json={"inputs": ["after"]}, timeout=30).status_code == 200
+
+
+def test_expired_requests_get_504_and_are_not_run(make_server):
+    server = make_server(fault_injection="true", request_timeout_s=1, max_batch_requests=1, max_wait_ms=0)
+    stall(server, 1.5)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            first = asyncio.create_task(client.post("/infer", json={"inputs": ["runs for 1.5s"]}))
+            await asyncio.sleep(0.3)
+            late = await client.post("/infer", json={"inputs": ["waits too long"]})
+            return await first, late
+
+    first, late = asyncio.run(scenario())
+    assert late.status_code == 504 and late.json()["error"]["type"] == "timeout"
+    # started within its budget, so it is answered (a running batch gets a 1 s grace beyond the budget)
+    assert first.status_code == 200
+    assert metric(server, "fusedserve_rejected_requests_total", reason="timeout") == 1
+    assert metric(server, "fusedserve_batch_size_count") == 1  # only the first request ran (warm-up is not a batch)
+
+
+def test_disconnected_client_is_dropped_before_running(make_server):
+    server = make_server(fault_injection="true", max_batch_requests=1, max_wait_ms=0)
+    stall(server, 1.5)
+    batches_before = metric(server, "fusedserve_batch_size_count")
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            first = asyncio.create_task(client.post("/infer", json={"inputs": ["occupies the worker"]}))
+            await asyncio.sleep(0.3)
+            try:
+                await client.post("/infer", json={"inputs": ["gives up"]}, timeout=0.3)
+            except httpx.TimeoutException:
+                pass
+            return await first
+
+    assert asyncio.run(scenario()).status_code == 200
+    time.sleep(2.0)
+    assert metric(server, "fusedserve_rejected_requests_total", reason="cancelled") == 1
+    assert metric(server, "fusedserve_batch_size_count") == batches_before + 1  # the cancelled input never ran
+
+
+def test_sigterm_drains_accepted_requests(make_server):
+    server = make_server(fault_injection="true", max_batch_requests=2, max_wait_ms=0)
+    stall(server, 0.5)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            tasks = [asyncio.create_task(client.post("/infer", json={"inputs": [f"text {i}"]})) for i in range(6)]
+            await asyncio.sleep(0.3)
+            server.process.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+    started = time.monotonic()
+    responses = asyncio.run(scenario())
+    assert all(not isinstance(r, Exception) and r.status_code == 200 for r in responses), responses
+    # uvicorn re-raises the captured SIGTERM once its graceful shutdown is complete
+    assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)
+    assert "batcher drained: all accepted requests answered" in server.log()
+    assert time.monotonic() - started < 30
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/healthz", timeout=2)
+
+
+def test_admin_routes_need_the_token_and_flip_the_fused_path(make_server):
+    server = make_server()
+    assert httpx.post(server.url + "/admin/fused", json={"enabled": False}).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert httpx.post(server.url + "/admin/fused", json={"enabled": False}, headers=wrong).status_code == 401
+    r = httpx.post(server.url + "/admin/fused", json={"enabled": False}, headers=admin_headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    info = httpx.get(server.url + "/info").json()
+    assert info["fused"] is False
+    assert info["kernels"]["bias_gelu"]["reason"] == "fused path disabled by configuration"
+    assert metric(server, "fusedserve_fused_enabled") == 0
+    # fault injection is off unless configured
+    assert httpx.post(server.url + "/admin/faults", json={"op": "bias_gelu"}, headers=admin_headers()).status_code == 404
+
+
+def test_admin_routes_are_off_without_a_token(make_server):
+    server = make_server(admin_token="")
+    r = httpx.post(server.url + "/admin/fused", json={"enabled": False}, headers=admin_headers())
+    assert r.status_code == 404 and "disabled" in r.json()["error"]["message"]
+
+
+def test_verification_catches_drift_and_falls_back(make_server):
+    server = make_server(fault_injection="true", verify_sample_rate=1.0, verify_action="fallback",
+                         verify_tolerance=1e-4)
+    texts = ["A man is eating food.", "Drifting kernels must be caught."]
+    clean = torch.tensor(httpx.post(server.url + "/infer", json={"inputs": texts}, timeout=30).json()["embeddings"])
+    assert metric(server, "fusedserve_reference_checks_total", result="match") >= 1
+    r = httpx.post(server.url + "/admin/faults", json={"op": "bias_gelu", "mode": "scale", "factor": 1.05},
+                   headers=admin_headers())
+    assert r.status_code == 200
+    drifted = torch.tensor(httpx.post(server.url + "/infer", json={"inputs": texts}, timeout=30).json()["embeddings"])
+    assert float((drifted - clean).abs().max()) > 1e-3  # the fault really changes outputs
+    deadline = time.monotonic() + 20
+    while httpx.get(server.url + "/info").json()["fallback"] is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    info = httpx.get(server.url + "/info").json()
+    assert info["fallback"] == "verify_mismatch" and info["fused"] is False and info["faults"] == {}
+    assert metric(server, "fusedserve_reference_checks_total", result="mismatch") >= 1
+    assert metric(server, "fusedserve_fallbacks_total", op="bias_gelu", reason="verify_mismatch") == 1
+    assert metric(server, "fusedserve_reference_cosine_distance") > 1e-4
+    after = torch.tensor(httpx.post(server.url + "/infer", json={"inputs": texts}, timeout=30).json()["embeddings"])
+    assert float((after - clean).abs().max()) <= 1e-5
+
+
+def test_a_raising_kernel_is_rerun_on_the_reference(make_server):
+    server = make_server(fault_injection="true")
+    clean = httpx.post(server.url + "/infer", json={"inputs": ["x y z"]}).json()["embeddings"]
+    httpx.post(server.url + "/admin/faults", json={"op": "add_layer_norm", "mode": "raise"}, headers=admin_headers())
+    r = httpx.post(server.url + "/infer", json={"inputs": ["x y z"]}, timeout=30)
+    assert r.status_code == 200 and r.json()["embeddings"] == clean
+    assert metric(server, "fusedserve_fallbacks_total", op="all", reason="exception") == 1
+
+
+def test_invalid_configuration_fails_at_startup_naming_the_setting():
+    env = {"FUSEDSERVE_MAX_WAIT_MS": "-3", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, "-m", "server", "--port", "1"], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "max_wait_ms" in result.stderr
+    env = {"FUSEDSERVE_BACKEND_OVERRIDES": "layernorm=triton", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, "-m", "server"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "backend_overrides" in result.stderr and "layernorm" in result.stderr
