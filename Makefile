@@ -13,8 +13,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e ".[dev,reference]"
 	@touch $@
 
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
 run: $(VENV)/.installed
-	$(PY) -m model "A man is eating food." "Fused kernels make encoders fast."
+	$(PY) -m server --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest

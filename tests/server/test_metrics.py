@@ -1,0 +1,118 @@
+"""/metrics after real traffic: every family of the contract with sensible values, `promtool check
+metrics` clean, and a real Prometheus scraping the real server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import free_port
+
+FAMILIES = [
+    "fusedserve_requests_total", "fusedserve_request_duration_seconds", "fusedserve_queue_duration_seconds",
+    "fusedserve_queue_depth", "fusedserve_rejected_requests_total", "fusedserve_batch_size",
+    "fusedserve_batch_tokens", "fusedserve_batch_padding_ratio", "fusedserve_kernel_duration_seconds",
+    "fusedserve_forward_duration_seconds", "fusedserve_reference_checks_total", "fusedserve_reference_max_abs_error",
+    "fusedserve_reference_cosine_distance", "fusedserve_fallbacks_total", "fusedserve_backend_info",
+    "fusedserve_fused_enabled",
+]
+
+
+@pytest.fixture(scope="module")
+def busy_server(tmp_path_factory):
+    from tests.server.conftest import start_server
+
+    server = start_server(tmp_path_factory.mktemp("metrics"), verify_sample_rate=1.0, kernel_timing_sample_rate=1.0)
+    for i in range(5):
+        assert httpx.post(server.url + "/infer", json={"inputs": [f"sentence number {i}", "x " * (10 * i + 1)]},
+                          timeout=60).status_code == 200
+    httpx.post(server.url + "/infer", json={"inputs": []})
+    deadline = time.monotonic() + 20  # the verifier runs in the background
+    while "fusedserve_reference_checks_total{result=\"match\"} 0.0" in httpx.get(server.url + "/metrics").text:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    yield server
+    server.stop()
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_every_family_with_sensible_values(busy_server):
+    text = httpx.get(busy_server.url + "/metrics").text
+    for family in FAMILIES:
+        assert f"# TYPE {family.removesuffix('_total')} " in text or f"# TYPE {family} " in text, family
+    s = _samples(text)
+    assert s['fusedserve_requests_total{route="/infer",status="200"}'] == 5
+    assert s['fusedserve_requests_total{route="/infer",status="400"}'] == 1
+    assert s["fusedserve_batch_size_count"] >= 1 and s["fusedserve_batch_size_sum"] == 10
+    assert 0 < s["fusedserve_batch_padding_ratio_sum"] < s["fusedserve_batch_padding_ratio_count"]
+    assert s['fusedserve_forward_duration_seconds_count{path="reference"}'] == s["fusedserve_batch_size_count"]
+    layers = 6
+    batches = s["fusedserve_batch_size_count"]
+    assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="add_layer_norm"}'] == 2 * layers * batches
+    assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="embedding_layer_norm"}'] == batches
+    assert s['fusedserve_reference_checks_total{result="match"}'] >= 1
+    assert s['fusedserve_reference_checks_total{result="mismatch"}'] == 0
+    assert 0 <= s["fusedserve_reference_max_abs_error"] < 1e-5
+    assert s['fusedserve_backend_info{backend="torch",op="bias_gelu"}'] == 1
+    assert s["fusedserve_fused_enabled"] == 1
+    assert s["fusedserve_queue_depth"] == 0
+
+
+# CI sets FUSEDSERVE_REQUIRE_PROMETHEUS=1 after installing the Debian package: there these tests never skip.
+_required = os.environ.get("FUSEDSERVE_REQUIRE_PROMETHEUS") == "1"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None and not _required, reason="promtool not installed (Debian package prometheus)")
+def test_promtool_check_metrics_is_clean(busy_server):
+    text = httpx.get(busy_server.url + "/metrics").text
+    result = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout.strip() == "" and result.stderr.strip() == "", \
+        result.stdout + result.stderr
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None and not _required, reason="prometheus not installed (Debian package prometheus)")
+def test_real_prometheus_scrapes_the_server(busy_server, tmp_path):
+    target = busy_server.url.removeprefix("http://")
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\nscrape_configs:\n"
+        f"  - job_name: fusedserve\n    static_configs:\n      - targets: ['{target}']\n")
+    port = free_port()
+    prom = subprocess.Popen(
+        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        api = f"http://127.0.0.1:{port}/api/v1/query"
+        deadline = time.monotonic() + 60
+        value = None
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(api, params={"query": 'sum(fusedserve_requests_total{route="/infer"})'}, timeout=2).json()
+                if r["data"]["result"]:
+                    value = float(r["data"]["result"][0]["value"][1])
+                    break
+            except (httpx.HTTPError, KeyError):
+                pass
+            time.sleep(0.5)
+        assert value is not None and value >= 6
+        up = httpx.get(api, params={"query": 'up{job="fusedserve"}'}).json()["data"]["result"]
+        assert up and up[0]["value"][1] == "1"
+        q = "histogram_quantile(0.99, sum by (le) (fusedserve_request_duration_seconds_bucket))"
+        p99 = httpx.get(api, params={"query": q}).json()["data"]["result"]
+        assert p99 and float(p99[0]["value"][1]) > 0
+    finally:
+        prom.terminate()
+        prom.wait(timeout=20)
