@@ -1,0 +1,143 @@
+"""Serving benchmark: the real server under closed-loop load (N concurrent clients, each sending its next
+request when the last one is answered) against sentence-transformers' own batched encode on the same
+sentences, in the same run.
+
+    python -m bench.serve --clients 32 --seconds 20 --out bench/results/$(date +%F)-cpu-serve.json
+
+Reports requests/s, sentences/s, tokens/s, p50/p99 latency, and ST's sentences/s at batch_size 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or had not but "
+         "one all their there been has more when who will would into them its some could time these two may "
+         "first then do any like my now over such our man me even most made after also did many off before "
+         "must through back years where much your way well down should because each just those people how too "
+         "little state good very make world still own see men work long get here between both life being under "
+         "never day same another know while last might us great old year come since against go came right used "
+         "take three kernel fused batch token encoder layer norm embedding vector server request latency").split()
+
+
+def sentences(n: int, words: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "." for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sentence_transformers_rate(texts: list[str], batch_size: int, device: str) -> float:
+    from sentence_transformers import SentenceTransformer
+
+    from model.weights import default_model_dir
+
+    st = SentenceTransformer(str(default_model_dir()), device=device)
+    st.encode(texts[:batch_size], batch_size=batch_size)  # warm-up
+    started = time.perf_counter()
+    st.encode(texts, batch_size=batch_size)
+    return len(texts) / (time.perf_counter() - started)
+
+
+async def closed_loop(url: str, texts: list[str], clients: int, seconds: float, per_request: int):
+    latencies: list[float] = []
+    errors = 0
+    stop = time.monotonic() + seconds
+    rng = random.Random(1)
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        nonlocal errors
+        while time.monotonic() < stop:
+            batch = [rng.choice(texts) for _ in range(per_request)]
+            t = time.perf_counter()
+            r = await client.post("/infer", json={"inputs": batch})
+            if r.status_code == 200:
+                latencies.append(time.perf_counter() - t)
+            else:
+                errors += 1
+
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        started = time.monotonic()
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
+        elapsed = time.monotonic() - started
+    return latencies, errors, elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--words", type=int, default=20)
+    parser.add_argument("--per-request", type=int, default=1, help="sentences per request")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--st-sentences", type=int, default=1024)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    texts = sentences(2048, args.words)
+
+    st_rate = sentence_transformers_rate(texts[: args.st_sentences], 64, args.device)
+    print(f"sentence-transformers encode(batch_size=64): {st_rate:.1f} sentences/s", file=sys.stderr)
+
+    port = free_port()
+    env = dict(os.environ, FUSEDSERVE_DEVICE=args.device, PYTHONUNBUFFERED="1")
+    server = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("server did not become ready")
+            time.sleep(0.3)
+        tokens_per_sentence = httpx.post(url + "/infer", json={"inputs": texts[:64]}).json()["usage"]["tokens"] / 64
+        latencies, errors, elapsed = asyncio.run(closed_loop(url, texts, args.clients, args.seconds, args.per_request))
+        metrics = httpx.get(url + "/metrics").text
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    n = len(latencies)
+    q = statistics.quantiles(latencies, n=100) if n >= 2 else [float("nan")] * 99
+    served = n * args.per_request / elapsed
+    batch = [line for line in metrics.splitlines() if line.startswith("fusedserve_batch_size_")]
+    report = {
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "device": args.device, "clients": args.clients, "seconds": elapsed, "words": args.words,
+        "per_request": args.per_request, "requests": n, "errors": errors,
+        "requests_per_s": n / elapsed, "sentences_per_s": served, "tokens_per_s": served * tokens_per_sentence,
+        "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
+        "sentence_transformers_sentences_per_s": st_rate, "ratio_vs_sentence_transformers": served / st_rate,
+        "batch_size_metrics": batch,
+        "command": " ".join(["python -m bench.serve", *(argv if argv is not None else sys.argv[1:])]),
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    print(json.dumps({k: v for k, v in report.items() if k != "batch_size_metrics"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
