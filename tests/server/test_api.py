@@ -144,3 +144,19 @@ def test_info_and_health(server):
     assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
     assert httpx.get(server.url + "/readyz").status_code == 200
     assert "/infer" in httpx.get(server.url + "/openapi.json").json()["paths"]
+
+
+def test_tritonclient_http(server, st_embeddings):
+    httpclient = pytest.importorskip("tritonclient.http")
+    client = httpclient.InferenceServerClient(url=server.url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("all-MiniLM-L6-v2")
+    texts = SENTENCES[:4]
+    tensor = httpclient.InferInput("text", [len(texts)], "BYTES")
+    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=np.object_), binary_data=False)
+    output = httpclient.InferRequestedOutput("embedding", binary_data=False)
+    result = client.infer("all-MiniLM-L6-v2", [tensor], outputs=[output])
+    got = torch.from_numpy(result.as_numpy("embedding"))
+    assert got.shape == (4, 384)
+    cosine = torch.nn.functional.cosine_similarity(got.double(), st_embeddings[:4].double(), dim=1)
+    assert float(cosine.min()) >= 0.99999
