@@ -3,7 +3,8 @@ Each app instance owns its own registry (tests run several apps in one process).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 PREFIX = "fusedserve_"
 
@@ -45,10 +46,25 @@ class Metrics:
         self.backend_info = Gauge(PREFIX + "backend_info", "1 for the backend serving each op", ["op", "backend"],
                                   registry=r)
         self.fused_enabled = Gauge(PREFIX + "fused_enabled", "1 when the fused path is on", registry=r)
+        self.device_memory = Gauge(PREFIX + "device_memory_bytes", "GPU memory held by the process (CUDA only)",
+                                   ["kind"], registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         for result in ("match", "mismatch", "error", "dropped"):
             self.reference_checks.labels(result)
         for reason in ("queue_full", "timeout", "cancelled", "draining"):
             self.rejected.labels(reason)
+        # every known fallback series exists from the start, so dashboards and alerts see 0, not nothing
+        self.fallbacks.labels("all", "exception")
+        for op in ("layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm",
+                   "embedding_layer_norm"):
+            self.fallbacks.labels(op, "verify_mismatch")
+
+    def watch_device_memory(self, device: torch.device) -> None:
+        """Read CUDA allocator numbers at scrape time (nothing to report on the CPU)."""
+        if device.type != "cuda":
+            return
+        self.device_memory.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
+        self.device_memory.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
 
     def set_backends(self, choices: dict[str, str], fused: bool) -> None:
         self.backend_info.clear()

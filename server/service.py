@@ -62,6 +62,7 @@ class Service:
                                on_batch=self.verifier.submit if self.verifier else None)
         self.batcher.start()
         self._publish_backends()
+        self.metrics.watch_device_memory(self.embedder.device)
 
     def warm_up(self) -> None:
         """Run the largest batch shape (and a small one) so autotuning and allocation happen before ready."""
