@@ -247,6 +247,12 @@ class Batcher:
         m.batch_padding_ratio.observe(1 - real / (longest * len(batch)))
         try:
             pooled = self._forward(ids)
+        except torch.cuda.OutOfMemoryError:
+            log.error("out of memory even for a single input of %d tokens", longest)
+            for it in batch:
+                it.job.fail(Unavailable("out of device memory for this input; retry later",
+                                        headers={"Retry-After": "1"}))
+            return
         except Exception as exc:
             log.exception("batch of %d inputs failed on both paths", len(batch))
             for it in batch:
@@ -260,7 +266,23 @@ class Batcher:
             self.on_batch(ids, pooled)
 
     def _forward(self, ids: list[list[int]]) -> torch.Tensor:
-        """Pooled, unnormalized embeddings on the current path; a failure re-runs the batch on the reference."""
+        """Pooled, unnormalized embeddings. A batch that runs out of device memory is split in halves and
+        retried (a single input that still does not fit fails)."""
+        try:
+            return self._forward_once(ids)
+        except torch.cuda.OutOfMemoryError:
+            if len(ids) == 1:
+                raise
+            log.warning("out of memory on a batch of %d inputs; splitting it in two", len(ids))
+            self.metrics.batch_splits.inc()
+            if self.embedder.device.type == "cuda":
+                torch.cuda.empty_cache()
+            half = len(ids) // 2
+            return torch.cat([self._forward(ids[:half]), self._forward(ids[half:])])
+
+    def _forward_once(self, ids: list[list[int]]) -> torch.Tensor:
+        """One forward on the current path. A fused forward that raises or yields NaN/Inf is re-run on the
+        reference path (counted); non-finite output from the reference itself is an error, never an answer."""
         timed = random.random() < self.settings.kernel_timing_sample_rate
         path = "fused" if any(fn is not reference.OPS[op] for op, fn in registry.active.items()) else "reference"
         started = time.perf_counter()
@@ -270,18 +292,29 @@ class Batcher:
                     pooled = self.embedder.embed_ids(ids, normalize=False)
             else:
                 pooled = self.embedder.embed_ids(ids, normalize=False)
+            if not bool(torch.isfinite(pooled).all()):
+                raise NonFiniteOutput(f"{path} forward produced NaN/Inf")
+        except torch.cuda.OutOfMemoryError:
+            raise
         except Exception as exc:
             if path == "reference":
                 raise
+            reason = "non_finite" if isinstance(exc, NonFiniteOutput) else "exception"
             log.warning("fused forward failed (%s: %s); re-running the batch on the reference path",
                         type(exc).__name__, exc)
-            self.metrics.fallbacks.labels("all", "exception").inc()
+            self.metrics.fallbacks.labels("all", reason).inc()
             path = "reference"
             started = time.perf_counter()
             with kernels.reference_path():
                 pooled = self.embedder.embed_ids(ids, normalize=False)
+            if not bool(torch.isfinite(pooled).all()):
+                raise NonFiniteOutput("reference forward produced NaN/Inf") from exc
         self.metrics.forward_duration.labels(path).observe(time.perf_counter() - started)
         return pooled
+
+
+class NonFiniteOutput(RuntimeError):
+    pass
 
 
 class KernelTimer:

@@ -43,6 +43,8 @@ class Metrics:
                                                "Max cosine distance of the last reference check", registry=r)
         self.fallbacks = Counter(PREFIX + "fallbacks", "Switches of ops to the reference path", ["op", "reason"],
                                  registry=r)
+        self.batch_splits = Counter(PREFIX + "batch_splits", "Batches split in two after running out of device memory",
+                                    registry=r)
         self.backend_info = Gauge(PREFIX + "backend_info", "1 for the backend serving each op", ["op", "backend"],
                                   registry=r)
         self.fused_enabled = Gauge(PREFIX + "fused_enabled", "1 when the fused path is on", registry=r)
@@ -55,6 +57,7 @@ class Metrics:
             self.rejected.labels(reason)
         # every known fallback series exists from the start, so dashboards and alerts see 0, not nothing
         self.fallbacks.labels("all", "exception")
+        self.fallbacks.labels("all", "non_finite")
         for op in ("layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm",
                    "embedding_layer_norm"):
             self.fallbacks.labels(op, "verify_mismatch")

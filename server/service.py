@@ -198,7 +198,8 @@ class Service:
         return self.batcher.call_between_batches(apply).result(timeout=120)
 
     def set_fault(self, op: str, mode: str, factor: float) -> None:
-        """Test-only: make one active op raise, drift by `factor`, emit NaN, or stall `factor` seconds."""
+        """Test-only: make one active op raise, drift by `factor`, emit NaN, stall `factor` seconds, or run
+        out of memory on inputs of more than `factor` rows."""
 
         def apply():
             original = self.faults.get(op, {}).get("original", registry.active[op])
@@ -209,7 +210,11 @@ class Service:
                 if mode == "delay":
                     time.sleep(factor)
                     return original(*args, **kwargs)
+                if mode == "oom" and args[0].shape[0] > factor:
+                    raise torch.cuda.OutOfMemoryError(f"injected out-of-memory in {op} ({args[0].shape[0]} rows)")
                 out = original(*args, **kwargs)
+                if mode == "oom":
+                    return out
                 first = out[0] if isinstance(out, tuple) else out
                 if mode == "nan":
                     first.fill_(float("nan"))

@@ -42,8 +42,8 @@ async def set_fused(body: FusedSwitch, service: ServiceDep) -> dict:
 
 class Fault(BaseModel):
     op: str
-    mode: Literal["scale", "raise", "nan", "delay"] = "scale"
-    factor: float = Field(1.05, description="scale: output multiplier; delay: seconds to sleep per call")
+    mode: Literal["scale", "raise", "nan", "delay", "oom"] = "scale"
+    factor: float = Field(1.05, description="scale: output multiplier; delay: seconds per call; oom: max rows")
 
 
 @router.post("/faults", dependencies=[Admin])

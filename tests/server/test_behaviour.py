@@ -188,3 +188,32 @@ def test_invalid_configuration_fails_at_startup_naming_the_setting():
     env = {"FUSEDSERVE_BACKEND_OVERRIDES": "layernorm=triton", "PATH": "/usr/bin:/bin"}
     result = subprocess.run([sys.executable, "-m", "server"], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "backend_overrides" in result.stderr and "layernorm" in result.stderr
+
+
+def test_nan_from_a_kernel_is_never_returned(make_server):
+    server = make_server(fault_injection="true")
+    texts = ["NaN must not leak", "into any answer"]
+    clean = httpx.post(server.url + "/infer", json={"inputs": texts}).json()["embeddings"]
+    httpx.post(server.url + "/admin/faults", json={"op": "bias_gelu", "mode": "nan"}, headers=admin_headers())
+    r = httpx.post(server.url + "/infer", json={"inputs": texts}, timeout=30)
+    assert r.status_code == 200 and "NaN" not in r.text
+    assert r.json()["embeddings"] == clean
+    assert metric(server, "fusedserve_fallbacks_total", op="all", reason="non_finite") == 1
+
+
+def test_out_of_memory_splits_the_batch_then_refuses_cleanly(make_server):
+    server = make_server(fault_injection="true", max_wait_ms=200)
+    texts = [f"input number {i} has a few tokens" for i in range(8)]  # ~10 tokens each, one batch
+    clean = httpx.post(server.url + "/infer", json={"inputs": texts}).json()["embeddings"]
+    # more than 25 token rows in one forward "runs out of memory": 8 inputs must be split down to pairs
+    httpx.post(server.url + "/admin/faults", json={"op": "embedding_layer_norm", "mode": "oom", "factor": 25},
+               headers=admin_headers())
+    r = httpx.post(server.url + "/infer", json={"inputs": texts}, timeout=30)
+    assert r.status_code == 200, r.text
+    got = torch.tensor(r.json()["embeddings"])
+    assert float((got - torch.tensor(clean)).abs().max()) <= 1e-5
+    assert metric(server, "fusedserve_batch_splits_total") >= 3
+    # a single input that cannot fit: a clean 503, and the server keeps serving
+    r = httpx.post(server.url + "/infer", json={"inputs": ["word " * 40]}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable" and "memory" in r.text
+    assert httpx.post(server.url + "/infer", json={"inputs": ["short"]}, timeout=30).status_code == 200
