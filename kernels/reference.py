@@ -14,7 +14,6 @@ from torch import Tensor
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 
-
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -29,18 +28,17 @@ def _store(result: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
 def _gelu(h: Tensor, approximate: str) -> Tensor:
     # exact: 0.5 * h * (1 + erf(h / sqrt(2)))  (BERT); tanh: the GPT-2 approximation
     if approximate == "none":
-        return 0.5 * h * (1.0 + torch.erf(h * _SQRT_HALF))
+        # written out rather than F.gelu: torch's fp32 CPU GELU returns NaN for +inf; one allocation
+        return (h * _SQRT_HALF).erf_().add_(1.0).mul_(h).mul_(0.5)
     if approximate == "tanh":
         return torch.nn.functional.gelu(h, approximate="tanh")
     raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
 def _layer_norm(h: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    # (h - mean) / sqrt(var + eps) * weight + bias, biased variance over the last dimension
-    mean = h.mean(dim=-1, keepdim=True)
-    centered = h - mean
-    var = (centered * centered).mean(dim=-1, keepdim=True)
-    return centered * torch.rsqrt(var + eps) * weight.to(h.dtype) + bias.to(h.dtype)
+    # (h - mean) / sqrt(var + eps) * weight + bias, biased variance over the last dimension; torch's
+    # LayerNorm kernel accumulates in the input's precision (fp32 or fp64 here)
+    return torch.nn.functional.layer_norm(h, h.shape[-1:], weight.to(h.dtype), bias.to(h.dtype), eps)
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
