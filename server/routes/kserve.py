@@ -78,8 +78,26 @@ def _flatten(data: list[Any]) -> list[Any]:
     return out
 
 
+def _inlined_schema(model: type[BaseModel]) -> dict:
+    """The model's JSON schema with its $defs inlined (an OpenAPI requestBody cannot reach local $defs)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return resolve(schema)
+
+
 @router.post("/models/{name}/infer", openapi_extra={"requestBody": {"required": True, "content": {
-    "application/json": {"schema": InferenceRequest.model_json_schema()}}}})
+    "application/json": {"schema": _inlined_schema(InferenceRequest)}}}})
 async def infer(name: str, service: ServiceDep, request: Request) -> dict:
     # Parsed by hand: Open Inference Protocol clients do not all send a JSON content type.
     _model(service, name)
