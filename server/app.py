@@ -128,7 +128,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        kind = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse(error_body(kind, str(exc.detail)), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 

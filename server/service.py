@@ -118,6 +118,11 @@ class Service:
     async def embed_texts(self, texts: list[str], *, normalize: bool, truncate: bool, request: Request) -> EmbedResult:
         self.check_ready()
         self.check_count(len(texts))
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # JSON can carry lone surrogates ("\ud800"); the tokenizer cannot
+                raise Unprocessable(f"input {i} is not valid Unicode (lone surrogate)") from None
         try:
             ids = await asyncio.to_thread(self.embedder.tokenizer.encode, texts, truncate)
         except InputTooLong as exc:

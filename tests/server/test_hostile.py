@@ -1,0 +1,54 @@
+"""Hand-written hostile inputs: each gets a JSON 4xx (or a correct 200 where the input is merely odd),
+never a 5xx or a hang, and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+JSON = {"content-type": "application/json"}
+NAME = "all-MiniLM-L6-v2"
+
+CASES = [
+    ("deeply nested array", "/infer", b"[" * 100_000, 400),
+    ("deeply nested inside a field", "/infer", b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
+    ("invalid UTF-8", "/infer", b'{"inputs": ["\xff\xfe"]}', 400),
+    ("10^5 inputs", "/infer", {"inputs": ["a"] * 100_000}, 413),
+    ("10^6-character string", "/infer", {"inputs": ["ab " * 333_333]}, 200),
+    ("NUL bytes", "/infer", {"inputs": ["a\u0000b\u0000"]}, 200),
+    ("lone surrogate escape", "/infer", b'{"inputs": ["ok", "\\ud800"]}', 422),
+    ("null inputs", "/infer", {"inputs": None}, 422),
+    ("nested list of texts", "/infer", {"inputs": [["a"]]}, 422),
+    ("normalize as string", "/infer", {"inputs": "a", "normalize": "yes please"}, 422),
+    ("huge dimensions", "/v1/embeddings", {"input": "x", "dimensions": 10**30}, 400),
+    ("negative dimensions", "/v1/embeddings", {"input": "x", "dimensions": -5}, 400),
+    ("token id out of vocabulary", "/v1/embeddings", {"input": [[101, 10**12, 102]]}, 422),
+    ("negative token id", "/v1/embeddings", {"input": [101, -1, 102]}, 422),
+    ("empty token list", "/v1/embeddings", {"input": [[]]}, 422),
+    ("mixed ids and text", "/v1/embeddings", {"input": [1, "a"]}, 422),
+    ("unknown model", "/v1/embeddings", {"input": "x", "model": "../../etc/passwd"}, 404),
+    ("unknown encoding", "/v1/embeddings", {"input": "x", "encoding_format": "hex"}, 422),
+    ("KServe nested JSON", f"/v2/models/{NAME}/infer", b"[" * 10_000, 422),
+    ("KServe wrong datatype", f"/v2/models/{NAME}/infer",
+     {"inputs": [{"name": "text", "shape": [1], "datatype": "FP32", "data": [1.0]}]}, 400),
+    ("KServe non-string data", f"/v2/models/{NAME}/infer",
+     {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [7]}]}, 400),
+    ("KServe unknown model", "/v2/models/nope/infer", {"inputs": []}, 404),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", CASES, ids=[c[0] for c in CASES])
+def test_hostile_input(server, name, path, body, status):
+    kwargs = {"content": body, "headers": JSON} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + path, timeout=60, **kwargs)
+    assert r.status_code == status, r.text[:300]
+    if status >= 400:
+        error = r.json()["error"]
+        assert error["type"] and error["message"]
+        assert "Traceback" not in r.text and 'File "' not in r.text
+    assert httpx.post(server.url + "/infer", json={"inputs": ["still serving"]}, timeout=30).status_code == 200
+
+
+def test_over_long_input_is_truncated_by_default(server):
+    r = httpx.post(server.url + "/infer", json={"inputs": ["word " * 5000]}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["tokens"] == 256
