@@ -180,7 +180,6 @@ def run(args: argparse.Namespace) -> dict:
                     line.append(f"{name} {ms * 1e3:7.1f}us ({launch * 1e3:6.1f} launched) {gbps:5.0f}GB/s")
                 print(f"[{done}/{total}] {op} {str(dtype).removeprefix('torch.')} {rows}x{cols}: " + " | ".join(line),
                       file=sys.stderr, flush=True)
-                del inputs
                 if args.out:  # incremental, so a run cut short still leaves its numbers
                     _write(args.out, _report(copy_gbps, results))
     return _report(copy_gbps, results)

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench.serve import free_port
+from bench.serve import running_server
 
 
 def rss_bytes(pid: int) -> int:
@@ -86,22 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cancel-rate", type=float, default=0.1)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    port = free_port()
-    env = dict(os.environ, FUSEDSERVE_MAX_BATCH_TOKENS="8192", PYTHONUNBUFFERED="1")
-    server = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.3)
+    with running_server(max_batch_tokens="8192") as (server, url):
         pool = texts_of_mixed_length(40)
         singles = {t: torch.tensor(httpx.post(url + "/infer", json={"inputs": [t]}, timeout=60).json()["embeddings"][0])
                    for t in pool}
@@ -110,9 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         outcomes, cancelled = asyncio.run(run_clients(url, pool, args.clients, args.seconds, args.cancel_rate))
         elapsed = time.monotonic() - started
         rss_after = rss_bytes(server.pid)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     statuses: dict[str, int] = {}
     for _, r, _ in outcomes:
         statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1

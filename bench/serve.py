@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -41,6 +42,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(**settings: str):
+    """`python -m server` on a free loopback port with FUSEDSERVE_* settings; yields (process, url) once ready."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
+    process = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError("server did not become ready")
+            time.sleep(0.3)
+        yield process, url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
 
 
 def sentence_transformers_rate(texts: list[str], batch_size: int, device: str) -> float:
@@ -96,28 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     st_rate = sentence_transformers_rate(texts[: args.st_sentences], 64, args.device)
     print(f"sentence-transformers encode(batch_size=64): {st_rate:.1f} sentences/s", file=sys.stderr)
 
-    port = free_port()
-    env = dict(os.environ, FUSEDSERVE_DEVICE=args.device, PYTHONUNBUFFERED="1")
-    server = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.3)
+    with running_server(device=args.device) as (_, url):
         tokens_per_sentence = httpx.post(url + "/infer", json={"inputs": texts[:64]}).json()["usage"]["tokens"] / 64
         latencies, errors, elapsed = asyncio.run(closed_loop(url, texts, args.clients, args.seconds, args.per_request))
         metrics = httpx.get(url + "/metrics").text
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     n = len(latencies)
     q = statistics.quantiles(latencies, n=100) if n >= 2 else [float("nan")] * 99
     served = n * args.per_request / elapsed

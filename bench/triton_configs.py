@@ -30,8 +30,9 @@ def main(argv: list[str]) -> None:
     torch.cuda.synchronize()
     kernel = _pointwise._bias_gelu_kernel if "gelu" in op and "layer_norm" not in op else _norm._norm_kernel
     nbytes = min_bytes(op, rows, cols, dtype)
+    device_ms = graph_ms(lambda: fn(*inputs))
     print(f"{op} {dtype_name} {shape}: host {host_us:.1f} us/launch (queued, no sync); "
-          f"graph {graph_ms(lambda: fn(*inputs)) * 1e3:.1f} us; best {kernel.best_config}")
+          f"device {device_ms * 1e3:.1f} us = {nbytes / device_ms / 1e6:.0f} GB/s; best {kernel.best_config}")
     for cfg, timing in sorted(getattr(kernel, "configs_timings", {}).items(), key=lambda kv: kv[1]):
         print(f"   autotune timing {timing} us-ish for {cfg}")
 

@@ -43,7 +43,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _reset_kernel_selection():
     """Every test starts with the kernel registry on the reference path, whatever the last one chose."""
-    import kernels
     from kernels import reference, registry
 
     registry.active.update(reference.OPS)

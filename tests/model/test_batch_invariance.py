@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from model.runner import Embedder
 from tests.model.sentences import SENTENCES
 
