@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -46,7 +45,6 @@ class Service:
         self.verifier: Verifier | None = None
         self.fallback_reason: str | None = None
         self.faults: dict[str, dict] = {}
-        self._lock = threading.Lock()
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def load(self) -> None:
