@@ -6,6 +6,30 @@ import argparse
 import logging
 import os
 import sys
+import threading
+
+import uvicorn
+
+
+class DrainingServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT: readiness and new requests answer 503 at once; after `drain_delay_s`
+    uvicorn's graceful shutdown runs (stop accepting, finish in-flight requests, then the lifespan shutdown
+    drains the batcher)."""
+
+    def __init__(self, config: uvicorn.Config, service, drain_delay_s: float) -> None:
+        super().__init__(config)
+        self.service, self.drain_delay_s = service, drain_delay_s
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.service.draining or self.drain_delay_s <= 0:
+            self.service.draining = True
+            return super().handle_exit(sig, frame)
+        self.service.draining = True
+        logging.getLogger("fusedserve").warning(
+            "signal %s: reporting not-ready, closing the listener in %.1fs", sig, self.drain_delay_s)
+        timer = threading.Timer(self.drain_delay_s, super().handle_exit, (sig, frame))
+        timer.daemon = True
+        timer.start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["FUSEDSERVE_CONFIG"] = args.config
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    import uvicorn
     from pydantic import ValidationError
 
     from server.app import create_app
@@ -33,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
+    DrainingServer(config, app.state.service, settings.drain_delay_s).run()
     return 0
 
 

@@ -38,6 +38,8 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(30.0, gt=0)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     warmup: bool = True
+    drain_delay_s: float = Field(0.0, ge=0, description="after SIGTERM: report not-ready and refuse new work "
+                                 "this long before closing the listener (lets load balancers catch up)")
 
     # verification, timing, admin
     verify_sample_rate: float = Field(0.0, ge=0, le=1)

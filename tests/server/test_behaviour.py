@@ -217,3 +217,24 @@ def test_out_of_memory_splits_the_batch_then_refuses_cleanly(make_server):
     r = httpx.post(server.url + "/infer", json={"inputs": ["word " * 40]}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable" and "memory" in r.text
     assert httpx.post(server.url + "/infer", json={"inputs": ["short"]}, timeout=30).status_code == 200
+
+
+def test_sigterm_with_drain_delay_reports_not_ready_first(make_server):
+    server = make_server(fault_injection="true", drain_delay_s=2)
+    stall(server, 1.0)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            in_flight = asyncio.create_task(client.post("/infer", json={"inputs": ["accepted before SIGTERM"]}))
+            await asyncio.sleep(0.3)
+            server.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            ready = await client.get("/readyz")
+            refused = await client.post("/infer", json={"inputs": ["arrives while draining"]})
+            return await in_flight, ready, refused
+
+    in_flight, ready, refused = asyncio.run(scenario())
+    assert in_flight.status_code == 200
+    assert ready.status_code == 503 and ready.json()["error"]["message"] == "draining"
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)
