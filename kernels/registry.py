@@ -90,11 +90,17 @@ class Selection:
         dtypes = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
         lines = [f"kernel backends (device {self.device}, dtypes {dtypes}, fused path "
                  f"{'on' if self.fused else 'off'}, chosen in {self.seconds:.2f}s):"]
+        # a backend rejected for the same reason on every op (typically: unavailable here) is said once
+        everywhere = {name: why for name, why in next(iter(self.choices.values())).rejected.items()
+                      if all(c.rejected.get(name) == why for c in self.choices.values())}
+        for name, why in everywhere.items():
+            lines.append(f"  rejected {name} for every op: {why}")
         width = max(map(len, self.choices))
         for choice in self.choices.values():
             lines.append(f"  {choice.op:<{width}}  {choice.backend:<6}  {choice.reason}")
             for name, why in choice.rejected.items():
-                lines.append(f"  {'':<{width}}    rejected {name}: {why}")
+                if name not in everywhere:
+                    lines.append(f"  {'':<{width}}    rejected {name}: {why}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
@@ -208,7 +214,7 @@ def configure(
     impls = {op: load(next(b for b in _BACKENDS if b.name == c.backend))[op] for op, c in choices.items()}
     active.update(impls)
     _current = Selection(device, dtypes, fused, choices, time.perf_counter() - started)
-    log.info("%s", _current.report())
+    log.debug("%s", _current.report())  # the caller's startup report shows it
     return _current
 
 
