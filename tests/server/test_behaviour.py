@@ -38,9 +38,12 @@ def metric(server, name: str, **labels) -> float:
     raise KeyError(f"{name}{{{want}}} not in /metrics")
 
 
-async def _gather_posts(url: str, bodies: list[dict], timeout: float = 60):
-    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
-        return await asyncio.gather(*(client.post("/infer", json=b) for b in bodies), return_exceptions=True)
+def wait_for_metric(server, name: str, minimum: float, timeout: float = 20, **labels) -> float:
+    """Background work (the verifier) lands in /metrics a little after the response: poll for it."""
+    deadline = time.monotonic() + timeout
+    while (value := metric(server, name, **labels)) < minimum and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
 
 
 def test_queue_full_gets_429_with_retry_after(make_server):
@@ -153,7 +156,7 @@ def test_verification_catches_drift_and_falls_back(make_server):
                          verify_tolerance=1e-4)
     texts = ["A man is eating food.", "Drifting kernels must be caught."]
     clean = torch.tensor(httpx.post(server.url + "/infer", json={"inputs": texts}, timeout=30).json()["embeddings"])
-    assert metric(server, "fusedserve_reference_checks_total", result="match") >= 1
+    assert wait_for_metric(server, "fusedserve_reference_checks_total", 1, result="match") >= 1
     r = httpx.post(server.url + "/admin/faults", json={"op": "bias_gelu", "mode": "scale", "factor": 1.05},
                    headers=admin_headers())
     assert r.status_code == 200
