@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.testing import OP_SPECS, compare, float64_reference
+from model.runner import DTYPES
 
 SHAPES = [(4096, 768), (32768, 384), (32768, 768), (16384, 1024), (8192, 4096)]
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 EPS = 1e-5
 
 

@@ -12,7 +12,8 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
                                TomlConfigSettingsSource, YamlConfigSettingsSource)
 
-OP_NAMES = ("layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm", "embedding_layer_norm")
+from kernels.registry import OPS
+
 
 
 class Settings(BaseSettings):
@@ -60,9 +61,9 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError("expected op=backend pairs separated by commas") from None
             value = {k.strip(): v.strip() for k, v in value.items()}
-        unknown = set(value) - set(OP_NAMES)
+        unknown = set(value) - set(OPS)
         if unknown:
-            raise ValueError(f"unknown op(s) {sorted(unknown)}; ops are {', '.join(OP_NAMES)}")
+            raise ValueError(f"unknown op(s) {sorted(unknown)}; ops are {', '.join(OPS)}")
         return value
 
     @model_validator(mode="after")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from kernels.registry import OPS
+
 PREFIX = "fusedserve_"
 
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -58,8 +60,7 @@ class Metrics:
         # every known fallback series exists from the start, so dashboards and alerts see 0, not nothing
         self.fallbacks.labels("all", "exception")
         self.fallbacks.labels("all", "non_finite")
-        for op in ("layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm",
-                   "embedding_layer_norm"):
+        for op in OPS:
             self.fallbacks.labels(op, "verify_mismatch")
 
     def watch_device_memory(self, device: torch.device) -> None:

@@ -3,6 +3,7 @@ token is configured. Fault injection exists only with FUSEDSERVE_FAULT_INJECTION
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from typing import Annotated, Literal
 
@@ -34,8 +35,6 @@ class FusedSwitch(BaseModel):
 
 @router.post("/fused", dependencies=[Admin])
 async def set_fused(body: FusedSwitch, service: ServiceDep) -> dict:
-    import asyncio
-
     kernels = await asyncio.to_thread(service.set_fused, body.enabled)
     return {"fused": body.enabled, "kernels": kernels["ops"]}
 
@@ -48,8 +47,6 @@ class Fault(BaseModel):
 
 @router.post("/faults", dependencies=[Admin])
 async def add_fault(body: Fault, service: ServiceDep) -> dict:
-    import asyncio
-
     if not service.settings.fault_injection:
         raise NotFound("fault injection is disabled")
     if body.op not in OPS:
@@ -60,8 +57,6 @@ async def add_fault(body: Fault, service: ServiceDep) -> dict:
 
 @router.delete("/faults", dependencies=[Admin])
 async def clear_faults(service: ServiceDep) -> dict:
-    import asyncio
-
     if not service.settings.fault_injection:
         raise NotFound("fault injection is disabled")
     await asyncio.to_thread(service.clear_faults)
