@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One packed H200 run through the device tool. Usage (from the repo root, on the device):
-#   bash bench/gpu_run.sh tests   # GPU test suite (+ interpreter-free kernel sweep), MiniLM parity
+#   bash bench/gpu_run.sh tests   # CUDA build from a clean cache, GPU test suite, MiniLM parity, compute-sanitizer
 #   bash bench/gpu_run.sh bench   # kernel benchmark: ours vs eager vs torch.compile, JSON + markdown
 # Results land in $OUT (the device tool brings them back).
 set -uo pipefail
@@ -12,15 +12,32 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memo
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 case "$mode" in
   tests)
+    # the CUDA extension builds here from a clean cache (and the xdist workers then load it)
+    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
+    rm -rf "$FUSEDSERVE_CUDA_CACHE"
+    python3 -m kernels.cuda.build 2>&1 | tee "$OUT/cuda-build.log" | tail -3
     # every shape of the sweep would otherwise be autotuned; the autotune path is exercised by the model tests
     FUSEDSERVE_TRITON_AUTOTUNE=0 FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm \
       timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 tests/kernels 2>&1 | tee "$OUT/gpu-tests-kernels.log" | tail -5
     FUSEDSERVE_TRITON_AUTOTUNE=${AUTOTUNE_MODEL_TESTS:-1} FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm \
       timeout 240 python3 -m pytest -m gpu -q -s -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests-model.log" | tail -12
+    # compute-sanitizer on the CUDA kernel tests: memcheck on the accuracy/config/misaligned tests (the 4 GB
+    # int64-offset cases and the compile tests are too slow under it), racecheck on every LayerNorm launch
+    # config (the kernels with shared memory)
+    run_sanitizer() {
+      local tool=$1 limit=$2 select=$3
+      FUSEDSERVE_CUDA_TUNE=0 timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+        python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_cuda_ops.py -k "$select" \
+        > "$OUT/sanitizer-$tool.log" 2>&1
+      echo "compute-sanitizer $tool exit $?" | tee -a "$OUT/sanitizer-$tool.log"
+      grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer-$tool.log" | tail -3
+    }
+    run_sanitizer memcheck "${MEMCHECK_S:-240}" "not offsets and not opcheck and not auto_mode and not tuner"
+    run_sanitizer racecheck "${RACECHECK_S:-120}" "every_norm_launch_config or misaligned"
     ;;
   bench)
     shift
-    timeout 560 python3 -m bench.kernels --providers triton eager compile --out "$OUT/kernels.json" \
+    timeout 560 python3 -m bench.kernels --providers triton cuda eager compile --out "$OUT/kernels.json" \
       --markdown "$OUT/kernels.md" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^\[' 
     ;;
 esac

@@ -128,17 +128,20 @@ def providers(names: list[str], device: str) -> dict[str, Callable[[str], Callab
             return compiled[op]
 
         available["compile"] = get_compiled
-    for backend in ("triton", "cuda"):
-        if backend in names:
-            try:
-                if backend == "triton":
-                    from kernels.triton import LAUNCHERS
-                else:
-                    from kernels.cuda import LAUNCHERS  # type: ignore[no-redef]
-            except ImportError as exc:
-                print(f"provider {backend}: unavailable ({exc})", file=sys.stderr)
-                continue
-            available[backend] = LAUNCHERS.__getitem__
+    if "triton" in names:
+        try:
+            from kernels.triton import LAUNCHERS
+        except ImportError as exc:
+            print(f"provider triton: unavailable ({exc})", file=sys.stderr)
+        else:
+            available["triton"] = LAUNCHERS.__getitem__
+    if "cuda" in names:
+        from kernels import cuda
+
+        try:
+            available["cuda"] = cuda.load().__getitem__
+        except cuda.BuildUnavailable as exc:
+            print(f"provider cuda: unavailable ({exc})", file=sys.stderr)
     return available
 
 
@@ -182,7 +185,30 @@ def run(args: argparse.Namespace) -> dict:
                       file=sys.stderr, flush=True)
                 if args.out:  # incremental, so a run cut short still leaves its numbers
                     _write(args.out, _report(copy_gbps, results))
-    return _report(copy_gbps, results)
+    report = _report(copy_gbps, results)
+    if device == "cuda" and {"triton", "cuda"} <= set(provs):
+        report["auto_mode"] = auto_mode_choices(dtypes, sorted({c for _, c in shapes}))
+    if "cuda" in provs:
+        from kernels.cuda.tuning import TUNER
+
+        report["cuda_tuning"] = TUNER.table()
+    return report
+
+
+def auto_mode_choices(dtypes: list[torch.dtype], widths: list[int]) -> dict:
+    """What the registry's auto mode picks per op (its startup race) for each dtype and hidden width."""
+    import kernels
+
+    choices = {}
+    for dtype in dtypes:
+        for cols in widths:
+            selection = kernels.configure("cuda", (dtype,), hidden_sizes=(cols,))
+            key = f"{str(dtype).removeprefix('torch.')} {cols}"
+            choices[key] = {op: {"backend": c["backend"], "timings_us": c.get("timings_us")}
+                            for op, c in selection.as_dict()["ops"].items()}
+            print(f"auto mode {key}: " + ", ".join(f"{op}={c['backend']}" for op, c in choices[key].items()),
+                  file=sys.stderr)
+    return choices
 
 
 def _write(path: str, report: dict) -> None:

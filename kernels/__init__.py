@@ -111,3 +111,20 @@ def _load_triton(device: torch.device):
 
 
 registry.register_backend("triton", _load_triton)
+
+
+def _load_cuda(device: torch.device):
+    if device.type != "cuda":
+        raise BackendUnavailable(f"needs a CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("CUDA is not available")
+    from kernels import cuda, ops
+
+    try:
+        launchers = cuda.load()
+    except cuda.BuildUnavailable as exc:
+        raise BackendUnavailable(str(exc)) from exc
+    return ops.custom_ops("cuda", launchers)
+
+
+registry.register_backend("cuda", _load_cuda)

@@ -1,13 +1,16 @@
 """Per-op backend choice. Each backend (triton, cuda, torch) is probed once (importable? usable on this
 device?), then self-tested op by op against the float64 reference on fresh random inputs of a few
-shapes and every dtype in use. Auto mode takes, per op, the first candidate in preference order that
-passes and records why every other one was rejected; an explicitly forced backend that fails raises.
-The model never sees any of this: it calls `kernels.<op>`, which dispatches through `active`.
+shapes and every dtype in use. Auto mode self-tests every fused backend; when more than one passes it
+races them at the model's shape (RACE_ROWS x hidden size, serving dtype) and takes the fastest, else the one
+that passed; the reference is the fallback. Why every other backend was rejected is recorded; an explicitly
+forced backend that fails raises. The model never sees any of this: it calls `kernels.<op>`, which
+dispatches through `active`.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import reference
-from kernels.testing import check_op
+from kernels.testing import OP_SPECS, check_op
 
 log = logging.getLogger("fusedserve.kernels")
 
@@ -72,6 +75,7 @@ class OpChoice:
     backend: str
     reason: str
     rejected: dict[str, str] = field(default_factory=dict)
+    timings_us: dict[str, float] = field(default_factory=dict)  # the auto-mode race, when there was one
 
 
 @dataclass
@@ -108,7 +112,8 @@ class Selection:
             "device": str(self.device),
             "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
             "fused": self.fused,
-            "ops": {c.op: {"backend": c.backend, "reason": c.reason, "rejected": dict(c.rejected)}
+            "ops": {c.op: {"backend": c.backend, "reason": c.reason, "rejected": dict(c.rejected),
+                           **({"timings_us": dict(c.timings_us)} if c.timings_us else {})}
                     for c in self.choices.values()},
         }
 
@@ -139,6 +144,43 @@ def _self_test(fn: Callable, op: str, device: torch.device, dtypes: Iterable[tor
     return None
 
 
+# The auto-mode race: per-call time of each passing fused backend on [RACE_ROWS, hidden] inputs (a typical
+# batch's token count), eager calls as serving makes them (host launch cost included), median of rounds.
+RACE_ROWS = 4096
+RACE_CALLS = 20
+RACE_ROUNDS = 5
+_race_cache: dict[tuple, dict[str, float]] = {}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _race(op: str, impls: Mapping[str, Callable], device: torch.device, dtype: torch.dtype,
+          cols: int) -> dict[str, float]:
+    """Microseconds per call of each implementation of `op` on the same inputs (cached per process)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    key = (op, name, dtype, RACE_ROWS, cols, tuple(impls))
+    if key in _race_cache:
+        return _race_cache[key]
+    args, kwargs = OP_SPECS[op].make_inputs(RACE_ROWS, cols, dtype, device, torch.Generator().manual_seed(7))
+    samples: dict[str, list[float]] = {n: [] for n in impls}
+    for fn in impls.values():  # warm-up: compilation, autotuning and launch-config sweeps happen here
+        for _ in range(3):
+            fn(*args, **kwargs)
+    _sync(device)
+    for _ in range(RACE_ROUNDS):  # interleaved rounds, so clock or thermal drift hits every backend alike
+        for n, fn in impls.items():
+            started = time.perf_counter()
+            for _ in range(RACE_CALLS):
+                fn(*args, **kwargs)
+            _sync(device)
+            samples[n].append((time.perf_counter() - started) * 1e6 / RACE_CALLS)
+    _race_cache[key] = {n: statistics.median(v) for n, v in samples.items()}
+    return _race_cache[key]
+
+
 def configure(
     device: torch.device | str = "cpu",
     dtypes: Iterable[torch.dtype] = (torch.float32,),
@@ -147,11 +189,14 @@ def configure(
     overrides: Mapping[str, str] | None = None,
     fused: bool = True,
     hidden_sizes: Iterable[int] = (),
+    race: bool | None = None,
 ) -> Selection:
     """Choose a backend per op, make it active, and return what was chosen and why.
 
     backend: "auto" or a backend name forced for every op; overrides: {op: backend} per op, winning over
-    `backend`; fused=False puts every op on the reference path without probing anything.
+    `backend`; fused=False puts every op on the reference path without probing anything. race: time the
+    fused backends that pass and take the fastest (default: on CUDA devices; elsewhere the first that passes
+    in preference order, since the Triton interpreter's speed says nothing).
     """
     global _current
     started = time.perf_counter()
@@ -166,7 +211,9 @@ def configure(
             raise ValueError(f"backend override {op}={name!r}: unknown backend; known: {', '.join(sorted(known))}")
     if backend != "auto" and backend not in known:
         raise ValueError(f"unknown backend {backend!r}; known: auto, {', '.join(backend_names())}")
+    hidden_sizes = tuple(hidden_sizes)
     test_cols = tuple(dict.fromkeys([*SELF_TEST_COLS, *hidden_sizes]))
+    race = device.type == "cuda" if race is None else race
 
     loaded: dict[str, Mapping[str, Callable] | str] = {}
 
@@ -189,7 +236,10 @@ def configure(
         forced = backend if forced == "auto" else forced
         candidates = [b for b in _BACKENDS if forced in ("auto", b.name)]
         choice = OpChoice(op, "", "")
+        passed: list[str] = []
         for b in candidates:
+            if passed and b.name == REFERENCE_BACKEND:
+                break  # a fused backend passed; the reference stays the fallback
             impl = load(b)
             if isinstance(impl, str):
                 why = impl
@@ -198,12 +248,27 @@ def configure(
             else:
                 why = _self_test(impl[op], op, device, dtypes, test_cols)
                 if why is None:
-                    choice.backend = b.name
-                    choice.reason = ("forced by configuration; " if forced != "auto" else "") + \
-                        ("reference path" if b.name == REFERENCE_BACKEND else "first in preference order") + \
-                        " that passed its self-test"
-                    break
+                    passed.append(b.name)
+                    if forced != "auto" or b.name == REFERENCE_BACKEND or not race:
+                        break
+                    continue
             choice.rejected[b.name] = why
+        if len(passed) > 1:
+            cols = hidden_sizes[0] if hidden_sizes else 768
+            impls = {n: load(next(b for b in _BACKENDS if b.name == n))[op] for n in passed}
+            choice.timings_us = _race(op, impls, device, dtypes[0], cols)
+            choice.backend = min(choice.timings_us, key=choice.timings_us.get)
+            times = ", ".join(f"{n} {t:.1f}" for n, t in sorted(choice.timings_us.items(), key=lambda kv: kv[1]))
+            choice.reason = (f"fastest of {len(passed)} that passed their self-tests "
+                             f"(us/call at {RACE_ROWS}x{cols} {str(dtypes[0]).removeprefix('torch.')}: {times})")
+        elif passed:
+            choice.backend = passed[0]
+            if forced != "auto":
+                choice.reason = "forced by configuration; passed its self-test"
+            elif passed[0] == REFERENCE_BACKEND:
+                choice.reason = "reference path: no fused backend passed"
+            else:
+                choice.reason = "the only fused backend that passed its self-test"
         if not choice.backend:
             if forced != "auto":
                 raise BackendError(f"backend {forced!r} was forced for op {op!r} but cannot be used: "

@@ -11,13 +11,14 @@ import torch
 import triton
 from torch import Tensor
 
+# as_rows/as_vector/output_like are shared with the CUDA backend; re-exported for the launchers here.
+from kernels._layout import MAX_COLS, as_rows, as_vector, output_like  # noqa: F401
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # FUSEDSERVE_TRITON_AUTOTUNE=0 skips benchmarking and takes each kernel's heuristic config (the first
 # candidate): for test sweeps over many shapes, where every new shape would otherwise be tuned.
 AUTOTUNE = os.environ.get("FUSEDSERVE_TRITON_AUTOTUNE", "1") != "0"
 
-# Widest row a one-tile-per-row kernel keeps in registers (fp32: 16 KiB per row per program).
-MAX_COLS = 16384
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -90,33 +91,6 @@ def check_device(name: str, *tensors: Tensor | None) -> None:
             raise ValueError(f"{name}: unsupported dtype {t.dtype} (float32, float16, bfloat16, float64)")
     if ref.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"{name}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {ref.device}")
-
-
-def as_rows(x: Tensor, cols: int, name: str) -> Tensor:
-    """x viewed as [rows, cols] with unit column stride (copied only if it cannot be viewed so)."""
-    if x.shape[-1] != cols:
-        raise ValueError(f"{name}: last dimension is {x.shape[-1]}, expected {cols}")
-    if cols > MAX_COLS:
-        raise ValueError(f"{name}: rows of {cols} elements exceed the Triton backend's limit of {MAX_COLS}")
-    if x.dim() == 2 and x.stride(1) == 1:
-        return x
-    x2 = x.reshape(-1, cols)
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def as_vector(v: Tensor, cols: int, name: str) -> Tensor:
-    if v.shape != (cols,):
-        raise ValueError(f"{name}: expected shape ({cols},), got {tuple(v.shape)}")
-    return v if v.stride(0) == 1 else v.contiguous()
-
-
-def output_like(x2: Tensor, shape: torch.Size, out: Tensor | None, name: str) -> Tensor:
-    """A fresh [rows, cols] output, or the caller's `out` (must be contiguous, same shape and dtype)."""
-    if out is None:
-        return torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
-    if out.shape != shape or out.dtype != x2.dtype or not out.is_contiguous():
-        raise ValueError(f"{name}: out must be contiguous {tuple(shape)} {x2.dtype}")
-    return out.view(x2.shape)
 
 
 def needs_wide(*matrices: Tensor | None) -> bool:

@@ -140,3 +140,46 @@ def test_selection_as_dict_is_json_ready():
     data = json.loads(json.dumps(sel.as_dict()))
     assert data["ops"]["add_layer_norm"]["backend"] == "torch"
     assert data["dtypes"] == ["float32"]
+
+
+def test_auto_mode_races_passing_backends_and_takes_the_fastest(monkeypatch):
+    """With race=True (the default on CUDA), every fused backend that passes is timed at the model's shape
+    and the fastest wins, whatever the preference order; the timings are reported."""
+    import time
+
+    def slow_layer_norm(*args, **kwargs):
+        time.sleep(0.02)
+        return reference.layer_norm(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "RACE_ROWS", 16)
+    monkeypatch.setattr(registry, "RACE_CALLS", 2)
+    monkeypatch.setattr(registry, "RACE_ROUNDS", 3)
+    first = registry.backend_names()[0]
+    registry.register_backend("slow", lambda device: {"layer_norm": slow_layer_norm}, before=first)
+    registry.register_backend("fast", lambda device: {"layer_norm": reference.layer_norm})  # behind "slow"
+    try:
+        sel = kernels.configure("cpu", (torch.float32,), hidden_sizes=(48,), race=True)
+        ln = sel.choices["layer_norm"]
+        assert ln.backend == "fast", ln
+        assert {"slow", "fast"} <= set(ln.timings_us) and ln.timings_us["slow"] > 10 * ln.timings_us["fast"]
+        assert ln.reason.startswith("fastest of") and "16x48 float32" in ln.reason
+        assert sel.as_dict()["ops"]["layer_norm"]["timings_us"]["fast"] == ln.timings_us["fast"]
+        # without the race (the default off the GPU) the first that passes in preference order is kept
+        assert kernels.configure("cpu", (torch.float32,), hidden_sizes=(48,)).backend_of("layer_norm") == "slow"
+    finally:
+        registry.unregister_backend("slow")
+        registry.unregister_backend("fast")
+
+
+def test_cuda_backend_is_registered_and_reports_why_it_cannot_run_here():
+    assert registry.backend_names().index("cuda") < registry.backend_names().index("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the CUDA backend is exercised by tests/kernels/test_cuda_ops.py")
+    with pytest.raises(BackendError, match="'cuda' was forced.*unavailable: needs a CUDA device, got cpu"):
+        kernels.configure("cpu", (torch.float32,), backend="cuda")
+    # auto mode probes it, records why, and moves on (race=True so every fused backend is probed, as on a GPU)
+    sel = kernels.configure("cpu", (torch.float32,), race=True)
+    for choice in sel.choices.values():
+        assert choice.rejected["cuda"] == "unavailable: needs a CUDA device, got cpu"
+        assert choice.backend in ("triton", "torch")
+    assert "rejected cuda for every op: unavailable: needs a CUDA device, got cpu" in sel.report()

@@ -1,0 +1,129 @@
+"""Build (or find already built) the CUDA extension: torch.utils.cpp_extension.load over csrc/, into a
+persistent cache so only the first start of a given source tree + torch + GPU architecture pays for nvcc.
+
+    python -m kernels.cuda.build            # pre-build (the GPU image does this at docker build time)
+    FUSEDSERVE_CUDA_CACHE=/path ...         # cache directory (default ~/.cache/fusedserve/cuda)
+    TORCH_CUDA_ARCH_LIST="9.0"              # target GPUs when building without one (default: the visible GPU)
+
+The cache key is a hash of the sources, the torch and CUDA versions and the architecture list, so an edited
+kernel or an upgraded torch builds afresh in its own directory instead of loading a stale library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("fusedserve.kernels.cuda")
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("binding.cpp", "norm.cu", "pointwise.cu")
+NAME = "fusedserve_cuda"
+# the C++ standard is torch's choice (C++17 for torch 2.11, C++20 for 2.14): not set here
+CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+
+_loaded: Path | None = None
+
+
+class BuildUnavailable(RuntimeError):
+    """The extension cannot be built or loaded here; the message says why."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FUSEDSERVE_CUDA_CACHE", Path.home() / ".cache" / "fusedserve" / "cuda"))
+
+
+def cuda_home() -> Path | None:
+    """The CUDA toolkit: CUDA_HOME, else the one behind nvcc on PATH, else /usr/local/cuda; a candidate counts
+    only if it has bin/nvcc and include/cuda_runtime.h (a wrapper script in /usr/local/bin would otherwise make
+    torch guess CUDA_HOME=/usr/local and miss the headers)."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    if shutil.which("nvcc"):
+        candidates.append(str(Path(shutil.which("nvcc")).resolve().parents[1]))
+    candidates.append("/usr/local/cuda")
+    for home in filter(None, candidates):
+        if (Path(home) / "bin" / "nvcc").exists() and (Path(home) / "include" / "cuda_runtime.h").exists():
+            return Path(home)
+    return None
+
+
+def arch_list() -> str:
+    """TORCH_CUDA_ARCH_LIST if set, else the visible GPU's compute capability (9.0 for an H100/H200)."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"]
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}.{minor}"
+    return "9.0"
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256()
+    for name in sorted(p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp")):
+        digest.update(name.encode() + (CSRC / name).read_bytes())
+    digest.update(f"{torch.__version__}|{torch.version.cuda}|{arch_list()}|{CUDA_FLAGS}".encode())
+    return cache_root() / f"{NAME}-{digest.hexdigest()[:16]}"
+
+
+def load(verbose: bool = False) -> Path:
+    """Build if needed and load the library (registers torch.ops.fusedserve_cuda.*); returns its directory."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    if torch.version.cuda is None:
+        raise BuildUnavailable("this torch build has no CUDA support")
+    home = cuda_home()
+    if home is None:
+        raise BuildUnavailable("nvcc not found (set CUDA_HOME or put nvcc on PATH; the GPU image pre-builds the "
+                               "extension with `python -m kernels.cuda.build`)")
+    # torch.utils.cpp_extension reads CUDA_HOME when first imported
+    os.environ["CUDA_HOME"] = str(home)
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    fresh = not any(directory.glob(f"{NAME}*.so"))
+    if fresh:
+        log.warning("building the CUDA extension into %s (first start for these sources; about a minute)...",
+                    directory)
+    started = time.perf_counter()
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", arch_list())
+    try:
+        cpp_extension.load(
+            name=NAME, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(directory),
+            extra_cflags=["-O3"], extra_cuda_cflags=CUDA_FLAGS, extra_include_paths=[str(CSRC)],
+            is_python_module=False, verbose=verbose)
+    except Exception as exc:  # a compiler error is long: keep its tail, which names the failing line
+        raise BuildUnavailable(f"building the extension failed: {str(exc)[-2000:]}") from exc
+    log.info("CUDA extension %s in %.1fs (%s)", "built" if fresh else "loaded from cache",
+             time.perf_counter() - started, directory)
+    _loaded = directory
+    return directory
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.cuda.build", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(f"arch list {arch_list()}; cache {cache_root()}", flush=True)
+        directory = load(verbose=args.verbose)
+    except BuildUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    ops = [name for name in ("norm", "embedding_norm", "bias_act") if hasattr(torch.ops.fusedserve_cuda, name)]
+    print(f"ok: {directory} (torch.ops.fusedserve_cuda: {', '.join(ops)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

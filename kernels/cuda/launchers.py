@@ -1,0 +1,141 @@
+"""Python launchers of the CUDA backend: the same signatures as the Triton launchers and the reference
+(out= included), shaping inputs to [rows, cols] and calling torch.ops.fusedserve_cuda.* with a tuned launch
+configuration. Importing this module needs the built extension (kernels.cuda.build.load())."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels._layout import as_rows, as_vector, output_like, same_shape
+from kernels.cuda.tuning import TUNER, norm_candidates, pointwise_candidates
+
+_ops = torch.ops.fusedserve_cuda
+_GELU = {"none": 1, "tanh": 2}
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _gelu_code(approximate: str) -> int:
+    try:
+        return _GELU[approximate]
+    except KeyError:
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}") from None
+
+
+def _check(name: str, *tensors: Tensor | None) -> None:
+    ref = tensors[0]
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device != ref.device or t.device.type != "cuda":
+            raise ValueError(f"{name}: all tensors must be on one CUDA device, got {ref.device} and {t.device}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name}: unsupported dtype {t.dtype} (the CUDA backend takes float32, float16, bfloat16)")
+
+
+def _norm(name: str, x: Tensor, residual: Tensor | None, bias: Tensor | None, weight: Tensor, ln_bias: Tensor,
+          eps: float, gelu: int, out: Tensor | None, return_sum: bool = False):
+    _check(name, x, residual, bias, weight, ln_bias)
+    cols = x.shape[-1]
+    x2 = as_rows(x, cols, name)
+    r2 = None if residual is None else as_rows(residual, cols, f"{name} residual")
+    b = None if bias is None else as_vector(bias, cols, f"{name} bias")
+    w, lb = as_vector(weight, cols, f"{name} weight"), as_vector(ln_bias, cols, f"{name} ln_bias")
+    y = output_like(x2, x.shape, out, name)
+    s = torch.empty_like(x2) if return_sum else None
+
+    def run(config):
+        _ops.norm(x2, r2, b, w, lb, eps, gelu, y, s, *config)
+
+    run(TUNER.choose("norm", x2.dtype, cols, x2.shape[0], norm_candidates(cols), run))
+    y = out if out is not None else y.view(x.shape)
+    return (y, s.view(x.shape)) if return_sum else y
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
+    return _norm("layer_norm", x, None, None, weight, bias, eps, 0, out)
+
+
+def layer_norm_gelu(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12, approximate: str = "none", *,
+                    out: Tensor | None = None) -> Tensor:
+    return _norm("layer_norm_gelu", x, None, None, weight, bias, eps, _gelu_code(approximate), out)
+
+
+def add_layer_norm(x: Tensor, residual: Tensor, bias: Tensor | None, weight: Tensor, ln_bias: Tensor,
+                   eps: float = 1e-12, *, return_sum: bool = False,
+                   out: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    same_shape("add_layer_norm", x, residual, "residual")
+    return _norm("add_layer_norm", x, residual, bias, weight, ln_bias, eps, 0, out, return_sum)
+
+
+def _bias_act(name: str, x: Tensor, bias: Tensor, residual: Tensor | None, gelu: int, out: Tensor | None) -> Tensor:
+    _check(name, x, bias, residual)
+    cols = x.shape[-1]
+    x2 = as_rows(x, cols, name, max_cols=2**31)
+    r2 = None if residual is None else as_rows(residual, cols, f"{name} residual", max_cols=2**31)
+    b = as_vector(bias, cols, f"{name} bias")
+    y = output_like(x2, x.shape, out, name)
+
+    def run(config):
+        _ops.bias_act(x2, b, r2, gelu, y, *config)
+
+    run(TUNER.choose("pointwise", x2.dtype, cols, x2.shape[0], pointwise_candidates(cols), run))
+    return out if out is not None else y.view(x.shape)
+
+
+def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none", *, out: Tensor | None = None) -> Tensor:
+    return _bias_act("bias_gelu", x, bias, None, _gelu_code(approximate), out)
+
+
+def bias_residual_gelu(x: Tensor, bias: Tensor, residual: Tensor, approximate: str = "none", *,
+                       out: Tensor | None = None) -> Tensor:
+    same_shape("bias_residual_gelu", x, residual, "residual")
+    return _bias_act("bias_residual_gelu", x, bias, residual, _gelu_code(approximate), out)
+
+
+def _table(t: Tensor, cols: int, name: str) -> Tensor:
+    if t.dim() != 2 or t.shape[1] != cols:
+        raise ValueError(f"embedding_layer_norm: {name} must be [rows, {cols}], got {tuple(t.shape)}")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def embedding_layer_norm(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, word_embeddings: Tensor,
+                         position_embeddings: Tensor, token_type_embeddings: Tensor, weight: Tensor, bias: Tensor,
+                         eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
+    name = "embedding_layer_norm"
+    _check(name, word_embeddings, position_embeddings, token_type_embeddings, weight, bias)
+    if not input_ids.shape == position_ids.shape == token_type_ids.shape:
+        raise ValueError(f"{name}: id tensors differ in shape")
+    for ids in (input_ids, position_ids, token_type_ids):
+        if ids.dtype not in (torch.int32, torch.int64) or ids.device != word_embeddings.device:
+            raise ValueError(f"{name}: ids must be int32/int64 on {word_embeddings.device}, got {ids.dtype} on {ids.device}")
+    cols = word_embeddings.shape[-1]
+    shape = (*input_ids.shape, cols)
+    ids, pos, types = (t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, position_ids, token_type_ids))
+    rows = ids.numel()
+    if out is None:
+        y = torch.empty((rows, cols), dtype=word_embeddings.dtype, device=word_embeddings.device)
+    elif out.shape != shape or out.dtype != word_embeddings.dtype or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous {shape} {word_embeddings.dtype}")
+    else:
+        y = out.view(rows, cols)
+    word, position, token_type = (_table(t, cols, n) for t, n in (
+        (word_embeddings, "word_embeddings"), (position_embeddings, "position_embeddings"),
+        (token_type_embeddings, "token_type_embeddings")))
+    w, b = as_vector(weight, cols, f"{name} weight"), as_vector(bias, cols, f"{name} bias")
+
+    def run(config):
+        _ops.embedding_norm(ids, pos, types, word, position, token_type, w, b, eps, y, *config)
+
+    run(TUNER.choose("embedding_norm", y.dtype, cols, rows, norm_candidates(cols), run))
+    return out if out is not None else y.view(shape)
+
+
+LAUNCHERS = {
+    "layer_norm": layer_norm,
+    "layer_norm_gelu": layer_norm_gelu,
+    "bias_gelu": bias_gelu,
+    "bias_residual_gelu": bias_residual_gelu,
+    "add_layer_norm": add_layer_norm,
+    "embedding_layer_norm": embedding_layer_norm,
+}

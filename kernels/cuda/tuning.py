@@ -1,0 +1,151 @@
+"""Launch-configuration choice for the CUDA kernels: the first call of a kernel at a new shape class times
+every candidate configuration (CUDA-graph replays, so it is device time, not Python overhead) and keeps the
+fastest; results are cached in memory and in a JSON file per GPU model, so later processes on the same kind
+of GPU start tuned. `table()` is what was chosen (the bench JSON and /info record it).
+
+Shape class: (kernel, dtype, cols, power-of-two bucket of the row count). Below TUNE_MIN_ROWS rows every
+configuration is a single wave bound by launch latency, so the heuristic is taken without a sweep (this also
+keeps the registry's small self-test shapes from tuning). FUSEDSERVE_CUDA_TUNE=0 skips the sweep everywhere;
+so does a call made while a CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import statistics
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("fusedserve.kernels.cuda")
+
+Config = tuple[int, int]
+
+# LayerNorm family: (threads per row, threads per block). Values per thread are capped at 32 (registers).
+NORM_THREADS_PER_ROW = (32, 64, 128, 256, 512)
+NORM_BLOCKS = (128, 256, 512)
+# bias(+residual)+GELU: (threads per block, rows each thread walks)
+POINTWISE_CONFIGS: tuple[Config, ...] = tuple((t, r) for t in (128, 256, 512, 1024) for r in (1, 4, 16))
+VALUES_PER_THREAD = 32
+TUNE_MIN_ROWS = 256
+
+
+def _min_threads_per_row(cols: int) -> int:
+    return next(t for t in NORM_THREADS_PER_ROW if t * VALUES_PER_THREAD >= cols)
+
+
+def norm_candidates(cols: int) -> list[Config]:
+    """Configs that fit a row of `cols`; the first is the heuristic default."""
+    least = _min_threads_per_row(cols)
+    tprs = [t for t in NORM_THREADS_PER_ROW if least <= t <= 4 * least]
+    default = (least, max(256, least))
+    return [default] + [(t, b) for t in tprs for b in NORM_BLOCKS if b >= t and (t, b) != default]
+
+
+def pointwise_candidates(cols: int) -> list[Config]:
+    default = (256, 4)
+    return [default] + [c for c in POINTWISE_CONFIGS if c != default]
+
+
+def row_bucket(rows: int) -> int:
+    return min(max(rows, 1).bit_length(), 24)
+
+
+def _enabled() -> bool:
+    return os.environ.get("FUSEDSERVE_CUDA_TUNE", "1") != "0"
+
+
+def _time_device(run: Callable[[], None], launches: int = 10, repeats: int = 5) -> float:
+    """Median device time of one launch in microseconds, from CUDA-graph replays of `launches` launches."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm: first launch of this instantiation
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            run()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / launches)
+    return statistics.median(times)
+
+
+class Tuner:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._table: dict[str, dict] = {}
+        self._file: Path | None = None
+
+    def _cache_file(self) -> Path:
+        if self._file is None:
+            from kernels.cuda.build import cache_root
+
+            gpu = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
+            self._file = cache_root() / f"tuning-{gpu}.json"
+            try:
+                self._table.update(json.loads(self._file.read_text()))
+            except (OSError, ValueError):
+                pass
+        return self._file
+
+    def _save(self) -> None:
+        try:
+            self._file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._table, indent=1, sort_keys=True))
+            tmp.replace(self._file)
+        except OSError as exc:  # a read-only cache only costs a re-tune next start
+            log.debug("cannot save CUDA tuning cache %s: %s", self._file, exc)
+
+    def choose(self, kernel: str, dtype: torch.dtype, cols: int, rows: int, candidates: Sequence[Config],
+               run: Callable[[Config], None]) -> Config:
+        key = f"{kernel}|{str(dtype).removeprefix('torch.')}|{cols}|{row_bucket(rows)}"
+        hit = self._table.get(key)
+        if hit is None and self._file is None:
+            with self._lock:
+                self._cache_file()
+            hit = self._table.get(key)
+        if hit is not None:
+            return tuple(hit["config"])
+        if (rows < TUNE_MIN_ROWS or not _enabled() or len(candidates) == 1
+                or torch.cuda.is_current_stream_capturing()):
+            return candidates[0]
+        with self._lock:
+            timings = {}
+            for config in candidates:
+                try:
+                    timings[config] = _time_device(lambda: run(config))
+                except RuntimeError as exc:  # a config this shape cannot take is skipped, not fatal
+                    log.debug("cuda tune %s %s: skipped (%s)", key, config, exc)
+            if not timings:
+                return candidates[0]
+            best = min(timings, key=timings.get)
+            self._table[key] = {"config": list(best), "us": round(timings[best], 3),
+                                "heuristic_us": round(timings.get(candidates[0], float("nan")), 3),
+                                "candidates": len(timings)}
+            log.info("cuda tune %s x %d rows: %s %.2f us (heuristic %s %.2f us, %d candidates)", key, rows, best,
+                     timings[best], candidates[0], timings.get(candidates[0], float("nan")), len(timings))
+            self._save()
+            return best
+
+    def table(self) -> dict[str, dict]:
+        return dict(self._table)
+
+    def clear(self) -> None:
+        self._table.clear()
+
+
+TUNER = Tuner()

@@ -1,0 +1,50 @@
+"""The CUDA extension builds from Python on a machine without a GPU (sources + binding.cpp against this torch,
+for sm_90), lands in the persistent cache, and a second start loads it from there; missing nvcc is reported
+as a reason, not a crash. The kernels themselves run in test_cuda_ops.py on the GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kernels.cuda import build
+
+
+def _require_toolkit():
+    if build.cuda_home() is None:
+        if os.environ.get("FUSEDSERVE_REQUIRE_NVCC") == "1":
+            pytest.fail("nvcc is required in CI but not found")
+        pytest.skip("no CUDA toolkit here")
+
+
+def test_builds_into_the_cache_and_loads_from_it_the_second_time(tmp_path):
+    _require_toolkit()
+    env = {**os.environ, "FUSEDSERVE_CUDA_CACHE": str(tmp_path), "TORCH_CUDA_ARCH_LIST": "9.0"}
+    cmd = [sys.executable, "-m", "kernels.cuda.build"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "building the CUDA extension" in first.stderr and "built in" in first.stderr
+    assert "torch.ops.fusedserve_cuda: norm, embedding_norm, bias_act" in first.stdout
+    libraries = list(tmp_path.glob("fusedserve_cuda-*/fusedserve_cuda*.so"))
+    assert len(libraries) == 1
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and "loaded from cache" in second.stderr, second.stderr[-2000:]
+    assert "building" not in second.stderr
+
+
+def test_cache_key_follows_sources_torch_and_arch(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSEDSERVE_CUDA_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    a = build.build_dir()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    assert build.build_dir() != a and build.build_dir().parent == tmp_path
+
+
+def test_missing_toolkit_is_a_reason(monkeypatch):
+    monkeypatch.setattr(build, "_loaded", None)
+    monkeypatch.setattr(build, "cuda_home", lambda: None)
+    with pytest.raises(build.BuildUnavailable, match="nvcc not found"):
+        build.load()
