@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One packed H200 run through the device tool. Usage (from the repo root, on the device):
-#   bash bench/gpu_run.sh tests   # CUDA build from a clean cache, GPU test suite, MiniLM parity, compute-sanitizer
+#   bash bench/gpu_run.sh tests     # CUDA build from a clean cache, GPU test suite, MiniLM parity
+#   bash bench/gpu_run.sh sanitize  # compute-sanitizer memcheck + racecheck on the CUDA kernel tests
 #   bash bench/gpu_run.sh bench   # kernel benchmark: ours vs eager vs torch.compile, JSON + markdown
 # Results land in $OUT (the device tool brings them back).
 set -uo pipefail
@@ -21,6 +22,10 @@ case "$mode" in
       timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 tests/kernels 2>&1 | tee "$OUT/gpu-tests-kernels.log" | tail -5
     FUSEDSERVE_TRITON_AUTOTUNE=${AUTOTUNE_MODEL_TESTS:-1} FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm \
       timeout 240 python3 -m pytest -m gpu -q -s -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests-model.log" | tail -12
+    ;;
+  sanitize)
+    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
+    python3 -m kernels.cuda.build 2>&1 | tail -1
     # compute-sanitizer on the CUDA kernel tests: memcheck on the accuracy/config/misaligned tests (the 4 GB
     # int64-offset cases and the compile tests are too slow under it), racecheck on every LayerNorm launch
     # config (the kernels with shared memory)
