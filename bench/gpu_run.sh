@@ -45,4 +45,17 @@ case "$mode" in
     timeout 560 python3 -m bench.kernels --providers triton cuda eager compile --out "$OUT/kernels.json" \
       --markdown "$OUT/kernels.md" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^\[' 
     ;;
+  ncu)
+    # Nsight Compute on the LayerNorm kernels at the shape the targets are argued on
+    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
+    for provider in triton cuda; do
+      for op in layer_norm_gelu add_layer_norm bias_gelu; do
+        timeout 120 ncu --nvtx --nvtx-include "profile/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          --section Occupancy --section LaunchStats python3 -m bench.ncu_kernels $provider $op bfloat16 32768x768 \
+          > "$OUT/ncu-$provider-$op.txt" 2>&1
+        grep -E "^  [a-z_]|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size" \
+          "$OUT/ncu-$provider-$op.txt" | head -12
+      done
+    done
+    ;;
 esac
