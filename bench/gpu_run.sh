@@ -58,4 +58,24 @@ case "$mode" in
       done
     done
     ;;
+  model)
+    # GPU model tests (MiniLM parity per backend, packed + CUDA graphs, the server with every sampled path on),
+    # the profiler breakdown, and a LayerNorm-kernel re-bench after a kernel change
+    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
+    python3 -m kernels.cuda.build 2>&1 | tail -1
+    FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout 300 python3 -m pytest -m gpu -q -s -rs -p no:cacheprovider \
+      tests/gpu 2>&1 | tee "$OUT/gpu-tests-model.log" | grep -E "cosine|passed|failed|Error|error" | tail -20
+    timeout 120 python3 -m bench.profile --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | grep -E "us/forward" 
+    timeout 150 python3 -m bench.kernels --providers cuda triton compile --dtypes bfloat16 \
+      --ops layer_norm layer_norm_gelu add_layer_norm --out "$OUT/kernels-ln.json" 2>&1 | tee "$OUT/bench-ln.log" | grep "^\[" 
+    ;;
+  serving)
+    # encoder forward vs Hugging Face (eager / sdpa / compile / compile+cudagraphs), then the server under load
+    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
+    python3 -m kernels.cuda.build 2>&1 | tail -1
+    timeout ${ENCODER_S:-330} python3 -m bench.encoder --out "$OUT/encoder.json" \
+      --compile-cases "bert-base b32 s128 fixed" "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" 2>&1 | tee "$OUT/encoder.log" | tail -30
+    timeout ${SERVE_S:-240} python3 -m bench.serve --device cuda --seconds 10 --per-request 16 \
+      --out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO" | tail -25
+    ;;
 esac

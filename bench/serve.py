@@ -81,20 +81,24 @@ def sentence_transformers_rate(texts: list[str], batch_size: int, device: str) -
     return len(texts) / (time.perf_counter() - started)
 
 
-async def closed_loop(url: str, texts: list[str], clients: int, seconds: float, per_request: int):
+async def closed_loop(url: str, texts: list[str], clients: int, seconds: float, per_request: int,
+                      count_tokens: dict[str, int] | None = None):
     latencies: list[float] = []
     errors = 0
+    sent = 0
     stop = time.monotonic() + seconds
     rng = random.Random(1)
 
     async def client_loop(client: httpx.AsyncClient) -> None:
-        nonlocal errors
+        nonlocal errors, sent
         while time.monotonic() < stop:
             batch = [rng.choice(texts) for _ in range(per_request)]
             t = time.perf_counter()
             r = await client.post("/infer", json={"inputs": batch})
             if r.status_code == 200:
                 latencies.append(time.perf_counter() - t)
+                if count_tokens is not None:
+                    sent += sum(count_tokens[b] for b in batch)
             else:
                 errors += 1
 
@@ -103,7 +107,122 @@ async def closed_loop(url: str, texts: list[str], clients: int, seconds: float, 
         started = time.monotonic()
         await asyncio.gather(*(client_loop(client) for _ in range(clients)))
         elapsed = time.monotonic() - started
+    if count_tokens is not None:
+        return latencies, errors, elapsed, sent
     return latencies, errors, elapsed
+
+
+def mixed_texts(n: int, seed: int = 0, low: int = 1, high: int = 200) -> list[str]:
+    """Texts of 1-200 words (uniform), the GPU traffic mix."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))) + "." for _ in range(n)]
+
+
+def gpu_sweep(args) -> dict:
+    """The H200 serving run: raw runner tokens/s on the traffic mix, sentence-transformers fp16 encode on the same
+    texts, then the real server under closed-loop load at each client count, and single-request latency."""
+    from model.runner import Embedder
+
+    texts = mixed_texts(4096)
+    settings = {"device": "cuda", "dtype": "float16", "max_batch_requests": str(args.max_batch),
+                "max_batch_tokens": "16384", "max_wait_ms": "2", "max_queue": "65536",
+                "max_client_batch": "256", "kernel_timing_sample_rate": str(args.timing_rate),
+                "verify_sample_rate": str(args.verify_rate)}
+    embedder, load = Embedder.load("default", device="cuda", dtype="float16", max_batch_tokens=16384,
+                                   max_batch=args.max_batch)
+    ids = embedder.tokenizer.encode(texts)
+    tokens_total = sum(map(len, ids))
+    # raw runner: the same texts in length-sorted batches under the server's limits (what its batcher forms)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) >= args.max_batch or (len(current) + 1) * len(ids[i]) > 16384):
+            batches.append(current)
+            current = []
+        current.append(ids[i])
+    batches.append(current)
+    for b in batches:
+        embedder.embed_ids(b)  # warm: graph capture per bucket
+    started = time.perf_counter()
+    for _ in range(3):
+        for b in batches:
+            embedder.embed_ids(b)
+    raw = 3 * tokens_total / (time.perf_counter() - started)
+    print(f"runner raw: {raw / 1e6:.2f} M tokens/s over {len(batches)} batches", file=sys.stderr, flush=True)
+    del embedder
+    torch_cuda_empty()
+
+    from sentence_transformers import SentenceTransformer
+
+    from model.weights import default_model_dir
+
+    st = SentenceTransformer(str(default_model_dir()), device="cuda", model_kwargs={"torch_dtype": "float16"})
+    st.encode(texts[:512], batch_size=512)
+    started = time.perf_counter()
+    st.encode(texts, batch_size=512)
+    st_rate = tokens_total / (time.perf_counter() - started)
+    one = sentences(1, 20)
+    st.encode(one)
+    st_lat = []
+    for _ in range(50):
+        t = time.perf_counter()
+        st.encode(one)
+        st_lat.append(time.perf_counter() - t)
+    print(f"sentence-transformers fp16: {st_rate / 1e6:.3f} M tokens/s; single p50 "
+          f"{statistics.median(st_lat) * 1e3:.2f} ms", file=sys.stderr, flush=True)
+    del st
+    torch_cuda_empty()
+
+    runs = []
+    with running_server(**settings) as (_, url):
+        token_count = {t: n for t, n in zip(texts, map(len, ids))}
+        for _ in range(2):  # warm the server's graphs on this traffic
+            asyncio.run(closed_loop(url, texts, 64, 3, args.per_request))
+        for clients in args.client_counts:
+            latencies, errors, elapsed, sent = asyncio.run(
+                closed_loop(url, texts, clients, args.seconds, args.per_request, count_tokens=token_count))
+            q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
+            runs.append({"clients": clients, "requests": len(latencies), "errors": errors,
+                         "requests_per_s": len(latencies) / elapsed, "tokens_per_s": sent / elapsed,
+                         "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "served_vs_raw": sent / elapsed / raw,
+                         "vs_sentence_transformers": sent / elapsed / st_rate})
+            print(f"{clients} clients: {runs[-1]['requests_per_s']:.0f} req/s, {sent / elapsed / 1e6:.2f} M tok/s "
+                  f"({100 * sent / elapsed / raw:.0f}% of raw), p50 {q[49] * 1e3:.1f} ms p99 {q[98] * 1e3:.1f} ms, "
+                  f"{errors} errors", file=sys.stderr, flush=True)
+        single = []
+        with httpx.Client(base_url=url, timeout=30) as client:
+            for _ in range(20):
+                client.post("/infer", json={"inputs": one})
+            for _ in range(200):
+                t = time.perf_counter()
+                client.post("/infer", json={"inputs": one})
+                single.append(time.perf_counter() - t)
+        info = httpx.get(url + "/info").json()
+        metrics = httpx.get(url + "/metrics").text
+    print(f"single 20-word request: p50 {statistics.median(single) * 1e3:.2f} ms", file=sys.stderr)
+    return {
+        "date": time.strftime("%Y-%m-%d"), "device": "cuda", "settings": settings, "per_request": args.per_request,
+        "texts": len(texts), "tokens": tokens_total, "runner_raw_tokens_per_s": raw,
+        "sentence_transformers_fp16_tokens_per_s": st_rate,
+        "sentence_transformers_single_p50_ms": statistics.median(st_lat) * 1e3,
+        "single_request_p50_ms": statistics.median(single) * 1e3,
+        "single_request_p99_ms": statistics.quantiles(single, n=100)[98] * 1e3,
+        "runs": runs, "info": info,
+        "metrics_excerpt": [line for line in metrics.splitlines()
+                            if line.startswith(("fusedserve_kernel_duration_seconds_count",
+                                                "fusedserve_reference_checks_total", "fusedserve_device_memory",
+                                                "fusedserve_batch_size_sum", "fusedserve_batch_size_count"))],
+        "command": " ".join(["python -m bench.serve", *sys.argv[1:]]),
+    }
+
+
+def torch_cuda_empty() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--st-sentences", type=int, default=1024)
     parser.add_argument("--out")
+    parser.add_argument("--client-counts", type=int, nargs="+", default=[16, 64, 256],
+                        help="GPU sweep (--device cuda): closed-loop client counts")
+    parser.add_argument("--max-batch", type=int, default=256, help="GPU sweep: max_batch_requests")
+    parser.add_argument("--timing-rate", type=float, default=0.01, help="GPU sweep: kernel_timing_sample_rate")
+    parser.add_argument("--verify-rate", type=float, default=0.0, help="GPU sweep: verify_sample_rate")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        report = gpu_sweep(args)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        print(json.dumps({k: v for k, v in report.items() if k not in ("info", "metrics_excerpt")}, indent=1))
+        return 0
     texts = sentences(2048, args.words)
 
     st_rate = sentence_transformers_rate(texts[: args.st_sentences], 64, args.device)

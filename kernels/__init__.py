@@ -31,6 +31,11 @@ def _ops():
     return getattr(_local, "ops", None) or _active
 
 
+def on_reference_path() -> bool:
+    """True inside reference_path() in this thread."""
+    return getattr(_local, "ops", None) is not None
+
+
 @contextlib.contextmanager
 def reference_path():
     """Run every op on the torch reference in this thread only (the server's background verifier uses

@@ -1,9 +1,18 @@
 """The BERT encoder (post-LN). Token-wise work runs on flattened [tokens, hidden] tensors through the
 fused `kernels.*` ops; GEMMs are plain torch matmuls with their bias folded into the following fused op
 where one exists; attention is torch SDPA with a key-padding mask.
+
+Two layouts: `forward` takes a padded [batch, seq] batch; `forward_packed` takes a `Packed` batch, the real
+tokens of every sequence back to back ([tokens, hidden], no padding), so GEMMs and the fused ops touch real
+tokens only. Attention in the packed layout either scatters q/k/v into a padded [batch, seq] block for SDPA
+and gathers the context back ("pad", works everywhere and inside CUDA graphs; attention is a few per cent
+of an encoder's FLOPs at these lengths), or runs torch's variable-length flash attention ("varlen").
 """
 
 from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +41,65 @@ class Embeddings(nn.Module):
         )
 
 
+@dataclass
+class Packed:
+    """A batch of sequences packed back to back. Tensors may be longer than the real token count (CUDA-graph
+    buckets): such filler tokens have pad_index == batch * seq (a scratch row) and seq_index == batch."""
+
+    input_ids: Tensor       # [T] int64
+    position_ids: Tensor    # [T] int64
+    token_type_ids: Tensor  # [T] int64
+    pad_index: Tensor       # [T] int64: row of each token in the padded [batch * seq] layout (+1 scratch row)
+    gather_index: Tensor    # [T] int64: pad_index clamped to a real row (filler tokens read row 0)
+    seq_index: Tensor       # [T] int64: the sequence of each token (filler: batch, a scratch slot)
+    lengths: Tensor         # [batch] int64, >= 1 (filler sequences: 1)
+    batch: int
+    seq: int                # >= the longest sequence
+    cu_seqlens: Tensor | None = None  # [batch + 1] int32, for varlen attention
+
+    @property
+    def attn_mask(self) -> Tensor:
+        # [batch, 1, 1, seq] bool, True = attend; derived on the device so a graph replay needs only the lengths
+        positions = torch.arange(self.seq, device=self.lengths.device)
+        return (positions[None, :] < self.lengths[:, None])[:, None, None, :]
+
+    @classmethod
+    def from_rows(cls, rows: list[list[int]], device: torch.device | str, *, tokens: int | None = None,
+                  batch: int | None = None, seq: int | None = None, pad_token_id: int = 0) -> Packed:
+        """Pack token-id rows, optionally into a larger (tokens, batch, seq) bucket."""
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        real, longest = int(lengths.sum()), int(lengths.max())
+        tokens, batch, seq = tokens or real, batch or len(rows), seq or longest
+        if tokens < real or batch < len(rows) or seq < longest:
+            raise ValueError(f"bucket ({tokens}, {batch}, {seq}) too small for {real} tokens in {len(rows)} rows")
+        # rows: ids, positions, pad_index, gather_index, seq_index; filler tokens keep the defaults
+        flat = torch.empty((5, tokens), dtype=torch.long)
+        flat[0].fill_(pad_token_id)
+        flat[1].zero_()
+        flat[2].fill_(batch * seq)
+        flat[4].fill_(batch)
+        seq_index = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+        flat[0, :real] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long)
+        flat[1, :real] = torch.arange(real) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+        flat[2, :real] = seq_index * seq + flat[1, :real]
+        flat[4, :real] = seq_index
+        flat[3] = flat[2].clamp(max=batch * seq - 1)
+        length = torch.ones(batch, dtype=torch.long)
+        length[: len(rows)] = lengths
+        cu = torch.zeros(batch + 1, dtype=torch.int32)
+        cu[1:] = length.cumsum(0)
+        flat, length, cu = flat.to(device), length.to(device), cu.to(device)
+        return cls(flat[0], flat[1], torch.zeros_like(flat[0]), flat[2], flat[3], flat[4], length, batch, seq, cu)
+
+
+def _varlen_attention():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
 class Layer(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -49,10 +117,26 @@ class Layer(nn.Module):
     def forward(self, x: Tensor, batch: int, seq: int, attn_mask: Tensor) -> Tensor:
         # x: [batch * seq, hidden]; attn_mask: [batch, 1, 1, seq] bool, True = attend
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
-        # [tokens, 3*hidden] -> 3 x [batch, heads, seq, head_dim]
+        return self._residual_blocks(x, self._attend(qkv, batch, seq, attn_mask))
+
+    def forward_packed(self, x: Tensor, p: Packed, attention: str = "pad") -> Tensor:
+        # x: [T, hidden] real (and filler) tokens only
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
+        if attention == "varlen":
+            q, k, v = qkv.view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+            ctx = _varlen_attention()(q, k, v, p.cu_seqlens, p.cu_seqlens, p.seq, p.seq).reshape(x.shape)
+        else:
+            padded = qkv.new_zeros((p.batch * p.seq + 1, qkv.shape[1])).index_copy_(0, p.pad_index, qkv)
+            ctx = self._attend(padded[:-1], p.batch, p.seq, p.attn_mask).index_select(0, p.gather_index)
+        return self._residual_blocks(x, ctx)
+
+    def _attend(self, qkv: Tensor, batch: int, seq: int, attn_mask: Tensor) -> Tensor:
+        # [batch * seq, 3*hidden] -> 3 x [batch, heads, seq, head_dim] -> context [batch * seq, hidden]
         q, k, v = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        ctx = ctx.transpose(1, 2).reshape(batch * seq, -1)
+        return ctx.transpose(1, 2).reshape(batch * seq, -1)
+
+    def _residual_blocks(self, x: Tensor, ctx: Tensor) -> Tensor:
         # post-LN residual blocks: x = LN(x + dense(ctx) + b); x = LN(x + W2 gelu(W1 x + b1) + b2)
         x = kernels.add_layer_norm(F.linear(ctx, self.attn_out.weight), x, self.attn_out.bias,
                                    self.attn_ln_weight, self.attn_ln_bias, self.eps)
@@ -92,6 +176,24 @@ class Encoder(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, seq, attn_mask)
         return x.view(batch, seq, -1)
+
+    def forward_packed(self, p: Packed, attention: str = "pad") -> Tensor:
+        """Hidden states [T, hidden] of a packed batch (filler tokens' rows are garbage, never read)."""
+        if attention == "varlen" and (_varlen_attention() is None or p.input_ids.device.type != "cuda"):
+            raise ValueError("varlen attention needs torch.nn.attention.varlen and a CUDA device")
+        x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
+        for layer in self.layers:
+            x = layer.forward_packed(x, p, attention)
+        return x
+
+
+def packed_mean_pool(hidden: Tensor, p: Packed, normalize: bool) -> Tensor:
+    """Mean over each sequence's tokens of a packed batch: [batch, hidden] float32 (filler tokens and filler
+    sequences fall into scratch rows)."""
+    sums = torch.zeros((p.batch + 1, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+    sums.index_add_(0, p.seq_index, hidden.float())
+    pooled = sums[: p.batch] / p.lengths[:, None].to(torch.float32)
+    return F.normalize(pooled, p=2, dim=1) if normalize else pooled
 
 
 def mean_pool(hidden: Tensor, attention_mask: Tensor, normalize: bool) -> Tensor:

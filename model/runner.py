@@ -1,5 +1,10 @@
-"""Turns texts or token ids into pooled embeddings: tokenize, pad per batch, forward, pool.
-Device, dtype and the kernel backend choice are decided here, once, at load."""
+"""Turns texts or token ids into pooled embeddings: tokenize, pack (or pad) the batch, forward, pool.
+Device, dtype, layout, CUDA graphs and the kernel backend choice are decided here, once, at load.
+
+Layouts: "packed" (default) runs the real tokens of the batch back to back, no padding (model.encoder.Packed);
+"padded" pads every row to the longest, the classic layout, kept for comparison. On a CUDA device the packed
+forward is replayed from CUDA graphs per shape bucket (model.graphs) unless graphs are off; batches outside the
+buckets, and batches on the reference path or under the kernel timer, run eagerly."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from torch import Tensor
 
 import kernels
 from model.config import PRESETS, EncoderConfig
-from model.encoder import Encoder, mean_pool
+from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool
 from model.tokenizer import TextTokenizer
 from model.weights import CheckpointError, default_model_dir, load_encoder
 
@@ -63,11 +68,22 @@ class Embedder:
     """Owns one encoder on one device. Not thread-safe: one worker calls it (the server's batcher)."""
 
     def __init__(self, encoder: Encoder, tokenizer: TextTokenizer, name: str,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, *, layout: str = "packed", attention: str = "pad",
+                 cuda_graphs: bool = True, max_batch_tokens: int = 8192, max_batch: int = 256,
+                 max_graphs: int = 64) -> None:
+        if layout not in ("packed", "padded"):
+            raise ValueError(f"layout must be packed or padded, got {layout!r}")
         self.encoder = encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.config = encoder.config
         self.tokenizer = tokenizer
         self.name, self.device, self.dtype = name, device, dtype
+        self.layout, self.attention = layout, attention
+        self.graphs = None
+        if cuda_graphs and layout == "packed" and device.type == "cuda":
+            from model.graphs import CudaGraphs
+
+            self.graphs = CudaGraphs(self.encoder, device, max_tokens=max_batch_tokens, max_batch=max_batch,
+                                     max_graphs=max_graphs, pad_token_id=self.config.pad_token_id)
 
     @classmethod
     def load(
@@ -80,9 +96,11 @@ class Embedder:
         backend: str = "auto",
         backend_overrides: dict[str, str] | None = None,
         max_seq_length: int | None = None,
+        **options,
     ) -> tuple[Embedder, LoadReport]:
         """model: "default" (the packaged all-MiniLM-L6-v2), a preset name (random init, default tokenizer),
-        or a checkpoint directory."""
+        or a checkpoint directory. options: layout, attention, cuda_graphs, max_batch_tokens, max_batch,
+        max_graphs (see __init__)."""
         started = time.perf_counter()
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
@@ -100,14 +118,29 @@ class Embedder:
         tokenizer = TextTokenizer(tokenizer_dir, encoder.config.max_seq_length)
         selection = kernels.configure(dev, (dt,), backend=backend, overrides=backend_overrides, fused=fused,
                                       hidden_sizes=(encoder.config.hidden_size,))
-        embedder = cls(encoder, tokenizer, name, dev, dt)
+        embedder = cls(encoder, tokenizer, name, dev, dt, **options)
         return embedder, LoadReport(name, dev, dt, embedder.config, selection, time.perf_counter() - started)
 
     @torch.inference_mode()
-    def embed_ids(self, batch: list[list[int]], normalize: bool | None = None) -> Tensor:
-        """Pooled embeddings [len(batch), hidden] (float32, on the CPU) for token-id rows of any lengths."""
+    def embed_ids(self, batch: list[list[int]], normalize: bool | None = None, *, graphs: bool = True) -> Tensor:
+        """Pooled embeddings [len(batch), hidden] (float32, on the CPU) for token-id rows of any lengths.
+        graphs=False forces the eager path (the kernel timer needs per-op launches)."""
         if not batch:
             return torch.empty(0, self.config.hidden_size)
+        normalize = self.config.normalize if normalize is None else normalize
+        pooled = None
+        if self.graphs is not None and graphs and not kernels.on_reference_path():
+            pooled = self.graphs.run(batch)
+        if pooled is None:
+            pooled = self._forward_eager(batch)
+        if normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled.cpu()
+
+    def _forward_eager(self, batch: list[list[int]]) -> Tensor:
+        if self.layout == "packed":
+            packed = Packed.from_rows(batch, self.device, pad_token_id=self.config.pad_token_id)
+            return packed_mean_pool(self.encoder.forward_packed(packed, self.attention), packed, normalize=False)
         seq = max(len(ids) for ids in batch)
         input_ids = torch.full((len(batch), seq), self.config.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), seq), dtype=torch.bool)
@@ -115,9 +148,7 @@ class Embedder:
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[row, : len(ids)] = True
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        hidden = self.encoder(input_ids, mask)
-        pooled = mean_pool(hidden, mask, self.config.normalize if normalize is None else normalize)
-        return pooled.float().cpu()
+        return mean_pool(self.encoder(input_ids, mask), mask, normalize=False)
 
     def embed(self, texts: list[str], normalize: bool | None = None, truncate: bool = True) -> Tensor:
         return self.embed_ids(self.tokenizer.encode(texts, truncate=truncate), normalize)

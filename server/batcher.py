@@ -288,8 +288,8 @@ class Batcher:
         started = time.perf_counter()
         try:
             if timed:
-                with KernelTimer(self.embedder.device, self.metrics):
-                    pooled = self.embedder.embed_ids(ids, normalize=False)
+                with KernelTimer(self.embedder.device, self.metrics):  # per-op launches: no graph replay
+                    pooled = self.embedder.embed_ids(ids, normalize=False, graphs=False)
             else:
                 pooled = self.embedder.embed_ids(ids, normalize=False)
             if not bool(torch.isfinite(pooled).all()):

@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     backend_overrides: Annotated[dict[str, Literal["auto", "triton", "cuda", "torch"]], NoDecode] = Field(
         default_factory=dict, description="per-op backend, e.g. 'add_layer_norm=cuda,bias_gelu=triton'")
     max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's)")
+    layout: Literal["packed", "padded"] = Field("packed", description="packed: real tokens only, no padding")
+    cuda_graphs: bool = Field(True, description="replay the packed forward from CUDA graphs per shape bucket (GPU)")
+    max_cuda_graphs: int = Field(64, ge=1, description="graphs held at once (least recently used evicted)")
 
     # batching and limits
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per batch (rows x longest row)")

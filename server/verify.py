@@ -30,7 +30,8 @@ class Verifier:
             self.reference = embedder  # same weights, same device: only the ops differ
         else:
             encoder = copy.deepcopy(embedder.encoder).float()
-            self.reference = Embedder(encoder, embedder.tokenizer, embedder.name, embedder.device, torch.float32)
+            self.reference = Embedder(encoder, embedder.tokenizer, embedder.name, embedder.device, torch.float32,
+                                      cuda_graphs=False)
         self._queue: queue.Queue = queue.Queue(maxsize=settings.verify_queue)
         self._thread = threading.Thread(target=self._run, name="fusedserve-verify", daemon=True)
         self.checked = 0

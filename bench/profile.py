@@ -1,0 +1,103 @@
+"""Where the encoder's GPU time goes: a torch.profiler trace of the forward, kernel time summed by category
+(GEMM, attention, norm, activation, elementwise/copy, other) plus the gaps in which the GPU waited for the
+host, for the unfused reference path and for each fused path (eager and CUDA graphs). The seeds' rule:
+profile first, fuse what dominates.
+
+    python -m bench.profile --out bench/results/$(date +%F)-h200-profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import kernels
+from model.config import EncoderConfig
+from model.encoder import Encoder, Packed, packed_mean_pool
+from model.graphs import CudaGraphs
+
+CATEGORIES = [
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_"),
+    ("attention", r"flash|fmha|attention|efficient_attention|softmax"),
+    ("norm", r"layer_norm|layernorm|norm_kernel|_norm"),
+    ("activation", r"gelu|erf"),
+    ("elementwise", r"elementwise|vectorized|index|copy|fill|cat|scatter|gather|reduce|arange|compare"),
+]
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    return next((c for c, pattern in CATEGORIES if re.search(pattern, lowered)), "other")
+
+
+def breakdown(fn, iters: int = 20) -> dict:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+    wall_us = start.elapsed_time(end) * 1e3 / iters
+    totals: dict[str, float] = {}
+    kernels_seen = 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels_seen += 1
+            totals[category(event.name)] = totals.get(category(event.name), 0.0) + event.device_time / iters
+    busy = sum(totals.values())
+    totals["launch gaps (GPU idle)"] = max(wall_us - busy, 0.0)
+    return {"wall_us": wall_us, "kernels_per_forward": kernels_seen / iters,
+            "us": {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="bert-base")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--backends", nargs="+", default=["cuda", "triton"])
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    cfg = EncoderConfig.from_name(args.preset)
+    encoder = Encoder(cfg).cuda().half().eval()
+    gen = torch.Generator().manual_seed(0)
+    rows = [[101] + torch.randint(1000, 30000, (args.seq - 2,), generator=gen).tolist() + [102]
+            for _ in range(args.batch)]
+    packed = Packed.from_rows(rows, "cuda")
+    results = {}
+    with torch.inference_mode():
+        for name, backend, fused in [("reference (unfused torch)", "torch", False),
+                                     *[(f"fused {b}", b, True) for b in args.backends]]:
+            kernels.configure("cuda", (torch.float16,), backend=backend, fused=fused, hidden_sizes=(cfg.hidden_size,))
+            results[f"{name} eager"] = breakdown(lambda: packed_mean_pool(encoder.forward_packed(packed), packed, False))
+            if fused:
+                graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=args.batch * args.seq,
+                                    max_batch=args.batch)
+                results[f"{name} graphs"] = breakdown(lambda: graphs.run(rows))
+                del graphs
+            r = results[f"{name} eager"]
+            print(f"{name}: {r['wall_us']:.0f} us/forward eager, {r['kernels_per_forward']:.0f} kernels: {r['us']}",
+                  file=sys.stderr, flush=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "case": f"{args.preset} b{args.batch} s{args.seq} fp16 packed", "results": results,
+              "command": " ".join(["python -m bench.profile", *sys.argv[1:]])}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""CUDA graphs of the packed forward + mean pooling, one per shape bucket, so a batch costs one graph replay
+instead of ~10 kernel launches per layer from Python.
+
+A bucket is (tokens, batch, seq): the packed token count rounded up to TOKEN_BUCKETS, the sequence count to a
+power of two, the longest sequence to SEQ_BUCKETS; filler tokens and sequences go to scratch rows (see
+model.encoder.Packed). Graphs are captured lazily on first use (or by `capture()` at warm-up), at most
+`max_graphs` of them (least recently used evicted). All graphs share one memory pool: they never run
+concurrently (one worker owns the model) and each graph's only live outputs are its static buffers, so the
+pool costs about as much as the largest graph's activations; `stats()` reports it.
+
+The kernels a graph replays are the ones active when it was captured: a change of backend (fused toggle,
+verification fallback, a fault hook, the kernel timer) changes the fingerprint and drops every graph.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels import registry
+from model.encoder import Encoder, Packed, packed_mean_pool
+
+log = logging.getLogger("fusedserve.model")
+
+SEQ_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+def token_buckets(limit: int) -> list[int]:
+    """16, 32, 48, 64, then four steps per power of two (x1.25, 1.5, 1.75, 2): at most 25% filler."""
+    out = [16, 32, 48, 64]
+    p = 64
+    while out[-1] < limit:
+        out += [p * 5 // 4, p * 3 // 2, p * 7 // 4, p * 2]
+        p *= 2
+    return [t for t in out if t < limit] + [next(t for t in out if t >= limit)]
+
+
+def _ceil_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    host: Tensor      # pinned [5 * tokens + batch] int64: the packed ids + indices + lengths, one H2D copy
+    device: Tensor    # the same on the device (the graph's static input)
+    pooled: Tensor    # [batch, hidden] float32, the graph's static output
+    replays: int = 0
+
+
+class CudaGraphs:
+    def __init__(self, encoder: Encoder, device: torch.device, *, max_tokens: int, max_batch: int,
+                 max_graphs: int = 64, pad_token_id: int = 0) -> None:
+        self.encoder, self.device = encoder, device
+        self.tokens = token_buckets(max_tokens)
+        self.max_batch = _ceil_pow2(max_batch)
+        longest = min(encoder.config.max_position_embeddings, SEQ_BUCKETS[-1])
+        self.max_seq = next(s for s in SEQ_BUCKETS if s >= longest)
+        self.max_graphs, self.pad_token_id = max_graphs, pad_token_id
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
+        self.fingerprint: tuple | None = None
+        self.captures = self.evictions = self.eager_fallbacks = 0
+        self.capture_seconds = 0.0
+
+    def bucket(self, rows: list[list[int]]) -> tuple[int, int, int] | None:
+        tokens, longest = sum(map(len, rows)), max(map(len, rows))
+        if tokens > self.tokens[-1] or longest > self.max_seq or len(rows) > self.max_batch:
+            return None
+        return (self.tokens[bisect.bisect_left(self.tokens, tokens)], _ceil_pow2(len(rows)),
+                SEQ_BUCKETS[bisect.bisect_left(SEQ_BUCKETS, longest)])
+
+    def run(self, rows: list[list[int]]) -> Tensor | None:
+        """Unnormalized pooled embeddings [len(rows), hidden] float32 on the device, or None when the batch
+        is outside every bucket (the caller runs it eagerly)."""
+        key = self.bucket(rows)
+        if key is None:
+            self.eager_fallbacks += 1
+            return None
+        self._check_fingerprint()
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(key)
+        self.graphs.move_to_end(key)
+        packed = Packed.from_rows(rows, "cpu", tokens=key[0], batch=key[1], seq=key[2], pad_token_id=self.pad_token_id)
+        t = key[0]
+        host = entry.host
+        for i, part in enumerate((packed.input_ids, packed.position_ids, packed.pad_index, packed.gather_index,
+                                  packed.seq_index)):
+            host[i * t:(i + 1) * t] = part
+        host[5 * t:] = packed.lengths
+        entry.device.copy_(host, non_blocking=True)
+        entry.graph.replay()
+        entry.replays += 1
+        return entry.pooled[: len(rows)]
+
+    def capture(self, keys: list[tuple[int, int, int]]) -> None:
+        """Capture these buckets now (largest first, so the shared pool is sized once)."""
+        self._check_fingerprint()
+        for key in sorted(keys, reverse=True):
+            if key not in self.graphs:
+                self._capture(key)
+
+    def _check_fingerprint(self) -> None:
+        current = tuple(id(fn) for fn in registry.active.values())
+        if current != self.fingerprint:
+            if self.graphs:
+                log.info("kernel selection changed: dropping %d CUDA graphs", len(self.graphs))
+            self.graphs.clear()
+            self.fingerprint = current
+
+    def _capture(self, key: tuple[int, int, int]) -> _Graph:
+        started = time.perf_counter()
+        tokens, batch, seq = key
+        while len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+            self.evictions += 1
+        host = torch.zeros(5 * tokens + batch, dtype=torch.long, pin_memory=True)
+        dev = torch.zeros_like(host, device=self.device)
+        dev[5 * tokens:] = 1  # lengths >= 1 before the first real fill
+        dev[2 * tokens:3 * tokens] = batch * seq  # filler until filled: scratch rows
+        dev[4 * tokens:5 * tokens] = batch
+        view = [dev[i * tokens:(i + 1) * tokens] for i in range(5)]
+        packed = Packed(view[0], view[1], torch.zeros_like(view[0]), view[2], view[3], view[4], dev[5 * tokens:],
+                        batch, seq)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):  # warm: lazy init, autotuning and launch-config sweeps happen outside capture
+                packed_mean_pool(self.encoder.forward_packed(packed), packed, normalize=False)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
+            pooled = packed_mean_pool(self.encoder.forward_packed(packed), packed, normalize=False)
+        entry = _Graph(graph, host, dev, pooled)
+        self.graphs[key] = entry
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - started
+        log.info("captured CUDA graph tokens=%d batch=%d seq=%d in %.0f ms (%d held)", tokens, batch, seq,
+                 (time.perf_counter() - started) * 1e3, len(self.graphs))
+        return entry
+
+    def stats(self) -> dict:
+        return {
+            "graphs": len(self.graphs), "max_graphs": self.max_graphs, "captures": self.captures,
+            "evictions": self.evictions, "eager_fallbacks": self.eager_fallbacks,
+            "capture_seconds": round(self.capture_seconds, 3),
+            "replays": sum(g.replays for g in self.graphs.values()),
+            "pool_bytes": _pool_bytes(self.pool, self.device),
+            "buckets": {"tokens": [self.tokens[0], self.tokens[-1]], "batch": self.max_batch, "seq": self.max_seq},
+        }
+
+
+def _pool_bytes(pool, device: torch.device) -> int | None:
+    """Bytes reserved by the graphs' private memory pool (None if this torch cannot say)."""
+    try:
+        snapshot = torch.cuda.memory_snapshot()
+    except Exception:
+        return None
+    return sum(seg["total_size"] for seg in snapshot
+               if tuple(seg.get("segment_pool_id", ())) == tuple(pool) and seg.get("device") == device.index)

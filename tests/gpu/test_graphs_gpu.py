@@ -1,0 +1,67 @@
+"""Packed layout + CUDA graphs on the GPU: graph replays equal the eager packed and padded paths (fp32 within
+1e-5, fp16 within the tolerance table's cosine), graphs are reused per bucket, dropped when the kernel selection
+changes, skipped on the reference path, and batches outside the buckets run eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from model.runner import Embedder
+from tests.model.sentences import SENTENCES
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype,max_abs", [("float32", 1e-5), ("float16", 3e-3)])
+def test_graphs_equal_eager_packed_and_padded(dtype, max_abs):
+    graphed, _ = Embedder.load("default", device="cuda", dtype=dtype, max_batch_tokens=4096, max_batch=64)
+    padded, _ = Embedder.load("default", device="cuda", dtype=dtype, layout="padded")
+    assert graphed.graphs is not None and padded.graphs is None
+    for texts in (SENTENCES[:1], SENTENCES[:7], SENTENCES):
+        ids = graphed.tokenizer.encode(texts)
+        a = graphed.embed_ids(ids)
+        b = graphed.embed_ids(ids, graphs=False)  # eager packed
+        c = padded.embed_ids(ids)
+        assert torch.isfinite(a).all()
+        assert (a - b).abs().max() <= max_abs and (a - c).abs().max() <= max_abs, (a - c).abs().max()
+    stats = graphed.graphs.stats()
+    assert stats["graphs"] == stats["captures"] == 3 and stats["replays"] == 3
+    assert stats["pool_bytes"] is None or stats["pool_bytes"] > 0
+    graphed.embed_ids(graphed.tokenizer.encode(SENTENCES[:7]))
+    assert graphed.graphs.stats()["captures"] == 3  # same bucket: replayed, not recaptured
+
+
+def test_selection_change_drops_graphs_and_reference_path_skips_them():
+    e, _ = Embedder.load("default", device="cuda", dtype="float16", max_batch_tokens=4096, max_batch=64)
+    ids = e.tokenizer.encode(SENTENCES[:5])
+    fused = e.embed_ids(ids)
+    assert e.graphs.stats()["captures"] == 1
+    with kernels.reference_path():
+        ref = e.embed_ids(ids)
+    assert e.graphs.stats()["replays"] == 1  # the reference path ran eagerly
+    kernels.configure("cuda", (torch.float16,), fused=False)
+    off = e.embed_ids(ids)  # new fingerprint: the fused graph must not be replayed
+    assert e.graphs.stats()["captures"] == 2
+    assert torch.nn.functional.cosine_similarity(off, ref).min() >= 0.99999
+    assert torch.nn.functional.cosine_similarity(fused, ref).min() >= 0.999
+
+
+def test_outside_buckets_runs_eagerly():
+    e, _ = Embedder.load("default", device="cuda", dtype="float16", max_batch_tokens=64, max_batch=2)
+    ids = e.tokenizer.encode(SENTENCES[:4])  # more rows than the largest batch bucket
+    out = e.embed_ids(ids)
+    assert e.graphs.stats()["eager_fallbacks"] == 1 and e.graphs.stats()["captures"] == 0
+    assert torch.isfinite(out).all() and out.shape == (4, 384)
+
+
+def test_varlen_attention_matches_pad_attention():
+    from model.encoder import Packed, packed_mean_pool
+
+    e, _ = Embedder.load("default", device="cuda", dtype="float16")
+    packed = Packed.from_rows(e.tokenizer.encode(SENTENCES[:16]), "cuda")
+    with torch.inference_mode():
+        a = packed_mean_pool(e.encoder.forward_packed(packed, "pad"), packed, True)
+        b = packed_mean_pool(e.encoder.forward_packed(packed, "varlen"), packed, True)
+    assert torch.nn.functional.cosine_similarity(a, b).min() >= 0.9999

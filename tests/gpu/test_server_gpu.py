@@ -1,0 +1,46 @@
+"""The real server on the GPU with every sampled path switched on (kernel timing on every batch with CUDA events,
+reference verification of every batch with the fp32 copy on the GPU, device-memory gauges, CUDA graphs):
+answers are right, the metrics are populated, /info shows the graphs."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.model.sentences import SENTENCES
+from tests.server.conftest import start_server
+
+pytestmark = pytest.mark.gpu
+
+
+def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
+    server = start_server(tmp_path, device="cuda", dtype="float16", kernel_timing_sample_rate="1",
+                          verify_sample_rate="1", verify_action="fallback", max_batch_tokens="8192")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            single = [client.post("/infer", json={"inputs": [t]}).json()["embeddings"][0] for t in SENTENCES[:8]]
+            batch = client.post("/infer", json={"inputs": SENTENCES[:8]}).json()["embeddings"]
+            for a, b in zip(single, batch):
+                dot = sum(x * y for x, y in zip(a, b))
+                assert dot >= 0.999  # unit vectors: the same text embeds the same alone or batched
+            info = client.get("/info").json()
+            import time
+
+            time.sleep(2)  # the verifier runs in the background
+            metrics = client.get("/metrics").text
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+    assert info["device"].startswith("cuda") and info["fused"] is True and info["fallback"] is None
+    assert info["layout"] == "packed" and info["cuda_graphs"]["max_graphs"] == 64
+    backends = {op["backend"] for op in info["kernels"].values()}
+    assert backends <= {"triton", "cuda"}
+    timed = [line for line in metrics.splitlines()
+             if line.startswith("fusedserve_kernel_duration_seconds_count") and not line.endswith(" 0.0")]
+    assert timed, "no kernel timings recorded on the GPU"
+    assert any(b in " ".join(timed) for b in backends)
+    checks = [line for line in metrics.splitlines() if line.startswith("fusedserve_reference_checks_total")]
+    assert any('result="match"' in line and not line.endswith(" 0.0") for line in checks), checks
+    assert not any('result="mismatch"' in line and not line.endswith(" 0.0") for line in checks), checks
+    memory = [line for line in metrics.splitlines() if line.startswith("fusedserve_device_memory_bytes")]
+    assert memory and any(float(line.rsplit(" ", 1)[1]) > 0 for line in memory), memory
+    print("\n" + "\n".join(timed[:12] + checks + memory))

@@ -1,0 +1,93 @@
+"""The packed (padding-free) layout equals the padded one: same embeddings on mixed lengths, with and without
+CUDA-graph-style buckets (filler tokens and filler sequences), and the bucket arithmetic the graphs use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.config import EncoderConfig
+from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool
+from model.graphs import SEQ_BUCKETS, token_buckets
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    torch.manual_seed(0)
+    enc = Encoder(EncoderConfig.from_name("tiny").replace(num_layers=2)).eval()
+    with torch.no_grad():  # non-trivial biases and norms, so every term of the math is exercised
+        for name, p in enc.named_parameters():
+            if "bias" in name or "ln_weight" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return enc
+
+
+def _rows(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [[101] + torch.randint(1000, 5000, (n - 2,), generator=gen).tolist() + [102] for n in lengths]
+
+
+def _padded(encoder, rows):
+    seq = max(map(len, rows))
+    ids = torch.zeros(len(rows), seq, dtype=torch.long)
+    mask = torch.zeros(len(rows), seq, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = True
+    return mean_pool(encoder(ids, mask), mask, normalize=False)
+
+
+@pytest.mark.parametrize("lengths", [[2], [2, 3], [7, 40, 3, 128, 16, 2, 99], [5] * 9])
+@torch.no_grad()
+def test_packed_equals_padded(encoder, lengths):
+    rows = _rows(lengths, seed=len(lengths))
+    padded = _padded(encoder, rows)
+    packed = Packed.from_rows(rows, "cpu")
+    assert packed.input_ids.numel() == sum(lengths)  # no padding at all
+    ours = packed_mean_pool(encoder.forward_packed(packed), packed, normalize=False)
+    assert torch.isfinite(ours).all()
+    assert (ours - padded).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_bucketed_packing_with_filler_tokens_and_sequences(encoder):
+    rows = _rows([7, 40, 3, 33, 2])
+    padded = _padded(encoder, rows)
+    packed = Packed.from_rows(rows, "cpu", tokens=128, batch=8, seq=64)
+    assert packed.input_ids.numel() == 128 and packed.batch == 8
+    pooled = packed_mean_pool(encoder.forward_packed(packed), packed, normalize=False)
+    assert torch.isfinite(pooled).all()  # filler sequences attend to one (filler) key: no NaN
+    assert (pooled[:5] - padded).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="too small"):
+        Packed.from_rows(rows, "cpu", tokens=64, batch=8, seq=64)
+
+
+def test_packed_indices():
+    p = Packed.from_rows([[5, 6, 7], [8, 9]], "cpu", tokens=8, batch=4, seq=4)
+    assert p.input_ids.tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert p.position_ids.tolist() == [0, 1, 2, 0, 1, 0, 0, 0]
+    assert p.pad_index.tolist() == [0, 1, 2, 4, 5, 16, 16, 16]  # filler -> scratch row 16
+    assert p.seq_index.tolist() == [0, 0, 0, 1, 1, 4, 4, 4]    # filler -> scratch sequence 4
+    assert p.lengths.tolist() == [3, 2, 1, 1]
+    assert p.cu_seqlens.tolist() == [0, 3, 5, 6, 7]
+    assert p.attn_mask.squeeze().tolist()[1] == [True, True, False, False]
+
+
+def test_token_buckets_bound_the_filler():
+    buckets = token_buckets(16384)
+    assert buckets[0] == 16 and buckets[-1] == 16384 and buckets == sorted(set(buckets))
+    for small, big in zip(buckets, buckets[1:]):
+        assert big - small <= max(small // 4, 16), (small, big)  # steps of a quarter of a power of two
+    assert token_buckets(5000)[-1] >= 5000 and SEQ_BUCKETS[-1] == 512
+
+
+def test_runner_layouts_agree_on_cpu():
+    from model.runner import Embedder
+
+    texts = ["a short one", "a much longer sentence, with several more words than the first one has", "x"]
+    packed, _ = Embedder.load("tiny", device="cpu", backend="torch")
+    padded, _ = Embedder.load("tiny", device="cpu", backend="torch", layout="padded")
+    assert packed.layout == "packed" and packed.graphs is None  # no CUDA graphs off the GPU
+    assert (packed.embed(texts) - padded.embed(texts)).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="layout"):
+        Embedder.load("tiny", device="cpu", layout="ragged")
