@@ -65,6 +65,28 @@ def hf_model(cfg: EncoderConfig, attn: str):
     return BertModel(hf_cfg, add_pooling_layer=False).cuda().half().eval()
 
 
+def run_hf(name, cfg, ids, mask, record, args) -> None:
+    try:
+        eager = hf_model(cfg, "eager")
+    except Exception as exc:  # transformers missing or an incompatible version: reported, the rest still runs
+        print(f"  hf: unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return
+    record("hf eager", lambda: eager(input_ids=ids, attention_mask=mask))
+    eager = None
+    sdpa = hf_model(cfg, "sdpa")
+    record("hf sdpa", lambda: sdpa(input_ids=ids, attention_mask=mask))
+    if name in args.compile_cases:
+        torch._dynamo.reset()
+        compiled = torch.compile(sdpa)
+        record("hf torch.compile", lambda: compiled(input_ids=ids, attention_mask=mask))
+        torch._dynamo.reset()
+        graphed = torch.compile(sdpa, mode="reduce-overhead")
+        record("hf compile+cudagraphs", lambda: graphed(input_ids=ids, attention_mask=mask))
+        torch._dynamo.reset()
+        compiled = graphed = None  # noqa: F841
+    sdpa = None  # noqa: F841
+
+
 def run_case(name: str, backends: list[str], args) -> list[dict]:
     preset, batch, seq, varlen = CASES[name]
     cfg = EncoderConfig.from_name(preset)
@@ -104,21 +126,8 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
     with torch.inference_mode():
         # --- Hugging Face transformers -----------------------------------------------------------
         if "hf" in args.providers:
-            eager = hf_model(cfg, "eager")
-            record("hf eager", lambda: eager(input_ids=ids, attention_mask=mask))
-            del eager
-            sdpa = hf_model(cfg, "sdpa")
-            record("hf sdpa", lambda: sdpa(input_ids=ids, attention_mask=mask))
-            if name in args.compile_cases:
-                torch._dynamo.reset()
-                compiled = torch.compile(sdpa)
-                record("hf torch.compile", lambda: compiled(input_ids=ids, attention_mask=mask))
-                torch._dynamo.reset()
-                graphed = torch.compile(sdpa, mode="reduce-overhead")
-                record("hf compile+cudagraphs", lambda: graphed(input_ids=ids, attention_mask=mask))
-                torch._dynamo.reset()
-                del compiled, graphed
-            del sdpa
+            run_hf(name, cfg, ids, mask, record, args)
+
         # --- ours --------------------------------------------------------------------------------
         encoder = Encoder(cfg).cuda().half().eval()
         for backend in backends:

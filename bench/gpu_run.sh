@@ -76,6 +76,6 @@ case "$mode" in
     timeout ${ENCODER_S:-330} python3 -m bench.encoder --out "$OUT/encoder.json" \
       --compile-cases "bert-base b32 s128 fixed" "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" 2>&1 | tee "$OUT/encoder.log" | tail -30
     timeout ${SERVE_S:-240} python3 -m bench.serve --device cuda --seconds 10 --per-request 16 \
-      --out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO" | tail -25
+      --model "$PWD/.gpu-assets/minilm" --out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO" | tail -25
     ;;
 esac

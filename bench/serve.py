@@ -124,11 +124,11 @@ def gpu_sweep(args) -> dict:
     from model.runner import Embedder
 
     texts = mixed_texts(4096)
-    settings = {"device": "cuda", "dtype": "float16", "max_batch_requests": str(args.max_batch),
+    settings = {"model": args.model, "device": "cuda", "dtype": "float16", "max_batch_requests": str(args.max_batch),
                 "max_batch_tokens": "16384", "max_wait_ms": "2", "max_queue": "65536",
                 "max_client_batch": "256", "kernel_timing_sample_rate": str(args.timing_rate),
                 "verify_sample_rate": str(args.verify_rate)}
-    embedder, load = Embedder.load("default", device="cuda", dtype="float16", max_batch_tokens=16384,
+    embedder, load = Embedder.load(args.model, device="cuda", dtype="float16", max_batch_tokens=16384,
                                    max_batch=args.max_batch)
     ids = embedder.tokenizer.encode(texts)
     tokens_total = sum(map(len, ids))
@@ -156,7 +156,7 @@ def gpu_sweep(args) -> dict:
 
     from model.weights import default_model_dir
 
-    st = SentenceTransformer(str(default_model_dir()), device="cuda", model_kwargs={"torch_dtype": "float16"})
+    st = SentenceTransformer(str(default_model_dir() if args.model == "default" else args.model), device="cuda").half()
     st.encode(texts[:512], batch_size=512)
     started = time.perf_counter()
     st.encode(texts, batch_size=512)
@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out")
     parser.add_argument("--client-counts", type=int, nargs="+", default=[16, 64, 256],
                         help="GPU sweep (--device cuda): closed-loop client counts")
+    parser.add_argument("--model", default="default", help="GPU sweep: model dir (default: the packaged MiniLM)")
     parser.add_argument("--max-batch", type=int, default=256, help="GPU sweep: max_batch_requests")
     parser.add_argument("--timing-rate", type=float, default=0.01, help="GPU sweep: kernel_timing_sample_rate")
     parser.add_argument("--verify-rate", type=float, default=0.0, help="GPU sweep: verify_sample_rate")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.gpu.test_minilm_gpu import _model_dir
 from tests.model.sentences import SENTENCES
 from tests.server.conftest import start_server
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
-    server = start_server(tmp_path, device="cuda", dtype="float16", kernel_timing_sample_rate="1",
+    server = start_server(tmp_path, model=str(_model_dir().resolve()), device="cuda", dtype="float16", kernel_timing_sample_rate="1",
                           verify_sample_rate="1", verify_action="fallback", max_batch_tokens="8192")
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
