@@ -78,4 +78,15 @@ case "$mode" in
     timeout ${SERVE_S:-240} python3 -m bench.serve --device cuda --seconds 10 --per-request 16 \
       --model "$PWD/.gpu-assets/minilm" --out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO" | tail -25
     ;;
+  last)
+    # the short final run: the graph tests, then the encoder bench without torch.compile (its compile time
+    # does not fit the device time left)
+    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
+    python3 -m kernels.cuda.build 2>&1 | tail -1
+    FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout 75 python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
+      tests/gpu/test_graphs_gpu.py 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15
+    timeout 140 python3 -m bench.encoder --backends cuda --compile-cases --out "$OUT/encoder.json" \
+      --cases "minilm-l6 b1 s16" "minilm-l6 b32 s128 fixed" "bert-base b32 s128 fixed" "bert-base b128 s128 varlen" \
+      2>&1 | tee "$OUT/encoder.log" | tail -40
+    ;;
 esac

@@ -21,9 +21,9 @@ from model.config import EncoderConfig
 from model.encoder import Encoder, Packed, packed_mean_pool
 from model.graphs import CudaGraphs
 
-CATEGORIES = [
-    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_"),
+CATEGORIES = [  # first match wins: attention before GEMM (cutlass fmha kernels would match both)
     ("attention", r"flash|fmha|attention|efficient_attention|softmax"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_"),
     ("norm", r"layer_norm|layernorm|norm_kernel|_norm"),
     ("activation", r"gelu|erf"),
     ("elementwise", r"elementwise|vectorized|index|copy|fill|cat|scatter|gather|reduce|arange|compare"),

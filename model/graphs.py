@@ -68,6 +68,7 @@ class CudaGraphs:
         self.fingerprint: tuple | None = None
         self.captures = self.evictions = self.eager_fallbacks = 0
         self.capture_seconds = 0.0
+        self.pool_bytes = 0  # growth of reserved device memory while capturing: what the graphs hold
 
     def bucket(self, rows: list[list[int]]) -> tuple[int, int, int] | None:
         tokens, longest = sum(map(len, rows)), max(map(len, rows))
@@ -117,6 +118,7 @@ class CudaGraphs:
 
     def _capture(self, key: tuple[int, int, int]) -> _Graph:
         started = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device)
         tokens, batch, seq = key
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
@@ -142,6 +144,7 @@ class CudaGraphs:
         self.graphs[key] = entry
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
+        self.pool_bytes += max(torch.cuda.memory_reserved(self.device) - reserved, 0)
         log.info("captured CUDA graph tokens=%d batch=%d seq=%d in %.0f ms (%d held)", tokens, batch, seq,
                  (time.perf_counter() - started) * 1e3, len(self.graphs))
         return entry
@@ -152,16 +155,6 @@ class CudaGraphs:
             "evictions": self.evictions, "eager_fallbacks": self.eager_fallbacks,
             "capture_seconds": round(self.capture_seconds, 3),
             "replays": sum(g.replays for g in self.graphs.values()),
-            "pool_bytes": _pool_bytes(self.pool, self.device),
+            "pool_bytes": self.pool_bytes,
             "buckets": {"tokens": [self.tokens[0], self.tokens[-1]], "batch": self.max_batch, "seq": self.max_seq},
         }
-
-
-def _pool_bytes(pool, device: torch.device) -> int | None:
-    """Bytes reserved by the graphs' private memory pool (None if this torch cannot say)."""
-    try:
-        snapshot = torch.cuda.memory_snapshot()
-    except Exception:
-        return None
-    return sum(seg["total_size"] for seg in snapshot
-               if tuple(seg.get("segment_pool_id", ())) == tuple(pool) and seg.get("device") == device.index)
