@@ -23,8 +23,9 @@ def _agree(a: torch.Tensor, b: torch.Tensor, dtype: str) -> bool:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_graphs_equal_eager_packed_and_padded(dtype):
-    graphed, _ = Embedder.load(str(_model_dir()), device="cuda", dtype=dtype, max_batch_tokens=4096, max_batch=128)
-    padded, _ = Embedder.load(str(_model_dir()), device="cuda", dtype=dtype, layout="padded")
+    graphed, _ = Embedder.load(str(_model_dir()), device="cuda", dtype=dtype, backend="cuda", max_batch_tokens=4096,
+                                max_batch=128)
+    padded, _ = Embedder.load(str(_model_dir()), device="cuda", dtype=dtype, backend="cuda", layout="padded")
     assert graphed.graphs is not None and padded.graphs is None
     for texts in (SENTENCES[:1], SENTENCES[:7], SENTENCES):
         ids = graphed.tokenizer.encode(texts)
@@ -41,7 +42,8 @@ def test_graphs_equal_eager_packed_and_padded(dtype):
 
 
 def test_selection_change_drops_graphs_and_reference_path_skips_them():
-    e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", max_batch_tokens=4096, max_batch=64)
+    e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="cuda", max_batch_tokens=4096,
+                         max_batch=64)
     ids = e.tokenizer.encode(SENTENCES[:5])
     fused = e.embed_ids(ids)
     assert e.graphs.stats()["captures"] == 1
@@ -56,7 +58,8 @@ def test_selection_change_drops_graphs_and_reference_path_skips_them():
 
 
 def test_outside_buckets_runs_eagerly():
-    e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", max_batch_tokens=64, max_batch=2)
+    e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="cuda", max_batch_tokens=64,
+                         max_batch=2)
     ids = e.tokenizer.encode(SENTENCES[:4])  # more rows than the largest batch bucket
     out = e.embed_ids(ids)
     assert e.graphs.stats()["eager_fallbacks"] == 1 and e.graphs.stats()["captures"] == 0
@@ -66,7 +69,7 @@ def test_outside_buckets_runs_eagerly():
 def test_varlen_attention_matches_pad_attention():
     from model.encoder import Packed, packed_mean_pool
 
-    e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16")
+    e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="cuda")
     packed = Packed.from_rows(e.tokenizer.encode(SENTENCES[:16]), "cuda")
     with torch.inference_mode():
         a = packed_mean_pool(e.encoder.forward_packed(packed, "pad"), packed, True)
