@@ -73,27 +73,39 @@ def build_dir() -> Path:
     return cache_root() / f"{NAME}-{digest.hexdigest()[:16]}"
 
 
+def library_path() -> Path:
+    return build_dir() / f"{NAME}.so"
+
+
 def load(verbose: bool = False) -> Path:
-    """Build if needed and load the library (registers torch.ops.fusedserve_cuda.*); returns its directory."""
+    """Load the library (registers torch.ops.fusedserve_cuda.*), building it first if the cache lacks it;
+    returns its directory. A cached build is loaded directly, without nvcc or ninja and without writing to
+    the cache (the GPU image ships it pre-built in a read-only layer)."""
     global _loaded
     if _loaded is not None:
         return _loaded
     if torch.version.cuda is None:
         raise BuildUnavailable("this torch build has no CUDA support")
+    directory = build_dir()
+    if library_path().is_file():
+        started = time.perf_counter()
+        torch.ops.load_library(str(library_path()))
+        log.info("CUDA extension loaded from cache in %.1fs (%s)", time.perf_counter() - started, directory)
+        _loaded = directory
+        return directory
     home = cuda_home()
     if home is None:
-        raise BuildUnavailable("nvcc not found (set CUDA_HOME or put nvcc on PATH; the GPU image pre-builds the "
-                               "extension with `python -m kernels.cuda.build`)")
+        raise BuildUnavailable("nvcc not found and no pre-built extension in the cache (set CUDA_HOME or put nvcc "
+                               "on PATH; the GPU image pre-builds it with `python -m kernels.cuda.build`)")
     # torch.utils.cpp_extension reads CUDA_HOME when first imported
     os.environ["CUDA_HOME"] = str(home)
     from torch.utils import cpp_extension
 
-    directory = build_dir()
+    if not cpp_extension.is_ninja_available():
+        raise BuildUnavailable("building needs ninja (pip install ninja)")
     directory.mkdir(parents=True, exist_ok=True)
-    fresh = not any(directory.glob(f"{NAME}*.so"))
-    if fresh:
-        log.warning("building the CUDA extension into %s (first start for these sources; about a minute)...",
-                    directory)
+    log.warning("building the CUDA extension into %s (first start for these sources; about a minute)...",
+                directory)
     started = time.perf_counter()
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", arch_list())
     try:
@@ -103,8 +115,7 @@ def load(verbose: bool = False) -> Path:
             is_python_module=False, verbose=verbose)
     except Exception as exc:  # a compiler error is long: keep its tail, which names the failing line
         raise BuildUnavailable(f"building the extension failed: {str(exc)[-2000:]}") from exc
-    log.info("CUDA extension %s in %.1fs (%s)", "built" if fresh else "loaded from cache",
-             time.perf_counter() - started, directory)
+    log.info("CUDA extension built in %.1fs (%s)", time.perf_counter() - started, directory)
     _loaded = directory
     return directory
 

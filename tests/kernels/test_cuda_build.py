@@ -33,6 +33,16 @@ def test_builds_into_the_cache_and_loads_from_it_the_second_time(tmp_path):
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and "loaded from cache" in second.stderr, second.stderr[-2000:]
     assert "building" not in second.stderr
+    # a pre-built cache needs neither nvcc nor write access (the GPU image's read-only layer)
+    for path in [tmp_path, *tmp_path.rglob("*")]:
+        path.chmod(path.stat().st_mode & 0o555)
+    try:
+        third = subprocess.run(cmd, env={**env, "CUDA_HOME": "/nonexistent", "PATH": "/usr/bin:/bin"},
+                               capture_output=True, text=True, timeout=300)
+    finally:
+        for path in [tmp_path, *tmp_path.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o700)
+    assert third.returncode == 0 and "loaded from cache" in third.stderr, third.stderr[-2000:]
 
 
 def test_cache_key_follows_sources_torch_and_arch(monkeypatch, tmp_path):
@@ -46,5 +56,6 @@ def test_cache_key_follows_sources_torch_and_arch(monkeypatch, tmp_path):
 def test_missing_toolkit_is_a_reason(monkeypatch):
     monkeypatch.setattr(build, "_loaded", None)
     monkeypatch.setattr(build, "cuda_home", lambda: None)
-    with pytest.raises(build.BuildUnavailable, match="nvcc not found"):
+    monkeypatch.setattr(build, "library_path", lambda: build.Path("/nonexistent/fusedserve_cuda.so"))
+    with pytest.raises(build.BuildUnavailable, match="nvcc not found and no pre-built extension"):
         build.load()
