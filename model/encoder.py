@@ -56,6 +56,7 @@ class Packed:
     batch: int
     seq: int                # >= the longest sequence
     cu_seqlens: Tensor | None = None  # [batch + 1] int32, for varlen attention
+    dense: bool = False  # every row has exactly `seq` tokens, no filler: attention needs no mask or scatter
 
     @property
     def attn_mask(self) -> Tensor:
@@ -88,8 +89,10 @@ class Packed:
         length[: len(rows)] = lengths
         cu = torch.zeros(batch + 1, dtype=torch.int32)
         cu[1:] = length.cumsum(0)
+        dense = tokens == real == batch * seq
         flat, length, cu = flat.to(device), length.to(device), cu.to(device)
-        return cls(flat[0], flat[1], torch.zeros_like(flat[0]), flat[2], flat[3], flat[4], length, batch, seq, cu)
+        return cls(flat[0], flat[1], torch.zeros_like(flat[0]), flat[2], flat[3], flat[4], length, batch, seq, cu,
+                   dense)
 
 
 def _varlen_attention():
@@ -122,7 +125,9 @@ class Layer(nn.Module):
     def forward_packed(self, x: Tensor, p: Packed, attention: str = "pad") -> Tensor:
         # x: [T, hidden] real (and filler) tokens only
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
-        if attention == "varlen":
+        if p.dense:  # rows of equal length back to back: the packed layout is the padded one, unmasked
+            ctx = self._attend(qkv, p.batch, p.seq, None)
+        elif attention == "varlen":
             q, k, v = qkv.view(-1, 3, self.num_heads, self.head_dim).unbind(1)
             ctx = _varlen_attention()(q, k, v, p.cu_seqlens, p.cu_seqlens, p.seq, p.seq).reshape(x.shape)
         else:
@@ -130,7 +135,7 @@ class Layer(nn.Module):
             ctx = self._attend(padded[:-1], p.batch, p.seq, p.attn_mask).index_select(0, p.gather_index)
         return self._residual_blocks(x, ctx)
 
-    def _attend(self, qkv: Tensor, batch: int, seq: int, attn_mask: Tensor) -> Tensor:
+    def _attend(self, qkv: Tensor, batch: int, seq: int, attn_mask: Tensor | None) -> Tensor:
         # [batch * seq, 3*hidden] -> 3 x [batch, heads, seq, head_dim] -> context [batch * seq, hidden]
         q, k, v = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)

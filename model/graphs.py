@@ -1,9 +1,10 @@
 """CUDA graphs of the packed forward + mean pooling, one per shape bucket, so a batch costs one graph replay
 instead of ~10 kernel launches per layer from Python.
 
-A bucket is (tokens, batch, seq): the packed token count rounded up to TOKEN_BUCKETS, the sequence count to a
-power of two, the longest sequence to SEQ_BUCKETS; filler tokens and sequences go to scratch rows (see
-model.encoder.Packed). Graphs are captured lazily on first use (or by `capture()` at warm-up), at most
+A bucket is (tokens, batch, seq, dense): the packed token count rounded up to TOKEN_BUCKETS, the sequence count
+to a power of two, the longest sequence to SEQ_BUCKETS; filler tokens and sequences go to scratch rows (see
+model.encoder.Packed). `dense` marks a batch that fills its bucket exactly (equal-length rows): its graph runs
+attention without a mask and without the scatter/gather. Graphs are captured lazily on first use (or by `capture()` at warm-up), at most
 `max_graphs` of them (least recently used evicted). All graphs share one memory pool: they never run
 concurrently (one worker owns the model) and each graph's only live outputs are its static buffers, so the
 pool costs about as much as the largest graph's activations; `stats()` reports it.
@@ -63,19 +64,20 @@ class CudaGraphs:
         longest = min(encoder.config.max_position_embeddings, SEQ_BUCKETS[-1])
         self.max_seq = next(s for s in SEQ_BUCKETS if s >= longest)
         self.max_graphs, self.pad_token_id = max_graphs, pad_token_id
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
+        self.pool = None  # created at the first capture (so the bucket arithmetic works without a GPU)
+        self.graphs: OrderedDict[tuple[int, int, int, bool], _Graph] = OrderedDict()
         self.fingerprint: tuple | None = None
         self.captures = self.evictions = self.eager_fallbacks = 0
         self.capture_seconds = 0.0
         self.pool_bytes = 0  # growth of reserved device memory while capturing: what the graphs hold
 
-    def bucket(self, rows: list[list[int]]) -> tuple[int, int, int] | None:
+    def bucket(self, rows: list[list[int]]) -> tuple[int, int, int, bool] | None:
         tokens, longest = sum(map(len, rows)), max(map(len, rows))
         if tokens > self.tokens[-1] or longest > self.max_seq or len(rows) > self.max_batch:
             return None
-        return (self.tokens[bisect.bisect_left(self.tokens, tokens)], _ceil_pow2(len(rows)),
-                SEQ_BUCKETS[bisect.bisect_left(SEQ_BUCKETS, longest)])
+        t, b = self.tokens[bisect.bisect_left(self.tokens, tokens)], _ceil_pow2(len(rows))
+        s = SEQ_BUCKETS[bisect.bisect_left(SEQ_BUCKETS, longest)]
+        return t, b, s, tokens == t == b * s
 
     def run(self, rows: list[list[int]]) -> Tensor | None:
         """Unnormalized pooled embeddings [len(rows), hidden] float32 on the device, or None when the batch
@@ -101,7 +103,7 @@ class CudaGraphs:
         entry.replays += 1
         return entry.pooled[: len(rows)]
 
-    def capture(self, keys: list[tuple[int, int, int]]) -> None:
+    def capture(self, keys: list[tuple[int, int, int, bool]]) -> None:
         """Capture these buckets now (largest first, so the shared pool is sized once)."""
         self._check_fingerprint()
         for key in sorted(keys, reverse=True):
@@ -116,10 +118,12 @@ class CudaGraphs:
             self.graphs.clear()
             self.fingerprint = current
 
-    def _capture(self, key: tuple[int, int, int]) -> _Graph:
+    def _capture(self, key: tuple[int, int, int, bool]) -> _Graph:
         started = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
-        tokens, batch, seq = key
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        tokens, batch, seq, dense = key
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
             self.evictions += 1
@@ -130,7 +134,7 @@ class CudaGraphs:
         dev[4 * tokens:5 * tokens] = batch
         view = [dev[i * tokens:(i + 1) * tokens] for i in range(5)]
         packed = Packed(view[0], view[1], torch.zeros_like(view[0]), view[2], view[3], view[4], dev[5 * tokens:],
-                        batch, seq)
+                        batch, seq, dense=dense)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -145,8 +149,8 @@ class CudaGraphs:
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
         self.pool_bytes += max(torch.cuda.memory_reserved(self.device) - reserved, 0)
-        log.info("captured CUDA graph tokens=%d batch=%d seq=%d in %.0f ms (%d held)", tokens, batch, seq,
-                 (time.perf_counter() - started) * 1e3, len(self.graphs))
+        log.info("captured CUDA graph tokens=%d batch=%d seq=%d%s in %.0f ms (%d held)", tokens, batch, seq,
+                 " dense" if dense else "", (time.perf_counter() - started) * 1e3, len(self.graphs))
         return entry
 
     def stats(self) -> dict:

@@ -50,6 +50,20 @@ def test_packed_equals_padded(encoder, lengths):
 
 
 @torch.no_grad()
+def test_dense_batches_skip_mask_and_scatter(encoder, monkeypatch):
+    rows = _rows([16] * 4)
+    packed = Packed.from_rows(rows, "cpu")
+    assert packed.dense and not Packed.from_rows(_rows([16, 15]), "cpu").dense
+    assert not Packed.from_rows(rows, "cpu", tokens=80).dense  # filler tokens: not dense
+    calls = []
+    original = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda *a: calls.append(1) or original(*a))
+    ours = packed_mean_pool(encoder.forward_packed(packed), packed, normalize=False)
+    assert not calls  # no scatter into a padded block
+    assert (ours - _padded(encoder, rows)).abs().max() <= 1e-5
+
+
+@torch.no_grad()
 def test_bucketed_packing_with_filler_tokens_and_sequences(encoder):
     rows = _rows([7, 40, 3, 33, 2])
     padded = _padded(encoder, rows)
@@ -91,3 +105,16 @@ def test_runner_layouts_agree_on_cpu():
     assert (packed.embed(texts) - padded.embed(texts)).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="layout"):
         Embedder.load("tiny", device="cpu", layout="ragged")
+
+
+def test_graph_buckets(encoder):
+    from model.graphs import CudaGraphs
+
+    graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=4096, max_batch=64)  # no GPU needed for this
+    assert graphs.bucket(_rows([16] * 32)) == (512, 32, 16, True)  # fills its bucket exactly: dense
+    assert graphs.bucket(_rows([16] * 31)) == (512, 32, 16, False)
+    assert graphs.bucket(_rows([7, 40, 3])) == (64, 4, 64, False)
+    assert graphs.bucket(_rows([2])) == (16, 1, 16, False)
+    assert graphs.bucket(_rows([16])) == (16, 1, 16, True)
+    assert graphs.bucket(_rows([2] * 65)) is None  # more rows than the largest batch bucket
+    assert graphs.bucket(_rows([200] * 30)) is None  # more tokens than the largest token bucket
