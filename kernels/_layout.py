@@ -41,3 +41,35 @@ def output_like(x2: Tensor, shape: torch.Size, out: Tensor | None, name: str) ->
 def same_shape(name: str, x: Tensor, other: Tensor, what: str) -> None:
     if other.shape != x.shape:
         raise ValueError(f"{name}: {what} shape {tuple(other.shape)} != x shape {tuple(x.shape)}")
+
+
+def embedding_inputs(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, word_embeddings: Tensor,
+                     position_embeddings: Tensor, token_type_embeddings: Tensor, out: Tensor | None,
+                     id_dtype: torch.dtype | None = None):
+    """Checked, flattened arguments of embedding_layer_norm: (ids, pos, types, word, position, token_type, y,
+    shape) with the id vectors flat and contiguous (cast to `id_dtype` if given), the tables with unit column
+    stride, y the [tokens, hidden] output (a fresh one or a view of `out`) and shape the caller's output shape."""
+    name = "embedding_layer_norm"
+    for ids in (input_ids, position_ids, token_type_ids):
+        if ids.dtype not in (torch.int32, torch.int64) or ids.device != word_embeddings.device:
+            raise ValueError(f"{name}: ids must be int32/int64 on {word_embeddings.device}, got {ids.dtype} on {ids.device}")
+    if not input_ids.shape == position_ids.shape == token_type_ids.shape:
+        raise ValueError(f"{name}: id tensors differ in shape")
+    cols = word_embeddings.shape[-1]
+    shape = (*input_ids.shape, cols)
+    flat = [t.reshape(-1) for t in (input_ids, position_ids, token_type_ids)]
+    ids, pos, types = ((t.to(id_dtype) if id_dtype else t).contiguous() for t in flat)
+    rows = ids.numel()
+    if out is None:
+        y = torch.empty((rows, cols), dtype=word_embeddings.dtype, device=word_embeddings.device)
+    elif out.shape != shape or out.dtype != word_embeddings.dtype or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous {shape} {word_embeddings.dtype}")
+    else:
+        y = out.view(rows, cols)
+    tables = []
+    for t, what in ((word_embeddings, "word_embeddings"), (position_embeddings, "position_embeddings"),
+                    (token_type_embeddings, "token_type_embeddings")):
+        if t.dim() != 2 or t.shape[1] != cols:
+            raise ValueError(f"{name}: {what} must be [rows, {cols}], got {tuple(t.shape)}")
+        tables.append(t if t.stride(1) == 1 else t.contiguous())
+    return ids, pos, types, *tables, y, shape

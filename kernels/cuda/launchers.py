@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._layout import as_rows, as_vector, output_like, same_shape
+from kernels._layout import as_rows, as_vector, embedding_inputs, output_like, same_shape
 from kernels.cuda.tuning import TUNER, norm_candidates, pointwise_candidates
 
 _ops = torch.ops.fusedserve_cuda
@@ -93,35 +93,15 @@ def bias_residual_gelu(x: Tensor, bias: Tensor, residual: Tensor, approximate: s
     return _bias_act("bias_residual_gelu", x, bias, residual, _gelu_code(approximate), out)
 
 
-def _table(t: Tensor, cols: int, name: str) -> Tensor:
-    if t.dim() != 2 or t.shape[1] != cols:
-        raise ValueError(f"embedding_layer_norm: {name} must be [rows, {cols}], got {tuple(t.shape)}")
-    return t if t.stride(1) == 1 else t.contiguous()
-
-
 def embedding_layer_norm(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, word_embeddings: Tensor,
                          position_embeddings: Tensor, token_type_embeddings: Tensor, weight: Tensor, bias: Tensor,
                          eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
     name = "embedding_layer_norm"
     _check(name, word_embeddings, position_embeddings, token_type_embeddings, weight, bias)
-    if not input_ids.shape == position_ids.shape == token_type_ids.shape:
-        raise ValueError(f"{name}: id tensors differ in shape")
-    for ids in (input_ids, position_ids, token_type_ids):
-        if ids.dtype not in (torch.int32, torch.int64) or ids.device != word_embeddings.device:
-            raise ValueError(f"{name}: ids must be int32/int64 on {word_embeddings.device}, got {ids.dtype} on {ids.device}")
-    cols = word_embeddings.shape[-1]
-    shape = (*input_ids.shape, cols)
-    ids, pos, types = (t.reshape(-1).to(torch.int64).contiguous() for t in (input_ids, position_ids, token_type_ids))
-    rows = ids.numel()
-    if out is None:
-        y = torch.empty((rows, cols), dtype=word_embeddings.dtype, device=word_embeddings.device)
-    elif out.shape != shape or out.dtype != word_embeddings.dtype or not out.is_contiguous():
-        raise ValueError(f"{name}: out must be contiguous {shape} {word_embeddings.dtype}")
-    else:
-        y = out.view(rows, cols)
-    word, position, token_type = (_table(t, cols, n) for t, n in (
-        (word_embeddings, "word_embeddings"), (position_embeddings, "position_embeddings"),
-        (token_type_embeddings, "token_type_embeddings")))
+    ids, pos, types, word, position, token_type, y, shape = embedding_inputs(
+        input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings, out,
+        id_dtype=torch.int64)
+    rows, cols = y.shape
     w, b = as_vector(weight, cols, f"{name} weight"), as_vector(bias, cols, f"{name} bias")
 
     def run(config):

@@ -112,6 +112,8 @@ class Tuner:
 
     def choose(self, kernel: str, dtype: torch.dtype, cols: int, rows: int, candidates: Sequence[Config],
                run: Callable[[Config], None]) -> Config:
+        if rows < TUNE_MIN_ROWS or len(candidates) == 1:
+            return candidates[0]  # launch-latency bound: nothing to tune, nothing recorded
         key = f"{kernel}|{str(dtype).removeprefix('torch.')}|{cols}|{row_bucket(rows)}"
         hit = self._table.get(key)
         if hit is None and self._file is None:
@@ -120,8 +122,7 @@ class Tuner:
             hit = self._table.get(key)
         if hit is not None:
             return tuple(hit["config"])
-        if (rows < TUNE_MIN_ROWS or not _enabled() or len(candidates) == 1
-                or torch.cuda.is_current_stream_capturing()):
+        if not _enabled() or torch.cuda.is_current_stream_capturing():
             return candidates[0]
         with self._lock:
             timings = {}

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels._layout import embedding_inputs
 from kernels.triton._common import as_vector, autotune, block_cols, check_device, needs_wide, row_bucket
 from kernels.triton._norm import _CONFIGS, _prune
 
@@ -60,35 +61,14 @@ def _embedding_layer_norm_kernel(
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _table(t: Tensor, cols: int, name: str) -> Tensor:
-    if t.dim() != 2 or t.shape[1] != cols:
-        raise ValueError(f"embedding_layer_norm: {name} must be [rows, {cols}], got {tuple(t.shape)}")
-    return t if t.stride(1) == 1 else t.contiguous()
-
-
 def embedding_layer_norm(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, word_embeddings: Tensor,
                          position_embeddings: Tensor, token_type_embeddings: Tensor, weight: Tensor, bias: Tensor,
                          eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
     check_device("embedding_layer_norm", word_embeddings, position_embeddings, token_type_embeddings, weight, bias)
     name = "embedding_layer_norm"
-    for ids in (input_ids, position_ids, token_type_ids):
-        if ids.dtype not in (torch.int32, torch.int64) or ids.device != word_embeddings.device:
-            raise ValueError(f"{name}: ids must be int32/int64 on {word_embeddings.device}, got {ids.dtype} on {ids.device}")
-    if not input_ids.shape == position_ids.shape == token_type_ids.shape:
-        raise ValueError(f"{name}: id tensors differ in shape")
-    cols = word_embeddings.shape[-1]
-    shape = (*input_ids.shape, cols)
-    ids, pos, types = (t.reshape(-1).contiguous() for t in (input_ids, position_ids, token_type_ids))
-    rows = ids.numel()
-    if out is None:
-        y = torch.empty((rows, cols), dtype=word_embeddings.dtype, device=word_embeddings.device)
-    elif out.shape != shape or out.dtype != word_embeddings.dtype or not out.is_contiguous():
-        raise ValueError(f"{name}: out must be contiguous {shape} {word_embeddings.dtype}")
-    else:
-        y = out.view(rows, cols)
-    word, position, token_type = (_table(t, cols, n) for t, n in (
-        (word_embeddings, "word_embeddings"), (position_embeddings, "position_embeddings"),
-        (token_type_embeddings, "token_type_embeddings")))
+    ids, pos, types, word, position, token_type, y, shape = embedding_inputs(
+        input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings, out)
+    rows, cols = y.shape
     if rows:
         def grid(meta):
             return (triton.cdiv(rows, meta["BLOCK_M"]),)

@@ -13,6 +13,7 @@ import torch
 
 from kernels import ops, reference
 from kernels.testing import OP_SPECS, check_op, compare, float64_reference
+from tests.kernels._large import check_offsets_past_two_to_the_31
 from tests.conftest import DTYPES, ODD_COLS, ROWS
 
 pytestmark = pytest.mark.gpu
@@ -114,7 +115,8 @@ def test_tuner_sweeps_once_per_shape_class_and_caches_to_disk(launchers, tmp_pat
     files = list(tmp_path.glob("tuning-*.json"))
     assert len(files) == 1 and "norm|bfloat16|768|13" in files[0].read_text()
     fresh = tuning.Tuner()  # a later process on the same GPU model starts tuned
-    assert fresh.choose("norm", torch.bfloat16, 768, 4096, [(999, 999)], lambda c: None) == tuple(entry["config"])
+    assert fresh.choose("norm", torch.bfloat16, 768, 4096, [(999, 999), (998, 998)],
+                        lambda c: None) == tuple(entry["config"])
 
 
 @pytest.mark.parametrize("op", [op for op in OP_SPECS if op != "embedding_layer_norm"])
@@ -168,23 +170,7 @@ def test_clear_errors(launchers):
 
 @pytest.mark.parametrize("op", ["bias_gelu", "add_layer_norm"])
 def test_offsets_past_two_to_the_31(launchers, op):
-    cols = 1024
-    rows = 2**31 // cols + 3
-    gen = torch.Generator(device="cuda").manual_seed(9)
-    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=gen)
-    bias = torch.randn(cols, device="cuda", dtype=torch.bfloat16, generator=gen)
-    if op == "bias_gelu":
-        out = launchers[op](x, bias)
-        tail_args = (x[-5:], bias)
-    else:
-        residual = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=gen)
-        w, b = torch.ones(cols, device="cuda", dtype=torch.bfloat16), torch.zeros(cols, device="cuda", dtype=torch.bfloat16)
-        out = launchers[op](x, residual, bias, w, b, 1e-5)
-        tail_args = (x[-5:], residual[-5:], bias, w, b, 1e-5)
-        del residual
-    tail = out[-5:].clone()
-    del out, x
-    assert compare(tail, float64_reference(op, tail_args, {}), torch.bfloat16).ok
+    check_offsets_past_two_to_the_31(launchers, op)
 
 
 def test_opcheck_and_compile(launchers):

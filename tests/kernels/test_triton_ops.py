@@ -13,6 +13,7 @@ import torch
 import kernels
 from kernels import ops, reference
 from kernels.testing import OP_SPECS, check_op, compare, float64_reference
+from tests.kernels._large import check_offsets_past_two_to_the_31
 from tests.conftest import DEVICES, DTYPES, ODD_COLS, ROWS
 
 triton_launchers = pytest.importorskip("kernels.triton").LAUNCHERS
@@ -182,21 +183,4 @@ def test_torch_compile_fullgraph_on_fused_encoder(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["bias_gelu", "add_layer_norm"])
 def test_offsets_past_two_to_the_31(op):
-    """2^31 + a few rows' worth of bf16 elements (4.3 GB): the int64 offset path must address the tail."""
-    cols = 1024
-    rows = 2**31 // cols + 3
-    gen = torch.Generator(device="cuda").manual_seed(9)
-    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=gen)
-    bias = torch.randn(cols, device="cuda", dtype=torch.bfloat16, generator=gen)
-    if op == "bias_gelu":
-        out = triton_launchers[op](x, bias)
-        tail_args = (x[-5:], bias)
-    else:
-        residual = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=gen)
-        w, b = torch.ones(cols, device="cuda", dtype=torch.bfloat16), torch.zeros(cols, device="cuda", dtype=torch.bfloat16)
-        out = triton_launchers[op](x, residual, bias, w, b, 1e-5)
-        tail_args = (x[-5:], residual[-5:], bias, w, b, 1e-5)
-        del residual
-    tail = out[-5:].clone()
-    del out, x
-    assert compare(tail, float64_reference(op, tail_args, {}), torch.bfloat16).ok
+    check_offsets_past_two_to_the_31(triton_launchers, op)

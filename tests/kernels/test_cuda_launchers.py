@@ -1,0 +1,85 @@
+"""The CUDA backend's Python launchers without a GPU: argument shaping (3-D inputs, out=, return_sum, int32 ids,
+the tuner hand-off) checked by standing in for torch.ops.fusedserve_cuda with the torch reference math. The
+kernels themselves are tested on the GPU (test_cuda_ops.py); this keeps the launcher layer covered in CI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.testing import OP_SPECS, compare, float64_reference
+
+
+class ReferenceOps:
+    """The three torch.ops.fusedserve_cuda schemas, computed with the reference; checks what the C++ side
+    requires of its arguments (2-D, unit column stride, int64 contiguous ids, valid configs)."""
+
+    def __init__(self):
+        self.configs = []
+
+    def norm(self, x, residual, bias, w, ln_bias, eps, gelu, y, pre_norm_sum, tpr, block):
+        assert x.dim() == 2 and x.stride(1) == 1 and y.is_contiguous()
+        self.configs.append(("norm", tpr, block))
+        h = x.float() + (residual.float() if residual is not None else 0) + (bias.float() if bias is not None else 0)
+        if pre_norm_sum is not None:
+            pre_norm_sum.copy_(h)
+        out = torch.nn.functional.layer_norm(h, h.shape[-1:], w.float(), ln_bias.float(), eps)
+        y.copy_(reference._gelu(out, {1: "none", 2: "tanh"}[gelu]) if gelu else out)
+
+    def embedding_norm(self, ids, pos, types, word, position, token_type, w, b, eps, y, tpr, block):
+        assert all(t.dtype == torch.int64 and t.is_contiguous() and t.dim() == 1 for t in (ids, pos, types))
+        self.configs.append(("embedding_norm", tpr, block))
+        y.copy_(reference.embedding_layer_norm(ids, pos, types, word, position, token_type, w, b, eps))
+
+    def bias_act(self, x, bias, residual, gelu, y, threads, rows_per_thread):
+        assert x.dim() == 2 and x.stride(1) == 1 and y.is_contiguous()
+        self.configs.append(("bias_act", threads, rows_per_thread))
+        h = x.float() + bias.float() + (residual.float() if residual is not None else 0)
+        y.copy_(reference._gelu(h, {1: "none", 2: "tanh"}[gelu]))
+
+
+@pytest.fixture
+def launchers(monkeypatch):
+    from kernels.cuda import launchers as module
+
+    fake = ReferenceOps()
+    monkeypatch.setattr(module, "_ops", fake)
+    monkeypatch.setattr(module, "_check", lambda *tensors: None)  # the real one demands CUDA tensors
+    return module.LAUNCHERS, fake
+
+
+@pytest.mark.parametrize("op", list(OP_SPECS))
+def test_launchers_shape_arguments_and_write_into_out(launchers, op):
+    table, fake = launchers
+    gen = torch.Generator().manual_seed(3)
+    args, kwargs = OP_SPECS[op].make_inputs(37, 300, torch.float32, "cpu", gen)
+    out = torch.full((37, 300), float("nan"))
+    result = table[op](*args, **kwargs, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    assert compare(result, float64_reference(op, args, kwargs), torch.float32).ok
+    from kernels.cuda.tuning import norm_candidates, pointwise_candidates
+
+    kind, *config = fake.configs[-1]
+    expected = pointwise_candidates(300)[0] if kind == "bias_act" else norm_candidates(300)[0]
+    assert tuple(config) == expected  # 37 rows: below the tuning threshold, the heuristic config
+
+
+def test_3d_views_sum_and_int32_ids(launchers):
+    table, _ = launchers
+    gen = torch.Generator().manual_seed(4)
+    (x, residual, bias, w, b, eps), _ = OP_SPECS["add_layer_norm"].make_inputs(12, 64, torch.float32, "cpu", gen)
+    y, s = table["add_layer_norm"](x.view(3, 4, 64), residual.view(3, 4, 64), bias, w, b, eps, return_sum=True)
+    assert y.shape == s.shape == (3, 4, 64)
+    assert compare(s.view(12, 64), (x + residual + bias).double(), torch.float32).ok
+    strided = torch.randn(12, 80, generator=gen)[:, :64]  # row stride 80: passed through without a copy
+    assert compare(table["layer_norm"](strided, w, b, eps), float64_reference("layer_norm", (strided, w, b, eps), {}),
+                   torch.float32).ok
+    args, _ = OP_SPECS["embedding_layer_norm"].make_inputs(15, 64, torch.float32, "cpu", gen)
+    ids = args[0].view(3, 5).to(torch.int32)
+    y = table["embedding_layer_norm"](ids, args[1].view(3, 5), args[2].view(3, 5), *args[3:])
+    assert y.shape == (3, 5, 64)
+    with pytest.raises(ValueError, match="id tensors differ in shape"):
+        table["embedding_layer_norm"](ids, args[1], args[2], *args[3:])
+    with pytest.raises(ValueError, match="approximate"):
+        table["bias_gelu"](x, bias, "fast")
