@@ -48,18 +48,15 @@ __global__ void __launch_bounds__(BLOCK) norm_kernel(const NormArgs a) {
         src[s] = static_cast<const T*>(in.base) + r * in.stride;
     }
 
-    T* __restrict__ sum_row = a.pre_norm_sum && active ? static_cast<T*>(a.pre_norm_sum) + row * a.stride_s : nullptr;
-    // column offsets fit in 32 bits (cols <= 16384); only the row bases above are 64-bit
-    const int cols = static_cast<int>(a.cols);
     float v[kNormValuesPerThread];
     float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < ITERS; ++i) {
-        const int c = (i * THREADS_PER_ROW + thread_in_row) * VEC;
+        const int64_t c = (static_cast<int64_t>(i) * THREADS_PER_ROW + thread_in_row) * VEC;
         float* h = v + i * VEC;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) h[k] = 0.f;
-        if (active && c < cols) {
+        if (active && c < a.cols) {
 #pragma unroll
             for (int s = 0; s < 3; ++s) {
                 if (s < a.n_in) {
@@ -69,7 +66,7 @@ __global__ void __launch_bounds__(BLOCK) norm_kernel(const NormArgs a) {
                     for (int k = 0; k < VEC; ++k) h[k] += t[k];
                 }
             }
-            if (sum_row) store<T, VEC>(sum_row + c, h);
+            if (a.pre_norm_sum) store<T, VEC>(static_cast<T*>(a.pre_norm_sum) + row * a.stride_s + c, h);
 #pragma unroll
             for (int k = 0; k < VEC; ++k) sum += h[k];
         }
@@ -79,8 +76,8 @@ __global__ void __launch_bounds__(BLOCK) norm_kernel(const NormArgs a) {
     float sq = 0.f;
 #pragma unroll
     for (int i = 0; i < ITERS; ++i) {
-        const int c = (i * THREADS_PER_ROW + thread_in_row) * VEC;
-        if (active && c < cols) {
+        const int64_t c = (static_cast<int64_t>(i) * THREADS_PER_ROW + thread_in_row) * VEC;
+        if (active && c < a.cols) {
 #pragma unroll
             for (int k = 0; k < VEC; ++k) {
                 const float d = v[i * VEC + k] - mean;
@@ -96,8 +93,8 @@ __global__ void __launch_bounds__(BLOCK) norm_kernel(const NormArgs a) {
     T* __restrict__ y = static_cast<T*>(a.y) + row * a.stride_y;
 #pragma unroll
     for (int i = 0; i < ITERS; ++i) {
-        const int c = (i * THREADS_PER_ROW + thread_in_row) * VEC;
-        if (c >= cols) continue;
+        const int64_t c = (static_cast<int64_t>(i) * THREADS_PER_ROW + thread_in_row) * VEC;
+        if (c >= a.cols) continue;
         float wv[VEC], bv[VEC], out[VEC];
         load<T, VEC>(w + c, wv);
         load<T, VEC>(b + c, bv);
