@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--st-sentences", type=int, default=1024)
     parser.add_argument("--out")
+    parser.add_argument("--torch-threads", type=int, default=0, help="the server's intra-op threads (0: default)")
     parser.add_argument("--client-counts", type=int, nargs="+", default=[16, 64, 256],
                         help="GPU sweep (--device cuda): closed-loop client counts")
     parser.add_argument("--model", default="default", help="GPU sweep: model dir (default: the packaged MiniLM)")
@@ -254,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     st_rate = sentence_transformers_rate(texts[: args.st_sentences], 64, args.device)
     print(f"sentence-transformers encode(batch_size=64): {st_rate:.1f} sentences/s", file=sys.stderr)
 
-    with running_server(device=args.device) as (_, url):
+    extra = {"torch_threads": str(args.torch_threads)} if args.torch_threads else {}
+    with running_server(device=args.device, **extra) as (_, url):
         tokens_per_sentence = httpx.post(url + "/infer", json={"inputs": texts[:64]}).json()["usage"]["tokens"] / 64
         latencies, errors, elapsed = asyncio.run(closed_loop(url, texts, args.clients, args.seconds, args.per_request))
         metrics = httpx.get(url + "/metrics").text
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "device": args.device, "clients": args.clients, "seconds": elapsed, "words": args.words,
-        "per_request": args.per_request, "requests": n, "errors": errors,
+        "per_request": args.per_request, "torch_threads": args.torch_threads, "requests": n, "errors": errors,
         "requests_per_s": n / elapsed, "sentences_per_s": served, "tokens_per_s": served * tokens_per_sentence,
         "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
         "sentence_transformers_sentences_per_s": st_rate, "ratio_vs_sentence_transformers": served / st_rate,

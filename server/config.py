@@ -32,6 +32,7 @@ class Settings(BaseSettings):
     layout: Literal["packed", "padded"] = Field("packed", description="packed: real tokens only, no padding")
     cuda_graphs: bool = Field(True, description="replay the packed forward from CUDA graphs per shape bucket (GPU)")
     max_cuda_graphs: int = Field(64, ge=1, description="graphs held at once (least recently used evicted)")
+    torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default)")
 
     # batching and limits
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per batch (rows x longest row)")

@@ -49,6 +49,8 @@ class Service:
     # ---- lifecycle --------------------------------------------------------------------------------
     def load(self) -> None:
         s = self.settings
+        if s.torch_threads:
+            torch.set_num_threads(s.torch_threads)
         log.info("loading model %s on device %s (dtype %s) ...", s.model, s.device, s.dtype)
         self.embedder, self.report = Embedder.load(
             s.model, device=s.device, dtype=s.dtype, fused=s.fused, backend=s.backend,
