@@ -1,0 +1,106 @@
+"""PNG plots for docs/performance.md from the benchmark JSON files (matplotlib, no display needed).
+
+    python -m bench.plot kernels bench/results/2026-11-30-h200-kernels-cuda.json docs/img/kernels-bf16.png
+    python -m bench.plot encoder bench/results/<date>-h200-encoder.json docs/img/encoder.png
+    python -m bench.plot serve bench/results/<date>-h200-serve.json docs/img/serve.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def kernels(report: dict, path: str, dtype: str = "bfloat16") -> None:
+    """Per op, achieved GB/s of each provider at each shape, against the measured copy ceiling."""
+    plt = _pyplot()
+    rows = [r for r in report["results"] if r["dtype"] == dtype]
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    shapes = list(dict.fromkeys(f"{r['rows']}x{r['cols']}" for r in rows))
+    providers = [p for p in ("triton", "cuda", "compile", "eager") if any(r["provider"] == p for r in rows)]
+    fig, axes = plt.subplots(2, (len(ops) + 1) // 2, figsize=(5 * ((len(ops) + 1) // 2), 7), sharey=True)
+    for ax, op in zip(axes.flat, ops):
+        width = 0.8 / len(providers)
+        for i, p in enumerate(providers):
+            by_shape = {f"{r['rows']}x{r['cols']}": r["gbps"] for r in rows if r["op"] == op and r["provider"] == p}
+            ax.bar([x + i * width for x in range(len(shapes))], [by_shape.get(s, 0) for s in shapes], width, label=p)
+        ax.axhline(report["copy_gbps"], color="black", linewidth=1, linestyle="--")
+        ax.axhline(0.85 * report["copy_gbps"], color="grey", linewidth=1, linestyle=":")
+        ax.set_title(op)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes, rotation=30, fontsize=8)
+    axes.flat[0].set_ylabel("GB/s")
+    axes.flat[len(ops) // 2 if len(ops) > 1 else 0].set_ylabel("GB/s")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"{report['device']}, {dtype}: achieved GB/s (dashed: copy {report['copy_gbps']:.0f} GB/s; "
+                 f"dotted: 85%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def encoder(report: dict, path: str) -> None:
+    """Per case, ms per forward of each provider (log scale)."""
+    plt = _pyplot()
+    rows = [r for r in report["results"] if "ms" in r]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 5))
+    for ax, case in zip(axes if len(cases) > 1 else [axes], cases):
+        mine = [r for r in rows if r["case"] == case]
+        ax.barh([r["provider"] for r in mine], [r["ms"] for r in mine],
+                color=["tab:orange" if r["provider"].startswith("ours") else "tab:blue" for r in mine])
+        ax.axvline(mine[0]["gemm_floor_ms"], color="black", linestyle="--", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_title(case, fontsize=9)
+        ax.set_xlabel("ms per forward (dashed: GEMM floor)")
+        ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def serve(report: dict, path: str) -> None:
+    """Served tokens/s and p99 latency against the client count, with the runner's raw rate and ST's."""
+    plt = _pyplot()
+    runs = report["runs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    clients = [r["clients"] for r in runs]
+    left.plot(clients, [r["tokens_per_s"] / 1e6 for r in runs], marker="o", label="server")
+    left.axhline(report["runner_raw_tokens_per_s"] / 1e6, color="black", linestyle="--", label="runner raw")
+    left.axhline(report["sentence_transformers_fp16_tokens_per_s"] / 1e6, color="grey", linestyle=":",
+                 label="sentence-transformers fp16")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("concurrent clients")
+    left.set_ylabel("M tokens/s")
+    left.legend(fontsize=8)
+    right.plot(clients, [r["p50_ms"] for r in runs], marker="o", label="p50")
+    right.plot(clients, [r["p99_ms"] for r in runs], marker="o", label="p99")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("concurrent clients")
+    right.set_ylabel("ms")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3 or argv[0] not in ("kernels", "encoder", "serve"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    kind, source, target = argv
+    with open(source) as f:
+        report = json.load(f)
+    {"kernels": kernels, "encoder": encoder, "serve": serve}[kind](report, target)
+    print(target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
