@@ -145,11 +145,14 @@ def _self_test(fn: Callable, op: str, device: torch.device, dtypes: Iterable[tor
 
 
 # The auto-mode race: per-call time of each passing fused backend on [RACE_ROWS, hidden] inputs (a typical
-# batch's token count), eager calls as serving makes them (host launch cost included), median of rounds.
+# batch's token count), median of interleaved rounds. timing="eager": calls launched from Python back to back,
+# as the eager serving path makes them (host launch cost included); timing="device": RACE_CALLS calls captured
+# in a CUDA graph and replayed, the device time that counts when the model runs from CUDA graphs.
 RACE_ROWS = 4096
 RACE_CALLS = 20
 RACE_ROUNDS = 5
-_race_cache: dict[tuple, dict[str, float]] = {}
+RACE_TIMINGS = ("eager", "device")
+_race_cache: dict[tuple, tuple[dict[str, float], str]] = {}
 
 
 def _sync(device: torch.device) -> None:
@@ -157,19 +160,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _race(op: str, impls: Mapping[str, Callable], device: torch.device, dtype: torch.dtype,
-          cols: int) -> dict[str, float]:
-    """Microseconds per call of each implementation of `op` on the same inputs (cached per process)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-    key = (op, name, dtype, RACE_ROWS, cols, tuple(impls))
-    if key in _race_cache:
-        return _race_cache[key]
-    args, kwargs = OP_SPECS[op].make_inputs(RACE_ROWS, cols, dtype, device, torch.Generator().manual_seed(7))
+def _eager_rounds(impls: Mapping[str, Callable], args: tuple, kwargs: dict, device: torch.device) -> dict:
     samples: dict[str, list[float]] = {n: [] for n in impls}
-    for fn in impls.values():  # warm-up: compilation, autotuning and launch-config sweeps happen here
-        for _ in range(3):
-            fn(*args, **kwargs)
-    _sync(device)
     for _ in range(RACE_ROUNDS):  # interleaved rounds, so clock or thermal drift hits every backend alike
         for n, fn in impls.items():
             started = time.perf_counter()
@@ -177,7 +169,55 @@ def _race(op: str, impls: Mapping[str, Callable], device: torch.device, dtype: t
                 fn(*args, **kwargs)
             _sync(device)
             samples[n].append((time.perf_counter() - started) * 1e6 / RACE_CALLS)
-    _race_cache[key] = {n: statistics.median(v) for n, v in samples.items()}
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
+def _graph_rounds(impls: Mapping[str, Callable], args: tuple, kwargs: dict, device: torch.device) -> dict:
+    graphs = {}
+    for n, fn in impls.items():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(RACE_CALLS):
+                fn(*args, **kwargs)
+        graphs[n] = graph
+    samples: dict[str, list[float]] = {n: [] for n in impls}
+    for _ in range(RACE_ROUNDS):
+        for n, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples[n].append(start.elapsed_time(end) * 1e3 / RACE_CALLS)
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
+def _race(op: str, impls: Mapping[str, Callable], device: torch.device, dtype: torch.dtype,
+          cols: int, timing: str = "eager") -> tuple[dict[str, float], str]:
+    """Microseconds per call of each implementation of `op` on the same inputs, and how they were timed
+    ("device" falls back to "eager" when graph capture is impossible); cached per process."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    key = (op, name, dtype, RACE_ROWS, cols, tuple(impls), timing)
+    if key in _race_cache:
+        return _race_cache[key]
+    args, kwargs = OP_SPECS[op].make_inputs(RACE_ROWS, cols, dtype, device, torch.Generator().manual_seed(7))
+    for fn in impls.values():  # warm-up: compilation, autotuning and launch-config sweeps happen here
+        for _ in range(3):
+            fn(*args, **kwargs)
+    _sync(device)
+    how = timing
+    if timing == "device":
+        try:
+            if device.type != "cuda":
+                raise RuntimeError(f"no CUDA graphs on {device}")
+            timings = _graph_rounds(impls, args, kwargs, device)
+        except Exception as exc:  # a backend that cannot be captured still gets a fair (eager) race
+            log.warning("race for %s: device timing failed (%s: %s); timing eager calls", op, type(exc).__name__, exc)
+            how = f"eager (device timing failed: {type(exc).__name__})"
+            timings = _eager_rounds(impls, args, kwargs, device)
+    else:
+        timings = _eager_rounds(impls, args, kwargs, device)
+    _race_cache[key] = (timings, how)
     return _race_cache[key]
 
 
@@ -190,13 +230,15 @@ def configure(
     fused: bool = True,
     hidden_sizes: Iterable[int] = (),
     race: bool | None = None,
+    race_timing: str = "eager",
 ) -> Selection:
     """Choose a backend per op, make it active, and return what was chosen and why.
 
     backend: "auto" or a backend name forced for every op; overrides: {op: backend} per op, winning over
     `backend`; fused=False puts every op on the reference path without probing anything. race: time the
     fused backends that pass and take the fastest (default: on CUDA devices; elsewhere the first that passes
-    in preference order, since the Triton interpreter's speed says nothing).
+    in preference order, since the Triton interpreter's speed says nothing). race_timing: "eager" (the model
+    launches ops from Python) or "device" (the model runs from CUDA graphs: device time decides).
     """
     global _current
     started = time.perf_counter()
@@ -209,6 +251,8 @@ def configure(
             raise ValueError(f"backend override for unknown op {op!r}; ops are {', '.join(OPS)}")
         if name != "auto" and name not in known:
             raise ValueError(f"backend override {op}={name!r}: unknown backend; known: {', '.join(sorted(known))}")
+    if race_timing not in RACE_TIMINGS:
+        raise ValueError(f"race_timing must be one of {RACE_TIMINGS}, got {race_timing!r}")
     if backend != "auto" and backend not in known:
         raise ValueError(f"unknown backend {backend!r}; known: auto, {', '.join(backend_names())}")
     hidden_sizes = tuple(hidden_sizes)
@@ -256,11 +300,11 @@ def configure(
         if len(passed) > 1:
             cols = hidden_sizes[0] if hidden_sizes else 768
             impls = {n: load(next(b for b in _BACKENDS if b.name == n))[op] for n in passed}
-            choice.timings_us = _race(op, impls, device, dtypes[0], cols)
+            choice.timings_us, how = _race(op, impls, device, dtypes[0], cols, race_timing)
             choice.backend = min(choice.timings_us, key=choice.timings_us.get)
             times = ", ".join(f"{n} {t:.1f}" for n, t in sorted(choice.timings_us.items(), key=lambda kv: kv[1]))
-            choice.reason = (f"fastest of {len(passed)} that passed their self-tests "
-                             f"(us/call at {RACE_ROWS}x{cols} {str(dtypes[0]).removeprefix('torch.')}: {times})")
+            choice.reason = (f"fastest of {len(passed)} that passed their self-tests (us/call, {how} timing, at "
+                             f"{RACE_ROWS}x{cols} {str(dtypes[0]).removeprefix('torch.')}: {times})")
         elif passed:
             choice.backend = passed[0]
             if forced != "auto":

@@ -202,9 +202,11 @@ def test_opcheck_and_compile(launchers):
 def test_auto_mode_races_triton_and_cuda_on_the_gpu(launchers):
     import kernels
 
-    selection = kernels.configure("cuda", (torch.float16,), hidden_sizes=(384,))
-    for choice in selection.choices.values():
-        assert choice.backend in ("triton", "cuda"), selection.report()
-        assert set(choice.timings_us) == {"triton", "cuda"}, selection.report()
-        assert choice.backend == min(choice.timings_us, key=choice.timings_us.get)
-    print("\n" + selection.report())
+    for timing in ("eager", "device"):
+        selection = kernels.configure("cuda", (torch.float16,), hidden_sizes=(384,), race_timing=timing)
+        for choice in selection.choices.values():
+            assert choice.backend in ("triton", "cuda"), selection.report()
+            assert set(choice.timings_us) == {"triton", "cuda"}, selection.report()
+            assert choice.backend == min(choice.timings_us, key=choice.timings_us.get)
+            assert f"{timing} timing" in choice.reason  # device timing did not fall back
+        print("\n" + selection.report())
