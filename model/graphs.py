@@ -57,7 +57,7 @@ class _Graph:
 
 class CudaGraphs:
     def __init__(self, encoder: Encoder, device: torch.device, *, max_tokens: int, max_batch: int,
-                 max_graphs: int = 64, pad_token_id: int = 0) -> None:
+                 max_graphs: int = 256, pad_token_id: int = 0) -> None:
         self.encoder, self.device = encoder, device
         self.tokens = token_buckets(max_tokens)
         self.max_batch = _ceil_pow2(max_batch)

@@ -70,7 +70,7 @@ class Embedder:
     def __init__(self, encoder: Encoder, tokenizer: TextTokenizer, name: str,
                  device: torch.device, dtype: torch.dtype, *, layout: str = "packed", attention: str = "pad",
                  cuda_graphs: bool = True, max_batch_tokens: int = 8192, max_batch: int = 256,
-                 max_graphs: int = 64) -> None:
+                 max_graphs: int = 256) -> None:
         if layout not in ("packed", "padded"):
             raise ValueError(f"layout must be packed or padded, got {layout!r}")
         self.encoder = encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)

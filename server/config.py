@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's)")
     layout: Literal["packed", "padded"] = Field("packed", description="packed: real tokens only, no padding")
     cuda_graphs: bool = Field(True, description="replay the packed forward from CUDA graphs per shape bucket (GPU)")
-    max_cuda_graphs: int = Field(64, ge=1, description="graphs held at once (least recently used evicted)")
+    max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)")
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default)")
 
     # batching and limits

@@ -32,7 +32,7 @@ def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
     finally:
         assert server.stop() == 0, server.log()[-3000:]
     assert info["device"].startswith("cuda") and info["fused"] is True and info["fallback"] is None
-    assert info["layout"] == "packed" and info["cuda_graphs"]["max_graphs"] == 64
+    assert info["layout"] == "packed" and info["cuda_graphs"]["max_graphs"] == 256
     backends = {op["backend"] for op in info["kernels"].values()}
     assert backends <= {"triton", "cuda"}
     timed = [line for line in metrics.splitlines()
