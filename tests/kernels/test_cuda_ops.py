@@ -13,7 +13,7 @@ import torch
 
 from kernels import ops, reference
 from kernels.testing import OP_SPECS, check_op, compare, float64_reference
-from tests.kernels._large import check_offsets_past_two_to_the_31
+from tests.kernels._shared import check_offsets_past_two_to_the_31, opcheck_custom_ops
 from tests.conftest import DTYPES, ODD_COLS, ROWS
 
 pytestmark = pytest.mark.gpu
@@ -179,15 +179,7 @@ def test_opcheck_and_compile(launchers):
     from model.encoder import Encoder
 
     ops.custom_ops("cuda", launchers)
-    gen = torch.Generator().manual_seed(5)
-    for op in OP_SPECS:
-        args, _ = OP_SPECS[op].make_inputs(6, 40, torch.float32, "cuda", gen)
-        if op == "add_layer_norm":
-            args = (*args, False)
-        elif op in ("layer_norm_gelu", "bias_gelu", "bias_residual_gelu"):
-            args = (*args, "none")
-        custom = getattr(torch.ops.fusedserve, f"cuda_{op}").default
-        torch.library.opcheck(custom, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    opcheck_custom_ops("cuda", "cuda")
     kernels.configure("cuda", (torch.float32,), backend="cuda", hidden_sizes=(64,))
     encoder = Encoder(EncoderConfig.from_name("tiny").replace(num_layers=1)).cuda().eval()
     ids = torch.randint(1000, 2000, (3, 9), device="cuda")

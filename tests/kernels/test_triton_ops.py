@@ -13,7 +13,7 @@ import torch
 import kernels
 from kernels import ops, reference
 from kernels.testing import OP_SPECS, check_op, compare, float64_reference
-from tests.kernels._large import check_offsets_past_two_to_the_31
+from tests.kernels._shared import check_offsets_past_two_to_the_31, opcheck_custom_ops
 from tests.conftest import DEVICES, DTYPES, ODD_COLS, ROWS
 
 triton_launchers = pytest.importorskip("kernels.triton").LAUNCHERS
@@ -114,15 +114,7 @@ def triton_ops():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_custom_ops(device, triton_ops):
-    gen = torch.Generator().manual_seed(5)
-    for op in OP_SPECS:
-        args, kwargs = OP_SPECS[op].make_inputs(6, 40, torch.float32, device, gen)
-        if op == "add_layer_norm":
-            args = (*args, False)
-        elif op in ("layer_norm_gelu", "bias_gelu", "bias_residual_gelu"):
-            args = (*args, "none")
-        custom = getattr(torch.ops.fusedserve, f"triton_{op}").default
-        torch.library.opcheck(custom, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    opcheck_custom_ops("triton", device)
 
 
 @pytest.mark.parametrize("device", DEVICES)

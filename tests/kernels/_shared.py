@@ -1,10 +1,10 @@
-"""Shared body of the int64-offset test both fused backends run on the GPU."""
+"""Test bodies both fused backends share (the Triton and CUDA test modules call them with their launchers)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.testing import compare, float64_reference
+from kernels.testing import OP_SPECS, compare, float64_reference
 
 
 def check_offsets_past_two_to_the_31(launchers, op: str) -> None:
@@ -27,3 +27,16 @@ def check_offsets_past_two_to_the_31(launchers, op: str) -> None:
     tail = out[-5:].clone()
     del out, x
     assert compare(tail, float64_reference(op, tail_args, {}), torch.bfloat16).ok
+
+
+def opcheck_custom_ops(backend: str, device: str) -> None:
+    """torch.library.opcheck (schema, fake tensors, AOT dispatch) on every fusedserve::<backend>_<op>."""
+    gen = torch.Generator().manual_seed(5)
+    for op in OP_SPECS:
+        args, _ = OP_SPECS[op].make_inputs(6, 40, torch.float32, device, gen)
+        if op == "add_layer_norm":
+            args = (*args, False)
+        elif op in ("layer_norm_gelu", "bias_gelu", "bias_residual_gelu"):
+            args = (*args, "none")
+        custom = getattr(torch.ops.fusedserve, f"{backend}_{op}").default
+        torch.library.opcheck(custom, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
