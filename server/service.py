@@ -267,4 +267,14 @@ class Service:
             "layout": self.embedder.layout if self.embedder else s.layout,
             "cuda_graphs": (self.embedder.graphs.stats() if self.embedder and self.embedder.graphs
                             else {"enabled": False}),
+            "cuda_launch_configs": self._cuda_launch_configs(selection),
         }
+
+    @staticmethod
+    def _cuda_launch_configs(selection) -> dict:
+        """The CUDA backend's tuned launch configurations so far (kernel|dtype|width|row bucket -> config)."""
+        if not selection or not any(c.backend == "cuda" for c in selection.choices.values()):
+            return {}
+        from kernels.cuda.tuning import TUNER
+
+        return TUNER.table()
