@@ -59,15 +59,14 @@ case "$mode" in
     done
     ;;
   model)
-    # GPU model tests (MiniLM parity per backend, packed + CUDA graphs, the server with every sampled path on),
-    # the profiler breakdown, and a LayerNorm-kernel re-bench after a kernel change
+    # GPU model tests (packed + CUDA graphs, the server with every sampled path on, MiniLM parity per backend;
+    # in that order, so the newest code runs first) and the profiler breakdown
     export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
     python3 -m kernels.cuda.build 2>&1 | tail -1
-    FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout 300 python3 -m pytest -m gpu -q -s -rs -p no:cacheprovider \
-      tests/gpu 2>&1 | tee "$OUT/gpu-tests-model.log" | grep -E "cosine|passed|failed|Error|error" | tail -20
-    timeout 120 python3 -m bench.profile --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | grep -E "us/forward" 
-    timeout 150 python3 -m bench.kernels --providers cuda triton compile --dtypes bfloat16 \
-      --ops layer_norm layer_norm_gelu add_layer_norm --out "$OUT/kernels-ln.json" 2>&1 | tee "$OUT/bench-ln.log" | grep "^\[" 
+    FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout ${MODEL_TESTS_S:-420} python3 -m pytest -m gpu -q -s -rs \
+      --tb=short -p no:cacheprovider tests/gpu/test_graphs_gpu.py tests/gpu/test_server_gpu.py \
+      tests/gpu/test_minilm_gpu.py 2>&1 | tee "$OUT/gpu-tests-model.log" | grep -E "cosine|passed|failed|Error" | tail -20
+    timeout 120 python3 -m bench.profile --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | grep -E "us/forward"
     ;;
   serving)
     # encoder forward vs Hugging Face (eager / sdpa / compile / compile+cudagraphs), then the server under load
