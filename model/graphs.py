@@ -67,7 +67,7 @@ class CudaGraphs:
         self.pool = None  # created at the first capture (so the bucket arithmetic works without a GPU)
         self.graphs: OrderedDict[tuple[int, int, int, bool], _Graph] = OrderedDict()
         self.fingerprint: tuple | None = None
-        self.captures = self.evictions = self.eager_fallbacks = 0
+        self.captures = self.evictions = self.eager_fallbacks = self.replays = 0
         self.capture_seconds = 0.0
         self.pool_bytes = 0  # growth of reserved device memory while capturing: what the graphs hold
 
@@ -101,6 +101,7 @@ class CudaGraphs:
         entry.device.copy_(host, non_blocking=True)
         entry.graph.replay()
         entry.replays += 1
+        self.replays += 1
         return entry.pooled[: len(rows)]
 
     def capture(self, keys: list[tuple[int, int, int, bool]]) -> None:
@@ -158,7 +159,7 @@ class CudaGraphs:
             "graphs": len(self.graphs), "max_graphs": self.max_graphs, "captures": self.captures,
             "evictions": self.evictions, "eager_fallbacks": self.eager_fallbacks,
             "capture_seconds": round(self.capture_seconds, 3),
-            "replays": sum(g.replays for g in self.graphs.values()),
+            "replays": self.replays,
             "pool_bytes": self.pool_bytes,
             "buckets": {"tokens": [self.tokens[0], self.tokens[-1]], "batch": self.max_batch, "seq": self.max_seq},
         }

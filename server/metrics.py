@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kernels.registry import OPS
 
@@ -70,8 +71,38 @@ class Metrics:
         self.device_memory.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
         self.device_memory.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
 
+    def watch_cuda_graphs(self, graphs) -> None:
+        """Export a model.graphs.CudaGraphs' counters at scrape time (the embedder has none on the CPU or with
+        graphs off; the families then read 0, so dashboards and alerts see the series either way)."""
+        self.registry.register(_GraphCollector(graphs))
+
     def set_backends(self, choices: dict[str, str], fused: bool) -> None:
         self.backend_info.clear()
         for op, backend in choices.items():
             self.backend_info.labels(op, backend).set(1)
         self.fused_enabled.set(1 if fused else 0)
+
+
+class _GraphCollector:
+    """fusedserve_cuda_graphs (held) and the capture / replay / eager-fallback counters of the CUDA-graph
+    runner; capture thrash (captures rising under steady traffic) is what to watch."""
+
+    def __init__(self, graphs) -> None:
+        self.graphs = graphs
+
+    def collect(self):
+        stats = self.graphs.stats() if self.graphs is not None else {}
+        held = GaugeMetricFamily(PREFIX + "cuda_graphs", "CUDA graphs held (one per shape bucket)")
+        held.add_metric([], stats.get("graphs", 0))
+        pool = GaugeMetricFamily(PREFIX + "cuda_graph_pool_bytes", "Device memory the CUDA graphs hold")
+        pool.add_metric([], stats.get("pool_bytes", 0))
+        yield held
+        yield pool
+        for name, key, help_text in (
+            ("cuda_graph_captures", "captures", "CUDA graphs captured (new shape buckets, or after eviction)"),
+            ("cuda_graph_replays", "replays", "Batches served by replaying a CUDA graph"),
+            ("cuda_graph_eager_fallbacks", "eager_fallbacks", "Batches outside every CUDA-graph bucket, run eagerly"),
+        ):
+            family = CounterMetricFamily(PREFIX + name, help_text)
+            family.add_metric([], stats.get(key, 0))
+            yield family

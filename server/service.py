@@ -65,6 +65,7 @@ class Service:
         self.batcher.start()
         self._publish_backends()
         self.metrics.watch_device_memory(self.embedder.device)
+        self.metrics.watch_cuda_graphs(self.embedder.graphs)
 
     def warm_up(self) -> None:
         """Run the largest batch shape (and a small one) so autotuning and allocation happen before ready."""

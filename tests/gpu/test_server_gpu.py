@@ -44,6 +44,10 @@ def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
     checks = [line for line in metrics.splitlines() if line.startswith("fusedserve_reference_checks_total")]
     assert any('result="match"' in line and not line.endswith(" 0.0") for line in checks), checks
     assert not any('result="mismatch"' in line and not line.endswith(" 0.0") for line in checks), checks
+    graph_lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+                   if line.startswith("fusedserve_cuda_graph")}
+    assert graph_lines["fusedserve_cuda_graph_captures_total"] >= 1  # the warm-up batch at least
+    assert graph_lines["fusedserve_cuda_graph_pool_bytes"] > 0
     memory = [line for line in metrics.splitlines() if line.startswith("fusedserve_device_memory_bytes")]
     assert memory and any(float(line.rsplit(" ", 1)[1]) > 0 for line in memory), memory
     print("\n" + "\n".join(timed[:12] + checks + memory))

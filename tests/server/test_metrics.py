@@ -69,6 +69,9 @@ def test_every_family_with_sensible_values(busy_server):
     assert s['fusedserve_backend_info{backend="torch",op="bias_gelu"}'] == 1
     assert s["fusedserve_fused_enabled"] == 1
     assert s["fusedserve_queue_depth"] == 0
+    # CUDA-graph families exist on the CPU too (no graphs here: all zero), so dashboards see the series
+    assert s["fusedserve_cuda_graphs"] == 0 and s["fusedserve_cuda_graph_captures_total"] == 0
+    assert s["fusedserve_cuda_graph_replays_total"] == 0 and s["fusedserve_cuda_graph_eager_fallbacks_total"] == 0
 
 
 # CI sets FUSEDSERVE_REQUIRE_PROMETHEUS=1 after installing the Debian package: there these tests never skip.
