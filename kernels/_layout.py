@@ -11,6 +11,20 @@ from torch import Tensor
 MAX_COLS = 16384
 
 
+def common_device(name: str, tensors: tuple[Tensor | None, ...], dtypes: tuple[torch.dtype, ...]) -> torch.device:
+    """The one device all given tensors (None skipped) are on, after checking each dtype is in `dtypes`."""
+    device = tensors[0].device
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device != device:
+            raise ValueError(f"{name}: all tensors must be on one device, got {device} and {t.device}")
+        if t.dtype not in dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(f"{name}: unsupported dtype {t.dtype} ({names})")
+    return device
+
+
 def as_rows(x: Tensor, cols: int, name: str, max_cols: int = MAX_COLS) -> Tensor:
     """x viewed as [rows, cols] with unit column stride (copied only if it cannot be viewed so)."""
     if x.shape[-1] != cols:

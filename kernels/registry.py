@@ -271,6 +271,9 @@ def configure(
                 loaded[b.name] = f"unavailable: failed to load ({type(exc).__name__}: {exc})"
         return loaded[b.name]
 
+    def implementation(name: str, op: str) -> Callable:
+        return load(next(b for b in _BACKENDS if b.name == name))[op]
+
     choices: dict[str, OpChoice] = {}
     for op in OPS:
         if not fused:
@@ -299,7 +302,7 @@ def configure(
             choice.rejected[b.name] = why
         if len(passed) > 1:
             cols = hidden_sizes[0] if hidden_sizes else 768
-            impls = {n: load(next(b for b in _BACKENDS if b.name == n))[op] for n in passed}
+            impls = {n: implementation(n, op) for n in passed}
             choice.timings_us, how = _race(op, impls, device, dtypes[0], cols, race_timing)
             choice.backend = min(choice.timings_us, key=choice.timings_us.get)
             times = ", ".join(f"{n} {t:.1f}" for n, t in sorted(choice.timings_us.items(), key=lambda kv: kv[1]))
@@ -320,7 +323,7 @@ def configure(
             raise BackendError(f"no backend passed for op {op!r}: {choice.rejected}")
         choices[op] = choice
 
-    impls = {op: load(next(b for b in _BACKENDS if b.name == c.backend))[op] for op, c in choices.items()}
+    impls = {op: implementation(c.backend, op) for op, c in choices.items()}
     active.update(impls)
     _current = Selection(device, dtypes, fused, choices, time.perf_counter() - started)
     log.debug("%s", _current.report())  # the caller's startup report shows it

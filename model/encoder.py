@@ -11,6 +11,7 @@ of an encoder's FLOPs at these lengths), or runs torch's variable-length flash a
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -64,16 +65,15 @@ class Packed:
         positions = torch.arange(self.seq, device=self.lengths.device)
         return (positions[None, :] < self.lengths[:, None])[:, None, None, :]
 
-    @classmethod
-    def from_rows(cls, rows: list[list[int]], device: torch.device | str, *, tokens: int | None = None,
-                  batch: int | None = None, seq: int | None = None, pad_token_id: int = 0) -> Packed:
-        """Pack token-id rows, optionally into a larger (tokens, batch, seq) bucket."""
+    @staticmethod
+    def host_buffers(rows: list[list[int]], tokens: int, batch: int, seq: int,
+                     pad_token_id: int = 0) -> tuple[Tensor, Tensor]:
+        """The packed batch as two CPU tensors: [5, tokens] int64 (ids, positions, pad_index, gather_index,
+        seq_index; filler tokens point at the scratch row and scratch sequence) and [batch] lengths (filler: 1)."""
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
         real, longest = int(lengths.sum()), int(lengths.max())
-        tokens, batch, seq = tokens or real, batch or len(rows), seq or longest
         if tokens < real or batch < len(rows) or seq < longest:
             raise ValueError(f"bucket ({tokens}, {batch}, {seq}) too small for {real} tokens in {len(rows)} rows")
-        # rows: ids, positions, pad_index, gather_index, seq_index; filler tokens keep the defaults
         flat = torch.empty((5, tokens), dtype=torch.long)
         flat[0].fill_(pad_token_id)
         flat[1].zero_()
@@ -87,14 +87,29 @@ class Packed:
         flat[3] = flat[2].clamp(max=batch * seq - 1)
         length = torch.ones(batch, dtype=torch.long)
         length[: len(rows)] = lengths
+        return flat, length
+
+    @classmethod
+    def from_buffers(cls, flat: Tensor, lengths: Tensor, seq: int, *, dense: bool = False,
+                     cu_seqlens: Tensor | None = None) -> Packed:
+        """A Packed viewing `host_buffers`' layout (on any device: the CUDA graphs keep theirs static)."""
+        return cls(flat[0], flat[1], torch.zeros_like(flat[0]), flat[2], flat[3], flat[4], lengths,
+                   lengths.shape[0], seq, cu_seqlens, dense)
+
+    @classmethod
+    def from_rows(cls, rows: list[list[int]], device: torch.device | str, *, tokens: int | None = None,
+                  batch: int | None = None, seq: int | None = None, pad_token_id: int = 0) -> Packed:
+        """Pack token-id rows, optionally into a larger (tokens, batch, seq) bucket."""
+        real = sum(map(len, rows))
+        tokens, batch, seq = tokens or real, batch or len(rows), seq or max(map(len, rows))
+        flat, lengths = cls.host_buffers(rows, tokens, batch, seq, pad_token_id)
         cu = torch.zeros(batch + 1, dtype=torch.int32)
-        cu[1:] = length.cumsum(0)
-        dense = tokens == real == batch * seq
-        flat, length, cu = flat.to(device), length.to(device), cu.to(device)
-        return cls(flat[0], flat[1], torch.zeros_like(flat[0]), flat[2], flat[3], flat[4], length, batch, seq, cu,
-                   dense)
+        cu[1:] = lengths.cumsum(0)
+        return cls.from_buffers(flat.to(device), lengths.to(device), seq, dense=tokens == real == batch * seq,
+                                cu_seqlens=cu.to(device))
 
 
+@functools.cache
 def _varlen_attention():
     try:
         from torch.nn.attention.varlen import varlen_attn

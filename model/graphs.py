@@ -4,13 +4,14 @@ instead of ~10 kernel launches per layer from Python.
 A bucket is (tokens, batch, seq, dense): the packed token count rounded up to TOKEN_BUCKETS, the sequence count
 to a power of two, the longest sequence to SEQ_BUCKETS; filler tokens and sequences go to scratch rows (see
 model.encoder.Packed). `dense` marks a batch that fills its bucket exactly (equal-length rows): its graph runs
-attention without a mask and without the scatter/gather. Graphs are captured lazily on first use (or by `capture()` at warm-up), at most
+attention without a mask and without the scatter/gather. Graphs are captured lazily on first use, at most
 `max_graphs` of them (least recently used evicted). All graphs share one memory pool: they never run
 concurrently (one worker owns the model) and each graph's only live outputs are its static buffers, so the
 pool costs about as much as the largest graph's activations; `stats()` reports it.
 
 The kernels a graph replays are the ones active when it was captured: a change of backend (fused toggle,
-verification fallback, a fault hook, the kernel timer) changes the fingerprint and drops every graph.
+verification fallback, a fault hook) changes the fingerprint and drops every graph. Kernel-timed batches
+never reach here: they run eagerly (Embedder.embed_ids(graphs=False)).
 """
 
 from __future__ import annotations
@@ -49,10 +50,15 @@ def _ceil_pow2(n: int) -> int:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    host: Tensor      # pinned [5 * tokens + batch] int64: the packed ids + indices + lengths, one H2D copy
+    host: Tensor      # pinned [5 * tokens + batch] int64: Packed.host_buffers' two tensors, one H2D copy
     device: Tensor    # the same on the device (the graph's static input)
     pooled: Tensor    # [batch, hidden] float32, the graph's static output
-    replays: int = 0
+    copied: torch.cuda.Event  # the last H2D copy out of `host`: it must finish before `host` is refilled
+
+
+def _split(buffer: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
+    """[5 * tokens + batch] -> the [5, tokens] and [batch] views of Packed.host_buffers' layout."""
+    return buffer[: 5 * tokens].view(5, tokens), buffer[5 * tokens:]
 
 
 class CudaGraphs:
@@ -91,25 +97,17 @@ class CudaGraphs:
         if entry is None:
             entry = self._capture(key)
         self.graphs.move_to_end(key)
-        packed = Packed.from_rows(rows, "cpu", tokens=key[0], batch=key[1], seq=key[2], pad_token_id=self.pad_token_id)
-        t = key[0]
-        host = entry.host
-        for i, part in enumerate((packed.input_ids, packed.position_ids, packed.pad_index, packed.gather_index,
-                                  packed.seq_index)):
-            host[i * t:(i + 1) * t] = part
-        host[5 * t:] = packed.lengths
-        entry.device.copy_(host, non_blocking=True)
+        tokens, batch, seq, _ = key
+        flat, lengths = Packed.host_buffers(rows, tokens, batch, seq, self.pad_token_id)
+        host_flat, host_lengths = _split(entry.host, tokens)
+        entry.copied.synchronize()  # a caller that did not wait for the last result must not race its copy
+        host_flat.copy_(flat)
+        host_lengths.copy_(lengths)
+        entry.device.copy_(entry.host, non_blocking=True)
+        entry.copied.record()
         entry.graph.replay()
-        entry.replays += 1
         self.replays += 1
         return entry.pooled[: len(rows)]
-
-    def capture(self, keys: list[tuple[int, int, int, bool]]) -> None:
-        """Capture these buckets now (largest first, so the shared pool is sized once)."""
-        self._check_fingerprint()
-        for key in sorted(keys, reverse=True):
-            if key not in self.graphs:
-                self._capture(key)
 
     def _check_fingerprint(self) -> None:
         current = tuple(id(fn) for fn in registry.active.values())
@@ -128,14 +126,12 @@ class CudaGraphs:
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
             self.evictions += 1
-        host = torch.zeros(5 * tokens + batch, dtype=torch.long, pin_memory=True)
-        dev = torch.zeros_like(host, device=self.device)
-        dev[5 * tokens:] = 1  # lengths >= 1 before the first real fill
-        dev[2 * tokens:3 * tokens] = batch * seq  # filler until filled: scratch rows
-        dev[4 * tokens:5 * tokens] = batch
-        view = [dev[i * tokens:(i + 1) * tokens] for i in range(5)]
-        packed = Packed(view[0], view[1], torch.zeros_like(view[0]), view[2], view[3], view[4], dev[5 * tokens:],
-                        batch, seq, dense=dense)
+        host = torch.empty(5 * tokens + batch, dtype=torch.long, pin_memory=True)
+        # until the first real fill: one filler token (valid indices, lengths >= 1)
+        for view, init in zip(_split(host, tokens), Packed.host_buffers([[self.pad_token_id]], tokens, batch, seq)):
+            view.copy_(init)
+        dev = host.to(self.device)
+        packed = Packed.from_buffers(*_split(dev, tokens), seq, dense=dense)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -145,7 +141,7 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
             pooled = packed_mean_pool(self.encoder.forward_packed(packed), packed, normalize=False)
-        entry = _Graph(graph, host, dev, pooled)
+        entry = _Graph(graph, host, dev, pooled, torch.cuda.Event())
         self.graphs[key] = entry
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started

@@ -116,12 +116,11 @@ class Embedder:
         if not (tokenizer_dir / "tokenizer.json").is_file():
             raise CheckpointError(f"{tokenizer_dir} has no tokenizer.json")
         tokenizer = TextTokenizer(tokenizer_dir, encoder.config.max_seq_length)
+        embedder = cls(encoder, tokenizer, name, dev, dt, **options)
         # under CUDA graphs only the kernels' device time counts; launched eagerly, host cost counts too
-        graphed = dev.type == "cuda" and options.get("cuda_graphs", True) and options.get("layout", "packed") == "packed"
         selection = kernels.configure(dev, (dt,), backend=backend, overrides=backend_overrides, fused=fused,
                                       hidden_sizes=(encoder.config.hidden_size,),
-                                      race_timing="device" if graphed else "eager")
-        embedder = cls(encoder, tokenizer, name, dev, dt, **options)
+                                      race_timing="device" if embedder.graphs is not None else "eager")
         return embedder, LoadReport(name, dev, dt, embedder.config, selection, time.perf_counter() - started)
 
     @torch.inference_mode()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._layout import as_rows, as_vector, embedding_inputs, output_like, same_shape
+from kernels._layout import as_rows, as_vector, common_device, embedding_inputs, output_like, same_shape
 from kernels.cuda.tuning import TUNER, norm_candidates, pointwise_candidates
 
 _ops = torch.ops.fusedserve_cuda
@@ -23,14 +23,9 @@ def _gelu_code(approximate: str) -> int:
 
 
 def _check(name: str, *tensors: Tensor | None) -> None:
-    ref = tensors[0]
-    for t in tensors:
-        if t is None:
-            continue
-        if t.device != ref.device or t.device.type != "cuda":
-            raise ValueError(f"{name}: all tensors must be on one CUDA device, got {ref.device} and {t.device}")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name}: unsupported dtype {t.dtype} (the CUDA backend takes float32, float16, bfloat16)")
+    device = common_device(name, tensors, _DTYPES)
+    if device.type != "cuda":
+        raise ValueError(f"{name}: tensors must be on one CUDA device, got {device}")
 
 
 def _norm(name: str, x: Tensor, residual: Tensor | None, bias: Tensor | None, weight: Tensor, ln_bias: Tensor,

@@ -86,7 +86,8 @@ def _time_device(run: Callable[[], None], launches: int = 10, repeats: int = 5) 
 class Tuner:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._table: dict[str, dict] = {}
+        self._table: dict[str, dict] = {}  # "kernel|dtype|cols|bucket" -> config and timings (the JSON file)
+        self._chosen: dict[tuple, Config] = {}  # the same choices by tuple key: the per-launch lookup
         self._file: Path | None = None
 
     def _cache_file(self) -> Path:
@@ -114,14 +115,18 @@ class Tuner:
                run: Callable[[Config], None]) -> Config:
         if rows < TUNE_MIN_ROWS or len(candidates) == 1:
             return candidates[0]  # launch-latency bound: nothing to tune, nothing recorded
+        fast_key = (kernel, dtype, cols, row_bucket(rows))
+        chosen = self._chosen.get(fast_key)
+        if chosen is not None:
+            return chosen
         key = f"{kernel}|{str(dtype).removeprefix('torch.')}|{cols}|{row_bucket(rows)}"
-        hit = self._table.get(key)
-        if hit is None and self._file is None:
+        if self._file is None:
             with self._lock:
                 self._cache_file()
-            hit = self._table.get(key)
+        hit = self._table.get(key)
         if hit is not None:
-            return tuple(hit["config"])
+            self._chosen[fast_key] = tuple(hit["config"])
+            return self._chosen[fast_key]
         if not _enabled() or torch.cuda.is_current_stream_capturing():
             return candidates[0]
         with self._lock:
@@ -140,6 +145,7 @@ class Tuner:
             log.info("cuda tune %s x %d rows: %s %.2f us (heuristic %s %.2f us, %d candidates)", key, rows, best,
                      timings[best], candidates[0], timings.get(candidates[0], float("nan")), len(timings))
             self._save()
+            self._chosen[fast_key] = best
             return best
 
     def table(self) -> dict[str, dict]:
@@ -147,6 +153,7 @@ class Tuner:
 
     def clear(self) -> None:
         self._table.clear()
+        self._chosen.clear()
 
 
 TUNER = Tuner()

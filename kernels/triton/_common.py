@@ -12,7 +12,7 @@ import triton
 from torch import Tensor
 
 # as_rows/as_vector/output_like are shared with the CUDA backend; re-exported for the launchers here.
-from kernels._layout import MAX_COLS, as_rows, as_vector, output_like  # noqa: F401
+from kernels._layout import MAX_COLS, as_rows, as_vector, common_device, output_like  # noqa: F401
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # FUSEDSERVE_TRITON_AUTOTUNE=0 skips benchmarking and takes each kernel's heuristic config (the first
@@ -81,16 +81,9 @@ def row_bucket(rows: int) -> int:
 
 
 def check_device(name: str, *tensors: Tensor | None) -> None:
-    ref = tensors[0]
-    for t in tensors:
-        if t is None:
-            continue
-        if t.device != ref.device:
-            raise ValueError(f"{name}: all tensors must be on one device, got {ref.device} and {t.device}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name}: unsupported dtype {t.dtype} (float32, float16, bfloat16, float64)")
-    if ref.device.type != "cuda" and not INTERPRET:
-        raise ValueError(f"{name}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {ref.device}")
+    device = common_device(name, tensors, SUPPORTED_DTYPES)
+    if device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"{name}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {device}")
 
 
 def needs_wide(*matrices: Tensor | None) -> bool:
