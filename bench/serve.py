@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     n = len(latencies)
     q = statistics.quantiles(latencies, n=100) if n >= 2 else [float("nan")] * 99
     served = n * args.per_request / elapsed
-    batch = [line for line in metrics.splitlines() if line.startswith("fusedserve_batch_size_")]
+    batch = [line for line in metrics.splitlines()
+             if line.startswith(("fusedserve_batch_size_", "fusedserve_forward_duration_seconds_sum"))]
     report = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "device": args.device, "clients": args.clients, "seconds": elapsed, "words": args.words,
