@@ -60,13 +60,16 @@ case "$mode" in
     ;;
   model)
     # GPU model tests (packed + CUDA graphs, the server with every sampled path on, MiniLM parity per backend;
-    # in that order, so the newest code runs first) and the profiler breakdown
+    # one pytest per file so a slow or failing file cannot hide the others' reports) and the profiler breakdown
     export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
     python3 -m kernels.cuda.build 2>&1 | tail -1
-    FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout ${MODEL_TESTS_S:-420} python3 -m pytest -m gpu -q -s -rs \
-      --tb=short -p no:cacheprovider tests/gpu/test_graphs_gpu.py tests/gpu/test_server_gpu.py \
-      tests/gpu/test_minilm_gpu.py 2>&1 | tee "$OUT/gpu-tests-model.log" | grep -E "cosine|passed|failed|Error" | tail -20
-    timeout 120 python3 -m bench.profile --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | grep -E "us/forward"
+    for file in test_graphs_gpu test_server_gpu test_minilm_gpu; do
+      FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout ${MODEL_TESTS_S:-140} python3 -m pytest -m gpu -q -s -rs \
+        --tb=short -p no:cacheprovider tests/gpu/$file.py > "$OUT/gpu-tests-$file.log" 2>&1
+      echo "== $file exit $?"
+      grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$file.log" | grep -E "cosine|passed|failed|Error|error|assert|^E |\.py:[0-9]+" | tail -25
+    done
+    timeout 100 python3 -m bench.profile --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | grep -E "us/forward"
     ;;
   serving)
     # encoder forward vs Hugging Face (eager / sdpa / compile / compile+cudagraphs), then the server under load
