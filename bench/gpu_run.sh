@@ -72,13 +72,27 @@ case "$mode" in
     timeout 100 python3 -m bench.profile --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | grep -E "us/forward"
     ;;
   serving)
-    # encoder forward vs Hugging Face (eager / sdpa / compile / compile+cudagraphs), then the server under load
+    # the GPU graph + server tests, then the encoder forward vs Hugging Face (eager / sdpa / compile /
+    # compile+cudagraphs); `serve` runs the server under load
     export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
     python3 -m kernels.cuda.build 2>&1 | tail -1
+    for file in test_graphs_gpu test_server_gpu; do
+      FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout 100 python3 -m pytest -m gpu -q -s -rs \
+        --tb=short -p no:cacheprovider tests/gpu/$file.py > "$OUT/gpu-tests-$file.log" 2>&1
+      echo "== $file exit $?"
+      grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$file.log" | grep -E "passed|failed|Error|error|^E |\.py:[0-9]+" | tail -15
+    done
     timeout ${ENCODER_S:-330} python3 -m bench.encoder --out "$OUT/encoder.json" \
       --compile-cases "bert-base b32 s128 fixed" "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" 2>&1 | tee "$OUT/encoder.log" | tail -30
+    ;;
+  serve)
+    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
+    python3 -m kernels.cuda.build 2>&1 | tail -1
     timeout ${SERVE_S:-240} python3 -m bench.serve --device cuda --seconds 10 --per-request 16 \
       --model "$PWD/.gpu-assets/minilm" --out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO" | tail -25
+    FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout 100 python3 -m pytest -m gpu -q -s -rs --tb=short \
+      -p no:cacheprovider tests/gpu/test_minilm_gpu.py -k "float16 and not bfloat16" 2>&1 | tee "$OUT/gpu-tests-minilm.log" \
+      | grep -E "cosine|passed|failed|^E " | tail -12
     ;;
   last)
     # the short final run: the graph tests, then the encoder bench without torch.compile (its compile time

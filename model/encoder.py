@@ -65,26 +65,30 @@ class Packed:
         positions = torch.arange(self.seq, device=self.lengths.device)
         return (positions[None, :] < self.lengths[:, None])[:, None, None, :]
 
+    FIELDS = ("input_ids", "position_ids", "token_type_ids", "pad_index", "gather_index", "seq_index")
+
     @staticmethod
     def host_buffers(rows: list[list[int]], tokens: int, batch: int, seq: int,
                      pad_token_id: int = 0) -> tuple[Tensor, Tensor]:
-        """The packed batch as two CPU tensors: [5, tokens] int64 (ids, positions, pad_index, gather_index,
-        seq_index; filler tokens point at the scratch row and scratch sequence) and [batch] lengths (filler: 1)."""
+        """The packed batch as two CPU tensors: [6, tokens] int64 (one row per Packed.FIELDS; filler tokens point
+        at the scratch row and scratch sequence) and [batch] lengths (filler sequences: 1)."""
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
         real, longest = int(lengths.sum()), int(lengths.max())
         if tokens < real or batch < len(rows) or seq < longest:
             raise ValueError(f"bucket ({tokens}, {batch}, {seq}) too small for {real} tokens in {len(rows)} rows")
-        flat = torch.empty((5, tokens), dtype=torch.long)
-        flat[0].fill_(pad_token_id)
-        flat[1].zero_()
-        flat[2].fill_(batch * seq)
-        flat[4].fill_(batch)
-        seq_index = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-        flat[0, :real] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long)
-        flat[1, :real] = torch.arange(real) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-        flat[2, :real] = seq_index * seq + flat[1, :real]
-        flat[4, :real] = seq_index
-        flat[3] = flat[2].clamp(max=batch * seq - 1)
+        flat = torch.empty((len(Packed.FIELDS), tokens), dtype=torch.long)
+        ids, positions, types, pad_index, gather_index, seq_index = flat
+        ids.fill_(pad_token_id)
+        positions.zero_()
+        types.zero_()
+        pad_index.fill_(batch * seq)
+        seq_index.fill_(batch)
+        row_of_token = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+        ids[:real] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long)
+        positions[:real] = torch.arange(real) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+        pad_index[:real] = row_of_token * seq + positions[:real]
+        seq_index[:real] = row_of_token
+        gather_index.copy_(pad_index.clamp(max=batch * seq - 1))
         length = torch.ones(batch, dtype=torch.long)
         length[: len(rows)] = lengths
         return flat, length
@@ -92,9 +96,9 @@ class Packed:
     @classmethod
     def from_buffers(cls, flat: Tensor, lengths: Tensor, seq: int, *, dense: bool = False,
                      cu_seqlens: Tensor | None = None) -> Packed:
-        """A Packed viewing `host_buffers`' layout (on any device: the CUDA graphs keep theirs static)."""
-        return cls(flat[0], flat[1], torch.zeros_like(flat[0]), flat[2], flat[3], flat[4], lengths,
-                   lengths.shape[0], seq, cu_seqlens, dense)
+        """A Packed made of views of `host_buffers`' layout, allocating nothing: a CUDA graph captured on it
+        reads only the static buffers its owner keeps (on any device)."""
+        return cls(*flat, lengths, lengths.shape[0], seq, cu_seqlens, dense)
 
     @classmethod
     def from_rows(cls, rows: list[list[int]], device: torch.device | str, *, tokens: int | None = None,

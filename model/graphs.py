@@ -50,15 +50,17 @@ def _ceil_pow2(n: int) -> int:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    host: Tensor      # pinned [5 * tokens + batch] int64: Packed.host_buffers' two tensors, one H2D copy
+    host: Tensor      # pinned [6 * tokens + batch] int64: Packed.host_buffers' two tensors, one H2D copy
     device: Tensor    # the same on the device (the graph's static input)
+    packed: Packed    # views of `device`: every tensor the graph reads outlives it here
     pooled: Tensor    # [batch, hidden] float32, the graph's static output
     copied: torch.cuda.Event  # the last H2D copy out of `host`: it must finish before `host` is refilled
 
 
 def _split(buffer: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
-    """[5 * tokens + batch] -> the [5, tokens] and [batch] views of Packed.host_buffers' layout."""
-    return buffer[: 5 * tokens].view(5, tokens), buffer[5 * tokens:]
+    """[6 * tokens + batch] -> the [6, tokens] and [batch] views of Packed.host_buffers' layout."""
+    rows = len(Packed.FIELDS)
+    return buffer[: rows * tokens].view(rows, tokens), buffer[rows * tokens:]
 
 
 class CudaGraphs:
@@ -126,7 +128,7 @@ class CudaGraphs:
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
             self.evictions += 1
-        host = torch.empty(5 * tokens + batch, dtype=torch.long, pin_memory=True)
+        host = torch.empty(len(Packed.FIELDS) * tokens + batch, dtype=torch.long, pin_memory=True)
         # until the first real fill: one filler token (valid indices, lengths >= 1)
         for view, init in zip(_split(host, tokens), Packed.host_buffers([[self.pad_token_id]], tokens, batch, seq)):
             view.copy_(init)
@@ -141,7 +143,7 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
             pooled = packed_mean_pool(self.encoder.forward_packed(packed), packed, normalize=False)
-        entry = _Graph(graph, host, dev, pooled, torch.cuda.Event())
+        entry = _Graph(graph, host, dev, packed, pooled, torch.cuda.Event())
         self.graphs[key] = entry
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started

@@ -41,6 +41,26 @@ def test_graphs_equal_eager_packed_and_padded(dtype):
     assert graphed.graphs.stats()["captures"] == 3  # same bucket: replayed, not recaptured
 
 
+def test_replays_survive_reuse_of_freed_memory():
+    """Graphs replayed after the allocator has handed their capture-time neighbours' memory to other tensors (and
+    returned the cache to the driver) still read only what they own: poison everything freed, replay, compare."""
+    e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="cuda", max_batch_tokens=4096,
+                         max_batch=128)
+    batches = [e.tokenizer.encode(SENTENCES[:n]) for n in (3, 20, 65)]
+    eager = [e.embed_ids(ids, graphs=False) for ids in batches]
+    for ids in batches:
+        e.embed_ids(ids)  # capture
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    poison = torch.full((64 << 20,), 2**62 - 1, dtype=torch.long, device="cuda")  # huge ids/indices if read
+    for ids, ref in zip(batches, eager):
+        out = e.embed_ids(ids)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and _agree(out, ref, "float16")
+    assert e.graphs.stats()["captures"] == 3 and e.graphs.stats()["replays"] == 6
+    del poison
+
+
 def test_selection_change_drops_graphs_and_reference_path_skips_them():
     e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="cuda", max_batch_tokens=4096,
                          max_batch=64)

@@ -4,6 +4,9 @@ answers are right, the metrics are populated, /info shows the graphs."""
 
 from __future__ import annotations
 
+import signal
+import time
+
 import httpx
 import pytest
 
@@ -25,12 +28,12 @@ def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
                 dot = sum(x * y for x, y in zip(a, b))
                 assert dot >= 0.999  # unit vectors: the same text embeds the same alone or batched
             info = client.get("/info").json()
-            import time
-
             time.sleep(2)  # the verifier runs in the background
             metrics = client.get("/metrics").text
     finally:
-        assert server.stop() == 0, server.log()[-3000:]
+        # uvicorn re-raises the captured SIGTERM once its graceful shutdown is complete
+        assert server.stop() in (0, -signal.SIGTERM), server.log()[-3000:]
+    assert "all accepted requests answered" in server.log()
     assert info["device"].startswith("cuda") and info["fused"] is True and info["fallback"] is None
     assert info["layout"] == "packed" and info["cuda_graphs"]["max_graphs"] == 256
     backends = {op["backend"] for op in info["kernels"].values()}

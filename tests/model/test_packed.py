@@ -87,6 +87,18 @@ def test_packed_indices():
     assert p.attn_mask.squeeze().tolist()[1] == [True, True, False, False]
 
 
+def test_packed_from_buffers_only_views_its_buffers():
+    """A CUDA graph captured on a Packed reads its tensors on every replay: all of them must be views of the two
+    static buffers the graph keeps. (A token-type tensor allocated on the side was freed after the capture and
+    the replays read whatever reused that memory: an illegal address on the H200.)"""
+    flat, lengths = Packed.host_buffers([[5, 6, 7], [8, 9]], 8, 4, 4)
+    assert flat.shape == (len(Packed.FIELDS), 8) and flat[Packed.FIELDS.index("token_type_ids")].eq(0).all()
+    p = Packed.from_buffers(flat, lengths, 4)
+    for name in Packed.FIELDS:
+        assert getattr(p, name).untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), name
+    assert p.lengths.untyped_storage().data_ptr() == lengths.untyped_storage().data_ptr()
+
+
 def test_token_buckets_bound_the_filler():
     buckets = token_buckets(16384)
     assert buckets[0] == 16 and buckets[-1] == 16384 and buckets == sorted(set(buckets))

@@ -36,7 +36,9 @@ class Server:
 
 def start_server(tmp_path, **settings) -> Server:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDSERVE_") and k != "TRITON_INTERPRET"}
+    # the server's settings come only from here; the CUDA extension's build cache is not a setting and is kept
+    env = {k: v for k, v in os.environ.items()
+           if (not k.startswith("FUSEDSERVE_") or k == "FUSEDSERVE_CUDA_CACHE") and k != "TRITON_INTERPRET"}
     env.update({
         "FUSEDSERVE_MAX_BATCH_TOKENS": "2048",  # keeps the CPU warm-up short
         "FUSEDSERVE_ADMIN_TOKEN": ADMIN_TOKEN,
