@@ -22,7 +22,7 @@ import torch
 
 import kernels
 from model.config import EncoderConfig
-from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool
+from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool, resolve_attention
 from model.graphs import CudaGraphs
 
 PEAK_FLOPS = 716e12
@@ -140,12 +140,19 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
             if backend == backends[0]:
                 record(f"ours {backend} packed varlen-attn eager",
                        lambda: packed_mean_pool(encoder.forward_packed(packed, "varlen"), packed, False))
-            graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256)
-            record(f"ours {backend} packed graphs", lambda: graphs.run(rows))
-            stats = graphs.stats()
-            out[-1]["graphs"] = {k: stats[k] for k in ("graphs", "captures", "eager_fallbacks", "pool_bytes")}
-            graphs = None
-            torch.cuda.empty_cache()
+            # the serving default (varlen attention in fp16), and for the first backend pad attention as well
+            attentions = [resolve_attention("auto", torch.device("cuda"), torch.float16)]
+            attentions += ["pad"] if backend == backends[0] and attentions[0] != "pad" else []
+            for attention in attentions:
+                graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256,
+                                    attention=attention)
+                suffix = "" if attention == attentions[0] else f" {attention}-attn"
+                record(f"ours {backend} packed graphs{suffix}", lambda: graphs.run(rows))
+                stats = graphs.stats()
+                out[-1]["graphs"] = {k: stats[k] for k in ("graphs", "captures", "eager_fallbacks", "pool_bytes",
+                                                           "attention")}
+                graphs = None
+                torch.cuda.empty_cache()
     return out
 
 

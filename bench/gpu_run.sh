@@ -2,7 +2,10 @@
 # One packed H200 run through the device tool. Usage (from the repo root, on the device):
 #   bash bench/gpu_run.sh tests     # CUDA build from a clean cache, GPU test suite, MiniLM parity
 #   bash bench/gpu_run.sh sanitize  # compute-sanitizer memcheck + racecheck on the CUDA kernel tests
-#   bash bench/gpu_run.sh bench   # kernel benchmark: ours vs eager vs torch.compile, JSON + markdown
+#   bash bench/gpu_run.sh bench     # kernel benchmark: ours vs eager vs torch.compile, JSON + markdown
+#   bash bench/gpu_run.sh model     # GPU model tests (graphs, server, MiniLM parity) + the encoder profile
+#   bash bench/gpu_run.sh serving   # graph + server tests, then bench/encoder.py; `serve`: bench/serve.py
+#   bash bench/gpu_run.sh final     # graph + parity tests, encoder bench, serving sweep, GPU server test
 # Results land in $OUT (the device tool brings them back).
 set -uo pipefail
 mode=${1:-tests}
@@ -94,15 +97,26 @@ case "$mode" in
       -p no:cacheprovider tests/gpu/test_minilm_gpu.py -k "float16 and not bfloat16" 2>&1 | tee "$OUT/gpu-tests-minilm.log" \
       | grep -E "cosine|passed|failed|^E " | tail -12
     ;;
-  last)
-    # the short final run: the graph tests, then the encoder bench without torch.compile (its compile time
-    # does not fit the device time left)
+  final)
+    # one packed run: graph + parity tests on the default path, the encoder bench, the serving sweep, the GPU
+    # server test last (the device tool returns whatever $OUT holds if the time runs out)
     export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
     python3 -m kernels.cuda.build 2>&1 | tail -1
-    FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout 75 python3 -m pytest -m gpu -q -x --tb=short -p no:cacheprovider \
-      tests/gpu/test_graphs_gpu.py 2>&1 | tee "$OUT/gpu-tests-graphs.log" | tail -15
-    timeout 140 python3 -m bench.encoder --backends cuda --compile-cases --out "$OUT/encoder.json" \
-      --cases "minilm-l6 b1 s16" "minilm-l6 b32 s128 fixed" "bert-base b32 s128 fixed" "bert-base b128 s128 varlen" \
-      2>&1 | tee "$OUT/encoder.log" | tail -40
+    gpu_tests() {  # name, limit, pytest args...
+      local name=$1 limit=$2; shift 2
+      FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout "$limit" python3 -m pytest -m gpu -q -s -rs --tb=short \
+        -p no:cacheprovider "$@" > "$OUT/gpu-tests-$name.log" 2>&1
+      echo "== $name exit $?"
+      grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$name.log" | grep -E "cosine|passed|failed|Error|^E " | tail -12
+    }
+    gpu_tests graphs 60 tests/gpu/test_graphs_gpu.py
+    gpu_tests minilm 60 tests/gpu/test_minilm_gpu.py -k "float16 and not bfloat16"
+    timeout ${ENCODER_S:-220} python3 -m bench.encoder --out "$OUT/encoder.json" \
+      --compile-cases "bert-base b32 s128 fixed" "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" 2>&1 | tee "$OUT/encoder.log" | tail -14
+    timeout 50 python3 -m bench.profile --preset minilm-l6 --backends cuda --out "$OUT/profile-minilm.json" 2>&1 \
+      | tee "$OUT/profile-minilm.log" | grep -E "us/forward"
+    timeout ${SERVE_S:-170} python3 -m bench.serve --device cuda --seconds 10 --per-request 16 \
+      --model "$PWD/.gpu-assets/minilm" --out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -E "clients|raw|sentence-trans|single" | tail -8
+    gpu_tests server 90 tests/gpu/test_server_gpu.py
     ;;
 esac

@@ -49,15 +49,18 @@ def breakdown(fn, iters: int = 20) -> dict:
         torch.cuda.synchronize()
     wall_us = start.elapsed_time(end) * 1e3 / iters
     totals: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
     kernels_seen = 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels_seen += 1
             totals[category(event.name)] = totals.get(category(event.name), 0.0) + event.device_time / iters
+            by_kernel[event.name] = by_kernel.get(event.name, 0.0) + event.device_time / iters
     busy = sum(totals.values())
     totals["launch gaps (GPU idle)"] = max(wall_us - busy, 0.0)
     return {"wall_us": wall_us, "kernels_per_forward": kernels_seen / iters,
-            "us": {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}}
+            "us": {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+            "top_kernels_us": {k[:120]: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                                     max_batch=args.batch)
                 results[f"{name} graphs"] = breakdown(lambda: graphs.run(rows))
                 del graphs
-            r = results[f"{name} eager"]
-            print(f"{name}: {r['wall_us']:.0f} us/forward eager, {r['kernels_per_forward']:.0f} kernels: {r['us']}",
-                  file=sys.stderr, flush=True)
+            for mode in ("eager", "graphs"):
+                if (r := results.get(f"{name} {mode}")) is not None:
+                    print(f"{name}: {r['wall_us']:.0f} us/forward {mode}, {r['kernels_per_forward']:.0f} kernels: "
+                          f"{r['us']}", file=sys.stderr, flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "case": f"{args.preset} b{args.batch} s{args.seq} fp16 packed", "results": results,
               "command": " ".join(["python -m bench.profile", *sys.argv[1:]])}

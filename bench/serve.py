@@ -45,12 +45,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(**settings: str):
-    """`python -m server` on a free loopback port with FUSEDSERVE_* settings; yields (process, url) once ready."""
+def running_server(log_path: str = os.devnull, **settings: str):
+    """`python -m server` on a free loopback port with FUSEDSERVE_* settings, its output in `log_path`;
+    yields (process, url) once ready."""
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
+    log = open(log_path, "w")
     process = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -67,6 +69,7 @@ def running_server(**settings: str):
     finally:
         process.terminate()
         process.wait(timeout=60)
+        log.close()
 
 
 def sentence_transformers_rate(texts: list[str], batch_size: int, device: str) -> float:
@@ -94,7 +97,13 @@ async def closed_loop(url: str, texts: list[str], clients: int, seconds: float, 
         while time.monotonic() < stop:
             batch = [rng.choice(texts) for _ in range(per_request)]
             t = time.perf_counter()
-            r = await client.post("/infer", json={"inputs": batch})
+            try:
+                r = await client.post("/infer", json={"inputs": batch})
+            except httpx.HTTPError as exc:  # counted, and the run goes on: the report says how many
+                errors += 1
+                print(f"client error: {type(exc).__name__}: {exc}", file=sys.stderr)
+                await asyncio.sleep(0.1)
+                continue
             if r.status_code == 200:
                 latencies.append(time.perf_counter() - t)
                 if count_tokens is not None:
@@ -110,6 +119,37 @@ async def closed_loop(url: str, texts: list[str], clients: int, seconds: float, 
     if count_tokens is not None:
         return latencies, errors, elapsed, sent
     return latencies, errors, elapsed
+
+
+SERVER_SUMS = {
+    "request": 'fusedserve_request_duration_seconds_sum{route="/infer"}',
+    "requests": 'fusedserve_request_duration_seconds_count{route="/infer"}',
+    "queue": "fusedserve_queue_duration_seconds_sum", "inputs": "fusedserve_queue_duration_seconds_count",
+    "batch_size": "fusedserve_batch_size_sum", "batches": "fusedserve_batch_size_count",
+}
+
+
+def server_sums(url: str) -> dict[str, float]:
+    """Counters and histogram sums of the server's /metrics that the per-run breakdown is built from."""
+    values: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    forward = sum(v for k, v in values.items() if k.startswith("fusedserve_forward_duration_seconds_sum"))
+    return {k: values.get(v, 0.0) for k, v in SERVER_SUMS.items()} | {"forward": forward}
+
+
+def server_breakdown(before: dict[str, float], after: dict[str, float], elapsed: float) -> dict[str, float]:
+    """Where a request's time went inside the server during one run: mean time from arrival to response, of which
+    queued (waiting for a batch), and the model's forward time per batch; the rest is the server's own work
+    (parsing, tokenizing, batching, serializing) plus waiting on the worker."""
+    d = {k: after[k] - before[k] for k in after}
+    requests, batches = max(d["requests"], 1), max(d["batches"], 1)
+    return {"server_request_ms": 1e3 * d["request"] / requests,
+            "queue_ms_per_input": 1e3 * d["queue"] / max(d["inputs"], 1),
+            "forward_ms_per_batch": 1e3 * d["forward"] / batches, "batches": d["batches"],
+            "inputs_per_batch": d["batch_size"] / batches, "forward_busy": d["forward"] / elapsed}
 
 
 def mixed_texts(n: int, seed: int = 0, low: int = 1, high: int = 200) -> list[str]:
@@ -174,21 +214,27 @@ def gpu_sweep(args) -> dict:
     torch_cuda_empty()
 
     runs = []
-    with running_server(**settings) as (_, url):
+    log_path = (os.path.splitext(args.out)[0] + "-server.log") if args.out else os.devnull
+    with running_server(log_path, **settings) as (_, url):
         token_count = {t: n for t, n in zip(texts, map(len, ids))}
         for _ in range(2):  # warm the server's graphs on this traffic
             asyncio.run(closed_loop(url, texts, 64, 3, args.per_request))
         for clients in args.client_counts:
+            before = server_sums(url)
             latencies, errors, elapsed, sent = asyncio.run(
                 closed_loop(url, texts, clients, args.seconds, args.per_request, count_tokens=token_count))
+            inside = server_breakdown(before, server_sums(url), elapsed)
             q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
             runs.append({"clients": clients, "requests": len(latencies), "errors": errors,
                          "requests_per_s": len(latencies) / elapsed, "tokens_per_s": sent / elapsed,
                          "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "served_vs_raw": sent / elapsed / raw,
-                         "vs_sentence_transformers": sent / elapsed / st_rate})
+                         "vs_sentence_transformers": sent / elapsed / st_rate, "server": inside})
             print(f"{clients} clients: {runs[-1]['requests_per_s']:.0f} req/s, {sent / elapsed / 1e6:.2f} M tok/s "
                   f"({100 * sent / elapsed / raw:.0f}% of raw), p50 {q[49] * 1e3:.1f} ms p99 {q[98] * 1e3:.1f} ms, "
-                  f"{errors} errors", file=sys.stderr, flush=True)
+                  f"{errors} errors; server: {inside['server_request_ms']:.1f} ms/request (queued "
+                  f"{inside['queue_ms_per_input']:.1f}), {inside['batches']:.0f} batches of "
+                  f"{inside['inputs_per_batch']:.0f} inputs, forward {inside['forward_ms_per_batch']:.2f} ms/batch, "
+                  f"worker busy {100 * inside['forward_busy']:.0f}%", file=sys.stderr, flush=True)
         single = []
         with httpx.Client(base_url=url, timeout=30) as client:
             for _ in range(20):

@@ -100,6 +100,15 @@ class Packed:
         reads only the static buffers its owner keeps (on any device)."""
         return cls(*flat, lengths, lengths.shape[0], seq, cu_seqlens, dense)
 
+    @staticmethod
+    def host_cu_seqlens(rows: list[list[int]], batch: int) -> Tensor:
+        """[batch + 1] int32 sequence offsets for varlen attention: the real sequences, then zero-length filler
+        sequences (filler tokens belong to none: attention leaves their rows alone)."""
+        cu = torch.zeros(batch + 1, dtype=torch.int32)
+        cu[1: len(rows) + 1] = torch.tensor([len(r) for r in rows], dtype=torch.int32).cumsum(0)
+        cu[len(rows) + 1:] = cu[len(rows)]
+        return cu
+
     @classmethod
     def from_rows(cls, rows: list[list[int]], device: torch.device | str, *, tokens: int | None = None,
                   batch: int | None = None, seq: int | None = None, pad_token_id: int = 0) -> Packed:
@@ -107,10 +116,8 @@ class Packed:
         real = sum(map(len, rows))
         tokens, batch, seq = tokens or real, batch or len(rows), seq or max(map(len, rows))
         flat, lengths = cls.host_buffers(rows, tokens, batch, seq, pad_token_id)
-        cu = torch.zeros(batch + 1, dtype=torch.int32)
-        cu[1:] = lengths.cumsum(0)
         return cls.from_buffers(flat.to(device), lengths.to(device), seq, dense=tokens == real == batch * seq,
-                                cu_seqlens=cu.to(device))
+                                cu_seqlens=cls.host_cu_seqlens(rows, batch).to(device))
 
 
 @functools.cache
@@ -120,6 +127,20 @@ def _varlen_attention():
     except ImportError:
         return None
     return varlen_attn
+
+
+def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
+    """auto -> "varlen" (torch's variable-length flash attention: no padded block, no mask) where it runs, that is
+    fp16/bf16 on CUDA with torch.nn.attention.varlen; "pad" otherwise."""
+    usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attention() is not None
+    if attention == "auto":
+        return "varlen" if usable else "pad"
+    if attention == "varlen" and not usable:
+        raise ValueError(f"varlen attention needs fp16/bf16 on CUDA and torch.nn.attention.varlen "
+                         f"(device {device}, dtype {dtype}, torch {torch.__version__})")
+    if attention not in ("pad", "varlen"):
+        raise ValueError(f"attention must be auto, pad or varlen, got {attention!r}")
+    return attention
 
 
 class Layer(nn.Module):

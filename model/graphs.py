@@ -4,7 +4,9 @@ instead of ~10 kernel launches per layer from Python.
 A bucket is (tokens, batch, seq, dense): the packed token count rounded up to TOKEN_BUCKETS, the sequence count
 to a power of two, the longest sequence to SEQ_BUCKETS; filler tokens and sequences go to scratch rows (see
 model.encoder.Packed). `dense` marks a batch that fills its bucket exactly (equal-length rows): its graph runs
-attention without a mask and without the scatter/gather. Graphs are captured lazily on first use, at most
+attention without a mask and without the scatter/gather. With varlen attention (fp16/bf16) the longest sequence
+only sets the attention grid, so every other batch uses seq = the model's longest: far fewer graphs under mixed
+traffic (tokens x batch instead of tokens x batch x seq). Graphs are captured lazily on first use, at most
 `max_graphs` of them (least recently used evicted). All graphs share one memory pool: they never run
 concurrently (one worker owns the model) and each graph's only live outputs are its static buffers, so the
 pool costs about as much as the largest graph's activations; `stats()` reports it.
@@ -52,7 +54,9 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     host: Tensor      # pinned [6 * tokens + batch] int64: Packed.host_buffers' two tensors, one H2D copy
     device: Tensor    # the same on the device (the graph's static input)
-    packed: Packed    # views of `device`: every tensor the graph reads outlives it here
+    cu_host: Tensor   # pinned [batch + 1] int32 sequence offsets (varlen attention)
+    cu_device: Tensor
+    packed: Packed    # views of `device` and `cu_device`: every tensor the graph reads outlives it here
     pooled: Tensor    # [batch, hidden] float32, the graph's static output
     copied: torch.cuda.Event  # the last H2D copy out of `host`: it must finish before `host` is refilled
 
@@ -65,8 +69,8 @@ def _split(buffer: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
 
 class CudaGraphs:
     def __init__(self, encoder: Encoder, device: torch.device, *, max_tokens: int, max_batch: int,
-                 max_graphs: int = 256, pad_token_id: int = 0) -> None:
-        self.encoder, self.device = encoder, device
+                 max_graphs: int = 256, pad_token_id: int = 0, attention: str = "pad") -> None:
+        self.encoder, self.device, self.attention = encoder, device, attention
         self.tokens = token_buckets(max_tokens)
         self.max_batch = _ceil_pow2(max_batch)
         longest = min(encoder.config.max_position_embeddings, SEQ_BUCKETS[-1])
@@ -85,7 +89,10 @@ class CudaGraphs:
             return None
         t, b = self.tokens[bisect.bisect_left(self.tokens, tokens)], _ceil_pow2(len(rows))
         s = SEQ_BUCKETS[bisect.bisect_left(SEQ_BUCKETS, longest)]
-        return t, b, s, tokens == t == b * s
+        dense = tokens == t == b * s
+        if self.attention == "varlen" and not dense:
+            s = self.max_seq
+        return t, b, s, dense
 
     def run(self, rows: list[list[int]]) -> Tensor | None:
         """Unnormalized pooled embeddings [len(rows), hidden] float32 on the device, or None when the batch
@@ -105,7 +112,9 @@ class CudaGraphs:
         entry.copied.synchronize()  # a caller that did not wait for the last result must not race its copy
         host_flat.copy_(flat)
         host_lengths.copy_(lengths)
+        entry.cu_host.copy_(Packed.host_cu_seqlens(rows, batch))
         entry.device.copy_(entry.host, non_blocking=True)
+        entry.cu_device.copy_(entry.cu_host, non_blocking=True)
         entry.copied.record()
         entry.graph.replay()
         self.replays += 1
@@ -132,18 +141,19 @@ class CudaGraphs:
         # until the first real fill: one filler token (valid indices, lengths >= 1)
         for view, init in zip(_split(host, tokens), Packed.host_buffers([[self.pad_token_id]], tokens, batch, seq)):
             view.copy_(init)
-        dev = host.to(self.device)
-        packed = Packed.from_buffers(*_split(dev, tokens), seq, dense=dense)
+        cu_host = Packed.host_cu_seqlens([[self.pad_token_id]], batch).pin_memory()
+        dev, cu_dev = host.to(self.device), cu_host.to(self.device)
+        packed = Packed.from_buffers(*_split(dev, tokens), seq, dense=dense, cu_seqlens=cu_dev)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):  # warm: lazy init, autotuning and launch-config sweeps happen outside capture
-                packed_mean_pool(self.encoder.forward_packed(packed), packed, normalize=False)
+                packed_mean_pool(self.encoder.forward_packed(packed, self.attention), packed, normalize=False)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
-            pooled = packed_mean_pool(self.encoder.forward_packed(packed), packed, normalize=False)
-        entry = _Graph(graph, host, dev, packed, pooled, torch.cuda.Event())
+            pooled = packed_mean_pool(self.encoder.forward_packed(packed, self.attention), packed, normalize=False)
+        entry = _Graph(graph, host, dev, cu_host, cu_dev, packed, pooled, torch.cuda.Event())
         self.graphs[key] = entry
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started
@@ -157,7 +167,7 @@ class CudaGraphs:
             "graphs": len(self.graphs), "max_graphs": self.max_graphs, "captures": self.captures,
             "evictions": self.evictions, "eager_fallbacks": self.eager_fallbacks,
             "capture_seconds": round(self.capture_seconds, 3),
-            "replays": self.replays,
+            "replays": self.replays, "attention": self.attention,
             "pool_bytes": self.pool_bytes,
             "buckets": {"tokens": [self.tokens[0], self.tokens[-1]], "batch": self.max_batch, "seq": self.max_seq},
         }

@@ -18,7 +18,7 @@ from torch import Tensor
 
 import kernels
 from model.config import PRESETS, EncoderConfig
-from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool
+from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool, resolve_attention
 from model.tokenizer import TextTokenizer
 from model.weights import CheckpointError, default_model_dir, load_encoder
 
@@ -68,7 +68,7 @@ class Embedder:
     """Owns one encoder on one device. Not thread-safe: one worker calls it (the server's batcher)."""
 
     def __init__(self, encoder: Encoder, tokenizer: TextTokenizer, name: str,
-                 device: torch.device, dtype: torch.dtype, *, layout: str = "packed", attention: str = "pad",
+                 device: torch.device, dtype: torch.dtype, *, layout: str = "packed", attention: str = "auto",
                  cuda_graphs: bool = True, max_batch_tokens: int = 8192, max_batch: int = 256,
                  max_graphs: int = 256) -> None:
         if layout not in ("packed", "padded"):
@@ -77,13 +77,16 @@ class Embedder:
         self.config = encoder.config
         self.tokenizer = tokenizer
         self.name, self.device, self.dtype = name, device, dtype
-        self.layout, self.attention = layout, attention
+        self.layout = layout
+        # packed batches only: auto = varlen flash attention in fp16/bf16 on CUDA, pad-for-SDPA otherwise
+        self.attention = resolve_attention(attention, device, dtype) if layout == "packed" else "pad"
         self.graphs = None
         if cuda_graphs and layout == "packed" and device.type == "cuda":
             from model.graphs import CudaGraphs
 
             self.graphs = CudaGraphs(self.encoder, device, max_tokens=max_batch_tokens, max_batch=max_batch,
-                                     max_graphs=max_graphs, pad_token_id=self.config.pad_token_id)
+                                     max_graphs=max_graphs, pad_token_id=self.config.pad_token_id,
+                                     attention=self.attention)
 
     @classmethod
     def load(

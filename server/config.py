@@ -30,6 +30,8 @@ class Settings(BaseSettings):
         default_factory=dict, description="per-op backend, e.g. 'add_layer_norm=cuda,bias_gelu=triton'")
     max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's)")
     layout: Literal["packed", "padded"] = Field("packed", description="packed: real tokens only, no padding")
+    attention: Literal["auto", "pad", "varlen"] = Field(
+        "auto", description="packed attention: varlen flash (fp16/bf16 on CUDA; auto picks it there) or pad-for-SDPA")
     cuda_graphs: bool = Field(True, description="replay the packed forward from CUDA graphs per shape bucket (GPU)")
     max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)")
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default)")

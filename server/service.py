@@ -55,6 +55,7 @@ class Service:
         self.embedder, self.report = Embedder.load(
             s.model, device=s.device, dtype=s.dtype, fused=s.fused, backend=s.backend,
             backend_overrides=dict(s.backend_overrides), max_seq_length=s.max_seq_length, layout=s.layout,
+            attention=s.attention,
             cuda_graphs=s.cuda_graphs, max_batch_tokens=s.max_batch_tokens, max_batch=s.max_batch_requests,
             max_graphs=s.max_cuda_graphs)
         if s.verify_sample_rate > 0:
@@ -84,7 +85,7 @@ class Service:
         e = self.embedder
         graphs = (f"CUDA graphs on (up to {s.max_cuda_graphs}, captured per shape bucket on first use)"
                   if e.graphs else "CUDA graphs off")
-        return (f"{self.report}\nlayout {e.layout}, {graphs}\nbatching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
+        return (f"{self.report}\nlayout {e.layout} (attention {e.attention}), {graphs}\nbatching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
                 f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}; "
                 f"verify_sample_rate {s.verify_sample_rate:g} ({s.verify_action}), "
                 f"kernel_timing_sample_rate {s.kernel_timing_sample_rate:g}")
@@ -266,6 +267,7 @@ class Service:
             "verify": {"sample_rate": s.verify_sample_rate, "action": s.verify_action,
                        "tolerance": s.verify_tolerance},
             "layout": self.embedder.layout if self.embedder else s.layout,
+            "attention": self.embedder.attention if self.embedder else s.attention,
             "cuda_graphs": (self.embedder.graphs.stats() if self.embedder and self.embedder.graphs
                             else {"enabled": False}),
             "cuda_launch_configs": self._cuda_launch_configs(selection),

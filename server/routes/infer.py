@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from server.deps import ServiceDep
+from server.responses import EmbeddingResponse
 
 router = APIRouter(tags=["inference"])
 
@@ -28,8 +29,8 @@ class InferResponse(BaseModel):
 
 
 @router.post("/infer", response_model=InferResponse)
-async def infer(body: InferRequest, service: ServiceDep, request: Request) -> InferResponse:
+async def infer(body: InferRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     result = await service.embed_texts(texts, normalize=body.normalize, truncate=body.truncate, request=request)
-    return InferResponse(embeddings=result.embeddings.tolist(), model=service.model_name, dim=service.dim,
-                         usage=Usage(tokens=result.tokens))
+    return EmbeddingResponse({"embeddings": result.embeddings.numpy(), "model": service.model_name,
+                              "dim": service.dim, "usage": {"tokens": result.tokens}})

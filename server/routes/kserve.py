@@ -10,6 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from server.deps import ServiceDep
 from server.errors import BadRequest, NotFound, Unavailable, Unprocessable
+from server.responses import EmbeddingResponse
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 
@@ -98,7 +99,7 @@ def _inlined_schema(model: type[BaseModel]) -> dict:
 
 @router.post("/models/{name}/infer", openapi_extra={"requestBody": {"required": True, "content": {
     "application/json": {"schema": _inlined_schema(InferenceRequest)}}}})
-async def infer(name: str, service: ServiceDep, request: Request) -> dict:
+async def infer(name: str, service: ServiceDep, request: Request) -> EmbeddingResponse:
     # Parsed by hand: Open Inference Protocol clients do not all send a JSON content type.
     _model(service, name)
     try:
@@ -124,8 +125,8 @@ async def infer(name: str, service: ServiceDep, request: Request) -> dict:
     response = {
         "model_name": service.model_name, "model_version": "1",
         "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(texts), service.dim],
-                     "data": result.embeddings.flatten().tolist()}],
+                     "data": result.embeddings.flatten().numpy()}],
     }
     if body.id is not None:
         response["id"] = body.id
-    return response
+    return EmbeddingResponse(response)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from fastapi import APIRouter, Request
@@ -13,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from server.deps import ServiceDep
 from server.errors import BadRequest, NotFound
+from server.responses import EmbeddingResponse
 
 router = APIRouter(tags=["openai"])
 
@@ -44,7 +44,7 @@ class EmbeddingsResponse(BaseModel):
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingsResponse)
-async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Request) -> EmbeddingsResponse:
+async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     service.check_ready()
     if body.model not in (None, "", service.model_name):
         raise NotFound(f"model {body.model!r} is not served here; this server serves {service.model_name!r}")
@@ -62,12 +62,10 @@ async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Requ
     vectors = result.embeddings
     if body.dimensions is not None and body.dimensions < service.dim:
         vectors = F.normalize(vectors[:, : body.dimensions], dim=1)
+    matrix = vectors.to(torch.float32).contiguous().numpy()
     items = []
-    for i, row in enumerate(vectors):
-        if body.encoding_format == "base64":
-            value = base64.b64encode(row.to(torch.float32).numpy().astype(np.float32).tobytes()).decode()
-        else:
-            value = row.tolist()
-        items.append(Embedding(index=i, embedding=value))
-    return EmbeddingsResponse(data=items, model=service.model_name,
-                              usage=EmbeddingsUsage(prompt_tokens=result.tokens, total_tokens=result.tokens))
+    for i, row in enumerate(matrix):
+        value = base64.b64encode(row.tobytes()).decode() if body.encoding_format == "base64" else row
+        items.append({"object": "embedding", "index": i, "embedding": value})
+    return EmbeddingResponse({"object": "list", "data": items, "model": service.model_name,
+                              "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}})

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from model.encoder import _varlen_attention
 from tests.gpu.test_minilm_gpu import _model_dir
 from tests.model.sentences import SENTENCES
 from tests.server.conftest import start_server
@@ -36,6 +37,7 @@ def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
     assert "all accepted requests answered" in server.log()
     assert info["device"].startswith("cuda") and info["fused"] is True and info["fallback"] is None
     assert info["layout"] == "packed" and info["cuda_graphs"]["max_graphs"] == 256
+    assert info["attention"] == ("varlen" if _varlen_attention() else "pad")  # fp16 on CUDA: auto takes varlen
     backends = {op["backend"] for op in info["kernels"].values()}
     assert backends <= {"triton", "cuda"}
     if "cuda" in backends:  # warm-up ran the largest batch: its shape classes were tuned and are reported

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from model.config import EncoderConfig
-from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool
-from model.graphs import SEQ_BUCKETS, token_buckets
+from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool, resolve_attention
+from model.graphs import SEQ_BUCKETS, CudaGraphs, token_buckets
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_packed_indices():
     assert p.pad_index.tolist() == [0, 1, 2, 4, 5, 16, 16, 16]  # filler -> scratch row 16
     assert p.seq_index.tolist() == [0, 0, 0, 1, 1, 4, 4, 4]    # filler -> scratch sequence 4
     assert p.lengths.tolist() == [3, 2, 1, 1]
-    assert p.cu_seqlens.tolist() == [0, 3, 5, 6, 7]
+    assert p.cu_seqlens.tolist() == [0, 3, 5, 5, 5]  # filler sequences: zero-length for varlen attention
     assert p.attn_mask.squeeze().tolist()[1] == [True, True, False, False]
 
 
@@ -130,3 +130,19 @@ def test_graph_buckets(encoder):
     assert graphs.bucket(_rows([16])) == (16, 1, 16, True)
     assert graphs.bucket(_rows([2] * 65)) is None  # more rows than the largest batch bucket
     assert graphs.bucket(_rows([200] * 30)) is None  # more tokens than the largest token bucket
+
+
+def test_varlen_graph_buckets_drop_the_sequence_length():
+    """With varlen attention the longest row only bounds the attention grid: batches of different longest rows
+    share a graph; dense (fixed-shape) batches keep their own unmasked graph."""
+    enc = Encoder(EncoderConfig.from_name("minilm-l6"))
+    pad = CudaGraphs(enc, torch.device("cpu"), max_tokens=4096, max_batch=64)
+    varlen = CudaGraphs(enc, torch.device("cpu"), max_tokens=4096, max_batch=64, attention="varlen")
+    short, long_ = [[1] * 10, [1] * 30], [[1] * 3, [1] * 37]
+    assert pad.bucket(short) != pad.bucket(long_)
+    assert varlen.bucket(short) == varlen.bucket(long_) == (48, 2, varlen.max_seq, False)
+    assert varlen.bucket([[1] * 32] * 16) == (512, 16, 32, True)
+    assert resolve_attention("auto", torch.device("cpu"), torch.float32) == "pad"
+    assert resolve_attention("auto", torch.device("cuda"), torch.float32) == "pad"
+    with pytest.raises(ValueError, match="varlen attention needs"):
+        resolve_attention("varlen", torch.device("cpu"), torch.float16)
