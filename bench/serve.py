@@ -85,40 +85,63 @@ def sentence_transformers_rate(texts: list[str], batch_size: int, device: str) -
 
 
 async def closed_loop(url: str, texts: list[str], clients: int, seconds: float, per_request: int,
-                      count_tokens: dict[str, int] | None = None):
+                      count_tokens: dict[str, int] | None = None, seed: int = 1) -> dict:
+    """`clients` connections, each sending its next request when the last is answered, for `seconds`. Every
+    client has its own connection (one httpx client each: a shared pool costs the load generator time that grows
+    with the number of connections)."""
     latencies: list[float] = []
-    errors = 0
-    sent = 0
+    errors = sent = 0
     stop = time.monotonic() + seconds
-    rng = random.Random(1)
+    rng = random.Random(seed)
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
+    async def client_loop() -> None:
         nonlocal errors, sent
-        while time.monotonic() < stop:
-            batch = [rng.choice(texts) for _ in range(per_request)]
-            t = time.perf_counter()
-            try:
-                r = await client.post("/infer", json={"inputs": batch})
-            except httpx.HTTPError as exc:  # counted, and the run goes on: the report says how many
-                errors += 1
-                print(f"client error: {type(exc).__name__}: {exc}", file=sys.stderr)
-                await asyncio.sleep(0.1)
-                continue
-            if r.status_code == 200:
-                latencies.append(time.perf_counter() - t)
-                if count_tokens is not None:
-                    sent += sum(count_tokens[b] for b in batch)
-            else:
-                errors += 1
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1)) as client:
+            while time.monotonic() < stop:
+                batch = [rng.choice(texts) for _ in range(per_request)]
+                t = time.perf_counter()
+                try:
+                    r = await client.post("/infer", json={"inputs": batch})
+                except httpx.HTTPError as exc:  # counted, and the run goes on: the report says how many
+                    errors += 1
+                    print(f"client error: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    await asyncio.sleep(0.1)
+                    continue
+                if r.status_code == 200:
+                    latencies.append(time.perf_counter() - t)
+                    if count_tokens is not None:
+                        sent += sum(count_tokens[b] for b in batch)
+                else:
+                    errors += 1
 
-    limits = httpx.Limits(max_connections=clients)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        started = time.monotonic()
-        await asyncio.gather(*(client_loop(client) for _ in range(clients)))
-        elapsed = time.monotonic() - started
-    if count_tokens is not None:
-        return latencies, errors, elapsed, sent
-    return latencies, errors, elapsed
+    started = time.monotonic()
+    await asyncio.gather(*(client_loop() for _ in range(clients)))
+    return {"latencies": latencies, "errors": errors, "elapsed": time.monotonic() - started, "tokens": sent}
+
+
+def _load_process(job: tuple) -> dict:
+    url, texts, clients, seconds, per_request, count_tokens, seed, start_at = job
+    time.sleep(max(start_at - time.time(), 0))
+    return asyncio.run(closed_loop(url, texts, clients, seconds, per_request, count_tokens, seed))
+
+
+def load(url: str, texts: list[str], clients: int, seconds: float, per_request: int,
+         count_tokens: dict[str, int] | None = None, processes: int = 1) -> dict:
+    """closed_loop, spread over `processes` load-generator processes that start together (one Python process
+    cannot drive hundreds of connections against a fast server without becoming the bottleneck itself)."""
+    processes = max(1, min(processes, clients))
+    if processes == 1:
+        return asyncio.run(closed_loop(url, texts, clients, seconds, per_request, count_tokens))
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    shares = [clients // processes + (i < clients % processes) for i in range(processes)]
+    start_at = time.time() + 3.0  # the workers' interpreters start first
+    jobs = [(url, texts, n, seconds, per_request, count_tokens, i + 1, start_at) for i, n in enumerate(shares)]
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = list(pool.map(_load_process, jobs))
+    return {"latencies": [x for p in parts for x in p["latencies"]], "errors": sum(p["errors"] for p in parts),
+            "elapsed": max(p["elapsed"] for p in parts), "tokens": sum(p["tokens"] for p in parts)}
 
 
 SERVER_SUMS = {
@@ -218,11 +241,11 @@ def gpu_sweep(args) -> dict:
     with running_server(log_path, **settings) as (_, url):
         token_count = {t: n for t, n in zip(texts, map(len, ids))}
         for _ in range(2):  # warm the server's graphs on this traffic
-            asyncio.run(closed_loop(url, texts, 64, 3, args.per_request))
+            load(url, texts, 64, 3, args.per_request, processes=args.client_processes)
         for clients in args.client_counts:
             before = server_sums(url)
-            latencies, errors, elapsed, sent = asyncio.run(
-                closed_loop(url, texts, clients, args.seconds, args.per_request, count_tokens=token_count))
+            run = load(url, texts, clients, args.seconds, args.per_request, token_count, args.client_processes)
+            latencies, errors, elapsed, sent = run["latencies"], run["errors"], run["elapsed"], run["tokens"]
             inside = server_breakdown(before, server_sums(url), elapsed)
             q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
             runs.append({"clients": clients, "requests": len(latencies), "errors": errors,
@@ -248,6 +271,7 @@ def gpu_sweep(args) -> dict:
     print(f"single 20-word request: p50 {statistics.median(single) * 1e3:.2f} ms", file=sys.stderr)
     return {
         "date": time.strftime("%Y-%m-%d"), "device": "cuda", "settings": settings, "per_request": args.per_request,
+        "client_processes": args.client_processes,
         "texts": len(texts), "tokens": tokens_total, "runner_raw_tokens_per_s": raw,
         "sentence_transformers_fp16_tokens_per_s": st_rate,
         "sentence_transformers_single_p50_ms": statistics.median(st_lat) * 1e3,
@@ -281,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--st-sentences", type=int, default=1024)
     parser.add_argument("--out")
+    parser.add_argument("--client-processes", type=int, default=None,
+                        help="load-generator processes (default: 1 on CPU, where they would take the server's cores; "
+                             "8 for the GPU sweep)")
     parser.add_argument("--torch-threads", type=int, default=0, help="the server's intra-op threads (0: default)")
     parser.add_argument("--client-counts", type=int, nargs="+", default=[16, 64, 256],
                         help="GPU sweep (--device cuda): closed-loop client counts")
@@ -289,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timing-rate", type=float, default=0.01, help="GPU sweep: kernel_timing_sample_rate")
     parser.add_argument("--verify-rate", type=float, default=0.0, help="GPU sweep: verify_sample_rate")
     args = parser.parse_args(argv)
+    if args.client_processes is None:
+        args.client_processes = 8 if args.device == "cuda" else 1
     if args.device == "cuda":
         report = gpu_sweep(args)
         if args.out:
@@ -304,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"torch_threads": str(args.torch_threads)} if args.torch_threads else {}
     with running_server(device=args.device, **extra) as (_, url):
         tokens_per_sentence = httpx.post(url + "/infer", json={"inputs": texts[:64]}).json()["usage"]["tokens"] / 64
-        latencies, errors, elapsed = asyncio.run(closed_loop(url, texts, args.clients, args.seconds, args.per_request))
+        run = load(url, texts, args.clients, args.seconds, args.per_request, processes=args.client_processes)
+        latencies, errors, elapsed = run["latencies"], run["errors"], run["elapsed"]
         metrics = httpx.get(url + "/metrics").text
     n = len(latencies)
     q = statistics.quantiles(latencies, n=100) if n >= 2 else [float("nan")] * 99
@@ -314,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "device": args.device, "clients": args.clients, "seconds": elapsed, "words": args.words,
-        "per_request": args.per_request, "torch_threads": args.torch_threads, "requests": n, "errors": errors,
+        "per_request": args.per_request, "torch_threads": args.torch_threads,
+        "client_processes": args.client_processes, "requests": n, "errors": errors,
         "requests_per_s": n / elapsed, "sentences_per_s": served, "tokens_per_s": served * tokens_per_sentence,
         "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
         "sentence_transformers_sentences_per_s": st_rate, "ratio_vs_sentence_transformers": served / st_rate,

@@ -15,6 +15,7 @@ import functools
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -68,30 +69,37 @@ class Packed:
     FIELDS = ("input_ids", "position_ids", "token_type_ids", "pad_index", "gather_index", "seq_index")
 
     @staticmethod
-    def host_buffers(rows: list[list[int]], tokens: int, batch: int, seq: int,
-                     pad_token_id: int = 0) -> tuple[Tensor, Tensor]:
+    def host_buffers(rows: list[list[int]], tokens: int, batch: int, seq: int, pad_token_id: int = 0, *,
+                     out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The packed batch as two CPU tensors: [6, tokens] int64 (one row per Packed.FIELDS; filler tokens point
-        at the scratch row and scratch sequence) and [batch] lengths (filler sequences: 1)."""
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        at the scratch row and scratch sequence) and [batch] lengths (filler sequences: 1), written into `out`
+        when given (the CUDA graphs' pinned buffers). numpy, not torch: this runs on the host for every batch,
+        and a few dozen small torch ops cost more than a small model's whole graph replay."""
+        n = len(rows)
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=n)
         real, longest = int(lengths.sum()), int(lengths.max())
-        if tokens < real or batch < len(rows) or seq < longest:
-            raise ValueError(f"bucket ({tokens}, {batch}, {seq}) too small for {real} tokens in {len(rows)} rows")
-        flat = torch.empty((len(Packed.FIELDS), tokens), dtype=torch.long)
-        ids, positions, types, pad_index, gather_index, seq_index = flat
-        ids.fill_(pad_token_id)
-        positions.zero_()
-        types.zero_()
-        pad_index.fill_(batch * seq)
-        seq_index.fill_(batch)
-        row_of_token = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-        ids[:real] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long)
-        positions[:real] = torch.arange(real) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-        pad_index[:real] = row_of_token * seq + positions[:real]
+        if tokens < real or batch < n or seq < longest:
+            raise ValueError(f"bucket ({tokens}, {batch}, {seq}) too small for {real} tokens in {n} rows")
+        flat_t, length_t = out if out is not None else (torch.empty((len(Packed.FIELDS), tokens), dtype=torch.long),
+                                                         torch.empty(batch, dtype=torch.long))
+        ids, positions, types, pad_index, gather_index, seq_index = flat_t.numpy()
+        ids[:real] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=real)
+        ids[real:] = pad_token_id
+        row_of_token = np.repeat(np.arange(n, dtype=np.int64), lengths)
+        np.subtract(np.arange(real, dtype=np.int64), np.repeat(np.cumsum(lengths) - lengths, lengths),
+                    out=positions[:real])
+        positions[real:] = 0
+        types[:] = 0
+        np.multiply(row_of_token, seq, out=pad_index[:real])
+        pad_index[:real] += positions[:real]
+        pad_index[real:] = batch * seq
+        np.minimum(pad_index, batch * seq - 1, out=gather_index)
         seq_index[:real] = row_of_token
-        gather_index.copy_(pad_index.clamp(max=batch * seq - 1))
-        length = torch.ones(batch, dtype=torch.long)
-        length[: len(rows)] = lengths
-        return flat, length
+        seq_index[real:] = batch
+        length = length_t.numpy()
+        length[:n] = lengths
+        length[n:] = 1
+        return flat_t, length_t
 
     @classmethod
     def from_buffers(cls, flat: Tensor, lengths: Tensor, seq: int, *, dense: bool = False,
@@ -101,13 +109,15 @@ class Packed:
         return cls(*flat, lengths, lengths.shape[0], seq, cu_seqlens, dense)
 
     @staticmethod
-    def host_cu_seqlens(rows: list[list[int]], batch: int) -> Tensor:
+    def host_cu_seqlens(rows: list[list[int]], batch: int, *, out: Tensor | None = None) -> Tensor:
         """[batch + 1] int32 sequence offsets for varlen attention: the real sequences, then zero-length filler
         sequences (filler tokens belong to none: attention leaves their rows alone)."""
-        cu = torch.zeros(batch + 1, dtype=torch.int32)
-        cu[1: len(rows) + 1] = torch.tensor([len(r) for r in rows], dtype=torch.int32).cumsum(0)
+        cu_t = out if out is not None else torch.empty(batch + 1, dtype=torch.int32)
+        cu = cu_t.numpy()
+        cu[0] = 0
+        np.cumsum(np.fromiter(map(len, rows), dtype=np.int32, count=len(rows)), out=cu[1: len(rows) + 1])
         cu[len(rows) + 1:] = cu[len(rows)]
-        return cu
+        return cu_t
 
     @classmethod
     def from_rows(cls, rows: list[list[int]], device: torch.device | str, *, tokens: int | None = None,

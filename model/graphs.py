@@ -107,12 +107,9 @@ class CudaGraphs:
             entry = self._capture(key)
         self.graphs.move_to_end(key)
         tokens, batch, seq, _ = key
-        flat, lengths = Packed.host_buffers(rows, tokens, batch, seq, self.pad_token_id)
-        host_flat, host_lengths = _split(entry.host, tokens)
         entry.copied.synchronize()  # a caller that did not wait for the last result must not race its copy
-        host_flat.copy_(flat)
-        host_lengths.copy_(lengths)
-        entry.cu_host.copy_(Packed.host_cu_seqlens(rows, batch))
+        Packed.host_buffers(rows, tokens, batch, seq, self.pad_token_id, out=_split(entry.host, tokens))
+        Packed.host_cu_seqlens(rows, batch, out=entry.cu_host)
         entry.device.copy_(entry.host, non_blocking=True)
         entry.cu_device.copy_(entry.cu_host, non_blocking=True)
         entry.copied.record()
@@ -139,9 +136,9 @@ class CudaGraphs:
             self.evictions += 1
         host = torch.empty(len(Packed.FIELDS) * tokens + batch, dtype=torch.long, pin_memory=True)
         # until the first real fill: one filler token (valid indices, lengths >= 1)
-        for view, init in zip(_split(host, tokens), Packed.host_buffers([[self.pad_token_id]], tokens, batch, seq)):
-            view.copy_(init)
-        cu_host = Packed.host_cu_seqlens([[self.pad_token_id]], batch).pin_memory()
+        Packed.host_buffers([[self.pad_token_id]], tokens, batch, seq, out=_split(host, tokens))
+        cu_host = Packed.host_cu_seqlens([[self.pad_token_id]], batch, out=torch.empty(batch + 1, dtype=torch.int32,
+                                                                                      pin_memory=True))
         dev, cu_dev = host.to(self.device), cu_host.to(self.device)
         packed = Packed.from_buffers(*_split(dev, tokens), seq, dense=dense, cu_seqlens=cu_dev)
         stream = torch.cuda.Stream(self.device)

@@ -1,7 +1,8 @@
 """The dynamic batcher: one worker thread owns the model and the device. Handlers validate, tokenize,
 submit and await a future; they never touch tensors.
 
-A batch closes when its padded cost (rows x longest row) would pass `max_batch_tokens`, when it holds
+A batch closes when its token cost would pass `max_batch_tokens` (the real tokens with the packed layout, where
+the GEMMs and fused ops see no padding; rows x longest row with the padded layout), when it holds
 `max_batch_requests` inputs, or when its oldest input has waited `max_wait_ms`. Inputs are grouped by
 length to cut padding: the batch is the window of similar lengths around the oldest waiting input (so
 nothing starves). A request's inputs are separate items: they may land in different batches and are
@@ -96,6 +97,11 @@ class Batcher:
         self._busy = False
         self._thread = threading.Thread(target=self._run, name="fusedserve-batcher", daemon=True)
         self.batches = 0
+        self._packed = embedder.layout == "packed"
+
+    def _cost(self, rows: int, longest: int, total: int) -> int:
+        """What a batch costs against max_batch_tokens: its real tokens when packed, its padded block if not."""
+        return total if self._packed else rows * longest
 
     # ---- called from the event loop ---------------------------------------------------------------
     def start(self) -> None:
@@ -186,8 +192,9 @@ class Batcher:
             oldest = min(self._pending, key=lambda it: it.enqueued)
             waited = time.monotonic() - oldest.enqueued
             batch = self._choose(oldest)
+            longest, total = max(it.length for it in batch), sum(it.length for it in batch)
             full = len(batch) >= s.max_batch_requests or \
-                (max(it.length for it in batch) * (len(batch) + 1) > s.max_batch_tokens) or \
+                self._cost(len(batch) + 1, longest, total + longest) > s.max_batch_tokens or \
                 len(batch) < len(self._pending)
             if full or waited * 1e3 >= s.max_wait_ms or self._draining:
                 taken = set(map(id, batch))
@@ -214,7 +221,7 @@ class Batcher:
         s = self.settings
         by_length = sorted(self._pending, key=lambda it: (it.length, it.enqueued))
         lo = hi = next(i for i, it in enumerate(by_length) if it is oldest)
-        longest = oldest.length
+        longest = total = oldest.length
         while hi - lo + 1 < s.max_batch_requests:
             left = by_length[lo - 1] if lo > 0 else None
             right = by_length[hi + 1] if hi + 1 < len(by_length) else None
@@ -222,12 +229,12 @@ class Batcher:
                 break
             # take the neighbour closer in length (the shorter one on ties: it adds no padding)
             if right is None or (left is not None and oldest.length - left.length <= right.length - oldest.length):
-                candidate_longest, step = longest, "left"
+                candidate_longest, step, added = longest, "left", left.length
             else:
-                candidate_longest, step = max(longest, right.length), "right"
-            if candidate_longest * (hi - lo + 2) > s.max_batch_tokens:
+                candidate_longest, step, added = max(longest, right.length), "right", right.length
+            if self._cost(hi - lo + 2, candidate_longest, total + added) > s.max_batch_tokens:
                 break
-            longest = candidate_longest
+            longest, total = candidate_longest, total + added
             if step == "left":
                 lo -= 1
             else:

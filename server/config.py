@@ -37,7 +37,7 @@ class Settings(BaseSettings):
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default)")
 
     # batching and limits
-    max_batch_tokens: int = Field(16384, ge=1, description="padded tokens per batch (rows x longest row)")
+    max_batch_tokens: int = Field(16384, ge=1, description="tokens per batch: real tokens (packed layout) or rows x longest row (padded)")
     max_batch_requests: int = Field(64, ge=1, description="inputs per batch")
     max_wait_ms: float = Field(2.0, ge=0, description="longest an input waits for a batch to fill")
     max_queue: int = Field(4096, ge=1, description="queued inputs beyond which requests get 429")
