@@ -1,15 +1,17 @@
 """CUDA graphs of the packed forward + mean pooling, one per shape bucket, so a batch costs one graph replay
 instead of ~10 kernel launches per layer from Python.
 
-A bucket is (tokens, batch, seq, dense): the packed token count rounded up to TOKEN_BUCKETS, the sequence count
-to a power of two, the longest sequence to SEQ_BUCKETS; filler tokens and sequences go to scratch rows (see
-model.encoder.Packed). `dense` marks a batch that fills its bucket exactly (equal-length rows): its graph runs
-attention without a mask and without the scatter/gather. With varlen attention (fp16/bf16) the longest sequence
-only sets the attention grid, so every other batch uses seq = the model's longest: far fewer graphs under mixed
-traffic (tokens x batch instead of tokens x batch x seq). Graphs are captured lazily on first use, at most
-`max_graphs` of them (least recently used evicted). All graphs share one memory pool: they never run
-concurrently (one worker owns the model) and each graph's only live outputs are its static buffers, so the
-pool costs about as much as the largest graph's activations; `stats()` reports it.
+A bucket is (tokens, batch, seq, dense): the packed token count rounded up to TOKEN_BUCKETS; filler tokens and
+sequences go to scratch rows (see model.encoder.Packed). With varlen attention (fp16/bf16 on CUDA, the default)
+the row count is rounded up to a power of 4 and seq is min(model's longest, tokens): the longest row only bounds
+the attention grid, so a bucket is really (tokens, batch) and every reachable one can be captured at start-up
+(`capture_all`, the service's warm-up). With pad attention the row count goes to a power of two and the longest
+row to SEQ_BUCKETS (the padded block is batch x seq): too many to capture ahead, so those are captured on first
+use. `dense` marks a batch that fills its bucket exactly (equal-length rows): its graph runs attention without
+a mask and without the scatter/gather (captured on first use). At most `max_graphs` are held (least recently used
+evicted). All graphs share one memory pool: they never run concurrently (one worker owns the model) and each
+graph's only live outputs are its static buffers, so the pool costs about as much as the largest graph's
+activations; `stats()` reports it.
 
 The kernels a graph replays are the ones active when it was captured: a change of backend (fused toggle,
 verification fallback, a fault hook) changes the fingerprint and drops every graph. Kernel-timed batches
@@ -22,6 +24,7 @@ import bisect
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,13 +70,21 @@ def _split(buffer: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
     return buffer[: rows * tokens].view(rows, tokens), buffer[rows * tokens:]
 
 
+def _ceil_pow4(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 4
+    return p
+
+
 class CudaGraphs:
     def __init__(self, encoder: Encoder, device: torch.device, *, max_tokens: int, max_batch: int,
                  max_graphs: int = 256, pad_token_id: int = 0, attention: str = "pad") -> None:
         self.encoder, self.device, self.attention = encoder, device, attention
         self.tokens = token_buckets(max_tokens)
         self.max_batch = _ceil_pow2(max_batch)
-        longest = min(encoder.config.max_position_embeddings, SEQ_BUCKETS[-1])
+        # the longest input the service lets through (inputs are truncated to max_seq_length)
+        longest = min(encoder.config.max_seq_length, SEQ_BUCKETS[-1])
         self.max_seq = next(s for s in SEQ_BUCKETS if s >= longest)
         self.max_graphs, self.pad_token_id = max_graphs, pad_token_id
         self.pool = None  # created at the first capture (so the bucket arithmetic works without a GPU)
@@ -83,16 +94,49 @@ class CudaGraphs:
         self.capture_seconds = 0.0
         self.pool_bytes = 0  # growth of reserved device memory while capturing: what the graphs hold
 
+    def _batch_bucket(self, rows: int) -> int:
+        # varlen: rows only size the attention grid and the pooled output, so powers of 4 (fewer graphs);
+        # pad attention: the padded block is batch x seq, so powers of 2
+        return min(_ceil_pow4(rows) if self.attention == "varlen" else _ceil_pow2(rows), self.max_batch)
+
     def bucket(self, rows: list[list[int]]) -> tuple[int, int, int, bool] | None:
         tokens, longest = sum(map(len, rows)), max(map(len, rows))
         if tokens > self.tokens[-1] or longest > self.max_seq or len(rows) > self.max_batch:
             return None
-        t, b = self.tokens[bisect.bisect_left(self.tokens, tokens)], _ceil_pow2(len(rows))
+        t = self.tokens[bisect.bisect_left(self.tokens, tokens)]
         s = SEQ_BUCKETS[bisect.bisect_left(SEQ_BUCKETS, longest)]
-        dense = tokens == t == b * s
-        if self.attention == "varlen" and not dense:
-            s = self.max_seq
-        return t, b, s, dense
+        if tokens == t == _ceil_pow2(len(rows)) * s:  # equal-length rows filling the bucket: the dense graph
+            return t, _ceil_pow2(len(rows)), s, True
+        if self.attention == "varlen":  # the longest row only bounds the attention grid: no row can pass t
+            return t, self._batch_bucket(len(rows)), min(self.max_seq, t), False
+        return t, self._batch_bucket(len(rows)), s, False
+
+    def reachable_keys(self) -> list[tuple[int, int, int, bool]]:
+        """Every non-dense varlen bucket some batch can land in: token bucket t (counts in (t_prev, t]) and batch
+        bucket b (rows in (b_prev, b]) with rows <= tokens <= rows x max_seq possible. Empty for pad attention,
+        whose keys also carry the longest row (too many to capture ahead)."""
+        if self.attention != "varlen":
+            return []
+        batches = sorted({self._batch_bucket(n) for n in range(1, self.max_batch + 1)})
+        keys = []
+        for t_prev, t in zip([0, *self.tokens], self.tokens):
+            for b_prev, b in zip([0, *batches], batches):
+                if b_prev + 1 <= t and t_prev + 1 <= b * self.max_seq:
+                    keys.append((t, b, min(self.max_seq, t), False))
+        return keys
+
+    def capture_all(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Capture every reachable bucket now (the service's warm-up, before it reports ready), so traffic never
+        waits for a capture: a capture runs the forward twice first, and a first-seen row count autotunes the
+        Triton kernels and sweeps the CUDA launch configs. At most max_graphs (smallest token counts first).
+        Returns the number captured."""
+        self._check_fingerprint()
+        keys = [k for k in self.reachable_keys() if k not in self.graphs][: self.max_graphs - len(self.graphs)]
+        for i, key in enumerate(keys):
+            self._capture(key)
+            if progress is not None:
+                progress(i + 1, len(keys))
+        return len(keys)
 
     def run(self, rows: list[list[int]]) -> Tensor | None:
         """Unnormalized pooled embeddings [len(rows), hidden] float32 on the device, or None when the batch

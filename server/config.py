@@ -33,6 +33,7 @@ class Settings(BaseSettings):
     attention: Literal["auto", "pad", "varlen"] = Field(
         "auto", description="packed attention: varlen flash (fp16/bf16 on CUDA; auto picks it there) or pad-for-SDPA")
     cuda_graphs: bool = Field(True, description="replay the packed forward from CUDA graphs per shape bucket (GPU)")
+    cuda_graph_warmup: bool = Field(True, description="capture every reachable graph bucket before ready (varlen)")
     max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)")
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default)")
 

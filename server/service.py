@@ -45,6 +45,7 @@ class Service:
         self.verifier: Verifier | None = None
         self.fallback_reason: str | None = None
         self.faults: dict[str, dict] = {}
+        self.graph_warmup: tuple[int, float] | None = None  # (graphs captured at start-up, seconds)
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def load(self) -> None:
@@ -78,13 +79,37 @@ class Service:
             log.info("warm-up: batch of %d x %d tokens", *shape)
             ids = [[101] + [1000 + i % 5000 for i in range(shape[1] - 2)] + [102]] * shape[0]
             self.batcher.call_between_batches(lambda ids=ids: e.embed_ids(ids)).result()
+        if e.graphs is not None and s.cuda_graph_warmup:
+            self._capture_graphs()
         log.info("warm-up done in %.1fs", time.perf_counter() - started)
+
+    def _capture_graphs(self) -> None:
+        """Every reachable CUDA-graph bucket, on the worker thread, before ready: under traffic a capture would
+        stall its batch for the capture (and the autotuning of a first-seen row count)."""
+        graphs = self.embedder.graphs
+        total = len(graphs.reachable_keys())
+        if not total:
+            log.info("CUDA graphs: captured on first use (%s attention keys carry the longest row)", graphs.attention)
+            return
+        started, step = time.perf_counter(), max(total // 10, 1)
+
+        def progress(done: int, todo: int) -> None:
+            if done % step == 0 or done == todo:
+                log.warning("capturing CUDA graphs: %d/%d (%.1fs)", done, todo, time.perf_counter() - started)
+
+        captured = self.batcher.call_between_batches(lambda: graphs.capture_all(progress)).result()
+        self.graph_warmup = (captured, time.perf_counter() - started)
 
     def startup_report(self) -> str:
         s = self.settings
         e = self.embedder
-        graphs = (f"CUDA graphs on (up to {s.max_cuda_graphs}, captured per shape bucket on first use)"
-                  if e.graphs else "CUDA graphs off")
+        if e.graphs is None:
+            graphs = "CUDA graphs off"
+        elif self.graph_warmup is not None:
+            graphs = (f"CUDA graphs on: {self.graph_warmup[0]} buckets captured at start-up in "
+                      f"{self.graph_warmup[1]:.1f}s (up to {s.max_cuda_graphs} held)")
+        else:
+            graphs = f"CUDA graphs on (up to {s.max_cuda_graphs}, captured per shape bucket on first use)"
         return (f"{self.report}\nlayout {e.layout} (attention {e.attention}), {graphs}\nbatching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
                 f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}; "
                 f"verify_sample_rate {s.verify_sample_rate:g} ({s.verify_action}), "

@@ -35,6 +35,7 @@ def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
         # uvicorn re-raises the captured SIGTERM once its graceful shutdown is complete
         assert server.stop() in (0, -signal.SIGTERM), server.log()[-3000:]
     assert "all accepted requests answered" in server.log()
+    assert "buckets captured at start-up" in server.log()  # varlen: every bucket before ready
     assert info["device"].startswith("cuda") and info["fused"] is True and info["fallback"] is None
     assert info["layout"] == "packed" and info["cuda_graphs"]["max_graphs"] == 256
     assert info["attention"] == ("varlen" if _varlen_attention() else "pad")  # fp16 on CUDA: auto takes varlen

@@ -152,15 +152,44 @@ def test_graph_buckets(encoder):
 
 def test_varlen_graph_buckets_drop_the_sequence_length():
     """With varlen attention the longest row only bounds the attention grid: batches of different longest rows
-    share a graph; dense (fixed-shape) batches keep their own unmasked graph."""
+    share a graph, rows go to powers of 4, and seq is min(model's longest, tokens); dense (fixed-shape) batches
+    keep their own unmasked graph."""
     enc = Encoder(EncoderConfig.from_name("minilm-l6"))
     pad = CudaGraphs(enc, torch.device("cpu"), max_tokens=4096, max_batch=64)
     varlen = CudaGraphs(enc, torch.device("cpu"), max_tokens=4096, max_batch=64, attention="varlen")
     short, long_ = [[1] * 10, [1] * 30], [[1] * 3, [1] * 37]
     assert pad.bucket(short) != pad.bucket(long_)
-    assert varlen.bucket(short) == varlen.bucket(long_) == (48, 2, varlen.max_seq, False)
+    assert varlen.bucket(short) == varlen.bucket(long_) == (48, 4, 48, False)
+    assert varlen.bucket([[1] * 200] * 5)[:3] == (1024, 16, 256)  # MiniLM truncates at 256 tokens
     assert varlen.bucket([[1] * 32] * 16) == (512, 16, 32, True)
+    assert varlen.reachable_keys() and pad.reachable_keys() == []
     assert resolve_attention("auto", torch.device("cpu"), torch.float32) == "pad"
     assert resolve_attention("auto", torch.device("cuda"), torch.float32) == "pad"
     with pytest.raises(ValueError, match="varlen attention needs"):
         resolve_attention("varlen", torch.device("cpu"), torch.float16)
+
+
+@pytest.mark.parametrize("max_tokens, max_batch", [(16384, 256), (8192, 64), (2048, 100)])
+def test_every_batch_lands_in_a_reachable_bucket(max_tokens, max_batch):
+    """What the warm-up captures (reachable_keys) covers every batch the batcher can form: random batches of
+    1..max_batch rows of 1..max_seq_length tokens within the token budget all map to one of those keys, and
+    the enumeration is not padded with keys no batch reaches."""
+    enc = Encoder(EncoderConfig.from_name("minilm-l6"))
+    graphs = CudaGraphs(enc, torch.device("cpu"), max_tokens=max_tokens, max_batch=max_batch, attention="varlen")
+    keys = set(graphs.reachable_keys())
+    gen = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(3000):
+        n = int(torch.randint(1, max_batch + 1, (1,), generator=gen))
+        cap = int(torch.randint(1, enc.config.max_seq_length + 1, (1,), generator=gen))
+        lengths = torch.randint(1, cap + 1, (n,), generator=gen).tolist()
+        while sum(lengths) > max_tokens:
+            lengths.pop()
+        if not lengths or len(set(lengths)) == 1:
+            continue  # an equal-length batch may take a dense graph instead
+        key = graphs.bucket([[1] * k for k in lengths])
+        assert key in keys, (len(lengths), sum(lengths), max(lengths), key)
+        seen.add(key)
+    for t, b, s, _ in keys:  # each key's extremes are a real batch shape
+        assert b <= graphs.max_batch and s == min(graphs.max_seq, t)
+    assert len(keys) <= 6 * len(graphs.tokens) and len(seen) > len(keys) // 4
