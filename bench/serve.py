@@ -188,7 +188,7 @@ def gpu_sweep(args) -> dict:
 
     texts = mixed_texts(4096)
     settings = {"model": args.model, "device": "cuda", "dtype": "float16", "max_batch_requests": str(args.max_batch),
-                "max_batch_tokens": "16384", "max_wait_ms": "2", "max_queue": "65536",
+                "max_batch_tokens": "16384", "max_wait_ms": str(args.max_wait_ms), "max_queue": "65536",
                 "max_client_batch": "256", "kernel_timing_sample_rate": str(args.timing_rate),
                 "verify_sample_rate": str(args.verify_rate)}
     embedder, load = Embedder.load(args.model, device="cuda", dtype="float16", max_batch_tokens=16384,
@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPU sweep (--device cuda): closed-loop client counts")
     parser.add_argument("--model", default="default", help="GPU sweep: model dir (default: the packaged MiniLM)")
     parser.add_argument("--max-batch", type=int, default=256, help="GPU sweep: max_batch_requests")
+    parser.add_argument("--max-wait-ms", type=float, default=2.0,
+                        help="GPU sweep: max_wait_ms (0: a batch closes as soon as the worker is free)")
     parser.add_argument("--timing-rate", type=float, default=0.01, help="GPU sweep: kernel_timing_sample_rate")
     parser.add_argument("--verify-rate", type=float, default=0.0, help="GPU sweep: verify_sample_rate")
     args = parser.parse_args(argv)
