@@ -154,8 +154,10 @@ def test_auto_mode_races_passing_backends_and_takes_the_fastest(monkeypatch):
     monkeypatch.setattr(registry, "RACE_ROWS", 16)
     monkeypatch.setattr(registry, "RACE_CALLS", 2)
     monkeypatch.setattr(registry, "RACE_ROUNDS", 3)
-    first = registry.backend_names()[0]
-    registry.register_backend("slow", lambda device: {"layer_norm": slow_layer_norm}, before=first)
+    # only the two stand-ins race: the Triton interpreter's timing at 16x48 is close to the reference's and made
+    # the outcome depend on the machine's load (a CI run saw triton win the second race)
+    monkeypatch.setattr(registry, "_BACKENDS", [b for b in registry._BACKENDS if b.name == registry.REFERENCE_BACKEND])
+    registry.register_backend("slow", lambda device: {"layer_norm": slow_layer_norm})
     registry.register_backend("fast", lambda device: {"layer_norm": reference.layer_norm})  # behind "slow"
     try:
         sel = kernels.configure("cpu", (torch.float32,), hidden_sizes=(48,), race=True)
