@@ -9,7 +9,8 @@ from fastapi import Depends, Request
 from server.service import Service
 
 
-def get_service(request: Request) -> Service:
+async def get_service(request: Request) -> Service:
+    # async: FastAPI runs a plain-def dependency in its thread pool, a thread hop per request for an attribute read
     return request.app.state.service
 
 
