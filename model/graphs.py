@@ -1,7 +1,8 @@
 """CUDA graphs of the packed forward + mean pooling, one per shape bucket, so a batch costs one graph replay
 instead of ~10 kernel launches per layer from Python.
 
-A bucket is (tokens, batch, seq, dense): the packed token count rounded up to TOKEN_BUCKETS; filler tokens and
+A bucket is (tokens, batch, seq, dense): the packed token count rounded up to token_buckets() (quarter-power-of-two
+steps, eighth steps above 1024 tokens); filler tokens and
 sequences go to scratch rows (see model.encoder.Packed). With varlen attention (fp16/bf16 on CUDA, the default)
 the row count is rounded up to a power of 4 and seq is min(model's longest, tokens): the longest row only bounds
 the attention grid, so a bucket is really (tokens, batch) and every reachable one can be captured at start-up
@@ -38,12 +39,18 @@ log = logging.getLogger("fusedserve.model")
 SEQ_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
+FINE_BUCKETS_FROM = 1024  # token counts above this get eighth-power-of-two steps
+
+
 def token_buckets(limit: int) -> list[int]:
-    """16, 32, 48, 64, then four steps per power of two (x1.25, 1.5, 1.75, 2): at most 25% filler."""
+    """16, 32, 48, 64, then four steps per power of two (x1.25, 1.5, 1.75, 2: at most 25% filler) up to
+    FINE_BUCKETS_FROM, eight steps per power of two above it (at most 12.5% filler): small batches are latency-bound,
+    so their filler is nearly free, while above ~1k tokens the forward's time grows with the token count."""
     out = [16, 32, 48, 64]
     p = 64
     while out[-1] < limit:
-        out += [p * 5 // 4, p * 3 // 2, p * 7 // 4, p * 2]
+        steps = 8 if p >= FINE_BUCKETS_FROM else 4
+        out += [p + p * i // steps for i in range(1, steps + 1)]
         p *= 2
     return [t for t in out if t < limit] + [next(t for t in out if t >= limit)]
 
