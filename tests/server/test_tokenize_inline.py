@@ -1,0 +1,46 @@
+"""Short inputs are tokenized on the event loop (a thread hop costs more than the tokenizer), long ones in a
+worker thread; either way the embeddings are the same."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from server import service as service_module
+from server.config import Settings
+from server.service import INLINE_TOKENIZE_CHARS, Service
+
+
+class _Connected:
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def test_short_inputs_skip_the_thread_hop(monkeypatch):
+    hops = []
+    original = asyncio.to_thread
+
+    async def counting_to_thread(fn, *args, **kwargs):
+        hops.append(fn)
+        return await original(fn, *args, **kwargs)
+
+    monkeypatch.setattr(service_module.asyncio, "to_thread", counting_to_thread)
+    svc = Service(Settings(model="tiny", device="cpu", max_wait_ms=0))
+    svc.load()
+    svc.ready = True
+    short = ["a short sentence"]
+    long_ = ["word " * (INLINE_TOKENIZE_CHARS // 5 + 1)]
+
+    async def embed(texts):
+        return await svc.embed_texts(texts, normalize=True, truncate=True, request=_Connected())
+
+    try:
+        a = asyncio.run(embed(short))
+        assert hops == []
+        b = asyncio.run(embed(long_))
+        assert len(hops) == 1
+        assert torch.allclose(a.embeddings, svc.embedder.embed(short), atol=1e-6)
+        assert torch.allclose(b.embeddings, svc.embedder.embed(long_), atol=1e-6)
+    finally:
+        svc.shutdown()
