@@ -313,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPU sweep (--device cuda): closed-loop client counts")
     parser.add_argument("--model", default="default", help="GPU sweep: model dir (default: the packaged MiniLM)")
     parser.add_argument("--max-batch", type=int, default=256, help="GPU sweep: max_batch_requests")
-    parser.add_argument("--max-wait-ms", type=float, default=2.0,
-                        help="GPU sweep: max_wait_ms (0: a batch closes as soon as the worker is free)")
+    parser.add_argument("--max-wait-ms", type=float, default=0.0,
+                        help="GPU sweep: max_wait_ms (0, the default: a batch closes as soon as the worker is free)")
     parser.add_argument("--timing-rate", type=float, default=0.01, help="GPU sweep: kernel_timing_sample_rate")
     parser.add_argument("--verify-rate", type=float, default=0.0, help="GPU sweep: verify_sample_rate")
     args = parser.parse_args(argv)

@@ -40,7 +40,8 @@ class Settings(BaseSettings):
     # batching and limits
     max_batch_tokens: int = Field(16384, ge=1, description="tokens per batch: real tokens (packed layout) or rows x longest row (padded)")
     max_batch_requests: int = Field(64, ge=1, description="inputs per batch")
-    max_wait_ms: float = Field(2.0, ge=0, description="longest an input waits for a batch to fill")
+    max_wait_ms: float = Field(0.0, ge=0, description="longest an input waits for company before its batch closes "
+                               "(0: the worker takes whatever is queued as soon as it is free)")
     max_queue: int = Field(4096, ge=1, description="queued inputs beyond which requests get 429")
     max_client_batch: int = Field(256, ge=1, description="inputs per request")
     request_timeout_s: float = Field(30.0, gt=0)
