@@ -8,8 +8,9 @@ the row count is rounded up to a power of 4 and seq is min(model's longest, toke
 the attention grid, so a bucket is really (tokens, batch) and every reachable one can be captured at start-up
 (`capture_all`, the service's warm-up). With pad attention the row count goes to a power of two and the longest
 row to SEQ_BUCKETS (the padded block is batch x seq): too many to capture ahead, so those are captured on first
-use. `dense` marks a batch that fills its bucket exactly (equal-length rows): its graph runs attention without
-a mask and without the scatter/gather (captured on first use). At most `max_graphs` are held (least recently used
+use. `dense` marks a batch that fills its bucket exactly (equal-length rows, e.g. one input truncated at the
+model's limit): its graph runs attention without a mask and without the scatter/gather (with varlen attention
+these are captured at start-up too). At most `max_graphs` are held (least recently used
 evicted). All graphs share one memory pool: they never run concurrently (one worker owns the model) and each
 graph's only live outputs are its static buffers, so the pool costs about as much as the largest graph's
 activations; `stats()` reports it.
@@ -119,9 +120,10 @@ class CudaGraphs:
         return t, self._batch_bucket(len(rows)), s, False
 
     def reachable_keys(self) -> list[tuple[int, int, int, bool]]:
-        """Every non-dense varlen bucket some batch can land in: token bucket t (counts in (t_prev, t]) and batch
-        bucket b (rows in (b_prev, b]) with rows <= tokens <= rows x max_seq possible. Empty for pad attention,
-        whose keys also carry the longest row (too many to capture ahead)."""
+        """Every varlen bucket some batch can land in: token bucket t (counts in (t_prev, t]) and batch bucket b
+        (rows in (b_prev, b]) with rows <= tokens <= rows x max_seq possible, then the dense ones (b rows of
+        exactly s tokens, s a SEQ_BUCKETS length no longer than the model takes: a single 256-token truncated
+        input is one). Empty for pad attention, whose keys also carry the longest row (too many to capture ahead)."""
         if self.attention != "varlen":
             return []
         batches = sorted({self._batch_bucket(n) for n in range(1, self.max_batch + 1)})
@@ -130,6 +132,12 @@ class CudaGraphs:
             for b_prev, b in zip([0, *batches], batches):
                 if b_prev + 1 <= t and t_prev + 1 <= b * self.max_seq:
                     keys.append((t, b, min(self.max_seq, t), False))
+        tokens = set(self.tokens)
+        for s in (s for s in SEQ_BUCKETS if s <= self.encoder.config.max_seq_length):
+            b = 1
+            while b <= self.max_batch and b * s in tokens:
+                keys.append((b * s, b, s, True))
+                b *= 2
         return keys
 
     def capture_all(self, progress: Callable[[int, int], None] | None = None) -> int:

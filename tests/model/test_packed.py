@@ -187,13 +187,20 @@ def test_every_batch_lands_in_a_reachable_bucket(max_tokens, max_batch):
         n = int(torch.randint(1, max_batch + 1, (1,), generator=gen))
         cap = int(torch.randint(1, enc.config.max_seq_length + 1, (1,), generator=gen))
         lengths = torch.randint(1, cap + 1, (n,), generator=gen).tolist()
+        if int(torch.randint(0, 8, (1,), generator=gen)) == 0:  # now and then equal lengths (dense candidates)
+            lengths = [lengths[0]] * len(lengths)
         while sum(lengths) > max_tokens:
             lengths.pop()
-        if not lengths or len(set(lengths)) == 1:
-            continue  # an equal-length batch may take a dense graph instead
+        if not lengths:
+            continue
         key = graphs.bucket([[1] * k for k in lengths])
         assert key in keys, (len(lengths), sum(lengths), max(lengths), key)
         seen.add(key)
-    for t, b, s, _ in keys:  # each key's extremes are a real batch shape
-        assert b <= graphs.max_batch and s == min(graphs.max_seq, t)
-    assert len(keys) <= 6 * len(graphs.tokens) and len(seen) > len(keys) // 4
+    for b in (1, 2, 16):  # exactly filled dense buckets, e.g. one input truncated at the model's 256 tokens
+        for s in (16, 64, 256):
+            if b * s <= max_tokens and b <= max_batch:
+                key = graphs.bucket([[1] * s] * b)
+                assert key == (b * s, b, s, True) and key in keys
+    for t, b, s, dense in keys:
+        assert b <= graphs.max_batch and (dense and b * s == t or not dense and s == min(graphs.max_seq, t))
+    assert len(keys) <= 6 * len(graphs.tokens) + 64 and len(seen) > len(keys) // 4
