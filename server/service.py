@@ -114,7 +114,8 @@ class Service:
                       f"{self.graph_warmup[1]:.1f}s (up to {s.max_cuda_graphs} held)")
         else:
             graphs = f"CUDA graphs on (up to {s.max_cuda_graphs}, captured per shape bucket on first use)"
-        return (f"{self.report}\nlayout {e.layout} (attention {e.attention}), {graphs}\nbatching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
+        return (f"{self.report}\nlayout {e.layout} (attention {e.attention}), {graphs}\n"
+                f"batching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
                 f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}; "
                 f"verify_sample_rate {s.verify_sample_rate:g} ({s.verify_action}), "
                 f"kernel_timing_sample_rate {s.kernel_timing_sample_rate:g}")
