@@ -3,8 +3,6 @@
 #   bash bench/gpu_run.sh tests     # CUDA build from a clean cache, GPU test suite, MiniLM parity
 #   bash bench/gpu_run.sh sanitize  # compute-sanitizer memcheck + racecheck on the CUDA kernel tests
 #   bash bench/gpu_run.sh bench     # kernel benchmark: ours vs eager vs torch.compile, JSON + markdown
-#   bash bench/gpu_run.sh model     # GPU model tests (graphs, server, MiniLM parity) + the encoder profile
-#   bash bench/gpu_run.sh serving   # graph + server tests, then bench/encoder.py; `serve`: bench/serve.py
 #   bash bench/gpu_run.sh final     # graph + GPU server tests, the serving sweep, MiniLM fp16 parity
 #   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases) + the MiniLM profile
 # Results land in $OUT (the device tool brings them back).
@@ -15,6 +13,17 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi-$mode.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+build_cached() {  # the CUDA extension into a cache the tests and benches share
+  export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
+  python3 -m kernels.cuda.build 2>&1 | tail -1
+}
+gpu_tests() {  # name, time limit, pytest args...: one pytest per call, its log kept whole, a summary printed
+  local name=$1 limit=$2; shift 2
+  FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout "$limit" python3 -m pytest -m gpu -q -s -rs --tb=short \
+    -p no:cacheprovider "$@" > "$OUT/gpu-tests-$name.log" 2>&1
+  echo "== $name exit $?"
+  grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$name.log" | grep -E "cosine|passed|failed|Error|^E " | tail -12
+}
 case "$mode" in
   tests)
     # the CUDA extension builds here from a clean cache (and the xdist workers then load it)
@@ -28,8 +37,7 @@ case "$mode" in
       timeout 240 python3 -m pytest -m gpu -q -s -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests-model.log" | tail -12
     ;;
   sanitize)
-    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
-    python3 -m kernels.cuda.build 2>&1 | tail -1
+    build_cached
     # compute-sanitizer on the CUDA kernel tests: memcheck on the accuracy/config/misaligned tests (the 4 GB
     # int64-offset cases and the compile tests are too slow under it), racecheck on every LayerNorm launch
     # config (the kernels with shared memory)
@@ -51,7 +59,7 @@ case "$mode" in
     ;;
   ncu)
     # Nsight Compute on the LayerNorm kernels at the shape the targets are argued on
-    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
+    build_cached
     for provider in triton cuda; do
       for op in layer_norm_gelu add_layer_norm bias_gelu; do
         timeout 120 ncu --nvtx --nvtx-include "profile/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
@@ -62,54 +70,10 @@ case "$mode" in
       done
     done
     ;;
-  model)
-    # GPU model tests (packed + CUDA graphs, the server with every sampled path on, MiniLM parity per backend;
-    # one pytest per file so a slow or failing file cannot hide the others' reports) and the profiler breakdown
-    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
-    python3 -m kernels.cuda.build 2>&1 | tail -1
-    for file in test_graphs_gpu test_server_gpu test_minilm_gpu; do
-      FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout ${MODEL_TESTS_S:-140} python3 -m pytest -m gpu -q -s -rs \
-        --tb=short -p no:cacheprovider tests/gpu/$file.py > "$OUT/gpu-tests-$file.log" 2>&1
-      echo "== $file exit $?"
-      grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$file.log" | grep -E "cosine|passed|failed|Error|error|assert|^E |\.py:[0-9]+" | tail -25
-    done
-    timeout 100 python3 -m bench.profile --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | grep -E "us/forward"
-    ;;
-  serving)
-    # the GPU graph + server tests, then the encoder forward vs Hugging Face (eager / sdpa / compile /
-    # compile+cudagraphs); `serve` runs the server under load
-    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
-    python3 -m kernels.cuda.build 2>&1 | tail -1
-    for file in test_graphs_gpu test_server_gpu; do
-      FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout 100 python3 -m pytest -m gpu -q -s -rs \
-        --tb=short -p no:cacheprovider tests/gpu/$file.py > "$OUT/gpu-tests-$file.log" 2>&1
-      echo "== $file exit $?"
-      grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$file.log" | grep -E "passed|failed|Error|error|^E |\.py:[0-9]+" | tail -15
-    done
-    timeout ${ENCODER_S:-330} python3 -m bench.encoder --out "$OUT/encoder.json" \
-      --compile-cases "bert-base b32 s128 fixed" "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" 2>&1 | tee "$OUT/encoder.log" | tail -30
-    ;;
-  serve)
-    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
-    python3 -m kernels.cuda.build 2>&1 | tail -1
-    timeout ${SERVE_S:-240} python3 -m bench.serve --device cuda --seconds 10 --per-request 16 \
-      --model "$PWD/.gpu-assets/minilm" --out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | grep -v "^INFO" | tail -25
-    FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout 100 python3 -m pytest -m gpu -q -s -rs --tb=short \
-      -p no:cacheprovider tests/gpu/test_minilm_gpu.py -k "float16 and not bfloat16" 2>&1 | tee "$OUT/gpu-tests-minilm.log" \
-      | grep -E "cosine|passed|failed|^E " | tail -12
-    ;;
   final)
     # tests on the default path (graphs incl. the start-up capture, the GPU server), the serving sweep, then
     # MiniLM parity (last: a fresh machine compiles every Triton kernel first); `encoder` has the forward benches
-    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
-    python3 -m kernels.cuda.build 2>&1 | tail -1
-    gpu_tests() {  # name, limit, pytest args...
-      local name=$1 limit=$2; shift 2
-      FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout "$limit" python3 -m pytest -m gpu -q -s -rs --tb=short \
-        -p no:cacheprovider "$@" > "$OUT/gpu-tests-$name.log" 2>&1
-      echo "== $name exit $?"
-      grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$name.log" | grep -E "cosine|passed|failed|Error|^E " | tail -12
-    }
+    build_cached
     gpu_tests graphs 90 tests/gpu/test_graphs_gpu.py
     gpu_tests server 120 tests/gpu/test_server_gpu.py
     timeout ${SERVE_S:-200} python3 -m bench.serve --device cuda --seconds 8 --per-request 16 \
@@ -118,11 +82,12 @@ case "$mode" in
     gpu_tests minilm 150 tests/gpu/test_minilm_gpu.py -k "float16 and not bfloat16"
     ;;
   encoder)
-    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
-    python3 -m kernels.cuda.build 2>&1 | tail -1
+    build_cached
     timeout ${ENCODER_S:-330} python3 -m bench.encoder --out "$OUT/encoder.json" \
       --compile-cases "bert-base b32 s128 fixed" "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" 2>&1 | tee "$OUT/encoder.log" | tail -16
     timeout 60 python3 -m bench.profile --preset minilm-l6 --backends cuda --out "$OUT/profile-minilm.json" 2>&1 \
       | tee "$OUT/profile-minilm.log" | grep -E "us/forward"
+    timeout 60 python3 -m bench.profile --backends cuda triton --out "$OUT/profile-bert.json" 2>&1 \
+      | tee "$OUT/profile-bert.log" | grep -E "us/forward"
     ;;
 esac
