@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import sys
 from collections.abc import Callable
 
 import torch
 
+from bench import command, save
 import kernels
 from model.config import EncoderConfig
 from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool, resolve_attention
@@ -169,12 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for case in args.cases:
         results += run_case(case, args.backends, args)
-        if args.out:
-            report = {"date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                      "torch": torch.__version__, "command": " ".join(["python -m bench.encoder", *sys.argv[1:]]),
-                      "peak_tflops": PEAK_FLOPS / 1e12, "results": results}
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
+        save({"date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "command": command("encoder", argv),
+              "peak_tflops": PEAK_FLOPS / 1e12, "results": results}, args.out)  # after every case
     print(markdown(results))
     return 0
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bench import command, save
 from kernels.testing import OP_SPECS, compare, float64_reference
 from model.runner import DTYPES
 
@@ -183,8 +184,7 @@ def run(args: argparse.Namespace) -> dict:
                     line.append(f"{name} {ms * 1e3:7.1f}us ({launch * 1e3:6.1f} launched) {gbps:5.0f}GB/s")
                 print(f"[{done}/{total}] {op} {str(dtype).removeprefix('torch.')} {rows}x{cols}: " + " | ".join(line),
                       file=sys.stderr, flush=True)
-                if args.out:  # incremental, so a run cut short still leaves its numbers
-                    _write(args.out, _report(copy_gbps, results))
+                save(_report(copy_gbps, results), args.out)  # incremental: a run cut short keeps its numbers
     report = _report(copy_gbps, results)
     if device == "cuda" and {"triton", "cuda"} <= set(provs):
         report["auto_mode"] = auto_mode_choices(dtypes, sorted({c for _, c in shapes}))
@@ -211,11 +211,6 @@ def auto_mode_choices(dtypes: list[torch.dtype], widths: list[int]) -> dict:
     return choices
 
 
-def _write(path: str, report: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-
-
 def _report(copy_gbps: float, results: list[dict]) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return {
@@ -224,7 +219,7 @@ def _report(copy_gbps: float, results: list[dict]) -> dict:
         "torch": torch.__version__,
         "triton": _version("triton"),
         "copy_gbps": copy_gbps,
-        "command": " ".join(["python -m bench.kernels", *sys.argv[1:]]),
+        "command": command("kernels"),
         "results": results,
     }
 
@@ -284,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             report = json.load(f)
     else:
         report = run(args)
-    if args.out and not args.render:
-        _write(args.out, report)
+    if not args.render:
+        save(report, args.out)
     table = markdown(report)
     if args.markdown:
         with open(args.markdown, "w") as f:

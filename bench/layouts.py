@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
 
+from bench import command, save
 from bench.serve import mixed_texts, sentences
 from model.runner import Embedder
 
@@ -47,10 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             r = results[-1]
             print(f"{name}: {layout} {r['ms']:.1f} ms (min {r['min_ms']:.1f}, max {r['max_ms']:.1f})", file=sys.stderr)
     report = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "command": " ".join(["python -m bench.layouts", *sys.argv[1:]]), "results": results}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+              "command": command("layouts", argv), "results": results}
+    save(report, args.out)
     return 0
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from bench import command, save
 from bench.serve import running_server
 
 
@@ -105,11 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         "statuses": statuses, "wrong_answers": check(outcomes, singles),
         "requests_per_s": len(outcomes) / elapsed, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
         "rss_before_mib": rss_before / 2**20, "rss_after_mib": rss_after / 2**20,
-        "command": " ".join(["python -m bench.load", *(argv if argv is not None else sys.argv[1:])]),
+        "command": command("load", argv),
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    save(report, args.out)
     print(json.dumps(report, indent=1))
     return 0 if report["wrong_answers"] == 0 and set(statuses) == {"200"} else 1
 

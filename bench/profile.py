@@ -16,6 +16,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench import command, save
 import kernels
 from model.config import EncoderConfig
 from model.encoder import Encoder, Packed, packed_mean_pool
@@ -95,10 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['us']}", file=sys.stderr, flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "case": f"{args.preset} b{args.batch} s{args.seq} fp16 packed", "results": results,
-              "command": " ".join(["python -m bench.profile", *sys.argv[1:]])}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+              "command": command("profile", argv)}
+    save(report, args.out)
     print(json.dumps(report, indent=1))
     return 0
 

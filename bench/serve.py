@@ -24,6 +24,8 @@ import time
 
 import httpx
 
+from bench import command, save
+
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or had not but "
          "one all their there been has more when who will would into them its some could time these two may "
          "first then do any like my now over such our man me even most made after also did many off before "
@@ -181,7 +183,7 @@ def mixed_texts(n: int, seed: int = 0, low: int = 1, high: int = 200) -> list[st
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))) + "." for _ in range(n)]
 
 
-def gpu_sweep(args) -> dict:
+def gpu_sweep(args, argv: list[str] | None = None) -> dict:
     """The H200 serving run: raw runner tokens/s on the traffic mix, sentence-transformers fp16 encode on the same
     texts, then the real server under closed-loop load at each client count, and single-request latency."""
     from model.runner import Embedder
@@ -195,14 +197,15 @@ def gpu_sweep(args) -> dict:
                                    max_batch=args.max_batch)
     ids = embedder.tokenizer.encode(texts)
     tokens_total = sum(map(len, ids))
-    # raw runner: the same texts in length-sorted batches under the server's limits (what its batcher forms)
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    batches, current = [], []
-    for i in order:
-        if current and (len(current) >= args.max_batch or (len(current) + 1) * len(ids[i]) > 16384):
+    # raw runner: the same texts in length-sorted batches under the server's limits (what its batcher forms:
+    # packed batches are budgeted by their real tokens)
+    batches, current, tokens = [], [], 0
+    for row in sorted(ids, key=len):
+        if current and (len(current) >= args.max_batch or tokens + len(row) > 16384):
             batches.append(current)
-            current = []
-        current.append(ids[i])
+            current, tokens = [], 0
+        current.append(row)
+        tokens += len(row)
     batches.append(current)
     for b in batches:
         embedder.embed_ids(b)  # warm: graph capture per bucket
@@ -282,7 +285,7 @@ def gpu_sweep(args) -> dict:
                             if line.startswith(("fusedserve_kernel_duration_seconds_count",
                                                 "fusedserve_reference_checks_total", "fusedserve_device_memory",
                                                 "fusedserve_batch_size_sum", "fusedserve_batch_size_count"))],
-        "command": " ".join(["python -m bench.serve", *sys.argv[1:]]),
+        "command": command("serve", argv),
     }
 
 
@@ -321,10 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.client_processes is None:
         args.client_processes = 8 if args.device == "cuda" else 1
     if args.device == "cuda":
-        report = gpu_sweep(args)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
+        report = gpu_sweep(args, argv)
+        save(report, args.out)
         print(json.dumps({k: v for k, v in report.items() if k not in ("info", "metrics_excerpt")}, indent=1))
         return 0
     texts = sentences(2048, args.words)
@@ -352,11 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
         "sentence_transformers_sentences_per_s": st_rate, "ratio_vs_sentence_transformers": served / st_rate,
         "batch_size_metrics": batch,
-        "command": " ".join(["python -m bench.serve", *(argv if argv is not None else sys.argv[1:])]),
+        "command": command("serve", argv),
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    save(report, args.out)
     print(json.dumps({k: v for k, v in report.items() if k != "batch_size_metrics"}, indent=1))
     return 0
 

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from bench import command, save
 from bench.serve import sentences
 from model.runner import Embedder
 from server.batcher import KernelTimer
@@ -61,11 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(embedder.device), "dtype": str(embedder.dtype), "batch": args.batch, "reps": args.reps,
         "forward_ms": plain_s * 1e3, "timed_forward_ms": timed_s * 1e3, "overhead_at_rate_1": overhead,
         "default_rate": args.default_rate, "overhead_at_default_rate": overhead * args.default_rate,
-        "command": " ".join(["python -m bench.timing_overhead", *(argv if argv is not None else sys.argv[1:])]),
+        "command": command("timing_overhead", argv),
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save(result, args.out)
     print(json.dumps(result, indent=1))
     return 0
 
