@@ -90,19 +90,15 @@ class Service:
     def _capture_graphs(self) -> None:
         """Every reachable CUDA-graph bucket, on the worker thread, before ready: under traffic a capture would
         stall its batch for the capture (and the autotuning of a first-seen row count)."""
-        graphs = self.embedder.graphs
-        total = len(graphs.reachable_keys())
-        if not total:
-            log.info("CUDA graphs: captured on first use (%s attention keys carry the longest row)", graphs.attention)
-            return
-        started, step = time.perf_counter(), max(total // 10, 1)
+        graphs, started = self.embedder.graphs, time.perf_counter()
 
         def progress(done: int, todo: int) -> None:
-            if done % step == 0 or done == todo:
+            if done % max(todo // 10, 1) == 0 or done == todo:
                 log.warning("capturing CUDA graphs: %d/%d (%.1fs)", done, todo, time.perf_counter() - started)
 
         captured = self.batcher.call_between_batches(lambda: graphs.capture_all(progress)).result()
-        self.graph_warmup = (captured, time.perf_counter() - started)
+        if captured:
+            self.graph_warmup = (captured, time.perf_counter() - started)
 
     def startup_report(self) -> str:
         s = self.settings

@@ -66,6 +66,28 @@ void check_launch(cudaError_t err, const char* op) {
                 err == cudaErrorInvalidValue ? " (unsupported launch configuration or shape)" : "");
 }
 
+// The part of a LayerNorm-family call both entry points share, once its summed inputs are in `a`: the affine
+// parameters and the output (checked by the caller), sizes, then the launch on the current stream.
+void launch_norm(fusedserve::NormArgs& a, Alignment& align, int dtype, const Tensor& weight, const Tensor& ln_bias,
+                 Tensor& y, int64_t rows, int64_t cols, double eps, int64_t threads_per_row, int64_t block_threads,
+                 const char* op) {
+    align.add(weight, 0);
+    align.add(ln_bias, 0);
+    align.add(y, y.stride(0));
+    a.weight = weight.data_ptr();
+    a.ln_bias = ln_bias.data_ptr();
+    a.y = y.data_ptr();
+    a.stride_y = y.stride(0);
+    a.rows = rows;
+    a.cols = cols;
+    a.eps = static_cast<float>(eps);
+    const c10::cuda::CUDAGuard guard(y.device());
+    check_launch(fusedserve_launch_norm(dtype, align.ok, static_cast<int>(threads_per_row),
+                                        static_cast<int>(block_threads), a,
+                                        c10::cuda::getCurrentCUDAStream(y.device().index())),
+                 op);
+}
+
 // y = [GELU](LN(x [+ residual] [+ bias]) * weight + ln_bias); pre_norm_sum gets the sum when given.
 void norm(const Tensor& x, const optional<Tensor>& residual, const optional<Tensor>& bias, const Tensor& weight,
           const Tensor& ln_bias, double eps, int64_t gelu, Tensor& y, const optional<Tensor>& pre_norm_sum,
@@ -94,28 +116,14 @@ void norm(const Tensor& x, const optional<Tensor>& residual, const optional<Tens
         a.in[a.n_in++] = {bias->data_ptr(), nullptr, 0};
         align.add(*bias, 0);
     }
-    align.add(weight, 0);
-    align.add(ln_bias, 0);
-    align.add(y, y.stride(0));
-    a.weight = weight.data_ptr();
-    a.ln_bias = ln_bias.data_ptr();
-    a.y = y.data_ptr();
-    a.stride_y = y.stride(0);
     if (pre_norm_sum) {
         check_rows(*pre_norm_sum, x, rows, cols, op, "pre_norm_sum");
         a.pre_norm_sum = pre_norm_sum->data_ptr();
         a.stride_s = pre_norm_sum->stride(0);
         align.add(*pre_norm_sum, a.stride_s);
     }
-    a.rows = rows;
-    a.cols = cols;
-    a.eps = static_cast<float>(eps);
     a.gelu = static_cast<int>(gelu);
-    const c10::cuda::CUDAGuard guard(x.device());
-    check_launch(fusedserve_launch_norm(dtype, align.ok, static_cast<int>(threads_per_row),
-                                        static_cast<int>(block_threads), a,
-                                        c10::cuda::getCurrentCUDAStream(x.device().index())),
-                 op);
+    launch_norm(a, align, dtype, weight, ln_bias, y, rows, cols, eps, threads_per_row, block_threads, op);
 }
 
 // y = LN(word[ids] + position[pos] + token_type[types]) * weight + bias
@@ -144,21 +152,7 @@ void embedding_norm(const Tensor& ids, const Tensor& pos, const Tensor& types, c
     a.in[1] = {position.data_ptr(), pos.data_ptr<int64_t>(), position.stride(0)};
     a.in[2] = {token_type.data_ptr(), types.data_ptr<int64_t>(), token_type.stride(0)};
     for (const Tensor* t : {&word, &position, &token_type}) align.add(*t, t->stride(0));
-    align.add(y, y.stride(0));
-    align.add(weight, 0);
-    align.add(bias, 0);
-    a.weight = weight.data_ptr();
-    a.ln_bias = bias.data_ptr();
-    a.y = y.data_ptr();
-    a.stride_y = y.stride(0);
-    a.rows = rows;
-    a.cols = cols;
-    a.eps = static_cast<float>(eps);
-    const c10::cuda::CUDAGuard guard(word.device());
-    check_launch(fusedserve_launch_norm(dtype, align.ok, static_cast<int>(threads_per_row),
-                                        static_cast<int>(block_threads), a,
-                                        c10::cuda::getCurrentCUDAStream(word.device().index())),
-                 op);
+    launch_norm(a, align, dtype, weight, bias, y, rows, cols, eps, threads_per_row, block_threads, op);
 }
 
 // y = [GELU](x + bias [+ residual])
