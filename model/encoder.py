@@ -234,8 +234,8 @@ class Encoder(nn.Module):
 
     def forward_packed(self, p: Packed, attention: str = "pad") -> Tensor:
         """Hidden states [T, hidden] of a packed batch (filler tokens' rows are garbage, never read)."""
-        if attention == "varlen" and (_varlen_attention() is None or p.input_ids.device.type != "cuda"):
-            raise ValueError("varlen attention needs torch.nn.attention.varlen and a CUDA device")
+        if attention == "varlen":  # the one check of where varlen runs (raises with the reason)
+            resolve_attention("varlen", p.input_ids.device, self.embeddings.word_embeddings.dtype)
         x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
         for layer in self.layers:
             x = layer.forward_packed(x, p, attention)
