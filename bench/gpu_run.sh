@@ -4,6 +4,7 @@
 #   bash bench/gpu_run.sh sanitize  # compute-sanitizer memcheck + racecheck on the CUDA kernel tests
 #   bash bench/gpu_run.sh bench     # kernel benchmark: ours vs eager vs torch.compile, JSON + markdown
 #   bash bench/gpu_run.sh final     # graph + GPU server tests, the serving sweep, MiniLM fp16 parity
+#   bash bench/gpu_run.sh serve     # the serving sweep alone (bench/serve.py on the GPU)
 #   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases) + the MiniLM profile
 # Results land in $OUT (the device tool brings them back).
 set -uo pipefail
@@ -23,6 +24,12 @@ gpu_tests() {  # name, time limit, pytest args...: one pytest per call, its log 
     -p no:cacheprovider "$@" > "$OUT/gpu-tests-$name.log" 2>&1
   echo "== $name exit $?"
   grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$name.log" | grep -E "cosine|passed|failed|Error|^E " | tail -12
+}
+serve_sweep() {  # one server and four replicas on the GPU; texts (server tokenizes) and token ids; a GIL A/B
+  timeout ${SERVE_S:-540} python3 -m bench.serve --device cuda --seconds 6 --per-request 16 \
+    --model "$PWD/.gpu-assets/minilm" --payloads text ids \
+    --configs replicas=1 replicas=1,gil_switch_interval_ms=0.5 replicas=4 --out "$OUT/serve.json" 2>&1 \
+    | tee "$OUT/serve.log" | grep -E "clients:|raw|sentence-trans|single|rror" | tail -24
 }
 case "$mode" in
   tests)
@@ -76,10 +83,12 @@ case "$mode" in
     build_cached
     gpu_tests graphs 90 tests/gpu/test_graphs_gpu.py
     gpu_tests server 120 tests/gpu/test_server_gpu.py
-    timeout ${SERVE_S:-200} python3 -m bench.serve --device cuda --seconds 8 --per-request 16 \
-      --model "$PWD/.gpu-assets/minilm" --out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" \
-      | grep -E "clients:|raw|sentence-trans|single|rror" | tail -12
+    serve_sweep
     gpu_tests minilm 150 tests/gpu/test_minilm_gpu.py -k "float16 and not bfloat16"
+    ;;
+  serve)
+    build_cached
+    serve_sweep
     ;;
   encoder)
     build_cached

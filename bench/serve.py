@@ -47,31 +47,44 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(log_path: str = os.devnull, **settings: str):
-    """`python -m server` on a free loopback port with FUSEDSERVE_* settings, its output in `log_path`;
-    yields (process, url) once ready."""
-    port = free_port()
+def running_servers(count: int, log_path: str = os.devnull, **settings: str):
+    """`count` x `python -m server` on free loopback ports with FUSEDSERVE_* settings, started together (replicas on
+    one machine, as a Kubernetes node runs several pods), all writing to `log_path`. Yields [(process, url)] once
+    every one is ready."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
-    log = open(log_path, "w")
-    process = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"],
-                               env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    servers, logs = [], [open(log_path, "a")]
     try:
+        for _ in range(count):
+            port = free_port()
+            process = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level",
+                                        "warning"], env=env, stdout=logs[0], stderr=subprocess.STDOUT)
+            servers.append((process, f"http://127.0.0.1:{port}"))
         deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.3)
-        yield process, url
+        for process, url in servers:
+            while True:
+                try:
+                    if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise RuntimeError("server did not become ready")
+                time.sleep(0.3)
+        yield servers
     finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log.close()
+        for process, _ in servers:
+            process.terminate()
+        for process, _ in servers:
+            process.wait(timeout=60)
+        for log in logs:
+            log.close()
+
+
+@contextlib.contextmanager
+def running_server(**settings: str):
+    """One `python -m server` (see running_servers); yields (process, url) once ready."""
+    with running_servers(1, **settings) as servers:
+        yield servers[0]
 
 
 def sentence_transformers_rate(texts: list[str], batch_size: int, device: str) -> float:
@@ -86,24 +99,36 @@ def sentence_transformers_rate(texts: list[str], batch_size: int, device: str) -
     return len(texts) / (time.perf_counter() - started)
 
 
-async def closed_loop(url: str, texts: list[str], clients: int, seconds: float, per_request: int,
-                      count_tokens: dict[str, int] | None = None, seed: int = 1) -> dict:
+def request_body(payload: str, rows: list) -> tuple[str, dict]:
+    """The route and JSON body of one request: "text" sends texts to /infer; "ids" sends token ids to the
+    OpenAI route with base64 vectors (what a client that tokenizes itself sends: no tokenizer on the server)."""
+    if payload == "ids":
+        return "/v1/embeddings", {"input": rows, "encoding_format": "base64"}
+    return "/infer", {"inputs": rows}
+
+
+async def closed_loop(urls: str | list[str], texts: list, clients: int, seconds: float, per_request: int,
+                      count_tokens: list[int] | None = None, seed: int = 1, payload: str = "text") -> dict:
     """`clients` connections, each sending its next request when the last is answered, for `seconds`. Every
     client has its own connection (one httpx client each: a shared pool costs the load generator time that grows
-    with the number of connections)."""
+    with the number of connections); with several servers (replicas) the clients are spread over them in turn,
+    as a Kubernetes Service spreads connections. `texts` are strings, or token-id lists for payload "ids";
+    `count_tokens[i]` is the token count of `texts[i]`."""
+    urls = [urls] if isinstance(urls, str) else urls
     latencies: list[float] = []
     errors = sent = 0
     stop = time.monotonic() + seconds
     rng = random.Random(seed)
 
-    async def client_loop() -> None:
+    async def client_loop(url: str) -> None:
         nonlocal errors, sent
         async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1)) as client:
             while time.monotonic() < stop:
-                batch = [rng.choice(texts) for _ in range(per_request)]
+                picked = [rng.randrange(len(texts)) for _ in range(per_request)]
+                route, body = request_body(payload, [texts[i] for i in picked])
                 t = time.perf_counter()
                 try:
-                    r = await client.post("/infer", json={"inputs": batch})
+                    r = await client.post(route, json=body)
                 except httpx.HTTPError as exc:  # counted, and the run goes on: the report says how many
                     errors += 1
                     print(f"client error: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -112,34 +137,35 @@ async def closed_loop(url: str, texts: list[str], clients: int, seconds: float, 
                 if r.status_code == 200:
                     latencies.append(time.perf_counter() - t)
                     if count_tokens is not None:
-                        sent += sum(count_tokens[b] for b in batch)
+                        sent += sum(count_tokens[i] for i in picked)
                 else:
                     errors += 1
 
     started = time.monotonic()
-    await asyncio.gather(*(client_loop() for _ in range(clients)))
+    await asyncio.gather(*(client_loop(urls[(seed + i) % len(urls)]) for i in range(clients)))
     return {"latencies": latencies, "errors": errors, "elapsed": time.monotonic() - started, "tokens": sent}
 
 
 def _load_process(job: tuple) -> dict:
-    url, texts, clients, seconds, per_request, count_tokens, seed, start_at = job
+    start_at, args = job[0], job[1:]
     time.sleep(max(start_at - time.time(), 0))
-    return asyncio.run(closed_loop(url, texts, clients, seconds, per_request, count_tokens, seed))
+    return asyncio.run(closed_loop(*args))
 
 
-def load(url: str, texts: list[str], clients: int, seconds: float, per_request: int,
-         count_tokens: dict[str, int] | None = None, processes: int = 1) -> dict:
+def load(urls: str | list[str], texts: list, clients: int, seconds: float, per_request: int,
+         count_tokens: list[int] | None = None, processes: int = 1, payload: str = "text") -> dict:
     """closed_loop, spread over `processes` load-generator processes that start together (one Python process
     cannot drive hundreds of connections against a fast server without becoming the bottleneck itself)."""
     processes = max(1, min(processes, clients))
     if processes == 1:
-        return asyncio.run(closed_loop(url, texts, clients, seconds, per_request, count_tokens))
+        return asyncio.run(closed_loop(urls, texts, clients, seconds, per_request, count_tokens, 1, payload))
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     shares = [clients // processes + (i < clients % processes) for i in range(processes)]
     start_at = time.time() + 3.0  # the workers' interpreters start first
-    jobs = [(url, texts, n, seconds, per_request, count_tokens, i + 1, start_at) for i, n in enumerate(shares)]
+    jobs = [(start_at, urls, texts, n, seconds, per_request, count_tokens, i + 1, payload)
+            for i, n in enumerate(shares)]
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
         parts = list(pool.map(_load_process, jobs))
     return {"latencies": [x for p in parts for x in p["latencies"]], "errors": sum(p["errors"] for p in parts),
@@ -147,22 +173,28 @@ def load(url: str, texts: list[str], clients: int, seconds: float, per_request: 
 
 
 SERVER_SUMS = {
-    "request": 'fusedserve_request_duration_seconds_sum{route="/infer"}',
-    "requests": 'fusedserve_request_duration_seconds_count{route="/infer"}',
+    "request": "fusedserve_request_duration_seconds_sum{{route=\"{route}\"}}",
+    "requests": "fusedserve_request_duration_seconds_count{{route=\"{route}\"}}",
     "queue": "fusedserve_queue_duration_seconds_sum", "inputs": "fusedserve_queue_duration_seconds_count",
     "batch_size": "fusedserve_batch_size_sum", "batches": "fusedserve_batch_size_count",
 }
 
 
-def server_sums(url: str) -> dict[str, float]:
-    """Counters and histogram sums of the server's /metrics that the per-run breakdown is built from."""
-    values: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    forward = sum(v for k, v in values.items() if k.startswith("fusedserve_forward_duration_seconds_sum"))
-    return {k: values.get(v, 0.0) for k, v in SERVER_SUMS.items()} | {"forward": forward}
+def server_sums(urls: str | list[str], route: str = "/infer") -> dict[str, float]:
+    """Counters and histogram sums of the servers' /metrics that the per-run breakdown is built from (summed over
+    replicas)."""
+    totals: dict[str, float] = {}
+    for url in [urls] if isinstance(urls, str) else urls:
+        values: dict[str, float] = {}
+        for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        forward = sum(v for k, v in values.items() if k.startswith("fusedserve_forward_duration_seconds_sum"))
+        for k, v in ({k: values.get(v.format(route=route), 0.0) for k, v in SERVER_SUMS.items()}
+                     | {"forward": forward}).items():
+            totals[k] = totals.get(k, 0.0) + v
+    return totals
 
 
 def server_breakdown(before: dict[str, float], after: dict[str, float], elapsed: float) -> dict[str, float]:
@@ -174,7 +206,7 @@ def server_breakdown(before: dict[str, float], after: dict[str, float], elapsed:
     return {"server_request_ms": 1e3 * d["request"] / requests,
             "queue_ms_per_input": 1e3 * d["queue"] / max(d["inputs"], 1),
             "forward_ms_per_batch": 1e3 * d["forward"] / batches, "batches": d["batches"],
-            "inputs_per_batch": d["batch_size"] / batches, "forward_busy": d["forward"] / elapsed}
+            "inputs_per_batch": d["batch_size"] / batches, "forward_busy": d["forward"] / elapsed}  # summed over replicas
 
 
 def mixed_texts(n: int, seed: int = 0, low: int = 1, high: int = 200) -> list[str]:
@@ -193,7 +225,7 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
                 "max_batch_tokens": "16384", "max_wait_ms": str(args.max_wait_ms), "max_queue": "65536",
                 "max_client_batch": "256", "kernel_timing_sample_rate": str(args.timing_rate),
                 "verify_sample_rate": str(args.verify_rate)}
-    embedder, load = Embedder.load(args.model, device="cuda", dtype="float16", max_batch_tokens=16384,
+    embedder, _ = Embedder.load(args.model, device="cuda", dtype="float16", max_batch_tokens=16384,
                                    max_batch=args.max_batch)
     ids = embedder.tokenizer.encode(texts)
     tokens_total = sum(map(len, ids))
@@ -239,38 +271,46 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
     del st
     torch_cuda_empty()
 
-    runs = []
-    log_path = (os.path.splitext(args.out)[0] + "-server.log") if args.out else os.devnull
-    with running_server(log_path, **settings) as (_, url):
-        token_count = {t: n for t, n in zip(texts, map(len, ids))}
-        for _ in range(2):  # warm the server's graphs on this traffic
-            load(url, texts, 64, 3, args.per_request, processes=args.client_processes)
-        for clients in args.client_counts:
-            before = server_sums(url)
-            run = load(url, texts, clients, args.seconds, args.per_request, token_count, args.client_processes)
-            latencies, errors, elapsed, sent = run["latencies"], run["errors"], run["elapsed"], run["tokens"]
-            inside = server_breakdown(before, server_sums(url), elapsed)
-            q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
-            runs.append({"clients": clients, "requests": len(latencies), "errors": errors,
-                         "requests_per_s": len(latencies) / elapsed, "tokens_per_s": sent / elapsed,
-                         "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "served_vs_raw": sent / elapsed / raw,
-                         "vs_sentence_transformers": sent / elapsed / st_rate, "server": inside})
-            print(f"{clients} clients: {runs[-1]['requests_per_s']:.0f} req/s, {sent / elapsed / 1e6:.2f} M tok/s "
-                  f"({100 * sent / elapsed / raw:.0f}% of raw), p50 {q[49] * 1e3:.1f} ms p99 {q[98] * 1e3:.1f} ms, "
-                  f"{errors} errors; server: {inside['server_request_ms']:.1f} ms/request (queued "
-                  f"{inside['queue_ms_per_input']:.1f}), {inside['batches']:.0f} batches of "
-                  f"{inside['inputs_per_batch']:.0f} inputs, forward {inside['forward_ms_per_batch']:.2f} ms/batch, "
-                  f"worker busy {100 * inside['forward_busy']:.0f}%", file=sys.stderr, flush=True)
-        single = []
-        with httpx.Client(base_url=url, timeout=30) as client:
-            for _ in range(20):
-                client.post("/infer", json={"inputs": one})
-            for _ in range(200):
-                t = time.perf_counter()
-                client.post("/infer", json={"inputs": one})
-                single.append(time.perf_counter() - t)
-        info = httpx.get(url + "/info").json()
-        metrics = httpx.get(url + "/metrics").text
+    runs, single, info, metrics = [], [], {}, ""
+    token_count = list(map(len, ids))
+    for n, config in enumerate(args.configs):
+        extra = dict(kv.split("=", 1) for kv in config.split(",") if kv and not kv.startswith("replicas="))
+        replicas = int(dict(kv.split("=", 1) for kv in config.split(",") if kv).get("replicas", 1))
+        log_path = f"{os.path.splitext(args.out)[0]}-server{n}.log" if args.out else os.devnull
+        with running_servers(replicas, log_path, **(settings | extra)) as servers:
+            urls = [url for _, url in servers]
+            for payload in args.payloads:
+                rows, route = (ids, "/v1/embeddings") if payload == "ids" else (texts, "/infer")
+                load(urls, rows, 64, 3, args.per_request, processes=args.client_processes, payload=payload)  # warm
+                for clients in args.client_counts:
+                    before = server_sums(urls, route)
+                    run = load(urls, rows, clients, args.seconds, args.per_request, token_count,
+                               args.client_processes, payload)
+                    latencies, errors, elapsed, sent = run["latencies"], run["errors"], run["elapsed"], run["tokens"]
+                    inside = server_breakdown(before, server_sums(urls, route), elapsed)
+                    q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
+                    runs.append({"config": config, "replicas": replicas, "payload": payload, "clients": clients,
+                                 "requests": len(latencies), "errors": errors,
+                                 "requests_per_s": len(latencies) / elapsed, "tokens_per_s": sent / elapsed,
+                                 "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "served_vs_raw": sent / elapsed / raw,
+                                 "vs_sentence_transformers": sent / elapsed / st_rate, "server": inside})
+                    print(f"[{config} {payload}] {clients} clients: {runs[-1]['requests_per_s']:.0f} req/s, "
+                          f"{sent / elapsed / 1e6:.2f} M tok/s ({100 * sent / elapsed / raw:.0f}% of raw), p50 "
+                          f"{q[49] * 1e3:.1f} ms p99 {q[98] * 1e3:.1f} ms, {errors} errors; server: "
+                          f"{inside['server_request_ms']:.1f} ms/request (queued {inside['queue_ms_per_input']:.1f}), "
+                          f"{inside['batches']:.0f} batches of {inside['inputs_per_batch']:.0f} inputs, forward "
+                          f"{inside['forward_ms_per_batch']:.2f} ms/batch, GPU worker(s) busy "
+                          f"{100 * inside['forward_busy']:.0f}%", file=sys.stderr, flush=True)
+            if not single:  # single-request latency on the first configuration
+                with httpx.Client(base_url=urls[0], timeout=30) as client:
+                    for _ in range(20):
+                        client.post("/infer", json={"inputs": one})
+                    for _ in range(200):
+                        t = time.perf_counter()
+                        client.post("/infer", json={"inputs": one})
+                        single.append(time.perf_counter() - t)
+                info = httpx.get(urls[0] + "/info").json()
+                metrics = httpx.get(urls[0] + "/metrics").text
     print(f"single 20-word request: p50 {statistics.median(single) * 1e3:.2f} ms", file=sys.stderr)
     return {
         "date": time.strftime("%Y-%m-%d"), "device": "cuda", "settings": settings, "per_request": args.per_request,
@@ -320,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPU sweep: max_wait_ms (0, the default: a batch closes as soon as the worker is free)")
     parser.add_argument("--timing-rate", type=float, default=0.01, help="GPU sweep: kernel_timing_sample_rate")
     parser.add_argument("--verify-rate", type=float, default=0.0, help="GPU sweep: verify_sample_rate")
+    parser.add_argument("--payloads", nargs="+", choices=("text", "ids"), default=["text"],
+                        help="GPU sweep: texts to /infer (tokenized by the server) and/or token ids to /v1/embeddings")
+    parser.add_argument("--configs", nargs="+", default=["replicas=1"],
+                        help="GPU sweep: server configurations, each 'replicas=N[,setting=value...]' (N servers on "
+                             "the one GPU, clients spread over them; settings as FUSEDSERVE_* without the prefix)")
     args = parser.parse_args(argv)
     if args.client_processes is None:
         args.client_processes = 8 if args.device == "cuda" else 1

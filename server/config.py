@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     cuda_graph_warmup: bool = Field(True, description="capture every reachable graph bucket before ready (varlen)")
     max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)")
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default)")
+    gil_switch_interval_ms: float = Field(
+        0.0, ge=0, description="Python's thread switch interval (0: keep the interpreter's 5 ms); the GPU worker "
+        "waits up to this long for the GIL each time it comes back from the device while the event loop is busy")
 
     # batching and limits
     max_batch_tokens: int = Field(16384, ge=1, description="tokens per batch: real tokens (packed layout) or rows x longest row (padded)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -56,6 +57,8 @@ class Service:
         s = self.settings
         if s.torch_threads:
             torch.set_num_threads(s.torch_threads)
+        if s.gil_switch_interval_ms:
+            sys.setswitchinterval(s.gil_switch_interval_ms / 1e3)
         log.info("loading model %s on device %s (dtype %s) ...", s.model, s.device, s.dtype)
         self.embedder, self.report = Embedder.load(
             s.model, device=s.device, dtype=s.dtype, fused=s.fused, backend=s.backend,
@@ -171,8 +174,8 @@ class Service:
         for i, row in enumerate(rows):
             if not row:
                 raise Unprocessable(f"input {i} is an empty token list")
-            bad = next((t for t in row if not 0 <= t < vocab), None)
-            if bad is not None:
+            if min(row) < 0 or max(row) >= vocab:  # min/max run in C; the offender is looked up only on failure
+                bad = next(t for t in row if not 0 <= t < vocab)
                 raise Unprocessable(f"input {i} has token id {bad} outside the vocabulary [0, {vocab})")
             if len(row) > limit:
                 if not truncate:
