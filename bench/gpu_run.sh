@@ -25,10 +25,10 @@ gpu_tests() {  # name, time limit, pytest args...: one pytest per call, its log 
   echo "== $name exit $?"
   grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$name.log" | grep -E "cosine|passed|failed|Error|^E " | tail -12
 }
-serve_sweep() {  # one server and four replicas on the GPU; texts (server tokenizes) and token ids; a GIL A/B
+serve_sweep() {  # one server, then four replicas on the GPU; texts (the server tokenizes) and token ids
   timeout ${SERVE_S:-540} python3 -m bench.serve --device cuda --seconds 6 --per-request 16 \
     --model "$PWD/.gpu-assets/minilm" --payloads text ids \
-    --configs replicas=1 replicas=1,gil_switch_interval_ms=0.5 replicas=4 --out "$OUT/serve.json" 2>&1 \
+    --configs ${SERVE_CONFIGS:-replicas=1 replicas=4} --out "$OUT/serve.json" 2>&1 \
     | tee "$OUT/serve.log" | grep -E "clients:|raw|sentence-trans|single|rror" | tail -24
 }
 case "$mode" in

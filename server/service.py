@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from starlette.requests import Request
 
@@ -34,7 +35,7 @@ INLINE_TOKENIZE_CHARS = 512
 
 @dataclass
 class EmbedResult:
-    embeddings: torch.Tensor  # [n, dim] float32, CPU
+    embeddings: np.ndarray  # [n, dim] float32
     tokens: int
 
 

@@ -32,5 +32,5 @@ class InferResponse(BaseModel):
 async def infer(body: InferRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     result = await service.embed_texts(texts, normalize=body.normalize, truncate=body.truncate, request=request)
-    return EmbeddingResponse({"embeddings": result.embeddings.numpy(), "model": service.model_name,
+    return EmbeddingResponse({"embeddings": result.embeddings, "model": service.model_name,
                               "dim": service.dim, "usage": {"tokens": result.tokens}})

@@ -125,7 +125,7 @@ async def infer(name: str, service: ServiceDep, request: Request) -> EmbeddingRe
     response = {
         "model_name": service.model_name, "model_version": "1",
         "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(texts), service.dim],
-                     "data": result.embeddings.flatten().numpy()}],
+                     "data": result.embeddings.ravel()}],
     }
     if body.id is not None:
         response["id"] = body.id

@@ -5,8 +5,7 @@ from __future__ import annotations
 import base64
 from typing import Literal
 
-import torch
-import torch.nn.functional as F
+import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
@@ -59,10 +58,11 @@ async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Requ
         result = await service.embed_ids(service.validate_ids(data, truncate=True), normalize=True, request=request)
     else:
         result = await service.embed_texts(list(data), normalize=True, truncate=True, request=request)
-    vectors = result.embeddings
+    matrix = result.embeddings
     if body.dimensions is not None and body.dimensions < service.dim:
-        vectors = F.normalize(vectors[:, : body.dimensions], dim=1)
-    matrix = vectors.to(torch.float32).contiguous().numpy()
+        cut = matrix[:, : body.dimensions]
+        matrix = cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)  # as F.normalize
+    matrix = np.ascontiguousarray(matrix, dtype=np.float32)
     items = []
     for i, row in enumerate(matrix):
         value = base64.b64encode(row.tobytes()).decode() if body.encoding_format == "base64" else row

@@ -40,7 +40,7 @@ def test_short_inputs_skip_the_thread_hop(monkeypatch):
         assert hops == []
         b = asyncio.run(embed(long_))
         assert len(hops) == 1
-        assert torch.allclose(a.embeddings, svc.embedder.embed(short), atol=1e-6)
-        assert torch.allclose(b.embeddings, svc.embedder.embed(long_), atol=1e-6)
+        assert torch.allclose(torch.from_numpy(a.embeddings), svc.embedder.embed(short), atol=1e-6)
+        assert torch.allclose(torch.from_numpy(b.embeddings), svc.embedder.embed(long_), atol=1e-6)
     finally:
         svc.shutdown()
