@@ -74,25 +74,28 @@ def encoder(report: dict, path: str) -> None:
 
 
 def serve(report: dict, path: str) -> None:
-    """Served tokens/s and p99 latency against the client count, with the runner's raw rate and ST's."""
+    """Served tokens/s and p99 latency against the client count, one line per server configuration and payload,
+    with the runner's raw rate and sentence-transformers' rate."""
     plt = _pyplot()
-    runs = report["runs"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    clients = [r["clients"] for r in runs]
-    left.plot(clients, [r["tokens_per_s"] / 1e6 for r in runs], marker="o", label="server")
+    series: dict[str, list[dict]] = {}
+    for r in report["runs"]:  # reports before the replica sweep have neither key
+        series.setdefault(f"{r.get('config', 'replicas=1')} {r.get('payload', 'text')}", []).append(r)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, runs in series.items():
+        clients = [r["clients"] for r in runs]
+        line, = left.plot(clients, [r["tokens_per_s"] / 1e6 for r in runs], marker="o", label=label)
+        right.plot(clients, [r["p99_ms"] for r in runs], marker="o", color=line.get_color(), label=f"{label} p99")
+        right.plot(clients, [r["p50_ms"] for r in runs], marker=".", linestyle=":", color=line.get_color())
     left.axhline(report["runner_raw_tokens_per_s"] / 1e6, color="black", linestyle="--", label="runner raw")
+    left.axhline(0.85 * report["runner_raw_tokens_per_s"] / 1e6, color="black", linestyle=":", label="85% of raw")
     left.axhline(report["sentence_transformers_fp16_tokens_per_s"] / 1e6, color="grey", linestyle=":",
                  label="sentence-transformers fp16")
-    left.set_xscale("log", base=2)
-    left.set_xlabel("concurrent clients")
-    left.set_ylabel("M tokens/s")
-    left.legend(fontsize=8)
-    right.plot(clients, [r["p50_ms"] for r in runs], marker="o", label="p50")
-    right.plot(clients, [r["p99_ms"] for r in runs], marker="o", label="p99")
-    right.set_xscale("log", base=2)
-    right.set_xlabel("concurrent clients")
-    right.set_ylabel("ms")
-    right.legend(fontsize=8)
+    for ax, ylabel in ((left, "M tokens/s"), (right, "ms (p99 solid, p50 dotted)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients (16 texts per request)")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    right.set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -273,6 +273,24 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
 
     runs, single, info, metrics = [], [], {}, ""
     token_count = list(map(len, ids))
+
+    def report() -> dict:  # saved after every run too: a sweep cut short by a time limit keeps what it measured
+        return {
+            "date": time.strftime("%Y-%m-%d"), "device": "cuda", "settings": settings, "per_request": args.per_request,
+            "client_processes": args.client_processes,
+            "texts": len(texts), "tokens": tokens_total, "runner_raw_tokens_per_s": raw,
+            "sentence_transformers_fp16_tokens_per_s": st_rate,
+            "sentence_transformers_single_p50_ms": statistics.median(st_lat) * 1e3,
+            "single_request_p50_ms": statistics.median(single) * 1e3 if single else None,
+            "single_request_p99_ms": statistics.quantiles(single, n=100)[98] * 1e3 if single else None,
+            "runs": runs, "info": info,
+            "metrics_excerpt": [line for line in metrics.splitlines()
+                                if line.startswith(("fusedserve_kernel_duration_seconds_count",
+                                                    "fusedserve_reference_checks_total", "fusedserve_device_memory",
+                                                    "fusedserve_batch_size_sum", "fusedserve_batch_size_count"))],
+            "command": command("serve", argv),
+        }
+
     for n, config in enumerate(args.configs):
         extra = dict(kv.split("=", 1) for kv in config.split(",") if kv and not kv.startswith("replicas="))
         replicas = int(dict(kv.split("=", 1) for kv in config.split(",") if kv).get("replicas", 1))
@@ -301,6 +319,7 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
                           f"{inside['batches']:.0f} batches of {inside['inputs_per_batch']:.0f} inputs, forward "
                           f"{inside['forward_ms_per_batch']:.2f} ms/batch, GPU worker(s) busy "
                           f"{100 * inside['forward_busy']:.0f}%", file=sys.stderr, flush=True)
+                    save(report(), args.out)
             if not single:  # single-request latency on the first configuration
                 with httpx.Client(base_url=urls[0], timeout=30) as client:
                     for _ in range(20):
@@ -312,21 +331,7 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
                 info = httpx.get(urls[0] + "/info").json()
                 metrics = httpx.get(urls[0] + "/metrics").text
     print(f"single 20-word request: p50 {statistics.median(single) * 1e3:.2f} ms", file=sys.stderr)
-    return {
-        "date": time.strftime("%Y-%m-%d"), "device": "cuda", "settings": settings, "per_request": args.per_request,
-        "client_processes": args.client_processes,
-        "texts": len(texts), "tokens": tokens_total, "runner_raw_tokens_per_s": raw,
-        "sentence_transformers_fp16_tokens_per_s": st_rate,
-        "sentence_transformers_single_p50_ms": statistics.median(st_lat) * 1e3,
-        "single_request_p50_ms": statistics.median(single) * 1e3,
-        "single_request_p99_ms": statistics.quantiles(single, n=100)[98] * 1e3,
-        "runs": runs, "info": info,
-        "metrics_excerpt": [line for line in metrics.splitlines()
-                            if line.startswith(("fusedserve_kernel_duration_seconds_count",
-                                                "fusedserve_reference_checks_total", "fusedserve_device_memory",
-                                                "fusedserve_batch_size_sum", "fusedserve_batch_size_count"))],
-        "command": command("serve", argv),
-    }
+    return report()
 
 
 def torch_cuda_empty() -> None:
