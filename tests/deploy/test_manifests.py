@@ -41,7 +41,7 @@ def validate(docs: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-shared"])
 def test_overlays_render_and_validate_strictly(overlay, tmp_path):
     docs = render(overlay)
     kinds = {d["kind"] for d in docs}
@@ -55,8 +55,9 @@ def test_overlays_render_and_validate_strictly(overlay, tmp_path):
     config = next(d for d in docs if d["kind"] == "ConfigMap")
     assert container["envFrom"][0]["configMapRef"]["name"] == config["metadata"]["name"]  # hashed name rewired
     assert config["data"]["FUSEDSERVE_FUSED"] == "true"
-    assert config["data"]["FUSEDSERVE_DEVICE"] == {"cpu": "cpu", "gpu": "cuda"}[overlay]
-    assert container["image"] == f"fusedserve:{overlay}"
+    gpu = overlay.startswith("gpu")
+    assert config["data"]["FUSEDSERVE_DEVICE"] == ("cuda" if gpu else "cpu")
+    assert container["image"] == f"fusedserve:{'gpu' if gpu else 'cpu'}"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["startupProbe"]["periodSeconds"] * container["startupProbe"]["failureThreshold"] >= 300
@@ -65,7 +66,7 @@ def test_overlays_render_and_validate_strictly(overlay, tmp_path):
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["terminationGracePeriodSeconds"] > 30 + 10  # request timeout + preStop sleep
     limits = container["resources"].get("limits", {})
-    assert ("nvidia.com/gpu" in limits) == (overlay == "gpu")
+    assert ("nvidia.com/gpu" in limits) == gpu
     # Service, PDB, PodMonitor and the HPA all point at what exists
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     for d in docs:
@@ -79,6 +80,23 @@ def test_overlays_render_and_validate_strictly(overlay, tmp_path):
     hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "fusedserve_queue_depth"
+
+
+def test_shared_gpu_overlay_and_its_time_slicing_config(tmp_path):
+    """Four pods per GPU: the overlay's replicas and HPA floor match the device plugin's time-slicing replicas,
+    and the cluster ConfigMap validates and carries a device-plugin config the plugin can read."""
+    docs = render("gpu-shared")
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
+    cluster = yaml.safe_load((DEPLOY / "k8s" / "cluster" / "nvidia-time-slicing.yaml").read_text())
+    result = validate([cluster], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (plugin_config,) = cluster["data"].values()
+    sharing = yaml.safe_load(plugin_config)["sharing"]["timeSlicing"]["resources"]
+    assert sharing == [{"name": "nvidia.com/gpu", "replicas": 4}]
+    assert deployment["spec"]["replicas"] == hpa["spec"]["minReplicas"] == sharing[0]["replicas"]
+    resources = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == "1" and resources["requests"]["cpu"] == "3"
 
 
 def test_strict_validation_rejects_a_broken_field(tmp_path):
