@@ -123,7 +123,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5])
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":  # not JSON at all (orjson's reason): 400, not 422
+            reason = (errors[0].get("ctx") or {}).get("error") or "JSON decode error"
+            return JSONResponse(error_body("invalid_request", f"malformed JSON body: {reason}"), status_code=400)
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors[:5])
         return JSONResponse(error_body("validation_error", problems or "invalid request"), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)

@@ -6,9 +6,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from server.deps import ServiceDep
-from server.responses import EmbeddingResponse
+from server.responses import EmbeddingResponse, OrjsonRoute
 
-router = APIRouter(tags=["inference"])
+router = APIRouter(tags=["inference"], route_class=OrjsonRoute)
 
 
 class InferRequest(BaseModel):

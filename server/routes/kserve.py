@@ -10,9 +10,9 @@ from pydantic import BaseModel, ValidationError
 
 from server.deps import ServiceDep
 from server.errors import BadRequest, NotFound, Unavailable, Unprocessable
-from server.responses import EmbeddingResponse
+from server.responses import EmbeddingResponse, OrjsonRoute
 
-router = APIRouter(prefix="/v2", tags=["kserve-v2"])
+router = APIRouter(prefix="/v2", tags=["kserve-v2"], route_class=OrjsonRoute)
 
 INPUT_NAME, OUTPUT_NAME = "text", "embedding"
 

@@ -11,9 +11,9 @@ from pydantic import BaseModel, Field
 
 from server.deps import ServiceDep
 from server.errors import BadRequest, NotFound
-from server.responses import EmbeddingResponse
+from server.responses import EmbeddingResponse, OrjsonRoute
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], route_class=OrjsonRoute)
 
 
 class EmbeddingsRequest(BaseModel):

@@ -114,7 +114,7 @@ def test_kserve_v2(server):
 
 
 @pytest.mark.parametrize("send,status", [
-    (lambda s: httpx.post(s.url + "/infer", content=b"{not json", headers={"content-type": "application/json"}), 422),
+    (lambda s: httpx.post(s.url + "/infer", content=b"{not json", headers={"content-type": "application/json"}), 400),
     (lambda s: post(s, "/infer", {"inputs": 5}), 422),
     (lambda s: post(s, "/infer", {"inputs": [1, 2]}), 422),
     (lambda s: post(s, "/infer", {}), 422),
