@@ -27,7 +27,7 @@ gpu_tests() {  # name, time limit, pytest args...: one pytest per call, its log 
 }
 serve_sweep() {  # one server, then four replicas on the GPU; texts (the server tokenizes) and token ids
   timeout ${SERVE_S:-540} python3 -m bench.serve --device cuda --seconds 6 --per-request 16 \
-    --model "$PWD/.gpu-assets/minilm" --payloads text ids \
+    --model "${SERVE_MODEL:-$PWD/.gpu-assets/minilm}" --payloads text ids \
     --configs ${SERVE_CONFIGS:-replicas=1 replicas=4} --out "$OUT/serve.json" 2>&1 \
     | tee "$OUT/serve.log" | grep -E "clients:|raw|sentence-trans|single|rror" | tail -24
 }

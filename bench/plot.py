@@ -88,8 +88,9 @@ def serve(report: dict, path: str) -> None:
         right.plot(clients, [r["p50_ms"] for r in runs], marker=".", linestyle=":", color=line.get_color())
     left.axhline(report["runner_raw_tokens_per_s"] / 1e6, color="black", linestyle="--", label="runner raw")
     left.axhline(0.85 * report["runner_raw_tokens_per_s"] / 1e6, color="black", linestyle=":", label="85% of raw")
-    left.axhline(report["sentence_transformers_fp16_tokens_per_s"] / 1e6, color="grey", linestyle=":",
-                 label="sentence-transformers fp16")
+    if report.get("sentence_transformers_fp16_tokens_per_s"):  # none for a random-init preset
+        left.axhline(report["sentence_transformers_fp16_tokens_per_s"] / 1e6, color="grey", linestyle=":",
+                     label="sentence-transformers fp16")
     for ax, ylabel in ((left, "M tokens/s"), (right, "ms (p99 solid, p50 dotted)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients (16 texts per request)")

@@ -250,26 +250,8 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
     del embedder
     torch_cuda_empty()
 
-    from sentence_transformers import SentenceTransformer
-
-    from model.weights import default_model_dir
-
-    st = SentenceTransformer(str(default_model_dir() if args.model == "default" else args.model), device="cuda").half()
-    st.encode(texts[:512], batch_size=512)
-    started = time.perf_counter()
-    st.encode(texts, batch_size=512)
-    st_rate = tokens_total / (time.perf_counter() - started)
     one = sentences(1, 20)
-    st.encode(one)
-    st_lat = []
-    for _ in range(50):
-        t = time.perf_counter()
-        st.encode(one)
-        st_lat.append(time.perf_counter() - t)
-    print(f"sentence-transformers fp16: {st_rate / 1e6:.3f} M tokens/s; single p50 "
-          f"{statistics.median(st_lat) * 1e3:.2f} ms", file=sys.stderr, flush=True)
-    del st
-    torch_cuda_empty()
+    st_rate, st_lat = sentence_transformers_gpu(args.model, texts, tokens_total, one)
 
     runs, single, info, metrics = [], [], {}, ""
     token_count = list(map(len, ids))
@@ -280,7 +262,7 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
             "client_processes": args.client_processes,
             "texts": len(texts), "tokens": tokens_total, "runner_raw_tokens_per_s": raw,
             "sentence_transformers_fp16_tokens_per_s": st_rate,
-            "sentence_transformers_single_p50_ms": statistics.median(st_lat) * 1e3,
+            "sentence_transformers_single_p50_ms": statistics.median(st_lat) * 1e3 if st_lat else None,
             "single_request_p50_ms": statistics.median(single) * 1e3 if single else None,
             "single_request_p99_ms": statistics.quantiles(single, n=100)[98] * 1e3 if single else None,
             "runs": runs, "info": info,
@@ -311,7 +293,8 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
                                  "requests": len(latencies), "errors": errors,
                                  "requests_per_s": len(latencies) / elapsed, "tokens_per_s": sent / elapsed,
                                  "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "served_vs_raw": sent / elapsed / raw,
-                                 "vs_sentence_transformers": sent / elapsed / st_rate, "server": inside})
+                                 "vs_sentence_transformers": sent / elapsed / st_rate if st_rate else None,
+                                 "server": inside})
                     print(f"[{config} {payload}] {clients} clients: {runs[-1]['requests_per_s']:.0f} req/s, "
                           f"{sent / elapsed / 1e6:.2f} M tok/s ({100 * sent / elapsed / raw:.0f}% of raw), p50 "
                           f"{q[49] * 1e3:.1f} ms p99 {q[98] * 1e3:.1f} ms, {errors} errors; server: "
@@ -332,6 +315,37 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
                 metrics = httpx.get(urls[0] + "/metrics").text
     print(f"single 20-word request: p50 {statistics.median(single) * 1e3:.2f} ms", file=sys.stderr)
     return report()
+
+
+def sentence_transformers_gpu(model: str, texts: list[str], tokens_total: int,
+                              one: list[str]) -> tuple[float | None, list[float]]:
+    """SentenceTransformer.encode in fp16 on the same texts (tokens/s) and on one sentence (seconds per call);
+    (None, []) for a preset (random weights: there is no sentence-transformers checkpoint to load)."""
+    from model.config import PRESETS
+
+    if model in PRESETS:
+        print(f"sentence-transformers: skipped ({model} is a random-init preset)", file=sys.stderr, flush=True)
+        return None, []
+    from sentence_transformers import SentenceTransformer
+
+    from model.weights import default_model_dir
+
+    st = SentenceTransformer(str(default_model_dir() if model == "default" else model), device="cuda").half()
+    st.encode(texts[:512], batch_size=512)
+    started = time.perf_counter()
+    st.encode(texts, batch_size=512)
+    rate = tokens_total / (time.perf_counter() - started)
+    st.encode(one)
+    latencies = []
+    for _ in range(50):
+        t = time.perf_counter()
+        st.encode(one)
+        latencies.append(time.perf_counter() - t)
+    print(f"sentence-transformers fp16: {rate / 1e6:.3f} M tokens/s; single p50 "
+          f"{statistics.median(latencies) * 1e3:.2f} ms", file=sys.stderr, flush=True)
+    del st
+    torch_cuda_empty()
+    return rate, latencies
 
 
 def torch_cuda_empty() -> None:
