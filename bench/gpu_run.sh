@@ -5,6 +5,7 @@
 #   bash bench/gpu_run.sh bench     # kernel benchmark: ours vs eager vs torch.compile, JSON + markdown
 #   bash bench/gpu_run.sh final     # graph + GPU server tests, the serving sweep, MiniLM fp16 parity
 #   bash bench/gpu_run.sh serve     # the serving sweep alone (bench/serve.py on the GPU)
+#   bash bench/gpu_run.sh gemm      # the Triton GEMM + bias + GELU epilogue: GPU tests and bench/linear_gelu.py
 #   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases) + the MiniLM profile
 # Results land in $OUT (the device tool brings them back).
 set -uo pipefail
@@ -89,6 +90,12 @@ case "$mode" in
   serve)
     build_cached
     serve_sweep
+    ;;
+  gemm)
+    # the Triton GEMM + bias + GELU epilogue: its GPU tests, then against cuBLAS + bias_gelu, eager and compile
+    build_cached
+    FUSEDSERVE_TRITON_AUTOTUNE=0 gpu_tests linear-gelu 240 -n 4 tests/kernels/test_linear_gelu.py
+    timeout 300 python3 -m bench.linear_gelu --out "$OUT/linear-gelu.json" 2>&1 | tee "$OUT/linear-gelu.log" | tail -40
     ;;
   encoder)
     build_cached

@@ -64,6 +64,14 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none", *, out: Tensor
     return _store(_gelu(h, approximate), x.dtype, out)
 
 
+def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none", *,
+                     out: Tensor | None = None) -> Tensor:
+    """GELU(x @ weight^T + bias), the reference of the Triton GEMM-epilogue kernel (not a registry op yet)."""
+    dt = _compute_dtype(x.dtype)
+    h = torch.nn.functional.linear(x.to(dt), weight.to(dt), bias.to(dt))
+    return _store(_gelu(h, approximate), x.dtype, out)
+
+
 def bias_residual_gelu(
     x: Tensor,
     bias: Tensor,

@@ -1,0 +1,102 @@
+"""The FFN-in of an encoder layer, GELU(x @ W^T + b), five ways on the same inputs in one run: our Triton GEMM
+with the bias + GELU epilogue; cuBLAS (F.linear) followed by our separate bias_gelu (CUDA and Triton: what the
+encoder runs today); eager PyTorch; torch.compile of the same; and cuBLASLt's own GELU epilogue
+(`torch._addmm_activation`, the tanh approximation: a speed reference, not the same math).
+
+    python -m bench.linear_gelu --out bench/results/$(date +%F)-h200-linear-gelu.json
+
+Device time per call (the call captured in a CUDA graph, L2 flushed before each replay, median), TFLOP/s of
+the GEMM (2 M N K / time), and each provider's error against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bench import command, save
+from bench.kernels import graph_ms
+
+SHAPES = {  # name: (M tokens, K hidden, N intermediate)
+    "bert-base b32 s128": (4096, 768, 3072),
+    "bert-base b128 varlen (9216-token bucket)": (9216, 768, 3072),
+    "minilm-l6 b32 s128": (4096, 384, 1536),
+    "minilm-l6 b1 s16": (16, 384, 1536),
+    "bert-base b1 s16": (16, 768, 3072),
+}
+
+
+def providers(dtype: torch.dtype) -> dict[str, Callable]:
+    from kernels.triton import LAUNCHERS as TRITON
+    from kernels.triton.linear_gelu import linear_bias_gelu
+
+    out: dict[str, Callable] = {"triton fused GEMM+bias+GELU": linear_bias_gelu}
+    try:
+        from kernels.cuda import load
+
+        cuda_bias_gelu = load()["bias_gelu"]
+        out["cuBLAS + cuda bias_gelu"] = lambda x, w, b: cuda_bias_gelu(F.linear(x, w), b)
+    except Exception as exc:  # the extension does not build here: say so, measure the rest
+        print(f"cuda backend unavailable: {exc}", file=sys.stderr)
+    out["cuBLAS + triton bias_gelu"] = lambda x, w, b: TRITON["bias_gelu"](F.linear(x, w), b)
+    out["eager F.gelu(F.linear)"] = lambda x, w, b: F.gelu(F.linear(x, w, b))
+    out["torch.compile"] = torch.compile(lambda x, w, b: F.gelu(F.linear(x, w, b)), dynamic=False)
+    out["cuBLASLt tanh epilogue"] = lambda x, w, b: torch._addmm_activation(b, x, w.t(), use_gelu=True)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    from kernels import reference
+    from kernels.testing import compare
+
+    dtype = getattr(torch, args.dtype)
+    impls = providers(dtype)
+    results = []
+    for name in args.shapes:
+        m, k, n = SHAPES[name]
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to("cuda", dtype)
+        b = (torch.randn(n, generator=gen) * 0.5).to("cuda", dtype)
+        ref = reference.linear_bias_gelu(x.double().cpu(), w.double().cpu(), b.double().cpu())
+        flops = 2 * m * n * k
+        print(f"{name}: M={m} K={k} N={n} {args.dtype}", file=sys.stderr, flush=True)
+        for provider, fn in impls.items():
+            started = time.perf_counter()
+            got = fn(x, w, b)  # warm-up: compile / autotune outside the timing
+            torch.cuda.synchronize()
+            error = compare(got, ref, dtype)
+            ms = graph_ms(lambda: fn(x, w, b))
+            results.append({"shape": name, "m": m, "k": k, "n": n, "dtype": args.dtype, "provider": provider,
+                            "ms": ms, "tflops": flops / ms / 1e9, "rel_l2": error.rel_l2, "max_abs": error.max_abs,
+                            "within_tolerance": error.ok, "first_call_s": time.perf_counter() - started})
+            print(f"  {provider:32s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s  {error}",
+                  file=sys.stderr, flush=True)
+    return {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.linear_gelu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.linear_gelu needs a CUDA GPU", file=sys.stderr)
+        return 2
+    report = run(args) | {"command": command("linear_gelu", argv)}
+    save(report, args.out)
+    print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Triton GEMM with a bias + GELU epilogue: GELU(x @ weight^T + bias) in one kernel (a BERT layer's FFN-in).
+
+Why: in the H200 profile of BERT-base b32 s128 (docs/performance.md) the FFN-in GEMM is followed by a separate
+bias + GELU pass that reads and writes the [tokens, 4 * hidden] activation again: 0.22 ms of a 1.8 ms forward.
+Here the bias and the exact (erf) GELU run on the fp32 accumulator before the one store. cuBLASLt's GELU
+epilogue is the tanh approximation, which is why this is a Triton GEMM rather than a cuBLAS flag.
+
+Status: a kernel with its tests (the float64 reference, odd shapes, the interpreter and the GPU) and its
+benchmark (`python -m bench.linear_gelu`: against cuBLAS + our bias_gelu, eager torch and torch.compile). It is
+not yet in the encoder: it goes in when the H200 numbers say it beats cuBLAS + the separate pass at the FFN
+shapes, and through the registry's race like every other op.
+
+Tiles: the grouped ordering of Triton's matmul tutorial (GROUP_M row tiles share their weight tiles in L2);
+configurations are the tutorial's Hopper/Ampere set, autotuned per (row bucket, N, K). fp32 inputs use IEEE fp32
+products (no TF32: the fp32 tolerance is 1e-5), fp16/bf16 use tensor cores with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.triton._common import INTERPRET, autotune, check_device, row_bucket
+from kernels.triton._gelu import GELU_MODES, gelu
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _config(m: int, n: int, k: int, stages: int, warps: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_stages=stages,
+                         num_warps=warps)
+
+
+CONFIGS = [
+    _config(128, 256, 64, 3, 8),  # the heuristic default (first): large FFN-in shapes on sm_90
+    _config(64, 256, 32, 4, 4),
+    _config(128, 128, 32, 4, 4),
+    _config(128, 128, 64, 3, 8),
+    _config(128, 64, 32, 4, 4),
+    _config(64, 128, 32, 4, 4),
+    _config(64, 64, 64, 4, 4),
+    _config(32, 64, 32, 5, 2),  # few rows (a single short request)
+]
+
+
+@autotune(CONFIGS, key=["M_BUCKET", "N", "K", "IEEE"])
+@triton.jit
+def _linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_BUCKET,
+                        stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+                        MODE: tl.constexpr, IEEE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # int64 row/column offsets: M * stride can pass 2^31 for long packed batches
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
+    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # W^T tile [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, tl.cdiv(K, BLOCK_K)):
+        left = K - step * BLOCK_K
+        a = tl.load(x_ptrs, mask=(rows[:, None] < M) & (ks[None, :] < left), other=0.0)
+        b = tl.load(w_ptrs, mask=(ks[:, None] < left) & (cols[None, :] < N), other=0.0)
+        if IEEE:  # fp32 inputs; and bf16 under the interpreter, whose bf16 dot is wrong (products are exact in fp32)
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    h = gelu(acc + bias[None, :], MODE)
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
+    tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none", *,
+                     out: Tensor | None = None) -> Tensor:
+    """GELU(x @ weight^T + bias): x [..., K], weight [N, K] (nn.Linear's layout), bias [N] -> [..., N] in x's
+    dtype. Any strides; `out` (contiguous, [..., N]) is written in place."""
+    check_device("linear_bias_gelu", x, weight, bias)
+    if x.dtype not in DTYPES or weight.dtype != x.dtype or bias.dtype != x.dtype:
+        raise TypeError(f"linear_bias_gelu: x, weight and bias must share one of {DTYPES}, got "
+                        f"{x.dtype}, {weight.dtype}, {bias.dtype}")
+    if approximate not in GELU_MODES:
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    if weight.dim() != 2 or bias.shape != (weight.shape[0],) or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear_bias_gelu: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
+                         f"{tuple(bias.shape)} do not fit x @ weight^T + bias")
+    k, n = weight.shape[1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    shape = (*x.shape[:-1], n)
+    if out is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        if out.shape != shape or out.dtype != x.dtype or not out.is_contiguous():
+            raise ValueError(f"linear_bias_gelu: out must be a contiguous {x.dtype} tensor of shape {shape}")
+        y = out.view(m, n)
+    if m and n:
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _linear_gelu_kernel[grid](x2, weight, bias, y, m, n, k, row_bucket(m),
+                                  x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
+                                  y.stride(0), y.stride(1), MODE=GELU_MODES[approximate],
+                                  IEEE=x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16))
+    return out if out is not None else y.view(shape)

@@ -1,0 +1,85 @@
+"""The Triton GEMM + bias + GELU epilogue against the float64 reference: odd M/N/K, all dtypes, a poisoned
+output, strided and 3-D inputs, NaN propagation, argument checks. On the GPU (`-m gpu`) or the interpreter."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.testing import compare
+from tests.conftest import DEVICES, DTYPES, ODD_COLS, ROWS
+
+linear_gelu = pytest.importorskip("kernels.triton.linear_gelu")
+
+DEPTHS = (7, 769)  # K: below one BLOCK_K, and a ragged last K step
+
+
+def _inputs(m: int, k: int, n: int, dtype: torch.dtype, device: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen) / k**0.5  # outputs of order 1, where GELU is not linear
+    bias = torch.randn(n, generator=gen) * 0.5
+    return [t.to(device, dtype) for t in (x, weight, bias)]
+
+
+def _reference(x, weight, bias, approximate="none"):
+    return reference.linear_bias_gelu(*(t.detach().cpu().double() for t in (x, weight, bias)), approximate)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,k,n,dtype", list(itertools.product(ROWS, DEPTHS, ODD_COLS, DTYPES)),
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_matches_float64_reference(device, m, k, n, dtype):
+    x, weight, bias = _inputs(m, k, n, dtype, device, zlib.crc32(f"{m}-{k}-{n}-{dtype}".encode()))
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)  # every element must be written
+    result = linear_gelu.linear_bias_gelu(x, weight, bias, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    report = compare(result, _reference(x, weight, bias), dtype)
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tanh_mode_strided_and_3d_inputs(device):
+    dtype = torch.float16
+    x, weight, bias = _inputs(2 * 5, 96, 160, dtype, device, seed=11)
+    wide = torch.randn(10, 200, generator=torch.Generator().manual_seed(12)).to(device, dtype)
+    strided = wide[:, 8:104]  # rows 200 apart: a slice of a wider buffer
+    assert not strided.is_contiguous()
+    for inputs in (strided, x.view(2, 5, 96), x.t().contiguous().t()):
+        got = linear_gelu.linear_bias_gelu(inputs, weight, bias)
+        assert got.shape == (*inputs.shape[:-1], 160)
+        report = compare(got, _reference(inputs, weight, bias), dtype)
+        assert report.ok, report
+    report = compare(linear_gelu.linear_bias_gelu(x, weight.t().contiguous().t(), bias, "tanh"),
+                     _reference(x, weight, bias, "tanh"), dtype)
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_inputs_propagate_like_the_reference(device):
+    x, weight, bias = _inputs(33, 40, 70, torch.float32, device, seed=5)
+    x[3, 7] = float("nan")
+    x[9, 0] = float("inf")
+    got = linear_gelu.linear_bias_gelu(x, weight, bias)
+    assert torch.isnan(got[3]).all() and torch.isfinite(got[10:]).all()
+    report = compare(got, _reference(x, weight, bias), torch.float32)
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_are_refused(device):
+    x, weight, bias = _inputs(4, 8, 16, torch.float32, device, seed=3)
+    with pytest.raises(TypeError, match="share one of"):
+        linear_gelu.linear_bias_gelu(x.half(), weight, bias)
+    with pytest.raises(ValueError, match="do not fit"):
+        linear_gelu.linear_bias_gelu(x[:, :7], weight, bias)
+    with pytest.raises(ValueError, match="do not fit"):
+        linear_gelu.linear_bias_gelu(x, weight, bias[:15])
+    with pytest.raises(ValueError, match="out must be"):
+        linear_gelu.linear_bias_gelu(x, weight, bias, out=torch.empty(4, 15, device=device))
+    with pytest.raises(ValueError, match="approximate"):
+        linear_gelu.linear_bias_gelu(x, weight, bias, "sigmoid")
