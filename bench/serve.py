@@ -203,10 +203,14 @@ def server_breakdown(before: dict[str, float], after: dict[str, float], elapsed:
     (parsing, tokenizing, batching, serializing) plus waiting on the worker."""
     d = {k: after[k] - before[k] for k in after}
     requests, batches = max(d["requests"], 1), max(d["batches"], 1)
-    return {"server_request_ms": 1e3 * d["request"] / requests,
-            "queue_ms_per_input": 1e3 * d["queue"] / max(d["inputs"], 1),
-            "forward_ms_per_batch": 1e3 * d["forward"] / batches, "batches": d["batches"],
-            "inputs_per_batch": d["batch_size"] / batches, "forward_busy": d["forward"] / elapsed}  # summed over replicas
+    out = {"server_request_ms": 1e3 * d["request"] / requests,
+           "queue_ms_per_input": 1e3 * d["queue"] / max(d["inputs"], 1),
+           "forward_ms_per_batch": 1e3 * d["forward"] / batches, "batches": d["batches"],
+           "inputs_per_batch": d["batch_size"] / batches, "forward_busy": d["forward"] / elapsed}  # summed over replicas
+    # the server's own time per request: in the server, but neither queued for a batch nor in a forward (parsing,
+    # validation, tokenizing, the thread hops, waiting for the event loop, serializing)
+    out["overhead_ms"] = out["server_request_ms"] - out["queue_ms_per_input"] - out["forward_ms_per_batch"]
+    return out
 
 
 def mixed_texts(n: int, seed: int = 0, low: int = 1, high: int = 200) -> list[str]:
@@ -298,7 +302,8 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
                     print(f"[{config} {payload}] {clients} clients: {runs[-1]['requests_per_s']:.0f} req/s, "
                           f"{sent / elapsed / 1e6:.2f} M tok/s ({100 * sent / elapsed / raw:.0f}% of raw), p50 "
                           f"{q[49] * 1e3:.1f} ms p99 {q[98] * 1e3:.1f} ms, {errors} errors; server: "
-                          f"{inside['server_request_ms']:.1f} ms/request (queued {inside['queue_ms_per_input']:.1f}), "
+                          f"{inside['server_request_ms']:.1f} ms/request (queued {inside['queue_ms_per_input']:.1f}, "
+                          f"overhead {inside['overhead_ms']:.1f}), "
                           f"{inside['batches']:.0f} batches of {inside['inputs_per_batch']:.0f} inputs, forward "
                           f"{inside['forward_ms_per_batch']:.2f} ms/batch, GPU worker(s) busy "
                           f"{100 * inside['forward_busy']:.0f}%", file=sys.stderr, flush=True)
