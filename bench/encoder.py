@@ -13,6 +13,7 @@ GEMM floor: the forward's matmul + attention FLOPs on real tokens only, at 716 T
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import sys
 from collections.abc import Callable
@@ -22,7 +23,7 @@ import torch
 from bench import command, save
 import kernels
 from model.config import EncoderConfig
-from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool, resolve_attention
+from model.encoder import Encoder, Layer, Packed, mean_pool, packed_mean_pool, resolve_attention
 from model.graphs import CudaGraphs
 
 PEAK_FLOPS = 716e12
@@ -85,6 +86,22 @@ def run_hf(name, cfg, ids, mask, record, args) -> None:
         torch._dynamo.reset()
         compiled = graphed = None  # noqa: F841
     sdpa = None  # noqa: F841
+
+
+@contextlib.contextmanager
+def ffn_in_epilogue():
+    """What-if for the FFN-in: the layers run the Triton GEMM with the bias + GELU epilogue
+    (kernels/triton/linear_gelu.py) instead of cuBLAS + the selected bias_gelu, inside this block only. The
+    kernel is not in the encoder yet; this row says what it would gain end to end."""
+    from kernels.triton.linear_gelu import linear_bias_gelu
+
+    original = Layer._ffn_in
+    Layer._ffn_in = lambda self, x: linear_bias_gelu(x, self.ffn_in.weight, self.ffn_in.bias)
+    try:
+        yield
+    finally:
+        Layer._ffn_in = original
+
 
 
 def run_case(name: str, backends: list[str], args) -> list[dict]:
@@ -153,6 +170,13 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
                                                            "attention")}
                 graphs = None
                 torch.cuda.empty_cache()
+            if backend == backends[0] and args.ffn_epilogue:
+                with ffn_in_epilogue():
+                    graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256,
+                                        attention=attentions[0])
+                    record(f"ours {backend} packed graphs + triton FFN-in epilogue", lambda: graphs.run(rows))
+                    graphs = None
+                    torch.cuda.empty_cache()
     return out
 
 
@@ -164,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--providers", nargs="+", default=["hf", "ours"])
     parser.add_argument("--compile-cases", nargs="*", choices=list(CASES), default=list(CASES),
                         help="cases that also run torch.compile (compilation takes ~a minute per case)")
+    parser.add_argument("--no-ffn-epilogue", dest="ffn_epilogue", action="store_false",
+                        help="skip the what-if row with the Triton GEMM + bias + GELU epilogue as the FFN-in")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     results = []

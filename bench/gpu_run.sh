@@ -6,7 +6,8 @@
 #   bash bench/gpu_run.sh final     # graph + GPU server tests, the serving sweep, MiniLM fp16 parity
 #   bash bench/gpu_run.sh serve     # the serving sweep alone (bench/serve.py on the GPU)
 #   bash bench/gpu_run.sh gemm      # the Triton GEMM + bias + GELU epilogue: GPU tests and bench/linear_gelu.py
-#   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases) + the MiniLM profile
+#   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases, and the what-if row with
+#                                   # the Triton FFN-in epilogue) + the MiniLM and BERT profiles
 # Results land in $OUT (the device tool brings them back).
 set -uo pipefail
 mode=${1:-tests}

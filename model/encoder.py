@@ -195,9 +195,11 @@ class Layer(nn.Module):
         # post-LN residual blocks: x = LN(x + dense(ctx) + b); x = LN(x + W2 gelu(W1 x + b1) + b2)
         x = kernels.add_layer_norm(F.linear(ctx, self.attn_out.weight), x, self.attn_out.bias,
                                    self.attn_ln_weight, self.attn_ln_bias, self.eps)
-        h = kernels.bias_gelu(F.linear(x, self.ffn_in.weight), self.ffn_in.bias)
-        return kernels.add_layer_norm(F.linear(h, self.ffn_out.weight), x, self.ffn_out.bias,
+        return kernels.add_layer_norm(F.linear(self._ffn_in(x), self.ffn_out.weight), x, self.ffn_out.bias,
                                       self.ffn_ln_weight, self.ffn_ln_bias, self.eps)
+
+    def _ffn_in(self, x: Tensor) -> Tensor:
+        return kernels.bias_gelu(F.linear(x, self.ffn_in.weight), self.ffn_in.bias)
 
 
 class Encoder(nn.Module):
