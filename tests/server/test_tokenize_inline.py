@@ -44,3 +44,20 @@ def test_short_inputs_skip_the_thread_hop(monkeypatch):
         assert torch.allclose(torch.from_numpy(b.embeddings), svc.embedder.embed(long_), atol=1e-6)
     finally:
         svc.shutdown()
+
+
+def test_gil_switch_interval_setting_applies_and_zero_keeps_the_default():
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        kept = Service(Settings(model="tiny", device="cpu"))
+        kept.load()
+        assert sys.getswitchinterval() == before  # 0: the interpreter's own
+        kept.shutdown()
+        svc = Service(Settings(model="tiny", device="cpu", gil_switch_interval_ms=0.5))
+        svc.load()
+        assert abs(sys.getswitchinterval() - 0.0005) < 1e-9
+        svc.shutdown()
+    finally:
+        sys.setswitchinterval(before)
