@@ -91,8 +91,8 @@ def run_hf(name, cfg, ids, mask, record, args) -> None:
 @contextlib.contextmanager
 def ffn_in_epilogue():
     """What-if for the FFN-in: the layers run the Triton GEMM with the bias + GELU epilogue
-    (kernels/triton/linear_gelu.py) instead of cuBLAS + the selected bias_gelu, inside this block only. The
-    kernel is not in the encoder yet; this row says what it would gain end to end."""
+    (kernels/triton/linear_gelu.py) whatever the backend under test chose for linear_bias_gelu, inside this block
+    only: with the CUDA backend's norms, this is what auto mode runs when the Triton GEMM wins its race."""
     from kernels.triton.linear_gelu import linear_bias_gelu
 
     original = Layer._ffn_in

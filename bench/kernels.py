@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import command, save
-from kernels.testing import OP_SPECS, compare, float64_reference
+from kernels.testing import OP_SPECS, ROWWISE_OPS, compare, float64_reference
 from model.runner import DTYPES
 
 SHAPES = [(4096, 768), (32768, 384), (32768, 768), (16384, 1024), (8192, 4096)]
@@ -148,7 +148,7 @@ def providers(names: list[str], device: str) -> dict[str, Callable[[str], Callab
 
 def run(args: argparse.Namespace) -> dict:
     device = args.device
-    ops = args.ops or list(OP_SPECS)
+    ops = args.ops or list(ROWWISE_OPS)  # the memory-bound ops; the FFN-in GEMM has bench/linear_gelu.py
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
     dtypes = [DTYPES[d] for d in (args.dtypes or DTYPES)]
     copy_gbps = copy_bandwidth(device)
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--providers", nargs="+", default=["triton", "cuda", "eager", "compile"])
-    parser.add_argument("--ops", nargs="+", choices=list(OP_SPECS))
+    parser.add_argument("--ops", nargs="+", choices=list(ROWWISE_OPS))
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
     parser.add_argument("--shapes", nargs="+", help="ROWSxCOLS, e.g. 4096x768")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 accuracy check")

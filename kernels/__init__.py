@@ -65,6 +65,11 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     return _ops()["bias_gelu"](x, bias, approximate)
 
 
+def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
+    """GELU(x @ weight^T + bias), weight in nn.Linear's [out, in] layout: the FFN-in of an encoder layer."""
+    return _ops()["linear_bias_gelu"](x, weight, bias, approximate)
+
+
 def bias_residual_gelu(x: Tensor, bias: Tensor, residual: Tensor, approximate: str = "none") -> Tensor:
     """GELU(x + bias + residual)."""
     return _ops()["bias_residual_gelu"](x, bias, residual, approximate)

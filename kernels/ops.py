@@ -147,6 +147,21 @@ def _define(backend: str, launchers: Mapping[str, Callable]) -> dict[str, Callab
 
     ops["add_layer_norm"] = add_layer_norm
 
+    # ---- linear_bias_gelu ------------------------------------------------------------------------
+    @torch.library.custom_op(lib + "linear_bias_gelu", mutates_args=())
+    def linear_bias_gelu_op(x: Tensor, weight: Tensor, bias: Tensor, approximate: str) -> Tensor:
+        return launchers["linear_bias_gelu"](x, weight, bias, approximate)
+
+    linear_bias_gelu_op.register_fake(
+        lambda x, weight, bias, approximate: x.new_empty((*x.shape[:-1], weight.shape[0])))
+
+    def linear_bias_gelu(x, weight, bias, approximate="none", *, out=None):
+        if out is not None or _eager(x, weight, bias):
+            return launchers["linear_bias_gelu"](x, weight, bias, approximate, out=out)
+        return linear_bias_gelu_op(x, weight, bias, approximate)
+
+    ops["linear_bias_gelu"] = linear_bias_gelu
+
     # ---- embedding_layer_norm --------------------------------------------------------------------
     @torch.library.custom_op(lib + "embedding_layer_norm", mutates_args=())
     def embedding_layer_norm_op(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor,

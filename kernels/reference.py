@@ -66,10 +66,9 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none", *, out: Tensor
 
 def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none", *,
                      out: Tensor | None = None) -> Tensor:
-    """GELU(x @ weight^T + bias), the reference of the Triton GEMM-epilogue kernel (not a registry op yet)."""
-    dt = _compute_dtype(x.dtype)
-    h = torch.nn.functional.linear(x.to(dt), weight.to(dt), bias.to(dt))
-    return _store(_gelu(h, approximate), x.dtype, out)
+    """GELU(x @ weight^T + bias): a BERT layer's FFN-in. The GEMM runs in the input dtype (what cuBLAS does with
+    fp32 accumulation on a GPU; float64 stays exact), then bias + GELU as bias_gelu."""
+    return bias_gelu(torch.nn.functional.linear(x, weight), bias, approximate, out=out)
 
 
 def bias_residual_gelu(
@@ -136,4 +135,5 @@ OPS = {
     "bias_residual_gelu": bias_residual_gelu,
     "add_layer_norm": add_layer_norm,
     "embedding_layer_norm": embedding_layer_norm,
+    "linear_bias_gelu": linear_bias_gelu,
 }

@@ -301,7 +301,7 @@ def configure(
                     continue
             choice.rejected[b.name] = why
         if len(passed) > 1:
-            cols = hidden_sizes[0] if hidden_sizes else 768
+            cols = OP_SPECS[op].race_cols(hidden_sizes[0] if hidden_sizes else 768)
             impls = {n: implementation(n, op) for n in passed}
             choice.timings_us, how = _race(op, impls, device, dtypes[0], cols, race_timing)
             choice.backend = min(choice.timings_us, key=choice.timings_us.get)

@@ -108,11 +108,23 @@ def _embedding_ln_inputs(rows, cols, dtype, device, gen):
     return (ids, pos, tt, *tables, w, b, 1e-5), {}
 
 
+def _linear_gelu_inputs(rows, cols, dtype, device, gen):
+    # output [rows, cols] from x [rows, K] and weight [cols, K], K = cols / 4 (the FFN-in: hidden -> 4 x hidden);
+    # weights at 1/sqrt(K) keep the outputs of order 1, where GELU is not linear
+    k = max(cols // 4, 1)
+    x = _randn((rows, k), dtype, device, gen)
+    w = _randn((cols, k), dtype, device, gen, scale=k**-0.5)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (x, w, b), {}
+
+
 @dataclass(frozen=True)
 class OpSpec:
     name: str
     reference: Callable[..., Tensor]
     make_inputs: Callable[..., tuple[tuple, dict]]
+    rowwise: bool = True  # the first argument is [rows, cols] like the output (not so for a GEMM)
+    race_cols: Callable[[int], int] = lambda hidden: hidden  # output width at a model's hidden size
 
 
 OP_SPECS: dict[str, OpSpec] = {
@@ -122,7 +134,10 @@ OP_SPECS: dict[str, OpSpec] = {
     "bias_residual_gelu": OpSpec("bias_residual_gelu", reference.bias_residual_gelu, _bias_residual_gelu_inputs),
     "add_layer_norm": OpSpec("add_layer_norm", reference.add_layer_norm, _add_ln_inputs),
     "embedding_layer_norm": OpSpec("embedding_layer_norm", reference.embedding_layer_norm, _embedding_ln_inputs),
+    "linear_bias_gelu": OpSpec("linear_bias_gelu", reference.linear_bias_gelu, _linear_gelu_inputs, rowwise=False,
+                               race_cols=lambda hidden: 4 * hidden),
 }
+ROWWISE_OPS = tuple(op for op, spec in OP_SPECS.items() if spec.rowwise)
 assert set(OP_SPECS) == set(reference.OPS)
 
 

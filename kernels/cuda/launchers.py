@@ -106,6 +106,15 @@ def embedding_layer_norm(input_ids: Tensor, position_ids: Tensor, token_type_ids
     return out if out is not None else y.view(shape)
 
 
+def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none", *,
+                     out: Tensor | None = None) -> Tensor:
+    """The FFN-in as this backend runs it: the GEMM on cuBLAS (F.linear, no bias), then the CUDA bias + GELU
+    kernel over its output. (cuBLASLt's own GELU epilogue is the tanh approximation; Triton has the fused GEMM.)"""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"linear_bias_gelu: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
+    return bias_gelu(torch.nn.functional.linear(x, weight), bias, approximate, out=out)
+
+
 LAUNCHERS = {
     "layer_norm": layer_norm,
     "layer_norm_gelu": layer_norm_gelu,
@@ -113,4 +122,5 @@ LAUNCHERS = {
     "bias_residual_gelu": bias_residual_gelu,
     "add_layer_norm": add_layer_norm,
     "embedding_layer_norm": embedding_layer_norm,
+    "linear_bias_gelu": linear_bias_gelu,
 }

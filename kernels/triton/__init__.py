@@ -7,6 +7,7 @@ from kernels.triton.bias_residual_gelu import bias_residual_gelu
 from kernels.triton.embedding_layer_norm import embedding_layer_norm
 from kernels.triton.layer_norm import layer_norm
 from kernels.triton.layer_norm_gelu import layer_norm_gelu
+from kernels.triton.linear_gelu import linear_bias_gelu
 
 LAUNCHERS = {
     "layer_norm": layer_norm,
@@ -15,4 +16,5 @@ LAUNCHERS = {
     "bias_residual_gelu": bias_residual_gelu,
     "add_layer_norm": add_layer_norm,
     "embedding_layer_norm": embedding_layer_norm,
+    "linear_bias_gelu": linear_bias_gelu,  # one GEMM with the bias + GELU epilogue
 }

@@ -5,10 +5,9 @@ bias + GELU pass that reads and writes the [tokens, 4 * hidden] activation again
 Here the bias and the exact (erf) GELU run on the fp32 accumulator before the one store. cuBLASLt's GELU
 epilogue is the tanh approximation, which is why this is a Triton GEMM rather than a cuBLAS flag.
 
-Status: a kernel with its tests (the float64 reference, odd shapes, the interpreter and the GPU) and its
-benchmark (`python -m bench.linear_gelu`: against cuBLAS + our bias_gelu, eager torch and torch.compile). It is
-not yet in the encoder: it goes in when the H200 numbers say it beats cuBLAS + the separate pass at the FFN
-shapes, and through the registry's race like every other op.
+In the registry as the Triton backend's `linear_bias_gelu` (the CUDA backend's is cuBLAS + its bias_gelu kernel):
+the startup race at [4096, 4 x hidden] decides which one the encoder's FFN-in runs. `python -m bench.linear_gelu`
+measures it alone against cuBLAS + bias_gelu, eager torch, torch.compile and cuBLASLt's tanh epilogue.
 
 Tiles: the grouped ordering of Triton's matmul tutorial (GROUP_M row tiles share their weight tiles in L2);
 configurations are the tutorial's Hopper/Ampere set, autotuned per (row bucket, N, K). fp32 inputs use IEEE fp32

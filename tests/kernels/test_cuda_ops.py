@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import ops, reference
-from kernels.testing import OP_SPECS, check_op, compare, float64_reference
+from kernels.testing import OP_SPECS, ROWWISE_OPS, check_op, compare, float64_reference
 from tests.kernels._shared import check_offsets_past_two_to_the_31, opcheck_custom_ops
 from tests.conftest import DTYPES, ODD_COLS, ROWS
 
@@ -37,7 +37,7 @@ def test_matches_float64_reference(launchers, op, rows, cols, dtype):
     assert report.ok, report
 
 
-@pytest.mark.parametrize("op", [op for op in OP_SPECS if op != "embedding_layer_norm"])
+@pytest.mark.parametrize("op", [op for op in ROWWISE_OPS if op != "embedding_layer_norm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_misaligned_and_strided_views(launchers, op, dtype):
     """Slices of a wider buffer: the row start is off 16-byte alignment (scalar path) or the row stride is
@@ -119,7 +119,7 @@ def test_tuner_sweeps_once_per_shape_class_and_caches_to_disk(launchers, tmp_pat
                         lambda c: None) == tuple(entry["config"])
 
 
-@pytest.mark.parametrize("op", [op for op in OP_SPECS if op != "embedding_layer_norm"])
+@pytest.mark.parametrize("op", [op for op in ROWWISE_OPS if op != "embedding_layer_norm"])
 def test_nan_and_inf_propagate_like_reference(launchers, op):
     gen = torch.Generator().manual_seed(_seed("cuda-nan", op))
     args, kwargs = OP_SPECS[op].make_inputs(9, 300, torch.float32, "cuda", gen)

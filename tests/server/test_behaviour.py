@@ -157,7 +157,7 @@ def test_verification_catches_drift_and_falls_back(make_server):
     texts = ["A man is eating food.", "Drifting kernels must be caught."]
     clean = torch.tensor(httpx.post(server.url + "/infer", json={"inputs": texts}, timeout=30).json()["embeddings"])
     assert wait_for_metric(server, "fusedserve_reference_checks_total", 1, result="match") >= 1
-    r = httpx.post(server.url + "/admin/faults", json={"op": "bias_gelu", "mode": "scale", "factor": 1.05},
+    r = httpx.post(server.url + "/admin/faults", json={"op": "linear_bias_gelu", "mode": "scale", "factor": 1.05},
                    headers=admin_headers())
     assert r.status_code == 200
     drifted = torch.tensor(httpx.post(server.url + "/infer", json={"inputs": texts}, timeout=30).json()["embeddings"])
@@ -197,7 +197,7 @@ def test_nan_from_a_kernel_is_never_returned(make_server):
     server = make_server(fault_injection="true")
     texts = ["NaN must not leak", "into any answer"]
     clean = httpx.post(server.url + "/infer", json={"inputs": texts}).json()["embeddings"]
-    httpx.post(server.url + "/admin/faults", json={"op": "bias_gelu", "mode": "nan"}, headers=admin_headers())
+    httpx.post(server.url + "/admin/faults", json={"op": "linear_bias_gelu", "mode": "nan"}, headers=admin_headers())
     r = httpx.post(server.url + "/infer", json={"inputs": texts}, timeout=30)
     assert r.status_code == 200 and "NaN" not in r.text
     assert r.json()["embeddings"] == clean

@@ -63,6 +63,7 @@ def test_every_family_with_sensible_values(busy_server):
     batches = s["fusedserve_batch_size_count"]
     assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="add_layer_norm"}'] == 2 * layers * batches
     assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="embedding_layer_norm"}'] == batches
+    assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="linear_bias_gelu"}'] == layers * batches
     assert s['fusedserve_reference_checks_total{result="match"}'] >= 1
     assert s['fusedserve_reference_checks_total{result="mismatch"}'] == 0
     assert 0 <= s["fusedserve_reference_max_abs_error"] < 1e-5
