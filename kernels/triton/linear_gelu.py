@@ -44,7 +44,27 @@ CONFIGS = [
 ]
 
 
-@autotune(CONFIGS, key=["M_BUCKET", "N", "K", "IEEE"])
+def configs_within(configs, element_size: int, limit: int) -> list[triton.Config]:
+    """The configurations whose pipelined A and B tiles (num_stages copies of each) fit `limit` bytes."""
+    def need(c):
+        m, n, k = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        return (m * k + k * n) * element_size * c.num_stages
+
+    return [c for c in configs if need(c) <= limit]
+
+
+def _fits_shared_memory(configs, named_args, **kwargs):
+    """Drop what does not fit the device's shared memory (fp32 with the largest tiles on any GPU; more of them on
+    GPUs smaller than Hopper). The first survivor is the heuristic default, all that runs with
+    FUSEDSERVE_TRITON_AUTOTUNE=0."""
+    x = named_args["x_ptr"]
+    if INTERPRET or x.device.type != "cuda":
+        return list(configs)
+    props = torch.cuda.get_device_properties(x.device)
+    return configs_within(configs, x.element_size(), getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+
+
+@autotune(CONFIGS, key=["M_BUCKET", "N", "K", "IEEE"], prune=_fits_shared_memory)
 @triton.jit
 def _linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_BUCKET,
                         stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,

@@ -83,3 +83,12 @@ def test_bad_arguments_are_refused(device):
         linear_gelu.linear_bias_gelu(x, weight, bias, out=torch.empty(4, 15, device=device))
     with pytest.raises(ValueError, match="approximate"):
         linear_gelu.linear_bias_gelu(x, weight, bias, "sigmoid")
+
+
+def test_configs_that_overflow_shared_memory_are_pruned():
+    h200 = 232448  # shared_memory_per_block_optin on Hopper
+    fp16 = linear_gelu.configs_within(linear_gelu.CONFIGS, 2, h200)
+    fp32 = linear_gelu.configs_within(linear_gelu.CONFIGS, 4, h200)
+    assert fp16[0] is linear_gelu.CONFIGS[0]  # the 128x256x64 default fits in half precision
+    assert linear_gelu.CONFIGS[0] not in fp32 and fp32  # but not in fp32, where a smaller one leads
+    assert len(linear_gelu.configs_within(linear_gelu.CONFIGS, 4, 48 * 1024)) < len(fp32)
