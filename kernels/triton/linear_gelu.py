@@ -10,7 +10,7 @@ the startup race at [4096, 4 x hidden] decides which one the encoder's FFN-in ru
 measures it alone against cuBLAS + bias_gelu, eager torch, torch.compile and cuBLASLt's tanh epilogue.
 
 Tiles: the grouped ordering of Triton's matmul tutorial (GROUP_M row tiles share their weight tiles in L2);
-configurations are the tutorial's Hopper/Ampere set, autotuned per (row bucket, N, K). fp32 inputs use IEEE fp32
+configurations are the tutorial's Hopper/Ampere set, autotuned per (row class, N, K). fp32 inputs use IEEE fp32
 products (no TF32: the fp32 tolerance is 1e-5), fp16/bf16 use tensor cores with fp32 accumulation.
 """
 
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton._common import INTERPRET, autotune, check_device, row_bucket
+from kernels.triton._common import INTERPRET, autotune, check_device
 from kernels.triton._gelu import GELU_MODES, gelu
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -64,9 +64,16 @@ def _fits_shared_memory(configs, named_args, **kwargs):
     return configs_within(configs, x.element_size(), getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
-@autotune(CONFIGS, key=["M_BUCKET", "N", "K", "IEEE"], prune=_fits_shared_memory)
+def row_class(m: int) -> int:
+    """Autotune key for the row count: few rows (a single short request), a medium batch, a large one. Coarser
+    than the norm kernels' power-of-two buckets: a GEMM autotune times 8 configurations, and serving's warm-up
+    meets every row bucket (one class per bucket would add ~15 autotunes to the start-up)."""
+    return 0 if m <= 64 else 1 if m <= 1024 else 2
+
+
+@autotune(CONFIGS, key=["M_CLASS", "N", "K", "IEEE"], prune=_fits_shared_memory)
 @triton.jit
-def _linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_BUCKET,
+def _linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_CLASS,
                         stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                         MODE: tl.constexpr, IEEE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -127,7 +134,7 @@ def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str =
         y = out.view(m, n)
     if m and n:
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _linear_gelu_kernel[grid](x2, weight, bias, y, m, n, k, row_bucket(m),
+        _linear_gelu_kernel[grid](x2, weight, bias, y, m, n, k, row_class(m),
                                   x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
                                   y.stride(0), y.stride(1), MODE=GELU_MODES[approximate],
                                   IEEE=x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16))
