@@ -191,3 +191,28 @@ def test_cuda_backend_is_registered_and_reports_why_it_cannot_run_here():
         assert choice.rejected["cuda"] == "unavailable: needs a CUDA device, got cpu"
         assert choice.backend in ("triton", "torch")
     assert "rejected cuda for every op: unavailable: needs a CUDA device, got cpu" in sel.report()
+
+
+def test_the_ffn_in_gemm_races_at_the_ffn_shape(monkeypatch):
+    """linear_bias_gelu is raced at [RACE_ROWS, 4 x hidden] out of [RACE_ROWS, hidden] (the FFN-in), not at the
+    row-wise ops' [RACE_ROWS, hidden], and the report says so."""
+    monkeypatch.setattr(registry, "RACE_ROWS", 16)
+    monkeypatch.setattr(registry, "RACE_CALLS", 1)
+    monkeypatch.setattr(registry, "RACE_ROUNDS", 1)
+    monkeypatch.setattr(registry, "_BACKENDS", [b for b in registry._BACKENDS if b.name == registry.REFERENCE_BACKEND])
+    shapes = []
+
+    def recording(x, weight, bias, approximate="none", *, out=None):
+        shapes.append((tuple(x.shape), tuple(weight.shape)))
+        return reference.linear_bias_gelu(x, weight, bias, approximate, out=out)
+
+    registry.register_backend("one", lambda device: {"linear_bias_gelu": recording})
+    registry.register_backend("two", lambda device: {"linear_bias_gelu": reference.linear_bias_gelu})
+    try:
+        sel = kernels.configure("cpu", (torch.float32,), hidden_sizes=(48,), race=True)
+        assert ((16, 48), (192, 48)) in shapes  # the race's call
+        assert "at 16x192 float32" in sel.choices["linear_bias_gelu"].reason
+        assert sel.choices["layer_norm"].backend == registry.REFERENCE_BACKEND  # the stand-ins implement one op
+    finally:
+        registry.unregister_backend("one")
+        registry.unregister_backend("two")
