@@ -13,7 +13,6 @@ GEMM floor: the forward's matmul + attention FLOPs on real tokens only, at 716 T
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import sys
 from collections.abc import Callable
@@ -23,7 +22,7 @@ import torch
 from bench import command, save
 import kernels
 from model.config import EncoderConfig
-from model.encoder import Encoder, Layer, Packed, mean_pool, packed_mean_pool, resolve_attention
+from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool, resolve_attention
 from model.graphs import CudaGraphs
 
 PEAK_FLOPS = 716e12
@@ -86,22 +85,6 @@ def run_hf(name, cfg, ids, mask, record, args) -> None:
         torch._dynamo.reset()
         compiled = graphed = None  # noqa: F841
     sdpa = None  # noqa: F841
-
-
-@contextlib.contextmanager
-def ffn_in_epilogue():
-    """What-if for the FFN-in: the layers run the Triton GEMM with the bias + GELU epilogue
-    (kernels/triton/linear_gelu.py) whatever the backend under test chose for linear_bias_gelu, inside this block
-    only: with the CUDA backend's norms, this is what auto mode runs when the Triton GEMM wins its race."""
-    from kernels.triton.linear_gelu import linear_bias_gelu
-
-    original = Layer._ffn_in
-    Layer._ffn_in = lambda self, x: linear_bias_gelu(x, self.ffn_in.weight, self.ffn_in.bias)
-    try:
-        yield
-    finally:
-        Layer._ffn_in = original
-
 
 
 def run_case(name: str, backends: list[str], args) -> list[dict]:
@@ -170,13 +153,16 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
                                                            "attention")}
                 graphs = None
                 torch.cuda.empty_cache()
-            if backend == backends[0] and args.ffn_epilogue:
-                with ffn_in_epilogue():
-                    graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256,
-                                        attention=attentions[0])
-                    record(f"ours {backend} packed graphs + triton FFN-in epilogue", lambda: graphs.run(rows))
-                    graphs = None
-                    torch.cuda.empty_cache()
+            if backend == backends[0] and backend != "triton" and args.ffn_epilogue:
+                # what-if: this backend for every op but the FFN-in, which runs the Triton GEMM with the bias +
+                # GELU epilogue (with the CUDA norms: what auto mode runs when that GEMM wins its race)
+                kernels.configure("cuda", (torch.float16,), backend=backend, hidden_sizes=(cfg.hidden_size,),
+                                  overrides={"linear_bias_gelu": "triton"})
+                graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256,
+                                    attention=attentions[0])
+                record(f"ours {backend} packed graphs + triton FFN-in epilogue", lambda: graphs.run(rows))
+                graphs = None
+                torch.cuda.empty_cache()
     return out
 
 
