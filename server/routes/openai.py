@@ -9,6 +9,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
+from server.batcher import l2_normalize
 from server.deps import ServiceDep
 from server.errors import BadRequest, NotFound
 from server.responses import EmbeddingResponse, OrjsonRoute
@@ -60,8 +61,7 @@ async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Requ
         result = await service.embed_texts(list(data), normalize=True, truncate=True, request=request)
     matrix = result.embeddings
     if body.dimensions is not None and body.dimensions < service.dim:
-        cut = matrix[:, : body.dimensions]
-        matrix = cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)  # as F.normalize
+        matrix = l2_normalize(matrix[:, : body.dimensions])
     matrix = np.ascontiguousarray(matrix, dtype=np.float32)
     items = []
     for i, row in enumerate(matrix):
