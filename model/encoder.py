@@ -109,14 +109,15 @@ class Packed:
         return cls(*flat, lengths, lengths.shape[0], seq, cu_seqlens, dense)
 
     @staticmethod
-    def host_cu_seqlens(rows: list[list[int]], batch: int, *, out: Tensor | None = None) -> Tensor:
-        """[batch + 1] int32 sequence offsets for varlen attention: the real sequences, then zero-length filler
-        sequences (filler tokens belong to none: attention leaves their rows alone)."""
+    def host_cu_seqlens(lengths, batch: int, *, out: Tensor | None = None) -> Tensor:
+        """[batch + 1] int32 sequence offsets for varlen attention from the real sequences' lengths (what
+        host_buffers wrote first into its lengths), then zero-length filler sequences (filler tokens belong to
+        none: attention leaves their rows alone)."""
         cu_t = out if out is not None else torch.empty(batch + 1, dtype=torch.int32)
-        cu = cu_t.numpy()
+        cu, n = cu_t.numpy(), len(lengths)
         cu[0] = 0
-        np.cumsum(np.fromiter(map(len, rows), dtype=np.int32, count=len(rows)), out=cu[1: len(rows) + 1])
-        cu[len(rows) + 1:] = cu[len(rows)]
+        np.cumsum(lengths, dtype=np.int32, out=cu[1: n + 1])
+        cu[n + 1:] = cu[n]
         return cu_t
 
     @classmethod
@@ -126,8 +127,9 @@ class Packed:
         real = sum(map(len, rows))
         tokens, batch, seq = tokens or real, batch or len(rows), seq or max(map(len, rows))
         flat, lengths = cls.host_buffers(rows, tokens, batch, seq, pad_token_id)
+        cu_seqlens = cls.host_cu_seqlens(lengths[: len(rows)].numpy(), batch)
         return cls.from_buffers(flat.to(device), lengths.to(device), seq, dense=tokens == real == batch * seq,
-                                cu_seqlens=cls.host_cu_seqlens(rows, batch).to(device))
+                                cu_seqlens=cu_seqlens.to(device))
 
 
 @functools.cache

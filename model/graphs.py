@@ -167,8 +167,8 @@ class CudaGraphs:
         self.graphs.move_to_end(key)
         tokens, batch, seq, _ = key
         entry.copied.synchronize()  # a caller that did not wait for the last result must not race its copy
-        Packed.host_buffers(rows, tokens, batch, seq, self.pad_token_id, out=_split(entry.host, tokens))
-        Packed.host_cu_seqlens(rows, batch, out=entry.cu_host)
+        _, lengths = Packed.host_buffers(rows, tokens, batch, seq, self.pad_token_id, out=_split(entry.host, tokens))
+        Packed.host_cu_seqlens(lengths[: len(rows)].numpy(), batch, out=entry.cu_host)
         entry.device.copy_(entry.host, non_blocking=True)
         entry.cu_device.copy_(entry.cu_host, non_blocking=True)
         entry.copied.record()
@@ -196,8 +196,7 @@ class CudaGraphs:
         host = torch.empty(len(Packed.FIELDS) * tokens + batch, dtype=torch.long, pin_memory=True)
         # until the first real fill: one filler token (valid indices, lengths >= 1)
         Packed.host_buffers([[self.pad_token_id]], tokens, batch, seq, out=_split(host, tokens))
-        cu_host = Packed.host_cu_seqlens([[self.pad_token_id]], batch, out=torch.empty(batch + 1, dtype=torch.int32,
-                                                                                      pin_memory=True))
+        cu_host = Packed.host_cu_seqlens([1], batch, out=torch.empty(batch + 1, dtype=torch.int32, pin_memory=True))
         dev, cu_dev = host.to(self.device), cu_host.to(self.device)
         packed = Packed.from_buffers(*_split(dev, tokens), seq, dense=dense, cu_seqlens=cu_dev)
         stream = torch.cuda.Stream(self.device)
