@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -52,12 +53,12 @@ def running_servers(count: int, log_path: str = os.devnull, **settings: str):
     one machine, as a Kubernetes node runs several pods), all writing to `log_path`. Yields [(process, url)] once
     every one is ready."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
-    servers, logs = [], [open(log_path, "a")]
+    servers, log = [], open(log_path, "a")
     try:
         for _ in range(count):
             port = free_port()
             process = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level",
-                                        "warning"], env=env, stdout=logs[0], stderr=subprocess.STDOUT)
+                                        "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
             servers.append((process, f"http://127.0.0.1:{port}"))
         deadline = time.monotonic() + 300
         for process, url in servers:
@@ -76,8 +77,7 @@ def running_servers(count: int, log_path: str = os.devnull, **settings: str):
             process.terminate()
         for process, _ in servers:
             process.wait(timeout=60)
-        for log in logs:
-            log.close()
+        log.close()
 
 
 @contextlib.contextmanager
@@ -183,18 +183,17 @@ SERVER_SUMS = {
 def server_sums(urls: str | list[str], route: str = "/infer") -> dict[str, float]:
     """Counters and histogram sums of the servers' /metrics that the per-run breakdown is built from (summed over
     replicas)."""
-    totals: dict[str, float] = {}
+    totals: collections.Counter = collections.Counter()
     for url in [urls] if isinstance(urls, str) else urls:
         values: dict[str, float] = {}
         for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
                 values[name] = float(value)
-        forward = sum(v for k, v in values.items() if k.startswith("fusedserve_forward_duration_seconds_sum"))
-        for k, v in ({k: values.get(v.format(route=route), 0.0) for k, v in SERVER_SUMS.items()}
-                     | {"forward": forward}).items():
-            totals[k] = totals.get(k, 0.0) + v
-    return totals
+        totals.update({k: values.get(v.format(route=route), 0.0) for k, v in SERVER_SUMS.items()})
+        totals["forward"] += sum(v for k, v in values.items()
+                                 if k.startswith("fusedserve_forward_duration_seconds_sum"))
+    return dict(totals)
 
 
 def server_breakdown(before: dict[str, float], after: dict[str, float], elapsed: float) -> dict[str, float]:
@@ -206,7 +205,8 @@ def server_breakdown(before: dict[str, float], after: dict[str, float], elapsed:
     out = {"server_request_ms": 1e3 * d["request"] / requests,
            "queue_ms_per_input": 1e3 * d["queue"] / max(d["inputs"], 1),
            "forward_ms_per_batch": 1e3 * d["forward"] / batches, "batches": d["batches"],
-           "inputs_per_batch": d["batch_size"] / batches, "forward_busy": d["forward"] / elapsed}  # summed over replicas
+           "inputs_per_batch": d["batch_size"] / batches,
+           "forward_busy": d["forward"] / elapsed}  # summed over replicas
     # the server's own time per request: in the server, but neither queued for a batch nor in a forward (parsing,
     # validation, tokenizing, the thread hops, waiting for the event loop, serializing)
     out["overhead_ms"] = out["server_request_ms"] - out["queue_ms_per_input"] - out["forward_ms_per_batch"]
@@ -278,8 +278,8 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
         }
 
     for n, config in enumerate(args.configs):
-        extra = dict(kv.split("=", 1) for kv in config.split(",") if kv and not kv.startswith("replicas="))
-        replicas = int(dict(kv.split("=", 1) for kv in config.split(",") if kv).get("replicas", 1))
+        extra = dict(kv.split("=", 1) for kv in config.split(",") if kv)
+        replicas = int(extra.pop("replicas", 1))
         log_path = f"{os.path.splitext(args.out)[0]}-server{n}.log" if args.out else os.devnull
         with running_servers(replicas, log_path, **(settings | extra)) as servers:
             urls = [url for _, url in servers]
