@@ -158,7 +158,8 @@ class Service:
         for i, text in enumerate(texts):
             try:
                 text.encode("utf-8")
-            except UnicodeEncodeError:  # JSON can carry lone surrogates ("\ud800"); the tokenizer cannot
+            except UnicodeEncodeError:  # the HTTP routes' JSON parser already refuses lone surrogates ("\ud800");
+                # a Python caller's strings can still hold them, and the tokenizer cannot take them
                 raise Unprocessable(f"input {i} is not valid Unicode (lone surrogate)") from None
         try:
             if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
