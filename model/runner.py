@@ -64,6 +64,23 @@ class LoadReport:
         )
 
 
+class Pending:
+    """A forward in flight: `wait()` blocks until its result is on the host and returns it."""
+
+    __slots__ = ("_result", "_done")
+
+    def __init__(self, result: Tensor, done: torch.cuda.Event | None = None) -> None:
+        self._result, self._done = result, done
+
+    def ready(self) -> bool:
+        return self._done is None or self._done.query()
+
+    def wait(self) -> Tensor:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._result
+
+
 class Embedder:
     """Owns one encoder on one device. Not thread-safe: one worker calls it (the server's batcher)."""
 
@@ -130,17 +147,27 @@ class Embedder:
     def embed_ids(self, batch: list[list[int]], normalize: bool | None = None, *, graphs: bool = True) -> Tensor:
         """Pooled embeddings [len(batch), hidden] (float32, on the CPU) for token-id rows of any lengths.
         graphs=False forces the eager path (the kernel timer needs per-op launches)."""
-        if not batch:
-            return torch.empty(0, self.config.hidden_size)
+        pooled = self.launch_ids(batch, graphs=graphs).wait()
         normalize = self.config.normalize if normalize is None else normalize
-        pooled = None
+        return torch.nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled
+
+    @torch.inference_mode()
+    def launch_ids(self, batch: list[list[int]], *, graphs: bool = True) -> Pending:
+        """Start the forward of `batch` and return at once where the CUDA-graph path can (the replay and the copy
+        of its result to pinned host memory are queued on the stream); `Pending.wait()` gives the unnormalized
+        pooled embeddings [len(batch), hidden], float32 on the CPU. The eager paths compute before returning.
+        The server's worker launches its next batch before it waits for this one (server.batcher)."""
+        if not batch:
+            return Pending(torch.empty(0, self.config.hidden_size))
         if self.graphs is not None and graphs and not kernels.on_reference_path():
-            pooled = self.graphs.run(batch)
-        if pooled is None:
-            pooled = self._forward_eager(batch)
-        if normalize:
-            pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.cpu()
+            pooled = self.graphs.run(batch)  # a view of the graph's output: valid until the bucket's next replay
+            if pooled is not None:
+                host = torch.empty(pooled.shape, dtype=pooled.dtype, pin_memory=True)
+                host.copy_(pooled, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+                return Pending(host, done)
+        return Pending(self._forward_eager(batch).cpu())
 
     def _forward_eager(self, batch: list[list[int]]) -> Tensor:
         if self.layout == "packed":

@@ -25,7 +25,7 @@ import torch
 
 import kernels
 from kernels import reference, registry
-from model.runner import Embedder
+from model.runner import Embedder, Pending
 from server.config import Settings
 from server.errors import Overloaded, ServiceError, Timeout, Unavailable
 from server.metrics import Metrics
@@ -102,6 +102,7 @@ class Batcher:
         self._busy = False
         self._thread = threading.Thread(target=self._run, name="fusedserve-batcher", daemon=True)
         self.batches = 0
+        self.overlapped = 0  # batches launched while the one before was still in flight (overlap_batches)
         self._packed = embedder.layout == "packed"
 
     def _cost(self, rows: int, longest: int, total: int) -> int:
@@ -164,26 +165,38 @@ class Batcher:
 
     # ---- the worker thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        """Take a batch, launch it, then finish the batch launched before it (overlap_batches): the device runs
+        one batch while this thread delivers the previous one and waits for the GIL, which a busy event loop
+        holds for up to a switch interval each time this thread comes back from waiting on the device."""
+        inflight: InFlight | None = None
         while True:
             with self._cond:
-                batch = self._next_batch()
+                batch = self._next_batch(block=inflight is None)
                 if batch is None:
-                    return
-                self._busy = bool(batch) or bool(self._control)
+                    break
+                self._busy = True
                 control, self._control = self._control, []
+            if control and inflight is not None:  # control work runs between batches, never beside one
+                inflight = self._finish(inflight)
             for fn, future in control:
                 try:
                     future.set_result(fn())
                 except Exception as exc:  # reported to whoever asked
                     future.set_exception(exc)
-            if batch:
-                self._execute(batch)
+            launched = self._start(batch) if batch else None
+            if inflight is not None:
+                self.overlapped += launched is not None
+                self._finish(inflight)
+            inflight = launched
             with self._cond:
-                self._busy = False
+                self._busy = inflight is not None
                 self._cond.notify_all()
+        if inflight is not None:
+            self._finish(inflight)
 
-    def _next_batch(self) -> list[Item] | None:
-        """Under the lock: block until a batch is due (or control work or stop), then take it."""
+    def _next_batch(self, block: bool = True) -> list[Item] | None:
+        """Under the lock: block until a batch is due (or control work or stop), then take it. With
+        block=False, return [] at once when nothing is due (a launched batch is waiting to be finished)."""
         s = self.settings
         while True:
             if self._control:
@@ -192,6 +205,8 @@ class Batcher:
             if not self._pending:
                 if self._stopping:
                     return None
+                if not block:
+                    return []
                 self._cond.wait()
                 continue
             oldest = min(self._pending, key=lambda it: it.enqueued)
@@ -206,6 +221,8 @@ class Batcher:
                 self._pending = [it for it in self._pending if id(it) not in taken]
                 self.metrics.queue_depth.set(len(self._pending))
                 return batch
+            if not block:
+                return []
             self._cond.wait(timeout=s.max_wait_ms / 1e3 - waited)
 
     def _drop_dead(self) -> None:
@@ -246,7 +263,9 @@ class Batcher:
                 hi += 1
         return by_length[lo : hi + 1]
 
-    def _execute(self, batch: list[Item]) -> None:
+    def _start(self, batch: list[Item]) -> InFlight | None:
+        """Launch `batch` and return it in flight, or run it to the end here (the kernel timer's sampled batches,
+        overlap_batches off, or a launch that raised: the synchronous path retries, falls back, splits)."""
         m = self.metrics
         now = time.monotonic()
         for it in batch:
@@ -257,10 +276,45 @@ class Batcher:
         m.batch_size.observe(len(batch))
         m.batch_tokens.observe(longest * len(batch))
         m.batch_padding_ratio.observe(1 - real / (longest * len(batch)))
+        timed = random.random() < self.settings.kernel_timing_sample_rate
+        if self.settings.overlap_batches and not timed:
+            started = time.perf_counter()
+            try:
+                pending = self.embedder.launch_ids(ids)
+            except Exception:  # OOM or a failing kernel: the synchronous path below deals with it
+                pass
+            else:
+                inflight = InFlight(batch, ids, pending, started, self._path())
+                if not pending.ready():
+                    return inflight
+                self._finish(inflight)  # computed already (the eager paths): deliver now, do not hold it
+                return None
+        self._complete(batch, ids, lambda: self._forward(ids, timed))
+        return None
+
+    def _finish(self, inflight: InFlight) -> None:
+        self._complete(inflight.batch, inflight.ids, lambda: self._collect(inflight))
+
+    def _collect(self, inflight: InFlight) -> torch.Tensor:
+        """The result of a launched batch; one that raised or came back non-finite runs again synchronously
+        (which retries it and falls back to the reference path as an unlaunched batch would)."""
         try:
-            pooled = self._forward(ids)
+            pooled = inflight.pending.wait()
+            if not np.isfinite(pooled.numpy()).all():
+                raise NonFiniteOutput(f"{inflight.path} forward produced NaN/Inf")
+        except Exception as exc:
+            log.warning("launched batch failed (%s: %s); running it again on the synchronous path",
+                        type(exc).__name__, exc)
+            return self._forward(inflight.ids)
+        self.metrics.forward_duration.labels(inflight.path).observe(time.perf_counter() - inflight.started)
+        return pooled
+
+    def _complete(self, batch: list[Item], ids: list[list[int]], forward: Callable[[], torch.Tensor]) -> None:
+        """Run `forward` for the batch and deliver each row to its request (or fail them all)."""
+        try:
+            pooled = forward()
         except torch.cuda.OutOfMemoryError:
-            log.error("out of memory even for a single input of %d tokens", longest)
+            log.error("out of memory even for a single input of %d tokens", max(len(r) for r in ids))
             for it in batch:
                 it.job.fail(Unavailable("out of device memory for this input; retry later",
                                         headers={"Retry-After": "1"}))
@@ -280,11 +334,15 @@ class Batcher:
         if self.on_batch is not None and random.random() < self.settings.verify_sample_rate:
             self.on_batch(ids, pooled)
 
-    def _forward(self, ids: list[list[int]]) -> torch.Tensor:
+    @staticmethod
+    def _path() -> str:
+        return "fused" if any(fn is not reference.OPS[op] for op, fn in registry.active.items()) else "reference"
+
+    def _forward(self, ids: list[list[int]], timed: bool = False) -> torch.Tensor:
         """Pooled, unnormalized embeddings. A batch that runs out of device memory is split in halves and
         retried (a single input that still does not fit fails)."""
         try:
-            return self._forward_once(ids)
+            return self._forward_once(ids, timed)
         except torch.cuda.OutOfMemoryError:
             if len(ids) == 1:
                 raise
@@ -293,13 +351,12 @@ class Batcher:
             if self.embedder.device.type == "cuda":
                 torch.cuda.empty_cache()
             half = len(ids) // 2
-            return torch.cat([self._forward(ids[:half]), self._forward(ids[half:])])
+            return torch.cat([self._forward(ids[:half], timed), self._forward(ids[half:], timed)])
 
-    def _forward_once(self, ids: list[list[int]]) -> torch.Tensor:
+    def _forward_once(self, ids: list[list[int]], timed: bool) -> torch.Tensor:
         """One forward on the current path. A fused forward that raises or yields NaN/Inf is re-run on the
         reference path (counted); non-finite output from the reference itself is an error, never an answer."""
-        timed = random.random() < self.settings.kernel_timing_sample_rate
-        path = "fused" if any(fn is not reference.OPS[op] for op, fn in registry.active.items()) else "reference"
+        path = self._path()
         started = time.perf_counter()
         try:
             if timed:
@@ -330,6 +387,17 @@ class Batcher:
 
 class NonFiniteOutput(RuntimeError):
     pass
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A launched batch the worker has not finished yet."""
+
+    batch: list[Item]
+    ids: list[list[int]]
+    pending: Pending
+    started: float
+    path: str
 
 
 class KernelTimer:

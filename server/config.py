@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     max_batch_requests: int = Field(64, ge=1, description="inputs per batch")
     max_wait_ms: float = Field(0.0, ge=0, description="longest an input waits for company before its batch closes "
                                "(0: the worker takes whatever is queued as soon as it is free)")
+    overlap_batches: bool = Field(
+        True, description="launch the next batch before waiting for the last one's result (CUDA graphs): the GPU "
+        "runs while the worker delivers and waits for the GIL")
     max_queue: int = Field(4096, ge=1, description="queued inputs beyond which requests get 429")
     max_client_batch: int = Field(256, ge=1, description="inputs per request")
     request_timeout_s: float = Field(30.0, gt=0)

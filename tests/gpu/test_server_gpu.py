@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -57,3 +58,34 @@ def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
     memory = [line for line in metrics.splitlines() if line.startswith("fusedserve_device_memory_bytes")]
     assert memory and any(float(line.rsplit(" ", 1)[1]) > 0 for line in memory), memory
     print("\n" + "\n".join(timed[:12] + checks + memory))
+
+
+def test_gpu_server_overlapped_batches_answer_their_own_requests(tmp_path):
+    # the serving defaults (no timing, no verification: every batch replays a graph and overlap_batches holds one
+    # in flight); small batches so that many follow each other while 48 requests of distinct texts are in flight
+    server = start_server(tmp_path, model=str(_model_dir().resolve()), device="cuda", dtype="float16",
+                          kernel_timing_sample_rate="0", max_batch_requests="4")
+    requests = [[SENTENCES[i % len(SENTENCES)], SENTENCES[(7 * i + 3) % len(SENTENCES)]] for i in range(48)]
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            alone = {t: client.post("/infer", json={"inputs": [t]}).json()["embeddings"][0]
+                     for t in {t for r in requests for t in r}}
+
+            def post(texts):
+                with httpx.Client(base_url=server.url, timeout=60) as c:
+                    return c.post("/infer", json={"inputs": texts}).json()["embeddings"]
+
+            with ThreadPoolExecutor(16) as pool:
+                answers = list(pool.map(post, requests * 3))
+            info = client.get("/info").json()
+    finally:
+        assert server.stop() in (0, -signal.SIGTERM), server.log()[-3000:]
+    assert info["batching"]["overlap_batches"] is True
+    assert info["batching"]["overlapped"] > 0, info["batching"]  # batches were launched ahead
+    assert info["cuda_graphs"]["replays"] > 0, info["cuda_graphs"]
+    for texts, got in zip(requests * 3, answers):
+        for text, vector in zip(texts, got):
+            own = sum(x * y for x, y in zip(vector, alone[text]))
+            nearest_other = max(sum(x * y for x, y in zip(vector, alone[t])) for t in alone if t != text)
+            # its own text's embedding (distinct texts here are at most 0.99 alike in MiniLM, so a swap fails)
+            assert own >= 0.999 and own > nearest_other, (text, own, nearest_other)
