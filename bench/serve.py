@@ -196,13 +196,26 @@ def server_sums(urls: str | list[str], route: str = "/infer") -> dict[str, float
     return dict(totals)
 
 
+def settled_sums(urls: str | list[str], route: str = "/infer", tries: int = 20) -> dict[str, float]:
+    """server_sums once two reads 50 ms apart agree: the server records a request's duration just after sending
+    its response, so a read taken the moment the clients have their last answers can miss the last few."""
+    last = server_sums(urls, route)
+    for _ in range(tries):
+        time.sleep(0.05)
+        current = server_sums(urls, route)
+        if current == last:
+            break
+        last = current
+    return last
+
+
 def server_breakdown(before: dict[str, float], after: dict[str, float], elapsed: float) -> dict[str, float]:
     """Where a request's time went inside the server during one run: mean time from arrival to response, of which
     queued (waiting for a batch), and the model's forward time per batch; the rest is the server's own work
     (parsing, tokenizing, batching, serializing) plus waiting on the worker."""
     d = {k: after[k] - before[k] for k in after}
     requests, batches = max(d["requests"], 1), max(d["batches"], 1)
-    out = {"server_request_ms": 1e3 * d["request"] / requests,
+    out = {"requests": d["requests"], "server_request_ms": 1e3 * d["request"] / requests,
            "queue_ms_per_input": 1e3 * d["queue"] / max(d["inputs"], 1),
            "forward_ms_per_batch": 1e3 * d["forward"] / batches, "batches": d["batches"],
            "inputs_per_batch": d["batch_size"] / batches,
@@ -211,6 +224,30 @@ def server_breakdown(before: dict[str, float], after: dict[str, float], elapsed:
     # validation, tokenizing, the thread hops, waiting for the event loop, serializing)
     out["overhead_ms"] = out["server_request_ms"] - out["queue_ms_per_input"] - out["forward_ms_per_batch"]
     return out
+
+
+def single_requests(url: str, texts: list[str], count: int = 200, warm: int = 20) -> dict:
+    """One client sending one request at a time to /infer: its latency (p50, p99, mean), the server's own account of
+    the same requests (server_breakdown over them: time in the server, queued, forward) and an HTTP floor (GET
+    /healthz round trips on the same connection), so the latency splits into client + HTTP, server work, forward."""
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for _ in range(warm):
+            client.post("/infer", json={"inputs": texts}).raise_for_status()
+        before, started, latencies = server_sums(url), time.monotonic(), []
+        for _ in range(count):
+            t = time.perf_counter()
+            client.post("/infer", json={"inputs": texts}).raise_for_status()
+            latencies.append(time.perf_counter() - t)
+        inside = server_breakdown(before, settled_sums(url), time.monotonic() - started)
+        floor = []
+        for _ in range(count):
+            t = time.perf_counter()
+            client.get("/healthz").raise_for_status()
+            floor.append(time.perf_counter() - t)
+    q = statistics.quantiles(latencies, n=100)
+    return {"requests": count, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
+            "mean_ms": statistics.fmean(latencies) * 1e3, "server": inside,
+            "healthz_p50_ms": statistics.median(floor) * 1e3}
 
 
 def mixed_texts(n: int, seed: int = 0, low: int = 1, high: int = 200) -> list[str]:
@@ -257,7 +294,7 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
     one = sentences(1, 20)
     st_rate, st_lat = sentence_transformers_gpu(args.model, texts, tokens_total, one)
 
-    runs, single, info, metrics = [], [], {}, ""
+    runs, single, info, metrics = [], {}, {}, ""
     token_count = list(map(len, ids))
 
     def report() -> dict:  # saved after every run too: a sweep cut short by a time limit keeps what it measured
@@ -267,8 +304,9 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
             "texts": len(texts), "tokens": tokens_total, "runner_raw_tokens_per_s": raw,
             "sentence_transformers_fp16_tokens_per_s": st_rate,
             "sentence_transformers_single_p50_ms": statistics.median(st_lat) * 1e3 if st_lat else None,
-            "single_request_p50_ms": statistics.median(single) * 1e3 if single else None,
-            "single_request_p99_ms": statistics.quantiles(single, n=100)[98] * 1e3 if single else None,
+            "single_request_p50_ms": single["p50_ms"] if single else None,
+            "single_request_p99_ms": single["p99_ms"] if single else None,
+            "single_request": single or None,
             "runs": runs, "info": info,
             "metrics_excerpt": [line for line in metrics.splitlines()
                                 if line.startswith(("fusedserve_kernel_duration_seconds_count",
@@ -291,7 +329,7 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
                     run = load(urls, rows, clients, args.seconds, args.per_request, token_count,
                                args.client_processes, payload)
                     latencies, errors, elapsed, sent = run["latencies"], run["errors"], run["elapsed"], run["tokens"]
-                    inside = server_breakdown(before, server_sums(urls, route), elapsed)
+                    inside = server_breakdown(before, settled_sums(urls, route), elapsed)
                     q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
                     runs.append({"config": config, "replicas": replicas, "payload": payload, "clients": clients,
                                  "requests": len(latencies), "errors": errors,
@@ -309,16 +347,14 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
                           f"{100 * inside['forward_busy']:.0f}%", file=sys.stderr, flush=True)
                     save(report(), args.out)
             if not single:  # single-request latency on the first configuration
-                with httpx.Client(base_url=urls[0], timeout=30) as client:
-                    for _ in range(20):
-                        client.post("/infer", json={"inputs": one})
-                    for _ in range(200):
-                        t = time.perf_counter()
-                        client.post("/infer", json={"inputs": one})
-                        single.append(time.perf_counter() - t)
+                single = single_requests(urls[0], one)
                 info = httpx.get(urls[0] + "/info").json()
                 metrics = httpx.get(urls[0] + "/metrics").text
-    print(f"single 20-word request: p50 {statistics.median(single) * 1e3:.2f} ms", file=sys.stderr)
+    if single:
+        inside = single["server"]
+        print(f"single 20-word request: p50 {single['p50_ms']:.2f} ms (server {inside['server_request_ms']:.2f} of it, "
+              f"forward {inside['forward_ms_per_batch']:.2f}; GET /healthz p50 {single['healthz_p50_ms']:.2f})",
+              file=sys.stderr)
     return report()
 
 

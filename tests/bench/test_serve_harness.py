@@ -1,0 +1,31 @@
+"""The serving benchmark's harness against a real server (tiny model, CPU): what the closed-loop clients count
+agrees with what the server's own /metrics count over the same run, and the single-request split adds up."""
+
+from __future__ import annotations
+
+from bench.serve import load, running_servers, server_breakdown, server_sums, settled_sums, single_requests
+from model.tokenizer import TextTokenizer
+from model.weights import default_model_dir
+
+
+def test_load_and_single_requests_agree_with_the_servers_metrics():
+    texts = ["a short sentence", "another one, a little longer than the first", "three"]
+    tokens = [len(r) for r in TextTokenizer(default_model_dir(), 128).encode(texts)]
+    with running_servers(1, model="tiny", device="cpu", torch_threads="1") as servers:
+        url = servers[0][1]
+        before = server_sums(url)
+        run = load(url, texts, clients=4, seconds=1.5, per_request=2, count_tokens=tokens)
+        inside = server_breakdown(before, settled_sums(url), run["elapsed"])
+        assert run["errors"] == 0 and len(run["latencies"]) > 4
+        assert inside["requests"] == len(run["latencies"])  # every answered request, each once
+        # every input ran once (2 per request)
+        assert round(inside["inputs_per_batch"] * inside["batches"]) == 2 * len(run["latencies"])
+        assert 0 < run["tokens"] <= 2 * len(run["latencies"]) * max(tokens)
+        assert 0 < inside["forward_ms_per_batch"] and 0 < inside["server_request_ms"]
+
+        single = single_requests(url, texts[:1], count=12, warm=2)
+        s = single["server"]
+        assert s["requests"] == 12 and s["batches"] == 12 and s["inputs_per_batch"] == 1  # one at a time
+        # the server's time is part of the client's round trip, the forward part of the server's time
+        assert s["forward_ms_per_batch"] <= s["server_request_ms"] <= single["mean_ms"]
+        assert single["p50_ms"] <= single["p99_ms"] and single["healthz_p50_ms"] > 0
