@@ -7,6 +7,9 @@ the GEMMs and fused ops see no padding; rows x longest row with the padded layou
 length to cut padding: the batch is the window of similar lengths around the oldest waiting input (so
 nothing starves). A request's inputs are separate items: they may land in different batches and are
 reassembled in order. Expired inputs are answered 504 and cancelled ones dropped before they run.
+
+With CUDA graphs (overlap_batches) the worker launches a batch and, if another is due, launches that one too
+before it waits for the first: the device is never idle while the worker delivers results or waits for the GIL.
 """
 
 from __future__ import annotations
@@ -177,7 +180,8 @@ class Batcher:
                 self._busy = True
                 control, self._control = self._control, []
             if control and inflight is not None:  # control work runs between batches, never beside one
-                inflight = self._finish(inflight)
+                self._finish(inflight)
+                inflight = None
             for fn, future in control:
                 try:
                     future.set_result(fn())
