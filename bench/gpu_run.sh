@@ -29,8 +29,9 @@ gpu_tests() {  # name, time limit, pytest args...: one pytest per call, its log 
   grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$name.log" | grep -E "cosine|passed|failed|Error|^E " | tail -12
 }
 serve_sweep() {  # one server, then four replicas on the GPU; texts (the server tokenizes) and token ids
+  # (SERVE_CONFIGS / SERVE_PAYLOADS / SERVE_MODEL / SERVE_S override: e.g. SERVE_CONFIGS="replicas=4 replicas=8")
   timeout ${SERVE_S:-540} python3 -m bench.serve --device cuda --seconds 6 --per-request 16 \
-    --model "${SERVE_MODEL:-$PWD/.gpu-assets/minilm}" --payloads text ids \
+    --model "${SERVE_MODEL:-$PWD/.gpu-assets/minilm}" --payloads ${SERVE_PAYLOADS:-text ids} \
     --configs ${SERVE_CONFIGS:-replicas=1 replicas=4} --out "$OUT/serve.json" 2>&1 \
     | tee "$OUT/serve.log" | grep -E "clients:|raw|sentence-trans|single|rror" | tail -24
 }
