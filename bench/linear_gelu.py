@@ -1,7 +1,8 @@
-"""The FFN-in of an encoder layer, GELU(x @ W^T + b), five ways on the same inputs in one run: our Triton GEMM
-with the bias + GELU epilogue; cuBLAS (F.linear) followed by our separate bias_gelu (CUDA and Triton: what the
-encoder runs today); eager PyTorch; torch.compile of the same; and cuBLASLt's own GELU epilogue
-(`torch._addmm_activation`, the tanh approximation: a speed reference, not the same math).
+"""The FFN-in of an encoder layer, GELU(x @ W^T + b), several ways on the same inputs in one run: our Triton GEMM
+with the bias + GELU epilogue (pointer loads, and the persistent TMA variant); cuBLAS (F.linear) followed by our
+separate bias_gelu (CUDA and Triton: what the encoder runs today); eager PyTorch; torch.compile of the same; and
+cuBLASLt's own GELU epilogue (`torch._addmm_activation`, the tanh approximation: a speed reference, not the same
+math).
 
     python -m bench.linear_gelu --out bench/results/$(date +%F)-h200-linear-gelu.json
 
@@ -36,7 +37,10 @@ def providers() -> dict[str, Callable]:
     """The two backends' linear_bias_gelu (what the registry races), then what a user would write instead."""
     from kernels.triton import LAUNCHERS as TRITON
 
-    out: dict[str, Callable] = {"triton fused GEMM+bias+GELU": TRITON["linear_bias_gelu"]}
+    from kernels.triton.linear_gelu import linear_bias_gelu_tma
+
+    out: dict[str, Callable] = {"triton fused GEMM+bias+GELU": TRITON["linear_bias_gelu"],
+                                "triton TMA persistent GEMM+bias+GELU": linear_bias_gelu_tma}
     try:
         from kernels.cuda import load
 
