@@ -44,24 +44,33 @@ CONFIGS = [
 ]
 
 
-def configs_within(configs, element_size: int, limit: int) -> list[triton.Config]:
-    """The configurations whose pipelined A and B tiles (num_stages copies of each) fit `limit` bytes."""
+def configs_within(configs, element_size: int, limit: int, output_tile: bool = False) -> list[triton.Config]:
+    """The configurations whose pipelined A and B tiles (num_stages copies of each), plus the output tile when the
+    kernel stores through a tensor descriptor (staged in shared memory), fit `limit` bytes."""
     def need(c):
         m, n, k = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-        return (m * k + k * n) * element_size * c.num_stages
+        return ((m * k + k * n) * c.num_stages + (m * n if output_tile else 0)) * element_size
 
     return [c for c in configs if need(c) <= limit]
 
 
-def _fits_shared_memory(configs, named_args, **kwargs):
-    """Drop what does not fit the device's shared memory (fp32 with the largest tiles on any GPU; more of them on
-    GPUs smaller than Hopper). The first survivor is the heuristic default, all that runs with
-    FUSEDSERVE_TRITON_AUTOTUNE=0."""
-    x = named_args["x_ptr"]
-    if INTERPRET or x.device.type != "cuda":
-        return list(configs)
-    props = torch.cuda.get_device_properties(x.device)
-    return configs_within(configs, x.element_size(), getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+def _shared_memory_prune(output_tile: bool):
+    def prune(configs, named_args, **kwargs):
+        """Drop what does not fit the device's shared memory (fp32 with the largest tiles on any GPU; more of them
+        on GPUs smaller than Hopper). The first survivor is the heuristic default, all that runs with
+        FUSEDSERVE_TRITON_AUTOTUNE=0."""
+        x = named_args["x_ptr"]
+        if INTERPRET or x.device.type != "cuda":
+            return list(configs)
+        props = torch.cuda.get_device_properties(x.device)
+        limit = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+        # with a staged output tile, keep 8 KB for the epilogue's layout conversion and the pipeline's barriers
+        return configs_within(configs, x.element_size(), limit - (8192 if output_tile else 0), output_tile)
+
+    return prune
+
+
+_fits_shared_memory = _shared_memory_prune(output_tile=False)
 
 
 def row_class(m: int) -> int:
@@ -167,7 +176,7 @@ def tma_eligible(x2: Tensor, weight: Tensor, out: Tensor) -> bool:
                for t in (x2, weight, out))
 
 
-@autotune(TMA_CONFIGS, key=["M_CLASS", "N", "K", "IEEE"], prune=_fits_shared_memory)
+@autotune(TMA_CONFIGS, key=["M_CLASS", "N", "K", "IEEE"], prune=_shared_memory_prune(output_tile=True))
 @triton.jit
 def _linear_gelu_tma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_CLASS, PROGRAMS: tl.constexpr,
                             MODE: tl.constexpr, IEEE: tl.constexpr,

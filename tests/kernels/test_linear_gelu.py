@@ -93,6 +93,11 @@ def test_configs_that_overflow_shared_memory_are_pruned():
     assert fp16[0] is linear_gelu.CONFIGS[0]  # the 128x256x64 default fits in half precision
     assert linear_gelu.CONFIGS[0] not in fp32 and fp32  # but not in fp32, where a smaller one leads
     assert len(linear_gelu.configs_within(linear_gelu.CONFIGS, 4, 48 * 1024)) < len(fp32)
+    # the TMA kernel also stages its output tile: its 128x256 default still fits in fp16, fp32 keeps small tiles
+    tma16 = linear_gelu.configs_within(linear_gelu.TMA_CONFIGS, 2, h200 - 8192, output_tile=True)
+    tma32 = linear_gelu.configs_within(linear_gelu.TMA_CONFIGS, 4, h200 - 8192, output_tile=True)
+    assert tma16[0] is linear_gelu.TMA_CONFIGS[0] and tma32 and len(tma32) < len(tma16)
+    assert all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 for c in tma32)
 
 
 # the persistent TMA variant (bench-only until it beats cuBLAS on the H200): K and N multiples of 16 bytes
