@@ -45,7 +45,7 @@ case "$mode" in
     FUSEDSERVE_TRITON_AUTOTUNE=0 FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm \
       timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 tests/kernels 2>&1 | tee "$OUT/gpu-tests-kernels.log" | tail -5
     FUSEDSERVE_TRITON_AUTOTUNE=${AUTOTUNE_MODEL_TESTS:-1} FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm \
-      timeout 240 python3 -m pytest -m gpu -q -s -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests-model.log" | tail -12
+      timeout 330 python3 -m pytest -m gpu -q -s -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests-model.log" | tail -12
     ;;
   sanitize)
     build_cached
