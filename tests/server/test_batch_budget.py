@@ -4,6 +4,7 @@ padded layout; the window of similar lengths around the oldest input either way.
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -46,3 +47,31 @@ def test_similar_lengths_first_under_either_budget(loop):
     batcher = _batcher("packed", 60)
     items = _queue(batcher, loop, [20, 5, 19, 21, 40])
     assert sorted(it.length for it in batcher._choose(items[0])) == [19, 20, 21]
+
+
+def test_each_batch_holds_the_oldest_input_and_a_window_of_similar_lengths(loop):
+    # 600 inputs of random lengths in arrival order (as submit keeps them): every batch taken holds the oldest input
+    # still waiting, and is a contiguous run of the waiting inputs ordered by (length, arrival)
+    batcher = _batcher("packed", 2048)
+    rng = random.Random(7)
+    items = _queue(batcher, loop, [rng.randint(1, 200) for _ in range(600)])
+    waiting = list(items)
+    with batcher._cond:
+        while batcher._pending:
+            ordered = sorted(waiting, key=lambda it: (it.length, it.enqueued))
+            batch = batcher._next_batch()
+            assert waiting[0] in batch
+            start = ordered.index(min(batch, key=lambda it: (it.length, it.enqueued)))
+            assert ordered[start : start + len(batch)] == sorted(batch, key=lambda it: (it.length, it.enqueued))
+            assert sum(it.length for it in batch) <= 2048
+            taken = set(map(id, batch))
+            waiting = [it for it in waiting if id(it) not in taken]
+    assert not waiting
+
+
+def test_the_oldest_goes_first_among_many_of_its_length(loop):
+    # 41 inputs of one length and a budget for 10 of them: the batch is the 10 that arrived first, oldest included
+    batcher = _batcher("packed", 500)
+    items = _queue(batcher, loop, [50] * 41)
+    with batcher._cond:
+        assert batcher._next_batch() == items[:10]
