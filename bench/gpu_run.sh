@@ -112,7 +112,7 @@ case "$mode" in
       --compile-cases "bert-base b32 s128 fixed" "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" 2>&1 | tee "$OUT/encoder.log" | tail -16
     timeout 60 python3 -m bench.profile --preset minilm-l6 --backends cuda --out "$OUT/profile-minilm.json" 2>&1 \
       | tee "$OUT/profile-minilm.log" | grep -E "us/forward"
-    timeout 60 python3 -m bench.profile --backends cuda triton --out "$OUT/profile-bert.json" 2>&1 \
+    timeout 100 python3 -m bench.profile --backends cuda triton --out "$OUT/profile-bert.json" 2>&1 \
       | tee "$OUT/profile-bert.log" | grep -E "us/forward"
     ;;
 esac
