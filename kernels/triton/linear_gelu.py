@@ -32,16 +32,12 @@ def _config(m: int, n: int, k: int, stages: int, warps: int) -> triton.Config:
                          num_warps=warps)
 
 
-CONFIGS = [
-    _config(128, 256, 64, 3, 8),  # the heuristic default (first): large FFN-in shapes on sm_90
-    _config(64, 256, 32, 4, 4),
-    _config(128, 128, 32, 4, 4),
-    _config(128, 128, 64, 3, 8),
-    _config(128, 64, 32, 4, 4),
-    _config(64, 128, 32, 4, 4),
-    _config(64, 64, 64, 4, 4),
-    _config(32, 64, 32, 5, 2),  # few rows (a single short request)
-]
+CONFIGS = [_config(*c) for c in (  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
+    (128, 256, 64, 3, 8),  # the heuristic default (first): large FFN-in shapes on sm_90
+    (64, 256, 32, 4, 4), (128, 128, 32, 4, 4), (128, 128, 64, 3, 8), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4),
+    (64, 64, 64, 4, 4),
+    (32, 64, 32, 5, 2),  # few rows (a single short request)
+)]
 
 
 def configs_within(configs, element_size: int, limit: int, output_tile: bool = False) -> list[triton.Config]:
@@ -80,20 +76,23 @@ def row_class(m: int) -> int:
     return 0 if m <= 64 else 1 if m <= 1024 else 2
 
 
+@triton.jit
+def _tile_position(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile number -> (row tile, column tile) in grouped order (Triton's matmul tutorial): GROUP_M row tiles walk
+    the column tiles together, so their weight tiles are shared in L2."""
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = min(tiles_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
 @autotune(CONFIGS, key=["M_CLASS", "N", "K", "IEEE"], prune=_fits_shared_memory)
 @triton.jit
 def _linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_CLASS,
                         stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                         MODE: tl.constexpr, IEEE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = min(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = _tile_position(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -118,10 +117,8 @@ def _linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_CLASS,
     tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none", *,
-                     out: Tensor | None = None) -> Tensor:
-    """GELU(x @ weight^T + bias): x [..., K], weight [N, K] (nn.Linear's layout), bias [N] -> [..., N] in x's
-    dtype. Any strides; `out` (contiguous, [..., N]) is written in place."""
+def _prepare(x: Tensor, weight: Tensor, bias: Tensor, approximate: str, out: Tensor | None):
+    """Check the arguments (both launchers raise the same errors) and give x as [M, K] rows and the [M, N] output."""
     check_device("linear_bias_gelu", x, weight, bias)
     if x.dtype not in DTYPES or weight.dtype != x.dtype or bias.dtype != x.dtype:
         raise TypeError(f"linear_bias_gelu: x, weight and bias must share one of {DTYPES}, got "
@@ -131,23 +128,37 @@ def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str =
     if weight.dim() != 2 or bias.shape != (weight.shape[0],) or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear_bias_gelu: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{tuple(bias.shape)} do not fit x @ weight^T + bias")
-    k, n = weight.shape[1], weight.shape[0]
+    n, k = weight.shape
     x2 = x.reshape(-1, k)
-    m = x2.shape[0]
     shape = (*x.shape[:-1], n)
     if out is None:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    else:
-        if out.shape != shape or out.dtype != x.dtype or not out.is_contiguous():
-            raise ValueError(f"linear_bias_gelu: out must be a contiguous {x.dtype} tensor of shape {shape}")
-        y = out.view(m, n)
-    if m and n:
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _linear_gelu_kernel[grid](x2, weight, bias, y, m, n, k, row_class(m),
-                                  x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
-                                  y.stride(0), y.stride(1), MODE=GELU_MODES[approximate],
-                                  IEEE=x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16))
-    return out if out is not None else y.view(shape)
+        return x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if out.shape != shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"linear_bias_gelu: out must be a contiguous {x.dtype} tensor of shape {shape}")
+    return x2, out.view(x2.shape[0], n)
+
+
+def _ieee(dtype: torch.dtype) -> bool:
+    # fp32 inputs take IEEE products; so does bf16 under the interpreter, whose bf16 dot is wrong
+    return dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
+
+
+def _launch_pointer(x2: Tensor, weight: Tensor, bias: Tensor, y: Tensor, approximate: str) -> None:
+    (m, k), n = x2.shape, weight.shape[0]
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _linear_gelu_kernel[grid](x2, weight, bias, y, m, n, k, row_class(m),
+                              x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
+                              y.stride(0), y.stride(1), MODE=GELU_MODES[approximate], IEEE=_ieee(x2.dtype))
+
+
+def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none", *,
+                     out: Tensor | None = None) -> Tensor:
+    """GELU(x @ weight^T + bias): x [..., K], weight [N, K] (nn.Linear's layout), bias [N] -> [..., N] in x's
+    dtype. Any strides; `out` (contiguous, [..., N]) is written in place."""
+    x2, y = _prepare(x, weight, bias, approximate, out)
+    if y.numel():
+        _launch_pointer(x2, weight, bias, y, approximate)
+    return out if out is not None else y.view(*x.shape[:-1], weight.shape[0])
 
 
 # ---- a persistent TMA variant (Hopper) -------------------------------------------------------------------------
@@ -157,14 +168,10 @@ def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str =
 # that walks the tiles (a persistent grid: no tail wave, the next tile's loads overlap this one's epilogue). It is
 # measured by `python -m bench.linear_gelu` only, next to the kernel above, before it may join the registry.
 
-TMA_CONFIGS = [
-    _config(128, 256, 64, 3, 8),
-    _config(128, 128, 64, 4, 8),
-    _config(128, 128, 64, 3, 4),
-    _config(128, 64, 64, 4, 4),
-    _config(64, 128, 64, 4, 4),
-    _config(64, 64, 64, 4, 4),
-]
+TMA_CONFIGS = [_config(*c) for c in (
+    (128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 3, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+    (64, 64, 64, 4, 4),
+)]
 
 _allocator_ready = False
 TMA_AVAILABLE = hasattr(tl, "make_tensor_descriptor")  # device-side tensor descriptors (Triton >= 3.3 or so)
@@ -188,12 +195,8 @@ def _linear_gelu_tma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_CLASS, PROGRA
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     steps = tl.cdiv(K, BLOCK_K)
-    per_group = GROUP_M * tiles_n
     for tile in range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS):
-        first_m = (tile // per_group) * GROUP_M
-        group_rows = min(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_rows
-        pid_n = (tile % per_group) // group_rows
+        pid_m, pid_n = _tile_position(tile, tiles_m, tiles_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(steps):
             a = x_desc.load([pid_m * BLOCK_M, step * BLOCK_K])
@@ -208,34 +211,29 @@ def _linear_gelu_tma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_CLASS, PROGRA
         y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h.to(y_ptr.dtype.element_ty))
 
 
-def linear_bias_gelu_tma(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none", *,
-                         out: Tensor | None = None) -> Tensor:
-    """linear_bias_gelu through the persistent TMA kernel. Arguments it cannot take (bad ones, which the pointer
-    kernel then reports; or inputs TMA cannot address: strided rows, rows not a multiple of 16 bytes) go to the
-    pointer kernel `linear_bias_gelu`, so any input gets the right answer or the same error."""
+def _launch_tma(x2: Tensor, weight: Tensor, bias: Tensor, y: Tensor, approximate: str) -> None:
     global _allocator_ready
-    fallback = lambda: linear_bias_gelu(x, weight, bias, approximate, out=out)  # noqa: E731
-    if (x.dtype not in DTYPES or weight.dim() != 2 or weight.dtype != x.dtype or bias.dtype != x.dtype
-            or bias.shape != (weight.shape[0],) or x.shape[-1] != weight.shape[1] or approximate not in GELU_MODES):
-        return fallback()
-    check_device("linear_bias_gelu", x, weight, bias)
-    n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    if out is not None and (out.shape != (*x.shape[:-1], n) or out.dtype != x.dtype or not out.is_contiguous()):
-        return fallback()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
-    if not m or not n or not TMA_AVAILABLE or not tma_eligible(x2, weight, y):
-        return fallback()
-    if INTERPRET or x.device.type != "cuda":
+    if INTERPRET or x2.device.type != "cuda":
         programs = 4
     else:
         if not _allocator_ready:  # device-side descriptors live in a small global scratch buffer per launch
             triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
             _allocator_ready = True
-        programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+        programs = torch.cuda.get_device_properties(x2.device).multi_processor_count
+    (m, k), n = x2.shape, weight.shape[0]
     tiles = lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])  # noqa: E731
     _linear_gelu_tma_kernel[lambda meta: (min(programs, tiles(meta)),)](
         x2, weight, bias, y, m, n, k, row_class(m), PROGRAMS=programs, MODE=GELU_MODES[approximate],
-        IEEE=x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16))
-    return out if out is not None else y.view(*x.shape[:-1], n)
+        IEEE=_ieee(x2.dtype))
+
+
+def linear_bias_gelu_tma(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none", *,
+                         out: Tensor | None = None) -> Tensor:
+    """linear_bias_gelu through the persistent TMA kernel: same arguments, same errors. Inputs TMA cannot address
+    (strided rows, rows not a multiple of 16 bytes; or a Triton without tensor descriptors) run the pointer kernel,
+    so any input gets the right answer."""
+    x2, y = _prepare(x, weight, bias, approximate, out)
+    if y.numel():
+        tma = TMA_AVAILABLE and tma_eligible(x2, weight, y)
+        (_launch_tma if tma else _launch_pointer)(x2, weight, bias, y, approximate)
+    return out if out is not None else y.view(*x.shape[:-1], weight.shape[0])
