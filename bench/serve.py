@@ -348,6 +348,7 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
                 single = single_requests(urls[0], one)
                 info = httpx.get(urls[0] + "/info").json()
                 metrics = httpx.get(urls[0] + "/metrics").text
+                save(report(), args.out)  # before the next configuration's start-up, which a time limit may cut
     if single:
         inside = single["server"]
         print(f"single 20-word request: p50 {single['p50_ms']:.2f} ms (server {inside['server_request_ms']:.2f} of it, "

@@ -20,6 +20,7 @@ from kernels.registry import BackendError, BackendUnavailable, Selection, config
 __all__ = [
     "BackendError", "Selection", "configure", "registry", "reference_path",
     "layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm", "embedding_layer_norm",
+    "linear_bias_gelu", "segment_mean",
 ]
 
 _active = registry.active
@@ -105,6 +106,12 @@ def embedding_layer_norm(
         input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
         weight, bias, eps,
     )
+
+
+def segment_mean(x: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Mean of each segment of rows, x [T, H] and offsets cu_seqlens [B + 1] -> [B, H] float32 (empty segment: 0;
+    rows past the last offset unread): the mean pooling of a packed batch."""
+    return _ops()["segment_mean"](x, cu_seqlens)
 
 
 def _load_triton(device: torch.device):

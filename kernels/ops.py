@@ -183,6 +183,21 @@ def _define(backend: str, launchers: Mapping[str, Callable]) -> dict[str, Callab
         return embedding_layer_norm_op(*args)
 
     ops["embedding_layer_norm"] = embedding_layer_norm
+
+    # ---- segment_mean ----------------------------------------------------------------------------
+    @torch.library.custom_op(lib + "segment_mean", mutates_args=())
+    def segment_mean_op(x: Tensor, cu_seqlens: Tensor) -> Tensor:
+        return launchers["segment_mean"](x, cu_seqlens)
+
+    segment_mean_op.register_fake(lambda x, cu_seqlens: x.new_empty(
+        (cu_seqlens.shape[0] - 1, x.shape[1]), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32))
+
+    def segment_mean(x, cu_seqlens, *, out=None):
+        if out is not None or _eager(x):
+            return launchers["segment_mean"](x, cu_seqlens, out=out)
+        return segment_mean_op(x, cu_seqlens)
+
+    ops["segment_mean"] = segment_mean
     return ops
 
 

@@ -128,6 +128,23 @@ def embedding_layer_norm(
     return _store(_layer_norm(h, weight, bias, eps), word_embeddings.dtype, out)
 
 
+def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """Mean of each segment of rows: out[b] = mean(x[cu_seqlens[b] : cu_seqlens[b + 1]]) for x [T, H] and
+    cu_seqlens [B + 1] (non-decreasing offsets, as varlen attention takes them) -> [B, H], float32 (float64 stays
+    float64). An empty segment gives zeros; rows past cu_seqlens[B] are never read (a packed batch's filler
+    tokens); offsets are clamped to [0, T]. The mean pooling of a packed batch (sentence-transformers' Pooling)."""
+    compute = _compute_dtype(x.dtype)
+    t = x.shape[0]
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long).clamp(0, t)
+    cu = torch.maximum(cu, torch.cummax(cu, 0).values)  # non-decreasing after the clamp
+    lengths = cu[1:] - cu[:-1]
+    rows = torch.arange(int(cu[-1]) - int(cu[0]), device=x.device) + cu[0] if cu.numel() else cu[:0]
+    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths)
+    sums = torch.zeros((lengths.numel(), x.shape[1]), dtype=compute, device=x.device)
+    sums.index_add_(0, segment, x[rows].to(compute))
+    return _store(sums / lengths.clamp(min=1)[:, None].to(compute), compute, out)
+
+
 OPS = {
     "layer_norm": layer_norm,
     "layer_norm_gelu": layer_norm_gelu,
@@ -136,4 +153,5 @@ OPS = {
     "add_layer_norm": add_layer_norm,
     "embedding_layer_norm": embedding_layer_norm,
     "linear_bias_gelu": linear_bias_gelu,
+    "segment_mean": segment_mean,
 }

@@ -5,6 +5,7 @@ random-input generator for every op.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -118,6 +119,28 @@ def _linear_gelu_inputs(rows, cols, dtype, device, gen):
     return (x, w, b), {}
 
 
+def _segment_inputs(rows, cols, dtype, device, gen):
+    # `rows` packed tokens: segments of 1..2*avg-1 tokens back to back, then an empty one (a CUDA-graph bucket's
+    # filler sequence), then ~1/8 of the rows as filler tokens past the last offset, set to NaN: never to be read
+    real = rows - rows // 8
+    avg = max(1, min(128, real // 4))
+    lengths: list[int] = []
+    while sum(lengths) < real:
+        lengths.append(min(int(torch.randint(1, 2 * avg, (1,), generator=gen)), real - sum(lengths)))
+    offsets = torch.tensor([0, *itertools.accumulate([*lengths, 0])], dtype=torch.int32, device=device)
+    x = _randn((rows, cols), dtype, device, gen, scale=2.0, shift=0.5)
+    x[real:] = float("nan")
+    return (x, offsets), {}
+
+
+def _same_as_input(args, rows, cols, dtype):
+    return (rows, cols), dtype
+
+
+def _per_segment(args, rows, cols, dtype):
+    return (args[1].numel() - 1, cols), (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
 @dataclass(frozen=True)
 class OpSpec:
     name: str
@@ -125,6 +148,8 @@ class OpSpec:
     make_inputs: Callable[..., tuple[tuple, dict]]
     rowwise: bool = True  # the first argument is [rows, cols] like the output (not so for a GEMM)
     race_cols: Callable[[int], int] = lambda hidden: hidden  # output width at a model's hidden size
+    # (args, rows, cols, dtype) -> the output's (shape, dtype): [rows, cols] in the input dtype unless said
+    output: Callable[..., tuple[tuple[int, ...], torch.dtype]] = _same_as_input
 
 
 OP_SPECS: dict[str, OpSpec] = {
@@ -136,6 +161,9 @@ OP_SPECS: dict[str, OpSpec] = {
     "embedding_layer_norm": OpSpec("embedding_layer_norm", reference.embedding_layer_norm, _embedding_ln_inputs),
     "linear_bias_gelu": OpSpec("linear_bias_gelu", reference.linear_bias_gelu, _linear_gelu_inputs, rowwise=False,
                                race_cols=lambda hidden: 4 * hidden),
+    # mean pooling of a packed batch: [rows tokens, cols] -> [segments, cols] float32
+    "segment_mean": OpSpec("segment_mean", reference.segment_mean, _segment_inputs, rowwise=False,
+                           output=_per_segment),
 }
 ROWWISE_OPS = tuple(op for op, spec in OP_SPECS.items() if spec.rowwise)
 assert set(OP_SPECS) == set(reference.OPS)
@@ -159,8 +187,10 @@ def check_op(fn: Callable[..., Tensor], op: str, rows: int, cols: int, dtype: to
     """Run `fn` (a backend's implementation of `op`) on fresh random inputs into a NaN-poisoned output
     and compare it with the float64 reference."""
     gen = torch.Generator().manual_seed(seed)
-    args, kwargs = OP_SPECS[op].make_inputs(rows, cols, dtype, device, gen)
-    out = torch.full((rows, cols), float("nan"), dtype=dtype, device=device)
+    spec = OP_SPECS[op]
+    args, kwargs = spec.make_inputs(rows, cols, dtype, device, gen)
+    shape, out_dtype = spec.output(args, rows, cols, dtype)
+    out = torch.full(shape, float("nan"), dtype=out_dtype, device=device)
     result = fn(*args, **kwargs, out=out)
     if result.data_ptr() != out.data_ptr():
         return ErrorReport(float("nan"), float("nan"), False, "did not write into the out= tensor")

@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger("fusedserve.kernels.cuda")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("binding.cpp", "norm.cu", "pointwise.cu")
+SOURCES = ("binding.cpp", "norm.cu", "pointwise.cu", "segment.cu")
 NAME = "fusedserve_cuda"
 # the C++ standard is torch's choice (C++17 for torch 2.11, C++20 for 2.14): not set here
 CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]

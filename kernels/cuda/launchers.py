@@ -115,6 +115,25 @@ def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str =
     return bias_gelu(torch.nn.functional.linear(x, weight), bias, approximate, out=out)
 
 
+def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """Mean of each segment of x's rows (the packed batch's mean pooling) -> [segments, hidden] float32."""
+    name = "segment_mean"
+    _check(name, x)
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be [tokens, hidden], got {tuple(x.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: cu_seqlens must be a [segments + 1] int32/int64 vector, got "
+                         f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+    x2 = as_rows(x, x.shape[1], name, max_cols=2**31)
+    shape = (cu_seqlens.numel() - 1, x.shape[1])
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=x.device)
+    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be a contiguous float32 tensor of shape {shape}")
+    _ops.segment_mean(x2, cu_seqlens.contiguous(), out)
+    return out
+
+
 LAUNCHERS = {
     "layer_norm": layer_norm,
     "layer_norm_gelu": layer_norm_gelu,
@@ -123,4 +142,5 @@ LAUNCHERS = {
     "add_layer_norm": add_layer_norm,
     "embedding_layer_norm": embedding_layer_norm,
     "linear_bias_gelu": linear_bias_gelu,
+    "segment_mean": segment_mean,
 }

@@ -8,6 +8,7 @@ from kernels.triton.embedding_layer_norm import embedding_layer_norm
 from kernels.triton.layer_norm import layer_norm
 from kernels.triton.layer_norm_gelu import layer_norm_gelu
 from kernels.triton.linear_gelu import linear_bias_gelu
+from kernels.triton.segment_mean import segment_mean
 
 LAUNCHERS = {
     "layer_norm": layer_norm,
@@ -17,4 +18,5 @@ LAUNCHERS = {
     "add_layer_norm": add_layer_norm,
     "embedding_layer_norm": embedding_layer_norm,
     "linear_bias_gelu": linear_bias_gelu,  # one GEMM with the bias + GELU epilogue
+    "segment_mean": segment_mean,  # mean pooling of a packed batch
 }

@@ -12,7 +12,7 @@ from kernels.testing import OP_SPECS, compare, float64_reference
 
 
 class ReferenceOps:
-    """The three torch.ops.fusedserve_cuda schemas, computed with the reference; checks what the C++ side
+    """The four torch.ops.fusedserve_cuda schemas, computed with the reference; checks what the C++ side
     requires of its arguments (2-D, unit column stride, int64 contiguous ids, valid configs)."""
 
     def __init__(self):
@@ -38,6 +38,11 @@ class ReferenceOps:
         h = x.float() + bias.float() + (residual.float() if residual is not None else 0)
         y.copy_(reference._gelu(h, {1: "none", 2: "tanh"}[gelu]))
 
+    def segment_mean(self, x, cu_seqlens, y):
+        assert x.dim() == 2 and x.stride(1) == 1 and cu_seqlens.is_contiguous() and y.dtype == torch.float32
+        self.configs.append(("segment_mean",))
+        y.copy_(reference.segment_mean(x, cu_seqlens))
+
 
 @pytest.fixture
 def launchers(monkeypatch):
@@ -54,13 +59,16 @@ def test_launchers_shape_arguments_and_write_into_out(launchers, op):
     table, fake = launchers
     gen = torch.Generator().manual_seed(3)
     args, kwargs = OP_SPECS[op].make_inputs(37, 300, torch.float32, "cpu", gen)
-    out = torch.full((37, 300), float("nan"))
+    shape, dtype = OP_SPECS[op].output(args, 37, 300, torch.float32)
+    out = torch.full(shape, float("nan"), dtype=dtype)
     result = table[op](*args, **kwargs, out=out)
     assert result.data_ptr() == out.data_ptr()
     assert compare(result, float64_reference(op, args, kwargs), torch.float32).ok
     from kernels.cuda.tuning import norm_candidates, pointwise_candidates
 
     kind, *config = fake.configs[-1]
+    if kind == "segment_mean":
+        return  # one launch configuration, no tuner
     expected = pointwise_candidates(300)[0] if kind == "bias_act" else norm_candidates(300)[0]
     assert tuple(config) == expected  # 37 rows: below the tuning threshold, the heuristic config
 

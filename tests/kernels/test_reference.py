@@ -23,11 +23,13 @@ def test_reference_matches_float64(op, rows, cols, dtype):
 
 
 @pytest.mark.parametrize("op", OP_SPECS)
-def test_reference_without_out_returns_input_dtype(op):
+def test_reference_without_out_returns_the_specified_output(op):
     gen = torch.Generator().manual_seed(1)
     args, kwargs = OP_SPECS[op].make_inputs(5, 33, torch.bfloat16, "cpu", gen)
     result = reference.OPS[op](*args, **kwargs)
-    assert result.dtype == torch.bfloat16 and result.shape == (5, 33)
+    shape, dtype = OP_SPECS[op].output(args, 5, 33, torch.bfloat16)
+    assert result.dtype == dtype and result.shape == shape
+    assert dtype == (torch.float32 if op == "segment_mean" else torch.bfloat16)
     assert compare(result, float64_reference(op, args, kwargs), torch.bfloat16).ok
 
 

@@ -191,6 +191,39 @@ void bias_act(const Tensor& x, const Tensor& bias, const optional<Tensor>& resid
                  op);
 }
 
+// y[b] = mean(x[cu_seqlens[b] : cu_seqlens[b + 1]]), y float32 [segments, cols]
+void segment_mean(const Tensor& x, const Tensor& cu_seqlens, Tensor& y) {
+    const char* op = "fusedserve_cuda.segment_mean";
+    TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [rows, cols], got ", x.sizes());
+    const int64_t rows = x.size(0), cols = x.size(1);
+    const int dtype = dtype_code(x, op);
+    check_rows(x, x, rows, cols, op, "x");
+    TORCH_CHECK(cu_seqlens.device() == x.device(), op, ": cu_seqlens is on ", cu_seqlens.device(), ", x on ",
+                x.device());
+    TORCH_CHECK((cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong) &&
+                    cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1 && cu_seqlens.is_contiguous(),
+                op, ": cu_seqlens must be a contiguous int32/int64 [segments + 1] vector");
+    const int64_t segments = cu_seqlens.numel() - 1;
+    TORCH_CHECK(y.is_cuda() && y.device() == x.device() && y.scalar_type() == at::kFloat && y.dim() == 2 &&
+                    y.size(0) == segments && y.size(1) == cols && (cols <= 1 || y.stride(1) == 1),
+                op, ": y must be a float32 [", segments, ", ", cols, "] tensor with unit column stride");
+    Alignment align(x, cols);
+    align.add(x, x.stride(0));
+    fusedserve::SegmentArgs a{};
+    a.x = x.data_ptr();
+    a.cu_seqlens = cu_seqlens.data_ptr();
+    a.y = y.data_ptr<float>();
+    a.rows = rows;
+    a.cols = cols;
+    a.segments = segments;
+    a.stride_x = x.stride(0);
+    a.stride_y = y.stride(0);
+    const c10::cuda::CUDAGuard guard(x.device());
+    check_launch(fusedserve_launch_segment_mean(dtype, align.ok, cu_seqlens.scalar_type() == at::kLong, a,
+                                                c10::cuda::getCurrentCUDAStream(x.device().index())),
+                 op);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fusedserve_cuda, m) {
@@ -201,10 +234,12 @@ TORCH_LIBRARY(fusedserve_cuda, m) {
           "Tensor(a!) y, int threads_per_row, int block_threads) -> ()");
     m.def("bias_act(Tensor x, Tensor bias, Tensor? residual, int gelu, Tensor(a!) y, int block_threads, "
           "int rows_per_thread) -> ()");
+    m.def("segment_mean(Tensor x, Tensor cu_seqlens, Tensor(a!) y) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fusedserve_cuda, CUDA, m) {
     m.impl("norm", &norm);
     m.impl("embedding_norm", &embedding_norm);
     m.impl("bias_act", &bias_act);
+    m.impl("segment_mean", &segment_mean);
 }

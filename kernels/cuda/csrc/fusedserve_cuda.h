@@ -42,6 +42,14 @@ struct PointwiseArgs {
     int gelu;               // 0 none, 1 exact erf, 2 tanh
 };
 
+// y[b] = mean(x[cu[b] : cu[b + 1]]) over [rows, cols] x, fp32 y [segments, cols] (row stride stride_y).
+struct SegmentArgs {
+    const void* x;
+    const void* cu_seqlens;  // [segments + 1] int32 or int64
+    float* y;
+    int64_t rows, cols, segments, stride_x, stride_y;
+};
+
 // Widest row the LayerNorm kernels hold in registers: 512 threads x 32 values.
 constexpr int kMaxNormCols = 16384;
 constexpr int kNormValuesPerThread = 32;
@@ -59,3 +67,8 @@ cudaError_t fusedserve_launch_norm(int dtype, bool vec_ok, int threads_per_row, 
 // second dimension is rows / (block rows * rows_per_thread)).
 cudaError_t fusedserve_launch_pointwise(int dtype, bool vec_ok, int block_threads, int rows_per_thread,
                                         const fusedserve::PointwiseArgs& args, cudaStream_t stream);
+
+// vec_ok: x's base pointer and row stride are 16-byte aligned and cols is a multiple of the vector width;
+// index64: cu_seqlens is int64 (else int32).
+cudaError_t fusedserve_launch_segment_mean(int dtype, bool vec_ok, bool index64, const fusedserve::SegmentArgs& args,
+                                           cudaStream_t stream);

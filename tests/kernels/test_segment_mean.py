@@ -1,0 +1,117 @@
+"""segment_mean (the packed batch's mean pooling) beyond the generic sweeps: a hand-computed case, empty segments,
+filler rows that must never be read, offsets out of range, int64 offsets, strided rows, NaN inside a segment, clear
+errors, and the encoder's packed pooling through it against the index_add path it replaced. Triton runs on the
+interpreter here (and on the GPU with -m gpu); the CUDA kernel runs on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.testing import compare, float64_reference
+from tests.conftest import DEVICES
+
+NAN = float("nan")
+
+
+def _triton():
+    return pytest.importorskip("kernels.triton").LAUNCHERS["segment_mean"]
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kernels import cuda
+
+    try:
+        return cuda.load()["segment_mean"]
+    except cuda.BuildUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _implementations(device):
+    impls = {"reference": reference.segment_mean, "triton": _triton()}
+    if device == "cuda":
+        impls["cuda"] = _cuda()
+    return impls
+
+
+def _case(device):
+    # 7 rows: segments [0, 2), [2, 2) (empty), [2, 5), then two filler rows of NaN
+    x = torch.tensor([[1.0, 2.0], [3.0, 6.0], [0.0, 1.0], [3.0, 1.0], [6.0, 1.0], [NAN, NAN], [NAN, NAN]])
+    return x.to(device), torch.tensor([0, 2, 2, 5], dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_hand_computed_means_empty_segment_and_unread_filler(device, dtype):
+    x, cu = _case(device)
+    want = torch.tensor([[2.0, 4.0], [0.0, 0.0], [3.0, 1.0]])
+    for name, fn in _implementations(device).items():
+        got = fn(x.to(dtype), cu)
+        assert got.dtype == torch.float32, name
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_offsets_are_clamped_to_the_rows(device):
+    x = torch.randn(5, 3, device=device) + 1.0
+    cu = torch.tensor([-4, 2, 9, 1], dtype=torch.int64, device=device)  # [0, 2), [2, 5), then [5, 5) (empty)
+    want = torch.stack([x[:2].mean(0), x[2:].mean(0), torch.zeros(3, device=device)]).cpu()
+    for name, fn in _implementations(device).items():
+        torch.testing.assert_close(fn(x, cu).cpu(), want, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int64_offsets_strided_rows_and_nan_inside_a_segment(device):
+    gen = torch.Generator().manual_seed(11)
+    wide = (torch.randn(300, 2 * 769, generator=gen) + 0.5).to(device)
+    x = wide[:, :769]  # row stride 1538: not contiguous
+    x[17, 5] = NAN  # inside the second segment only
+    cu = torch.tensor([0, 10, 40, 41, 41, 290], dtype=torch.int64, device=device)
+    want = float64_reference("segment_mean", (x, cu), {})
+    assert want[1, 5].isnan() and not want[[0, 2, 4]].isnan().any()
+    for name, fn in _implementations(device).items():
+        report = compare(fn(x, cu), want, torch.float32)
+        assert report.ok, (name, report)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_segments_and_clear_errors(device):
+    fn = _triton()
+    x = torch.randn(4, 8, device=device)
+    assert fn(x, torch.zeros(1, dtype=torch.int32, device=device)).shape == (0, 8)
+    with pytest.raises(ValueError, match="cu_seqlens must be"):
+        fn(x, torch.tensor([0.0, 4.0], device=device))
+    with pytest.raises(ValueError, match=r"x must be \[tokens, hidden\]"):
+        fn(x[None], torch.tensor([0, 4], device=device))
+    with pytest.raises(ValueError, match="out must be"):
+        fn(x, torch.tensor([0, 4], device=device), out=torch.empty(1, 8, dtype=torch.float16, device=device))
+
+
+def test_packed_pooling_through_segment_mean_equals_the_index_add_path():
+    """The encoder's pooling of a packed batch (filler tokens and filler sequences of a larger bucket) through
+    kernels.segment_mean gives what the four-op index_add path gave."""
+    import dataclasses
+
+    from model.encoder import Packed, packed_mean_pool
+
+    rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+    p = Packed.from_rows(rows, "cpu", tokens=12, batch=5, seq=6)
+    hidden = torch.randn(12, 16, generator=torch.Generator().manual_seed(2)) * 3 + 1
+    fused = packed_mean_pool(hidden, p, normalize=False)
+    legacy = packed_mean_pool(hidden, dataclasses.replace(p, cu_seqlens=None), normalize=False)
+    torch.testing.assert_close(fused[:3], legacy[:3], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused[1], hidden[3])
+    torch.testing.assert_close(fused[2], hidden[4:9].mean(0))
+
+
+@pytest.mark.gpu
+def test_cuda_scalar_path_for_misaligned_rows():
+    fn = _cuda()
+    base = torch.randn(64 * 385 + 1, device="cuda", dtype=torch.float16) + 0.5
+    x = base[1:].view(64, 385)  # odd width, base off 16-byte alignment: the scalar path
+    cu = torch.tensor([0, 1, 33, 33, 60], dtype=torch.int32, device="cuda")
+    report = compare(fn(x, cu), float64_reference("segment_mean", (x, cu), {}), torch.float16)
+    assert report.ok, report
