@@ -7,7 +7,7 @@
 #   bash bench/gpu_run.sh serve     # the serving sweep alone (bench/serve.py on the GPU)
 #   bash bench/gpu_run.sh gemm      # the Triton GEMM + bias + GELU epilogue: GPU tests and bench/linear_gelu.py
 #   bash bench/gpu_run.sh pool      # segment_mean (pooling kernel) + GEMM tests, graphs + parity, the TMA GEMM rows,
-#                                   # MiniLM encoder rows (ours only) and the MiniLM b1 s16 profile (~7 min)
+#                                   # MiniLM encoder rows (ours only) and the MiniLM b1 s16 profile (~9 min)
 #   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases, and the what-if row with
 #                                   # the Triton FFN-in epilogue) + the MiniLM and BERT profiles
 # Results land in $OUT (the device tool brings them back).
@@ -104,7 +104,7 @@ case "$mode" in
     build_cached
     FUSEDSERVE_TRITON_AUTOTUNE=0 gpu_tests segment-gemm 200 -n 8 tests/kernels \
       -k "segment_mean or linear_gelu or opcheck or auto_mode"
-    gpu_tests graphs-parity 200 tests/gpu/test_graphs_gpu.py tests/gpu/test_minilm_gpu.py -k "not bfloat16"
+    gpu_tests graphs-parity 320 tests/gpu/test_graphs_gpu.py tests/gpu/test_minilm_gpu.py -k "not bfloat16"
     timeout 100 python3 -m bench.linear_gelu --shapes "bert-base b32 s128" "minilm-l6 b32 s128" "minilm-l6 b1 s16" \
       --out "$OUT/linear-gelu-tma.json" 2>&1 | tee "$OUT/linear-gelu-tma.log" | tail -12
     timeout 120 python3 -m bench.encoder --providers ours --cases "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" \

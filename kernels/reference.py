@@ -131,18 +131,20 @@ def embedding_layer_norm(
 def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) -> Tensor:
     """Mean of each segment of rows: out[b] = mean(x[cu_seqlens[b] : cu_seqlens[b + 1]]) for x [T, H] and
     cu_seqlens [B + 1] (non-decreasing offsets, as varlen attention takes them) -> [B, H], float32 (float64 stays
-    float64). An empty segment gives zeros; rows past cu_seqlens[B] are never read (a packed batch's filler
-    tokens); offsets are clamped to [0, T]. The mean pooling of a packed batch (sentence-transformers' Pooling)."""
+    float64). An empty segment gives zeros; rows outside [cu_seqlens[0], cu_seqlens[B]) (a packed batch's filler
+    tokens) add into a discarded scratch row only; offsets are clamped to [0, T]. The mean pooling of a packed batch
+    (sentence-transformers' Pooling). No host synchronization: the fused-path-off model runs it inside CUDA graphs."""
     compute = _compute_dtype(x.dtype)
-    t = x.shape[0]
+    t, segments = x.shape[0], cu_seqlens.numel() - 1
     cu = cu_seqlens.to(device=x.device, dtype=torch.long).clamp(0, t)
-    cu = torch.maximum(cu, torch.cummax(cu, 0).values)  # non-decreasing after the clamp
-    lengths = cu[1:] - cu[:-1]
-    rows = torch.arange(int(cu[-1]) - int(cu[0]), device=x.device) + cu[0] if cu.numel() else cu[:0]
-    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths)
-    sums = torch.zeros((lengths.numel(), x.shape[1]), dtype=compute, device=x.device)
-    sums.index_add_(0, segment, x[rows].to(compute))
-    return _store(sums / lengths.clamp(min=1)[:, None].to(compute), compute, out)
+    cu = torch.cummax(cu, 0).values  # non-decreasing after the clamp
+    rows = torch.arange(t, device=x.device)
+    segment = torch.searchsorted(cu[1:], rows, right=True)  # cu[b] <= row < cu[b + 1]; past the end: segments
+    segment = torch.where(rows < cu[0], segments, segment)
+    sums = torch.zeros((segments + 1, x.shape[1]), dtype=compute, device=x.device)
+    sums.index_add_(0, segment, x.to(compute))
+    lengths = (cu[1:] - cu[:-1]).clamp(min=1)[:, None].to(compute)
+    return _store(sums[:segments] / lengths, compute, out)
 
 
 OPS = {

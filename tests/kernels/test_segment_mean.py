@@ -90,19 +90,26 @@ def test_no_segments_and_clear_errors(device):
         fn(x, torch.tensor([0, 4], device=device), out=torch.empty(1, 8, dtype=torch.float16, device=device))
 
 
-def test_packed_pooling_through_segment_mean_equals_the_index_add_path():
-    """The encoder's pooling of a packed batch (filler tokens and filler sequences of a larger bucket) through
-    kernels.segment_mean gives what the four-op index_add path gave."""
-    import dataclasses
-
+def test_packed_pooling_through_segment_mean_equals_the_torch_path():
+    """The encoder's pooling of a packed batch (filler tokens and filler sequences of a larger bucket) through the
+    fused segment_mean (Triton, on the interpreter here) gives what the torch path (index_add) gives; on the
+    reference path the model keeps the torch path."""
+    import kernels
     from model.encoder import Packed, packed_mean_pool
 
     rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
     p = Packed.from_rows(rows, "cpu", tokens=12, batch=5, seq=6)
     hidden = torch.randn(12, 16, generator=torch.Generator().manual_seed(2)) * 3 + 1
+    hidden[9:] = NAN  # filler tokens: neither path may read them into a real sequence
+    assert not kernels.runs_fused("segment_mean")
+    torch_path = packed_mean_pool(hidden, p, normalize=False)
+    _triton()
+    kernels.configure("cpu", (torch.float32,), backend="triton")
+    assert kernels.runs_fused("segment_mean")
+    with kernels.reference_path():
+        assert not kernels.runs_fused("segment_mean")
     fused = packed_mean_pool(hidden, p, normalize=False)
-    legacy = packed_mean_pool(hidden, dataclasses.replace(p, cu_seqlens=None), normalize=False)
-    torch.testing.assert_close(fused[:3], legacy[:3], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused[:3], torch_path[:3], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(fused[1], hidden[3])
     torch.testing.assert_close(fused[2], hidden[4:9].mean(0))
 
@@ -115,3 +122,26 @@ def test_cuda_scalar_path_for_misaligned_rows():
     cu = torch.tensor([0, 1, 33, 33, 60], dtype=torch.int32, device="cuda")
     report = compare(fn(x, cu), float64_reference("segment_mean", (x, cu), {}), torch.float16)
     assert report.ok, report
+
+
+@pytest.mark.gpu
+def test_every_implementation_runs_inside_a_cuda_graph():
+    """The model pools inside its CUDA graphs, on the reference path too (fused path off): no implementation may
+    synchronize with the host (the first reference did, and capture failed)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(300, 384, generator=gen) + 0.5).to("cuda", torch.float16)
+    cu = torch.tensor([0, 16, 16, 200, 290], dtype=torch.int32, device="cuda")
+    want = float64_reference("segment_mean", (x, cu), {})
+    for name, fn in _implementations("cuda").items():
+        fn(x, cu)  # warm: compilation outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = fn(x, cu)
+        got.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        report = compare(got, want, torch.float16)
+        assert report.ok, (name, report)
