@@ -74,7 +74,7 @@ def _bias_act(name: str, x: Tensor, bias: Tensor, residual: Tensor | None, gelu:
     def run(config):
         _ops.bias_act(x2, b, r2, gelu, y, *config)
 
-    run(TUNER.choose("pointwise", x2.dtype, cols, x2.shape[0], pointwise_candidates(cols), run))
+    run(TUNER.choose("pointwise", x2.dtype, cols, x2.shape[0], pointwise_candidates(cols, x2.shape[0]), run))
     return out if out is not None else y.view(x.shape)
 
 

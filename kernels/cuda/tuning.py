@@ -47,8 +47,13 @@ def norm_candidates(cols: int) -> list[Config]:
     return [default] + [(t, b) for t in tprs for b in NORM_BLOCKS if b >= t and (t, b) != default]
 
 
-def pointwise_candidates(cols: int) -> list[Config]:
-    default = (256, 4)
+def pointwise_candidates(cols: int, rows: int | None = None) -> list[Config]:
+    """Configs for bias(+residual)+GELU over rows of `cols`; the first is the heuristic default: 4 rows per thread,
+    but 1 below TUNE_MIN_ROWS rows (those take the default untuned). There the grid is one partial wave, and every
+    extra row a thread walks is one more memory round trip in series: at 16 x 1536 fp16 (MiniLM's FFN-in at b1 s16)
+    the 4-row default gave 4 blocks of threads walking 4 rows each, and cuBLAS + this kernel took 11.1 us where
+    cuBLAS + Triton's bias_gelu took 8.8 (bench/results/2026-11-30-h200-linear-gelu-tma.json)."""
+    default = (256, 1) if rows is not None and rows < TUNE_MIN_ROWS else (256, 4)
     return [default] + [c for c in POINTWISE_CONFIGS if c != default]
 
 

@@ -69,7 +69,7 @@ def test_launchers_shape_arguments_and_write_into_out(launchers, op):
     kind, *config = fake.configs[-1]
     if kind == "segment_mean":
         return  # one launch configuration, no tuner
-    expected = pointwise_candidates(300)[0] if kind == "bias_act" else norm_candidates(300)[0]
+    expected = pointwise_candidates(300, 37)[0] if kind == "bias_act" else norm_candidates(300)[0]
     assert tuple(config) == expected  # 37 rows: below the tuning threshold, the heuristic config
 
 
@@ -91,3 +91,16 @@ def test_3d_views_sum_and_int32_ids(launchers):
         table["embedding_layer_norm"](ids, args[1], args[2], *args[3:])
     with pytest.raises(ValueError, match="approximate"):
         table["bias_gelu"](x, bias, "fast")
+
+
+def test_pointwise_heuristic_walks_one_row_per_thread_below_the_tuning_threshold(launchers):
+    from kernels.cuda.tuning import POINTWISE_CONFIGS, TUNE_MIN_ROWS, pointwise_candidates
+
+    small, large = pointwise_candidates(1536, 16), pointwise_candidates(1536, TUNE_MIN_ROWS)
+    assert small[0] == (256, 1) and large[0] == (256, 4) == pointwise_candidates(1536)[0]
+    assert sorted(small) == sorted(large) == sorted(POINTWISE_CONFIGS)  # the same sweep, another first pick
+    table, fake = launchers
+    gen = torch.Generator().manual_seed(5)
+    (x, bias), _ = OP_SPECS["bias_gelu"].make_inputs(16, 1536, torch.float32, "cpu", gen)
+    table["bias_gelu"](x, bias)
+    assert fake.configs[-1] == ("bias_act", 256, 1)
