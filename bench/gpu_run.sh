@@ -103,7 +103,7 @@ case "$mode" in
   pool)
     build_cached
     FUSEDSERVE_TRITON_AUTOTUNE=0 gpu_tests segment-gemm 200 -n 8 tests/kernels \
-      -k "segment_mean or linear_gelu or opcheck or auto_mode"
+      -k "segment_mean or linear_gelu or opcheck or auto_mode or pointwise"
     gpu_tests graphs-parity 320 tests/gpu/test_graphs_gpu.py tests/gpu/test_minilm_gpu.py -k "not bfloat16"
     timeout 100 python3 -m bench.linear_gelu --shapes "bert-base b32 s128" "minilm-l6 b32 s128" "minilm-l6 b1 s16" \
       --out "$OUT/linear-gelu-tma.json" 2>&1 | tee "$OUT/linear-gelu-tma.log" | tail -12
