@@ -37,13 +37,6 @@ def on_reference_path() -> bool:
     return getattr(_local, "ops", None) is not None
 
 
-def runs_fused(op: str) -> bool:
-    """True when `op` runs on a fused backend in this thread (not the torch reference)."""
-    from kernels import reference
-
-    return _ops()[op] is not reference.OPS[op]
-
-
 @contextlib.contextmanager
 def reference_path():
     """Run every op on the torch reference in this thread only (the server's background verifier uses

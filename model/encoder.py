@@ -249,10 +249,9 @@ class Encoder(nn.Module):
 def packed_mean_pool(hidden: Tensor, p: Packed, normalize: bool) -> Tensor:
     """Mean over each sequence's tokens of a packed batch: [batch, hidden] float32 (filler tokens and filler
     sequences fall into scratch rows)."""
-    if p.cu_seqlens is not None and kernels.runs_fused("segment_mean"):
-        # one fused kernel instead of the four or five torch ops below (zeros, fp32 copy, index_add, divide)
+    if p.cu_seqlens is not None:  # one kernel on a fused backend; the reference never syncs (graphs capture it)
         pooled = kernels.segment_mean(hidden, p.cu_seqlens).to(torch.float32)
-    else:  # the torch path: also what the reference path runs, in CUDA graphs too (no host synchronization)
+    else:  # a Packed built without offsets
         sums = torch.zeros((p.batch + 1, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, p.seq_index, hidden.float())
         pooled = sums[: p.batch] / p.lengths[:, None].to(torch.float32)

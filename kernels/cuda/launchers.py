@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._layout import as_rows, as_vector, common_device, embedding_inputs, output_like, same_shape
+from kernels._layout import (as_rows, as_vector, common_device, embedding_inputs, output_like, same_shape,
+                             segment_arguments)
 from kernels.cuda.tuning import TUNER, norm_candidates, pointwise_candidates
 
 _ops = torch.ops.fusedserve_cuda
@@ -117,21 +118,10 @@ def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str =
 
 def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) -> Tensor:
     """Mean of each segment of x's rows (the packed batch's mean pooling) -> [segments, hidden] float32."""
-    name = "segment_mean"
-    _check(name, x)
-    if x.dim() != 2:
-        raise ValueError(f"{name}: x must be [tokens, hidden], got {tuple(x.shape)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: cu_seqlens must be a [segments + 1] int32/int64 vector, got "
-                         f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-    x2 = as_rows(x, x.shape[1], name, max_cols=2**31)
-    shape = (cu_seqlens.numel() - 1, x.shape[1])
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=x.device)
-    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"{name}: out must be a contiguous float32 tensor of shape {shape}")
-    _ops.segment_mean(x2, cu_seqlens.contiguous(), out)
-    return out
+    _check("segment_mean", x)
+    x2, cu, y = segment_arguments("segment_mean", x, cu_seqlens, out, torch.float32)
+    _ops.segment_mean(x2, cu, y)
+    return y
 
 
 LAUNCHERS = {

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels._layout import segment_arguments
 from kernels.triton._common import check_device
 
 @triton.jit
@@ -41,26 +42,12 @@ def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) ->
     cu_seqlens [B + 1] int32/int64 on x's device -> [B, H] float32 (float64 for float64 x); `out` (contiguous
     [B, H] of that dtype) is written in place."""
     check_device("segment_mean", x)
-    if cu_seqlens.device != x.device:
-        raise ValueError(f"segment_mean: cu_seqlens is on {cu_seqlens.device}, x on {x.device}")
-    if x.dim() != 2:
-        raise ValueError(f"segment_mean: x must be [tokens, hidden], got {tuple(x.shape)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"segment_mean: cu_seqlens must be a [segments + 1] int32/int64 vector, got "
-                         f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-    if x.shape[1] > 1 and x.stride(1) != 1:
-        x = x.contiguous()
-    segments, hidden = cu_seqlens.numel() - 1, x.shape[1]
     out_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if out is None:
-        y = torch.empty((segments, hidden), dtype=out_dtype, device=x.device)
-    elif out.shape != (segments, hidden) or out.dtype != out_dtype or not out.is_contiguous():
-        raise ValueError(f"segment_mean: out must be a contiguous {out_dtype} tensor of shape {(segments, hidden)}")
-    else:
-        y = out
+    x, cu_seqlens, y = segment_arguments("segment_mean", x, cu_seqlens, out, out_dtype)
+    segments, hidden = y.shape
     if y.numel():
         block_h = min(triton.next_power_of_2(hidden), 128)
         _segment_mean_kernel[(segments, triton.cdiv(hidden, block_h))](
-            x, cu_seqlens.contiguous(), y, x.shape[0], hidden, x.stride(0), y.stride(0),
+            x, cu_seqlens, y, x.shape[0], hidden, x.stride(0), y.stride(0),
             BLOCK_T=32 if block_h >= 64 else 64, BLOCK_H=block_h, OUT_F64=out_dtype == torch.float64, num_warps=4)
     return y

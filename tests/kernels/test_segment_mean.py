@@ -91,27 +91,52 @@ def test_no_segments_and_clear_errors(device):
 
 
 def test_packed_pooling_through_segment_mean_equals_the_torch_path():
-    """The encoder's pooling of a packed batch (filler tokens and filler sequences of a larger bucket) through the
-    fused segment_mean (Triton, on the interpreter here) gives what the torch path (index_add) gives; on the
-    reference path the model keeps the torch path."""
+    """The encoder's pooling of a packed batch (filler tokens and filler sequences of a larger bucket) through
+    segment_mean, on the reference and on a fused backend (Triton, on the interpreter here), gives what the torch
+    index_add path gives (the path of a Packed without offsets)."""
+    import dataclasses
+
     import kernels
+    from kernels import registry
     from model.encoder import Packed, packed_mean_pool
 
     rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
     p = Packed.from_rows(rows, "cpu", tokens=12, batch=5, seq=6)
     hidden = torch.randn(12, 16, generator=torch.Generator().manual_seed(2)) * 3 + 1
-    hidden[9:] = NAN  # filler tokens: neither path may read them into a real sequence
-    assert not kernels.runs_fused("segment_mean")
-    torch_path = packed_mean_pool(hidden, p, normalize=False)
+    hidden[9:] = NAN  # filler tokens: no path may read them into a real sequence
+    torch_path = packed_mean_pool(hidden, dataclasses.replace(p, cu_seqlens=None), normalize=False)
+    assert registry.active["segment_mean"] is reference.segment_mean
+    on_reference = packed_mean_pool(hidden, p, normalize=False)
     _triton()
     kernels.configure("cpu", (torch.float32,), backend="triton")
-    assert kernels.runs_fused("segment_mean")
+    assert registry.current().backend_of("segment_mean") == "triton"
     with kernels.reference_path():
-        assert not kernels.runs_fused("segment_mean")
+        torch.testing.assert_close(packed_mean_pool(hidden, p, normalize=False), on_reference, rtol=0, atol=0)
     fused = packed_mean_pool(hidden, p, normalize=False)
-    torch.testing.assert_close(fused[:3], torch_path[:3], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(fused[1], hidden[3])
-    torch.testing.assert_close(fused[2], hidden[4:9].mean(0))
+    for pooled in (on_reference, fused):
+        torch.testing.assert_close(pooled[:3], torch_path[:3], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(pooled[1], hidden[3])
+        torch.testing.assert_close(pooled[2], hidden[4:9].mean(0))
+
+
+def test_reference_path_forward_and_pooling_never_read_device_values_on_the_host():
+    """The model captures its forward + pooling in CUDA graphs on the reference path too (fused path off), and a
+    capture fails on any host synchronization (a tensor value read on the host: .item(), int(t), a data-dependent
+    shape). Fake tensors fail the same way (DataDependentOutputException), so this is the CPU check of it: the first
+    reference segment_mean (int(cu[-1]), repeat_interleave) failed here as it failed capture on the H200."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model.config import EncoderConfig
+    from model.encoder import Encoder, Packed, packed_mean_pool
+
+    encoder = Encoder(dataclasses.replace(EncoderConfig.from_name("tiny"), num_layers=1)).eval()
+    p = Packed.from_rows([[101, 5, 6, 102], [101, 7, 102]], "cpu", tokens=12, batch=4, seq=8)
+    with torch.inference_mode(), FakeTensorMode(allow_non_fake_inputs=True):
+        x, cu = torch.randn(20, 8), torch.tensor([0, 5, 5, 17], dtype=torch.int32)
+        assert reference.segment_mean(x, cu).shape == (3, 8)
+        assert packed_mean_pool(encoder.forward_packed(p, "pad"), p, normalize=False).shape == (4, 64)
 
 
 @pytest.mark.gpu
