@@ -8,6 +8,8 @@
 #   bash bench/gpu_run.sh gemm      # the Triton GEMM + bias + GELU epilogue: GPU tests and bench/linear_gelu.py
 #   bash bench/gpu_run.sh pool      # segment_mean (pooling kernel) + GEMM tests, graphs + parity, the TMA GEMM rows,
 #                                   # MiniLM encoder rows (ours only) and the MiniLM b1 s16 profile (~9 min)
+#   bash bench/gpu_run.sh lnorm     # linear_add_layer_norm (split GEMM + LayerNorm kernel): GPU tests, fp16 graph
+#                                   # tests + MiniLM parity, its bench rows, MiniLM encoder rows and b1 profile (~9 min)
 #   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases, and the what-if row with
 #                                   # the Triton FFN-in epilogue) + the MiniLM and BERT profiles
 # Results land in $OUT (the device tool brings them back).
@@ -108,6 +110,20 @@ case "$mode" in
     timeout 100 python3 -m bench.linear_gelu --shapes "bert-base b32 s128" "minilm-l6 b32 s128" "minilm-l6 b1 s16" \
       --out "$OUT/linear-gelu-tma.json" 2>&1 | tee "$OUT/linear-gelu-tma.log" | tail -12
     timeout 120 python3 -m bench.encoder --providers ours --cases "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" \
+      --compile-cases --no-ffn-epilogue --out "$OUT/encoder-minilm.json" 2>&1 | tee "$OUT/encoder-minilm.log" | tail -8
+    timeout 60 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends cuda triton \
+      --out "$OUT/profile-minilm-b1.json" 2>&1 | tee "$OUT/profile-minilm-b1.log" | grep -E "us/forward"
+    ;;
+  lnorm)
+    build_cached
+    FUSEDSERVE_TRITON_AUTOTUNE=0 gpu_tests lnorm 150 -n 8 tests/kernels/test_linear_layer_norm.py \
+      tests/kernels/test_triton_ops.py tests/kernels/test_cuda_ops.py -k "linear_layer_norm or linear_add_layer_norm or opcheck"
+    gpu_tests graphs-parity 200 tests/gpu/test_graphs_gpu.py tests/gpu/test_minilm_gpu.py \
+      -k "(float16 and not bfloat16) or selection_change"
+    timeout 120 python3 -m bench.linear_gelu --op linear_add_layer_norm --shapes "minilm-l6 attn-out b1 s16" \
+      "minilm-l6 ffn-out b1 s16" "minilm-l6 ffn-out 128 tokens" "minilm-l6 ffn-out 512 tokens" "bert-base ffn-out b1 s16" \
+      --out "$OUT/linear-layer-norm.json" 2>&1 | tee "$OUT/linear-layer-norm.log" | grep -E "^  |M=" | tail -40
+    timeout 100 python3 -m bench.encoder --providers ours --cases "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" \
       --compile-cases --no-ffn-epilogue --out "$OUT/encoder-minilm.json" 2>&1 | tee "$OUT/encoder-minilm.log" | tail -8
     timeout 60 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends cuda triton \
       --out "$OUT/profile-minilm-b1.json" 2>&1 | tee "$OUT/profile-minilm-b1.log" | grep -E "us/forward"

@@ -6,6 +6,11 @@ math).
 
     python -m bench.linear_gelu --out bench/results/$(date +%F)-h200-linear-gelu.json
 
+`--op linear_add_layer_norm` measures the attention-out / FFN-out block instead, LayerNorm(x @ W^T + b + residual):
+our Triton split kernel (GEMM + LayerNorm epilogue, one launch; forced at every row count here), the Triton
+backend's op as the model calls it (the split kernel up to SMALL_ROWS rows, cuBLAS + add_layer_norm above), cuBLAS
++ the CUDA or Triton add_layer_norm, eager PyTorch and torch.compile.
+
 Device time per call (the call captured in a CUDA graph, L2 flushed before each replay, median), TFLOP/s of
 the GEMM (2 M N K / time), and each provider's error against the float64 reference.
 """
@@ -31,6 +36,79 @@ SHAPES = {  # name: (M tokens, K hidden, N intermediate)
     "minilm-l6 b1 s16": (16, 384, 1536),
     "bert-base b1 s16": (16, 768, 3072),
 }
+
+
+LN_SHAPES = {  # name: (M tokens, K in, N hidden)
+    "minilm-l6 attn-out b1 s16": (16, 384, 384),
+    "minilm-l6 ffn-out b1 s16": (16, 1536, 384),
+    "minilm-l6 ffn-out 64 tokens": (64, 1536, 384),
+    "minilm-l6 ffn-out 128 tokens": (128, 1536, 384),
+    "minilm-l6 ffn-out 512 tokens": (512, 1536, 384),
+    "minilm-l6 ffn-out b32 s128": (4096, 1536, 384),
+    "bert-base attn-out b1 s16": (16, 768, 768),
+    "bert-base ffn-out b1 s16": (16, 3072, 768),
+}
+
+
+def ln_providers() -> dict[str, Callable]:
+    """linear_add_layer_norm: the split kernel, each backend's op, and what a user would write instead."""
+    from kernels.triton import LAUNCHERS as TRITON
+    from kernels.triton.linear_layer_norm import linear_add_layer_norm
+
+    out: dict[str, Callable] = {
+        "triton split GEMM+LN (one kernel)": lambda *a: linear_add_layer_norm(*a, small_rows=1 << 30),
+        "triton backend op": TRITON["linear_add_layer_norm"]}
+    try:
+        from kernels.cuda import load
+
+        out["cuBLAS + cuda add_layer_norm"] = load()["linear_add_layer_norm"]
+    except Exception as exc:
+        print(f"cuda backend unavailable: {exc}", file=sys.stderr)
+    out["cuBLAS + triton add_layer_norm"] = lambda x, w, b, r, g, beta, eps: TRITON["add_layer_norm"](
+        F.linear(x, w), r, b, g, beta, eps)
+
+    def eager(x, w, b, r, g, beta, eps):
+        return F.layer_norm(F.linear(x, w, b) + r, (w.shape[0],), g, beta, eps)
+
+    out["eager F.layer_norm(F.linear + residual)"] = eager
+    out["torch.compile"] = torch.compile(eager, dynamic=False)
+    return out
+
+
+def run_ln(args: argparse.Namespace) -> dict:
+    from kernels import reference
+    from kernels.testing import compare
+
+    dtype = getattr(torch, args.dtype)
+    impls = ln_providers()
+    results = []
+    for name in args.shapes:
+        m, k, n = LN_SHAPES[name]
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to("cuda", dtype)
+        b = (torch.randn(n, generator=gen) * 0.5).to("cuda", dtype)
+        r = torch.randn(m, n, generator=gen).to("cuda", dtype)
+        g = (torch.randn(n, generator=gen) * 0.5 + 1).to("cuda", dtype)
+        beta = (torch.randn(n, generator=gen) * 0.5).to("cuda", dtype)
+        inputs = (x, w, b, r, g, beta, 1e-12)
+        ref = reference.linear_add_layer_norm(*(t.double().cpu() for t in inputs[:6]), 1e-12)
+        flops = 2 * m * n * k
+        print(f"{name}: M={m} K={k} N={n} {args.dtype}", file=sys.stderr, flush=True)
+        for provider, fn in impls.items():
+            started = time.perf_counter()
+            got = fn(*inputs)
+            torch.cuda.synchronize()
+            error = compare(got, ref, dtype)
+            ms = graph_ms(lambda: fn(*inputs))
+            results.append({"op": "linear_add_layer_norm", "shape": name, "m": m, "k": k, "n": n,
+                            "dtype": args.dtype, "provider": provider, "ms": ms, "tflops": flops / ms / 1e9,
+                            "rel_l2": error.rel_l2, "max_abs": error.max_abs, "within_tolerance": error.ok,
+                            "first_call_s": time.perf_counter() - started})
+            print(f"  {provider:40s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s  {error}",
+                  file=sys.stderr, flush=True)
+    return {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "results": results}
 
 
 def providers() -> dict[str, Callable]:
@@ -88,14 +166,21 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.linear_gelu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--op", default="linear_bias_gelu", choices=["linear_bias_gelu", "linear_add_layer_norm"])
+    parser.add_argument("--shapes", nargs="+", choices=[*SHAPES, *LN_SHAPES],
+                        help="default: every shape of the op")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.linear_gelu needs a CUDA GPU", file=sys.stderr)
         return 2
-    report = run(args) | {"command": command("linear_gelu", argv)}
+    ln = args.op == "linear_add_layer_norm"
+    args.shapes = args.shapes or list(LN_SHAPES if ln else SHAPES)
+    wrong = [s for s in args.shapes if s not in (LN_SHAPES if ln else SHAPES)]
+    if wrong:
+        parser.error(f"shapes {wrong} are not shapes of {args.op}")
+    report = (run_ln(args) if ln else run(args)) | {"command": command("linear_gelu", argv)}
     save(report, args.out)
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1))
     return 0

@@ -24,7 +24,7 @@ from model.graphs import CudaGraphs
 
 CATEGORIES = [  # first match wins: attention before GEMM (cutlass fmha kernels would match both)
     ("attention", r"flash|fmha|attention|efficient_attention|softmax"),
-    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|linear_gelu"),  # the last: our GEMM + GELU epilogue
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|linear_gelu|linear_add_ln"),  # ours: GEMM + epilogue
     ("norm", r"layer_norm|layernorm|norm_kernel|_norm"),
     ("activation", r"gelu|erf"),
     ("elementwise", r"elementwise|vectorized|index|copy|fill|cat|scatter|gather|reduce|arange|compare"),

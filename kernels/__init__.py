@@ -20,7 +20,7 @@ from kernels.registry import BackendError, BackendUnavailable, Selection, config
 __all__ = [
     "BackendError", "Selection", "configure", "registry", "reference_path",
     "layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm", "embedding_layer_norm",
-    "linear_bias_gelu", "segment_mean",
+    "linear_bias_gelu", "linear_add_layer_norm", "segment_mean",
 ]
 
 _active = registry.active
@@ -69,6 +69,13 @@ def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
 def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     """GELU(x @ weight^T + bias), weight in nn.Linear's [out, in] layout: the FFN-in of an encoder layer."""
     return _ops()["linear_bias_gelu"](x, weight, bias, approximate)
+
+
+def linear_add_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, residual: Tensor, ln_weight: Tensor,
+                          ln_bias: Tensor, eps: float = 1e-12) -> Tensor:
+    """LayerNorm(x @ weight^T + bias + residual), weight in nn.Linear's [out, in] layout: the attention-out and
+    FFN-out blocks of a post-LN encoder layer."""
+    return _ops()["linear_add_layer_norm"](x, weight, bias, residual, ln_weight, ln_bias, eps)
 
 
 def bias_residual_gelu(x: Tensor, bias: Tensor, residual: Tensor, approximate: str = "none") -> Tensor:

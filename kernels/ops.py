@@ -162,6 +162,22 @@ def _define(backend: str, launchers: Mapping[str, Callable]) -> dict[str, Callab
 
     ops["linear_bias_gelu"] = linear_bias_gelu
 
+    # ---- linear_add_layer_norm -------------------------------------------------------------------
+    @torch.library.custom_op(lib + "linear_add_layer_norm", mutates_args=())
+    def linear_add_layer_norm_op(x: Tensor, weight: Tensor, bias: Tensor, residual: Tensor, ln_weight: Tensor,
+                                 ln_bias: Tensor, eps: float) -> Tensor:
+        return launchers["linear_add_layer_norm"](x, weight, bias, residual, ln_weight, ln_bias, eps)
+
+    linear_add_layer_norm_op.register_fake(
+        lambda x, weight, bias, residual, ln_weight, ln_bias, eps: x.new_empty((*x.shape[:-1], weight.shape[0])))
+
+    def linear_add_layer_norm(x, weight, bias, residual, ln_weight, ln_bias, eps=1e-12, *, out=None):
+        if out is not None or _eager(x, weight, bias, residual, ln_weight, ln_bias):
+            return launchers["linear_add_layer_norm"](x, weight, bias, residual, ln_weight, ln_bias, eps, out=out)
+        return linear_add_layer_norm_op(x, weight, bias, residual, ln_weight, ln_bias, eps)
+
+    ops["linear_add_layer_norm"] = linear_add_layer_norm
+
     # ---- embedding_layer_norm --------------------------------------------------------------------
     @torch.library.custom_op(lib + "embedding_layer_norm", mutates_args=())
     def embedding_layer_norm_op(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor,

@@ -105,6 +105,13 @@ def add_layer_norm(
     return (y, s.to(x.dtype)) if return_sum else y
 
 
+def linear_add_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, residual: Tensor, ln_weight: Tensor,
+                          ln_bias: Tensor, eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
+    """LayerNorm(x @ weight^T + bias + residual): a BERT layer's attention-out or FFN-out block. The GEMM runs in the
+    input dtype (as cuBLAS does on a GPU; float64 stays exact), then add_layer_norm."""
+    return add_layer_norm(torch.nn.functional.linear(x, weight), residual, bias, ln_weight, ln_bias, eps, out=out)
+
+
 def embedding_layer_norm(
     input_ids: Tensor,
     position_ids: Tensor,
@@ -155,5 +162,6 @@ OPS = {
     "add_layer_norm": add_layer_norm,
     "embedding_layer_norm": embedding_layer_norm,
     "linear_bias_gelu": linear_bias_gelu,
+    "linear_add_layer_norm": linear_add_layer_norm,
     "segment_mean": segment_mean,
 }

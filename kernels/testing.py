@@ -119,6 +119,19 @@ def _linear_gelu_inputs(rows, cols, dtype, device, gen):
     return (x, w, b), {}
 
 
+def _linear_ln_inputs(rows, cols, dtype, device, gen):
+    # output [rows, cols] = LayerNorm(x [rows, K] @ weight^T + bias + residual), K = cols / 2 (deep enough that the
+    # split kernel splits K); weights at 1/sqrt(K), a residual and LayerNorm parameters away from 0 and 1
+    k = max(cols // 2, 1)
+    x = _randn((rows, k), dtype, device, gen)
+    w = _randn((cols, k), dtype, device, gen, scale=k**-0.5)
+    bias = _randn((cols,), dtype, device, gen, scale=0.5, shift=0.25)
+    residual = _randn((rows, cols), dtype, device, gen, scale=2.0)
+    g = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (x, w, bias, residual, g, b, 1e-5), {}
+
+
 def _segment_inputs(rows, cols, dtype, device, gen):
     # `rows` packed tokens: segments of 1..2*avg-1 tokens back to back, then an empty one (a CUDA-graph bucket's
     # filler sequence), then ~1/8 of the rows as filler tokens past the last offset, set to NaN: never to be read
@@ -161,6 +174,8 @@ OP_SPECS: dict[str, OpSpec] = {
     "embedding_layer_norm": OpSpec("embedding_layer_norm", reference.embedding_layer_norm, _embedding_ln_inputs),
     "linear_bias_gelu": OpSpec("linear_bias_gelu", reference.linear_bias_gelu, _linear_gelu_inputs, rowwise=False,
                                race_cols=lambda hidden: 4 * hidden),
+    "linear_add_layer_norm": OpSpec("linear_add_layer_norm", reference.linear_add_layer_norm, _linear_ln_inputs,
+                                    rowwise=False),
     # mean pooling of a packed batch: [rows tokens, cols] -> [segments, cols] float32
     "segment_mean": OpSpec("segment_mean", reference.segment_mean, _segment_inputs, rowwise=False,
                            output=_per_segment),

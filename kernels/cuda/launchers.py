@@ -116,6 +116,15 @@ def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str =
     return bias_gelu(torch.nn.functional.linear(x, weight), bias, approximate, out=out)
 
 
+def linear_add_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, residual: Tensor, ln_weight: Tensor,
+                          ln_bias: Tensor, eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
+    """The attention-out / FFN-out block as this backend runs it: the GEMM on cuBLAS (F.linear, no bias), then the
+    CUDA add + LayerNorm kernel (bias and residual added there). Triton's backend has the one-kernel version."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"linear_add_layer_norm: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
+    return add_layer_norm(torch.nn.functional.linear(x, weight), residual, bias, ln_weight, ln_bias, eps, out=out)
+
+
 def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) -> Tensor:
     """Mean of each segment of x's rows (the packed batch's mean pooling) -> [segments, hidden] float32."""
     _check("segment_mean", x)
@@ -132,5 +141,6 @@ LAUNCHERS = {
     "add_layer_norm": add_layer_norm,
     "embedding_layer_norm": embedding_layer_norm,
     "linear_bias_gelu": linear_bias_gelu,
+    "linear_add_layer_norm": linear_add_layer_norm,
     "segment_mean": segment_mean,
 }

@@ -8,6 +8,7 @@ from kernels.triton.embedding_layer_norm import embedding_layer_norm
 from kernels.triton.layer_norm import layer_norm
 from kernels.triton.layer_norm_gelu import layer_norm_gelu
 from kernels.triton.linear_gelu import linear_bias_gelu
+from kernels.triton.linear_layer_norm import linear_add_layer_norm
 from kernels.triton.segment_mean import segment_mean
 
 LAUNCHERS = {
@@ -18,5 +19,6 @@ LAUNCHERS = {
     "add_layer_norm": add_layer_norm,
     "embedding_layer_norm": embedding_layer_norm,
     "linear_bias_gelu": linear_bias_gelu,  # one GEMM with the bias + GELU epilogue
+    "linear_add_layer_norm": linear_add_layer_norm,  # few rows: one split GEMM + LayerNorm kernel
     "segment_mean": segment_mean,  # mean pooling of a packed batch
 }
