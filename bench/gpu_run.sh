@@ -10,6 +10,8 @@
 #                                   # MiniLM encoder rows (ours only) and the MiniLM b1 s16 profile (~9 min)
 #   bash bench/gpu_run.sh lnorm     # linear_add_layer_norm (split GEMM + LayerNorm kernel): GPU tests, fp16 graph
 #                                   # tests + MiniLM parity, its bench rows, MiniLM encoder rows and b1 profile (~9 min)
+#   bash bench/gpu_run.sh final     # lnorm's tests and bench rows again (vectorized epilogue), MiniLM rows with the split
+#                                   # kernel on and off, fp16 parity, and one server's single-request split (~7 min)
 #   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases, and the what-if row with
 #                                   # the Triton FFN-in epilogue) + the MiniLM and BERT profiles
 # Results land in $OUT (the device tool brings them back).
@@ -32,10 +34,10 @@ gpu_tests() {  # name, time limit, pytest args...: one pytest per call, its log 
   grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$name.log" | grep -E "cosine|passed|failed|Error|^E " | tail -12
 }
 serve_sweep() {  # one server, then four replicas on the GPU; texts (the server tokenizes) and token ids
-  # (SERVE_CONFIGS / SERVE_PAYLOADS / SERVE_MODEL / SERVE_S override: e.g. SERVE_CONFIGS="replicas=4 replicas=8")
+  # (SERVE_CONFIGS / SERVE_PAYLOADS / SERVE_COUNTS / SERVE_MODEL / SERVE_S override: e.g. SERVE_CONFIGS="replicas=4 replicas=8")
   timeout ${SERVE_S:-540} python3 -m bench.serve --device cuda --seconds 6 --per-request 16 \
     --model "${SERVE_MODEL:-$PWD/.gpu-assets/minilm}" --payloads ${SERVE_PAYLOADS:-text ids} \
-    --configs ${SERVE_CONFIGS:-replicas=1 replicas=4} --out "$OUT/serve.json" 2>&1 \
+    --configs ${SERVE_CONFIGS:-replicas=1 replicas=4} --client-counts ${SERVE_COUNTS:-16 64 256} --out "$OUT/serve.json" 2>&1 \
     | tee "$OUT/serve.log" | grep -E "clients:|raw|sentence-trans|single|rror" | tail -24
 }
 case "$mode" in
@@ -127,6 +129,26 @@ case "$mode" in
       --compile-cases --no-ffn-epilogue --out "$OUT/encoder-minilm.json" 2>&1 | tee "$OUT/encoder-minilm.log" | tail -8
     timeout 60 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends cuda triton \
       --out "$OUT/profile-minilm-b1.json" 2>&1 | tee "$OUT/profile-minilm-b1.log" | grep -E "us/forward"
+    ;;
+  final)
+    build_cached
+    FUSEDSERVE_TRITON_AUTOTUNE=0 gpu_tests lnorm 120 -n 8 tests/kernels/test_linear_layer_norm.py \
+      tests/kernels/test_triton_ops.py tests/kernels/test_cuda_ops.py -k "linear_layer_norm or linear_add_layer_norm"
+    timeout 90 python3 -m bench.linear_gelu --op linear_add_layer_norm --shapes "minilm-l6 attn-out b1 s16" \
+      "minilm-l6 ffn-out b1 s16" "minilm-l6 ffn-out 64 tokens" "bert-base ffn-out b1 s16" \
+      --out "$OUT/linear-layer-norm.json" 2>&1 | tee "$OUT/linear-layer-norm.log" | grep -E "^  |M=" | tail -40
+    cases=(--providers ours --cases "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" --compile-cases --no-ffn-epilogue)
+    timeout 80 python3 -m bench.encoder "${cases[@]}" --out "$OUT/encoder-minilm.json" 2>&1 \
+      | tee "$OUT/encoder-minilm.log" | grep "graphs"
+    # the same rows with the split kernel off (cuBLAS + add_layer_norm at every row count)
+    timeout 80 python3 -c "import runpy, sys; import kernels.triton.linear_layer_norm as m; m.SMALL_ROWS = 0; \
+      sys.argv = ['bench.encoder', *sys.argv[1:]]; runpy.run_module('bench.encoder', run_name='__main__')" \
+      "${cases[@]}" --out "$OUT/encoder-minilm-split-off.json" 2>&1 | tee "$OUT/encoder-minilm-split-off.log" | grep "graphs"
+    timeout 40 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends triton \
+      --out "$OUT/profile-minilm-b1.json" 2>&1 | tee "$OUT/profile-minilm-b1.log" | grep -E "us/forward"
+    gpu_tests parity 100 tests/gpu/test_minilm_gpu.py tests/gpu/test_graphs_gpu.py \
+      -k "float16 and not bfloat16 and (triton or equal_eager_packed_and_padded)"
+    SERVE_S=150 SERVE_PAYLOADS=ids SERVE_CONFIGS=replicas=1 SERVE_COUNTS=16 serve_sweep
     ;;
   encoder)
     build_cached

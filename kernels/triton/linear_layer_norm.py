@@ -38,6 +38,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SMALL_ROWS = 128  # at most this many rows: the split kernel; more: cuBLAS + add_layer_norm
 MAX_COLS = 8192  # widest row the split kernel takes (its last program walks the row in BLOCK_N tiles)
 TARGET_PROGRAMS = 64  # K splits are chosen to give about this many programs
+REDUCE_ELEMENTS = 8192  # fp32 values one program loads at once in the epilogue (registers: 64 per thread at 4 warps)
 _COUNTERS = 4096  # row-tile and column-tile counters per device
 _counters: dict[torch.device, Tensor] = {}
 
@@ -55,7 +56,8 @@ def _counter_buffer(device: torch.device) -> Tensor:
 def _linear_add_ln_kernel(x_ptr, w_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, y_ptr, ws_ptr, cnt_ptr,
                           M, N, K, K_PER_SPLIT, eps,
                           stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_ym,
-                          TILES_N: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
+                          TILES_N: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_P2: tl.constexpr,
+                          ROW: tl.constexpr, SUB_M: tl.constexpr, IEEE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     part = tl.program_id(1)  # column tile * SPLIT_K + K split
@@ -82,64 +84,66 @@ def _linear_add_ln_kernel(x_ptr, w_ptr, b_ptr, r_ptr, g_ptr, beta_ptr, y_ptr, ws
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    # workspace: [tiles_m, TILES_N, SPLIT_K] partial tiles, then [tiles_m, TILES_N] pre-norm-sum tiles (fp32)
+    # workspace (fp32): [tiles_m, TILES_N, SPLIT_P2, BLOCK_M, BLOCK_N] partial tiles, then the pre-norm sums as
+    # whole rows, [tiles_m, BLOCK_M, ROW]. Every read below is one load of independent addresses (a loop of
+    # dependent ones would pay an L2 round trip per step).
     TILE = BLOCK_M * BLOCK_N
-    in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    partials = ws_ptr + (pid_m * TILES_N + tile_n).to(tl.int64) * (SPLIT_K * TILE)
-    sums = ws_ptr + tiles_m.to(tl.int64) * (TILES_N * SPLIT_K * TILE) + pid_m.to(tl.int64) * (TILES_N * TILE)
+    r_in = tl.arange(0, BLOCK_M)
+    c_in = tl.arange(0, BLOCK_N)
+    in_tile = r_in[:, None] * BLOCK_N + c_in[None, :]
+    partials = ws_ptr + (pid_m * TILES_N + tile_n).to(tl.int64) * (SPLIT_P2 * TILE)
+    sums = ws_ptr + tiles_m.to(tl.int64) * (TILES_N * SPLIT_P2 * TILE) + pid_m.to(tl.int64) * (BLOCK_M * ROW)
     column_counter = cnt_ptr + pid_m * TILES_N + tile_n
     row_counter = cnt_ptr + tiles_m * TILES_N + pid_m
 
     tl.store(partials + split * TILE + in_tile, acc)
     tl.debug_barrier()  # every thread's partial is stored before the release below
     if tl.atomic_add(column_counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-        # the last K split of this tile: sum the partials in split order, add bias and residual
+        # the last K split of this tile: sum the partials (one [SPLIT_P2, BLOCK_M, BLOCK_N] load, reduced in a fixed
+        # order), add bias and residual
         tl.store(column_counter, 0)
         tl.debug_barrier()
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(SPLIT_K):
-            total += tl.load(partials + s * TILE + in_tile, cache_modifier=".cg")
+        s_in = tl.arange(0, SPLIT_P2)
+        parts = tl.load(partials + s_in[:, None, None] * TILE + in_tile[None, :, :],
+                        mask=(s_in < SPLIT_K)[:, None, None], other=0.0, cache_modifier=".cg")
+        total = tl.sum(parts, axis=0)
         col_ok = cols < N
         bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         ok = (rows[:, None] < M) & col_ok[None, :]
         res = tl.load(r_ptr + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=ok, other=0.0)
         total = tl.where(col_ok[None, :], total + bias[None, :] + res.to(tl.float32), 0.0)
-        tl.store(sums + tile_n * TILE + in_tile, total)
+        tl.store(sums + r_in[:, None] * ROW + cols[None, :], total)
         tl.debug_barrier()
         if tl.atomic_add(row_counter, 1, sem="acq_rel", scope="gpu") == TILES_N - 1:
-            # the last column tile of this row tile: LayerNorm over the whole rows
+            # the last column tile of this row tile: LayerNorm over whole rows, SUB_M rows per load
             tl.store(row_counter, 0)
             tl.debug_barrier()
-            offsets = tl.arange(0, BLOCK_N)
-            row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for t in range(TILES_N):
-                row_sum += tl.sum(tl.load(sums + t * TILE + in_tile, cache_modifier=".cg"), axis=1)
-            mean = row_sum / N
-            row_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for t in range(TILES_N):
-                v = tl.load(sums + t * TILE + in_tile, cache_modifier=".cg")
-                d = tl.where((t * BLOCK_N + offsets)[None, :] < N, v - mean[:, None], 0.0)
-                row_sq += tl.sum(d * d, axis=1)
-            rstd = 1.0 / tl.sqrt(row_sq / N + eps)
-            for t in range(TILES_N):
-                c = t * BLOCK_N + offsets
-                c_ok = c < N
-                v = tl.load(sums + t * TILE + in_tile, cache_modifier=".cg")
-                g = tl.load(g_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-                beta = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-                out = (v - mean[:, None]) * rstd[:, None] * g[None, :] + beta[None, :]
-                tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + c[None, :],
-                         out.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & c_ok[None, :])
+            c = tl.arange(0, ROW)
+            c_ok = c < N
+            g = tl.load(g_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+            beta = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+            for r0 in range(0, BLOCK_M, SUB_M):
+                sub = r0 + tl.arange(0, SUB_M)
+                v = tl.load(sums + sub[:, None] * ROW + c[None, :], mask=c_ok[None, :], other=0.0,
+                            cache_modifier=".cg")
+                mean = tl.sum(v, axis=1) / N
+                d = tl.where(c_ok[None, :], v - mean[:, None], 0.0)
+                rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / N + eps)
+                out = d * rstd[:, None] * g[None, :] + beta[None, :]
+                out_rows = pid_m * BLOCK_M + sub
+                tl.store(y_ptr + out_rows[:, None].to(tl.int64) * stride_ym + c[None, :],
+                         out.to(y_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & c_ok[None, :])
 
 
 def plan(m: int, n: int, k: int) -> dict:
     """Tile sizes and K split for the split kernel: 16-64 rows per tile, 64 columns, 64-deep K steps, and enough
-    K splits for about TARGET_PROGRAMS programs (never an empty split)."""
+    K splits for about TARGET_PROGRAMS programs, at most as many as keep the reducer's one load of every partial
+    within 8192 fp32 values (and never an empty split)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, 64
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_steps = triton.cdiv(k, block_k)
-    split = max(1, min(k_steps, TARGET_PROGRAMS // tiles))
+    split = max(1, min(k_steps, TARGET_PROGRAMS // tiles, REDUCE_ELEMENTS // (block_m * block_n)))
     per_split = triton.cdiv(k_steps, split) * block_k
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": triton.cdiv(k, per_split),
             "K_PER_SPLIT": per_split}
@@ -181,12 +185,16 @@ def launch_split(x2: Tensor, weight: Tensor, bias: Tensor, r2: Tensor, ln_weight
     if tiles_m * (tiles_n + 1) > counters.numel():
         raise ValueError(f"linear_add_layer_norm: {m} rows x {n} columns need more counters than the buffer holds")
     r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    split_p2 = triton.next_power_of_2(p["SPLIT_K"])
+    row = max(triton.next_power_of_2(n), p["BLOCK_N"])  # holds tiles_n * BLOCK_N columns
     tile = p["BLOCK_M"] * p["BLOCK_N"]
-    workspace = torch.empty(tiles_m * tiles_n * (p["SPLIT_K"] + 1) * tile, dtype=torch.float32, device=x2.device)
+    workspace = torch.empty(tiles_m * (tiles_n * split_p2 * tile + p["BLOCK_M"] * row), dtype=torch.float32,
+                            device=x2.device)
     _linear_add_ln_kernel[(tiles_m, tiles_n * p["SPLIT_K"])](
         x2, weight, bias, r2, ln_weight, ln_bias, y, workspace, counters, m, n, k, p["K_PER_SPLIT"], eps,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), r2.stride(0), y.stride(0),
-        TILES_N=tiles_n, SPLIT_K=p["SPLIT_K"], IEEE=_ieee(x2.dtype),
+        TILES_N=tiles_n, SPLIT_K=p["SPLIT_K"], SPLIT_P2=split_p2, ROW=row,
+        SUB_M=min(p["BLOCK_M"], max(1, REDUCE_ELEMENTS // row)), IEEE=_ieee(x2.dtype),
         BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], num_warps=4, num_stages=3)
 
 
