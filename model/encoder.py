@@ -195,8 +195,8 @@ class Layer(nn.Module):
 
     def _residual_blocks(self, x: Tensor, ctx: Tensor) -> Tensor:
         # post-LN residual blocks: x = LN(x + dense(ctx) + b); x = LN(x + W2 gelu(W1 x + b1) + b2). Each GEMM +
-        # bias + residual + LayerNorm is one op: with few tokens one Triton kernel (LayerNorm in the GEMM's
-        # epilogue), else cuBLAS + the add_layer_norm kernel, as the registry chose
+        # bias + residual + LayerNorm is one op (cuBLAS + the chosen backend's add_layer_norm kernel; Triton's split
+        # GEMM + LayerNorm kernel lost to that on the H200 and is off by default, kernels/triton/linear_layer_norm.py)
         x = kernels.linear_add_layer_norm(ctx, self.attn_out.weight, self.attn_out.bias, x, self.attn_ln_weight,
                                           self.attn_ln_bias, self.eps)
         # GELU(x W1^T + b1): one Triton GEMM with the bias + GELU epilogue, or cuBLAS + the bias_gelu kernel, as

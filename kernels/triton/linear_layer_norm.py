@@ -19,9 +19,12 @@ counters (one persistent int32 buffer per device, zeroed once) are ready for the
 replays. Launches on one device must therefore not run concurrently on two streams (the server runs one worker
 stream; the registry's race and the tests are sequential).
 
-Above SMALL_ROWS rows there are enough row tiles to fill the GPU without splitting, and cuBLAS's GEMM is faster than
-this one: the launcher runs cuBLAS (F.linear) + the Triton add_layer_norm kernel instead (two kernels, as before).
-`python -m bench.linear_gelu --op linear_add_layer_norm` measures both paths against eager torch and torch.compile.
+Measured on the H200 (`python -m bench.linear_gelu --op linear_add_layer_norm`, against eager torch and
+torch.compile in the same run): correct, deterministic, replays in CUDA graphs, and SLOWER than cuBLAS (F.linear) +
+the Triton add_layer_norm kernel at every shape tried, 16 to 64 rows (docs/performance.md). One launch fewer does not
+pay for the two counter round trips and the workspace reads through L2 at this size. So SMALL_ROWS is 0: the op runs
+cuBLAS + add_layer_norm (two kernels, as before) unless a caller passes `small_rows`; the kernel stays for the bench
+and as the starting point for a fused layer at small batches.
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ from kernels.triton._common import INTERPRET, check_device
 from kernels.triton.add_layer_norm import add_layer_norm
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SMALL_ROWS = 128  # at most this many rows: the split kernel; more: cuBLAS + add_layer_norm
+# At most this many rows take the split kernel, more take cuBLAS + add_layer_norm. 0: the split kernel is off by
+# default, because on the H200 it lost to cuBLAS + add_layer_norm at every shape measured (12.6 vs 9.7 us at
+# MiniLM's attention-out for 16 tokens, 14.0 vs 12.1 at its FFN-out; bench/results/2026-11-30-h200-linear-layer-norm-s7.json)
+SMALL_ROWS = 0
 MAX_COLS = 8192  # widest row the split kernel takes (its last program walks the row in BLOCK_N tiles)
 TARGET_PROGRAMS = 64  # K splits are chosen to give about this many programs
 REDUCE_ELEMENTS = 8192  # fp32 values one program loads at once in the epilogue (registers: 64 per thread at 4 warps)
@@ -203,7 +209,7 @@ def linear_add_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, residual: Ten
                           small_rows: int | None = None) -> Tensor:
     """LayerNorm(x @ weight^T + bias + residual) over the last dimension: x [..., K], weight [N, K] (nn.Linear's
     layout), bias / ln_weight / ln_bias [N], residual [..., N] -> [..., N] in x's dtype. Up to `small_rows` rows
-    (default SMALL_ROWS) one split kernel; more rows: cuBLAS + the add_layer_norm kernel."""
+    (default SMALL_ROWS, 0: never) the split kernel; more rows: cuBLAS + the add_layer_norm kernel."""
     x2, r2, shape = _prepare(x, weight, bias, residual, ln_weight, ln_bias, out)
     m, n = x2.shape[0], weight.shape[0]
     limit = SMALL_ROWS if small_rows is None else small_rows

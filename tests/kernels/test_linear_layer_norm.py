@@ -72,23 +72,23 @@ def test_plan_splits_k_for_few_rows_and_never_leaves_a_split_empty(device):
 def test_repeated_launches_are_bitwise_identical(device):
     """Partials are summed in a fixed order (no fp32 atomics): the same input gives the same bits every time."""
     args = _inputs(16, 1536, 384, torch.float16, device, seed=3)
-    first = lln.linear_add_layer_norm(*args, 1e-5)
+    first = lln.linear_add_layer_norm(*args, 1e-5, small_rows=16)
     assert lln.plan(16, 384, 1536)["SPLIT_K"] > 1
     for _ in range(3):
-        assert torch.equal(lln.linear_add_layer_norm(*args, 1e-5), first)
+        assert torch.equal(lln.linear_add_layer_norm(*args, 1e-5, small_rows=16), first)
     assert _counters_zero(device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_many_rows_take_cublas_and_add_layer_norm(device, monkeypatch):
+def test_rows_past_small_rows_take_cublas_and_add_layer_norm(device, monkeypatch):
     calls = []
     original = lln.launch_split
     monkeypatch.setattr(lln, "launch_split", lambda *a, **kw: calls.append(a[0].shape[0]) or original(*a, **kw))
-    for m in (lln.SMALL_ROWS, lln.SMALL_ROWS + 1):
+    for m, limit in ((16, 16), (17, 16), (16, None)):  # None: the default, SMALL_ROWS
         args = _inputs(m, 40, 96, torch.float32, device, seed=m)
-        report = compare(lln.linear_add_layer_norm(*args, 1e-5), _reference(*args), torch.float32)
+        report = compare(lln.linear_add_layer_norm(*args, 1e-5, small_rows=limit), _reference(*args), torch.float32)
         assert report.ok, (m, report)
-    assert calls == [lln.SMALL_ROWS]
+    assert calls == [16] + ([16] if 16 <= lln.SMALL_ROWS else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -100,7 +100,8 @@ def test_strided_and_3d_inputs(device):
     assert not strided.is_contiguous()
     for inputs, res in ((strided, residual), (x.view(2, 5, 96), residual.view(2, 5, 160)),
                         (x.t().contiguous().t(), residual)):
-        got = lln.linear_add_layer_norm(inputs, weight.t().contiguous().t(), bias, res, g, b, 1e-5)
+        got = lln.linear_add_layer_norm(inputs, weight.t().contiguous().t(), bias, res, g, b, 1e-5,
+                                        small_rows=SPLIT_EVERYTHING)
         assert got.shape == (*inputs.shape[:-1], 160)
         want = _reference(inputs.reshape(-1, 96), weight, bias, res.reshape(-1, 160), g, b)
         report = compare(got.reshape(-1, 160), want, dtype)
@@ -112,7 +113,7 @@ def test_non_finite_inputs_stay_in_their_rows(device):
     x, weight, bias, residual, g, b = _inputs(33, 300, 70, torch.float32, device, seed=5)
     x[3, 7] = float("nan")
     residual[9, 0] = float("inf")
-    got = lln.linear_add_layer_norm(x, weight, bias, residual, g, b, 1e-5)
+    got = lln.linear_add_layer_norm(x, weight, bias, residual, g, b, 1e-5, small_rows=SPLIT_EVERYTHING)
     assert torch.isnan(got[3]).all() and torch.isnan(got[9]).all()
     finite = [r for r in range(33) if r not in (3, 9)]
     assert torch.isfinite(got[finite]).all()
@@ -144,11 +145,11 @@ def test_replays_inside_a_cuda_graph():
     shapes = ((16, 384, 384), (16, 1536, 384), (40, 3072, 768), (1, 769, 300))
     inputs = [_inputs(m, k, n, torch.float16, "cuda", seed=m + k + n) for m, k, n in shapes]
     for args in inputs:  # warm: compilation and the counter buffer outside the capture
-        lln.linear_add_layer_norm(*args, 1e-5)
+        lln.linear_add_layer_norm(*args, 1e-5, small_rows=SPLIT_EVERYTHING)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [lln.linear_add_layer_norm(*args, 1e-5) for args in inputs]
+        outs = [lln.linear_add_layer_norm(*args, 1e-5, small_rows=SPLIT_EVERYTHING) for args in inputs]
     for _ in range(3):
         for out in outs:
             out.fill_(float("nan"))
