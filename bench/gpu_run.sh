@@ -12,6 +12,9 @@
 #                                   # tests + MiniLM parity, its bench rows, MiniLM encoder rows and b1 profile (~9 min)
 #   bash bench/gpu_run.sh final     # lnorm's tests and bench rows again (vectorized epilogue), MiniLM rows with the split
 #                                   # kernel on and off, fp16 parity, and one server's single-request split (~7 min)
+#   bash bench/gpu_run.sh sdpa      # MiniLM rows with the dense SDPA call on torch's default (cuDNN), flash, and
+#                                   # memory-efficient kernels (Triton backend, no CUDA build); one server's
+#                                   # single-request latency with httpx and http.client (~3 min)
 #   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases, and the what-if row with
 #                                   # the Triton FFN-in epilogue) + the MiniLM and BERT profiles
 # Results land in $OUT (the device tool brings them back).
@@ -149,6 +152,18 @@ case "$mode" in
     gpu_tests parity 100 tests/gpu/test_minilm_gpu.py tests/gpu/test_graphs_gpu.py \
       -k "float16 and not bfloat16 and (triton or equal_eager_packed_and_padded)"
     SERVE_S=150 SERVE_PAYLOADS=ids SERVE_CONFIGS=replicas=1 SERVE_COUNTS=16 serve_sweep
+    ;;
+  sdpa)
+    timeout 100 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
+      --configs replicas=1,backend=triton --out "$OUT/serve-single.json" 2>&1 | tee "$OUT/serve-single.log" | tail -3
+    for b in default FLASH_ATTENTION EFFICIENT_ATTENTION; do
+      timeout 60 python3 -c "import contextlib, runpy, sys; from torch.nn.attention import SDPBackend, sdpa_kernel; \
+        b = sys.argv[1]; sys.argv = ['bench.encoder', *sys.argv[2:]]; \
+        (contextlib.nullcontext() if b == 'default' else sdpa_kernel([getattr(SDPBackend, b)])).__enter__(); \
+        runpy.run_module('bench.encoder', run_name='__main__')" $b --providers ours --backends triton \
+        --cases "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" --compile-cases --no-ffn-epilogue \
+        --out "$OUT/encoder-sdpa-$b.json" 2>&1 | grep -E "triton packed graphs |rror" | sed "s/^/$b /"
+    done
     ;;
   encoder)
     build_cached

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import http.client
 import json
 import os
 import platform
@@ -245,9 +246,35 @@ def single_requests(url: str, texts: list[str], count: int = 200, warm: int = 20
             client.get("/healthz").raise_for_status()
             floor.append(time.perf_counter() - t)
     q = statistics.quantiles(latencies, n=100)
+    raw = raw_client_latency(url, texts, count)
     return {"requests": count, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
             "mean_ms": statistics.fmean(latencies) * 1e3, "server": inside,
-            "healthz_p50_ms": statistics.median(floor) * 1e3}
+            "healthz_p50_ms": statistics.median(floor) * 1e3, "raw_client": raw}
+
+
+def raw_client_latency(url: str, texts: list[str], count: int = 200, warm: int = 20) -> dict:
+    """The same requests from the standard library's http.client on one keep-alive connection: a client whose own
+    cost per request is ~0.1 ms where httpx's is ~0.5 ms (development CPU), so the server's latency shows through.
+    The server's mean (server_*) above is over the httpx requests and includes the 1% of requests that take the
+    kernel-timed eager path."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"inputs": texts}).encode()
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    out = {}
+    for name, method, path, payload in (("infer", "POST", "/infer", body), ("healthz", "GET", "/healthz", None)):
+        latencies = []
+        for i in range(warm + count):
+            t = time.perf_counter()
+            connection.request(method, path, payload, {"Content-Type": "application/json"} if payload else {})
+            response = connection.getresponse()
+            response.read()
+            if response.status != 200:
+                raise RuntimeError(f"{method} {path}: HTTP {response.status}")
+            latencies.append(time.perf_counter() - t)
+        q = statistics.quantiles(latencies[warm:], n=100)
+        out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = q[49] * 1e3, q[98] * 1e3
+    connection.close()
+    return out
 
 
 def mixed_texts(n: int, seed: int = 0, low: int = 1, high: int = 200) -> list[str]:
@@ -261,6 +288,8 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
     texts, then the real server under closed-loop load at each client count, and single-request latency."""
     from model.runner import Embedder
 
+    if args.single_only:
+        return single_only(args, argv)
     texts = mixed_texts(4096)
     settings = {"model": args.model, "device": "cuda", "dtype": "float16", "max_batch_requests": str(args.max_batch),
                 "max_batch_tokens": "16384", "max_wait_ms": str(args.max_wait_ms), "max_queue": "65536",
@@ -357,6 +386,25 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
     return report()
 
 
+def single_only(args, argv: list[str] | None) -> dict:
+    """Only the single-request latency on the first configuration (no raw runner, sentence-transformers or load)."""
+    settings = {"model": args.model, "device": "cuda", "dtype": "float16", "max_batch_requests": str(args.max_batch),
+                "max_batch_tokens": "16384", "max_wait_ms": str(args.max_wait_ms),
+                "kernel_timing_sample_rate": str(args.timing_rate), "verify_sample_rate": str(args.verify_rate)}
+    extra = dict(kv.split("=", 1) for kv in args.configs[0].split(",") if kv)
+    extra.pop("replicas", None)
+    log_path = f"{os.path.splitext(args.out)[0]}-server.log" if args.out else os.devnull
+    with running_servers(1, log_path, **(settings | extra)) as servers:
+        url = servers[0][1]
+        single = single_requests(url, sentences(1, 20))
+        info = httpx.get(url + "/info").json()
+    raw = single["raw_client"]
+    print(f"single 20-word request: httpx p50 {single['p50_ms']:.2f} ms (GET /healthz {single['healthz_p50_ms']:.2f}); "
+          f"http.client p50 {raw['infer_p50_ms']:.2f} ms (GET /healthz {raw['healthz_p50_ms']:.2f})", file=sys.stderr)
+    return {"date": time.strftime("%Y-%m-%d"), "device": "cuda", "settings": settings | extra,
+            "single_request": single, "info": info, "command": command("serve", argv)}
+
+
 def sentence_transformers_gpu(model: str, texts: list[str], tokens_total: int,
                               one: list[str]) -> tuple[float | None, list[float]]:
     """SentenceTransformer.encode in fp16 on the same texts (tokens/s) and on one sentence (seconds per call);
@@ -421,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-rate", type=float, default=0.0, help="GPU sweep: verify_sample_rate")
     parser.add_argument("--payloads", nargs="+", choices=("text", "ids"), default=["text"],
                         help="GPU sweep: texts to /infer (tokenized by the server) and/or token ids to /v1/embeddings")
+    parser.add_argument("--single-only", action="store_true",
+                        help="GPU sweep: only the single-request latency on the first configuration")
     parser.add_argument("--configs", nargs="+", default=["replicas=1"],
                         help="GPU sweep: server configurations, each 'replicas=N[,setting=value...]' (N servers on "
                              "the one GPU, clients spread over them; settings as FUSEDSERVE_* without the prefix)")

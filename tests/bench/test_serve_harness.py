@@ -29,3 +29,5 @@ def test_load_and_single_requests_agree_with_the_servers_metrics():
         # the server's time is part of the client's round trip, the forward part of the server's time
         assert s["forward_ms_per_batch"] <= s["server_request_ms"] <= single["mean_ms"]
         assert single["p50_ms"] <= single["p99_ms"] and single["healthz_p50_ms"] > 0
+        raw = single["raw_client"]  # the same request from http.client: an embedding costs more than /healthz
+        assert raw["infer_p50_ms"] <= raw["infer_p99_ms"] and raw["infer_p50_ms"] > raw["healthz_p50_ms"] > 0
