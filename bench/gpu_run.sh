@@ -14,7 +14,7 @@
 #                                   # kernel on and off, fp16 parity, and one server's single-request split (~7 min)
 #   bash bench/gpu_run.sh sdpa      # MiniLM rows with the dense SDPA call on torch's default (cuDNN), flash, and
 #                                   # memory-efficient kernels (Triton backend, no CUDA build); one server's
-#                                   # single-request latency with httpx and http.client (~3 min)
+#                                   # single-request latency with httpx and http.client (~6 min cold)
 #   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases, and the what-if row with
 #                                   # the Triton FFN-in epilogue) + the MiniLM and BERT profiles
 # Results land in $OUT (the device tool brings them back).
@@ -154,8 +154,6 @@ case "$mode" in
     SERVE_S=150 SERVE_PAYLOADS=ids SERVE_CONFIGS=replicas=1 SERVE_COUNTS=16 serve_sweep
     ;;
   sdpa)
-    timeout 100 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
-      --configs replicas=1,backend=triton --out "$OUT/serve-single.json" 2>&1 | tee "$OUT/serve-single.log" | tail -3
     for b in default FLASH_ATTENTION EFFICIENT_ATTENTION; do
       timeout 60 python3 -c "import contextlib, runpy, sys; from torch.nn.attention import SDPBackend, sdpa_kernel; \
         b = sys.argv[1]; sys.argv = ['bench.encoder', *sys.argv[2:]]; \
@@ -164,6 +162,10 @@ case "$mode" in
         --cases "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" --compile-cases --no-ffn-epilogue \
         --out "$OUT/encoder-sdpa-$b.json" 2>&1 | grep -E "triton packed graphs |rror" | sed "s/^/$b /"
     done
+    # last, and with room: on a cold Triton cache the server's self-tests alone took 86 s (session 7), and a timeout
+    # that kills bench.serve mid-start leaves the server shutting down beside the next step
+    timeout 240 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
+      --configs replicas=1,backend=triton --out "$OUT/serve-single.json" 2>&1 | tee "$OUT/serve-single.log" | tail -3
     ;;
   encoder)
     build_cached

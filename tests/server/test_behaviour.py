@@ -177,7 +177,7 @@ def test_verification_catches_drift_and_falls_back(make_server):
 def test_a_raising_kernel_is_rerun_on_the_reference(make_server):
     server = make_server(fault_injection="true")
     clean = httpx.post(server.url + "/infer", json={"inputs": ["x y z"]}).json()["embeddings"]
-    httpx.post(server.url + "/admin/faults", json={"op": "add_layer_norm", "mode": "raise"}, headers=admin_headers())
+    httpx.post(server.url + "/admin/faults", json={"op": "linear_add_layer_norm", "mode": "raise"}, headers=admin_headers())
     r = httpx.post(server.url + "/infer", json={"inputs": ["x y z"]}, timeout=30)
     assert r.status_code == 200 and r.json()["embeddings"] == clean
     assert metric(server, "fusedserve_fallbacks_total", op="all", reason="exception") == 1

@@ -61,7 +61,7 @@ def test_every_family_with_sensible_values(busy_server):
     assert s['fusedserve_forward_duration_seconds_count{path="reference"}'] == s["fusedserve_batch_size_count"]
     layers = 6
     batches = s["fusedserve_batch_size_count"]
-    assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="add_layer_norm"}'] == 2 * layers * batches
+    assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="linear_add_layer_norm"}'] == 2 * layers * batches
     assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="embedding_layer_norm"}'] == batches
     assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="linear_bias_gelu"}'] == layers * batches
     assert s['fusedserve_reference_checks_total{result="match"}'] >= 1
