@@ -177,3 +177,10 @@ case "$mode" in
       | tee "$OUT/profile-bert.log" | grep -E "us/forward"
     ;;
 esac
+# the device tool brings back at most 8 files: past that, everything goes back as one archive (session 7 lost a
+# serving JSON and a profile that way)
+if [ "$(ls -A "$OUT" | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf "results-$mode.tar.gz" --exclude "results-$mode.tar.gz" . && \
+    find . -mindepth 1 -maxdepth 1 ! -name "results-$mode.tar.gz" -exec rm -rf {} +)
+  echo "results bundled: $OUT/results-$mode.tar.gz"
+fi

@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -446,6 +447,9 @@ def torch_cuda_empty() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # a time limit's SIGTERM unwinds like an exception, so running_servers stops the servers it started (session 7:
+    # a `timeout` that killed this process left its server shutting down on the GPU beside the next step)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=32)
