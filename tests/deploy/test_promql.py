@@ -84,8 +84,8 @@ def prometheus_with_traffic(tmp_path_factory):
             try:
                 if query('up{job="fusedserve"} == 1'):
                     break
-            except (httpx.HTTPError, AssertionError):
-                pass
+            except (httpx.HTTPError, AssertionError, ValueError):  # ValueError: a starting Prometheus answers a
+                pass  # plain-text 503 "Service Unavailable" until its storage is ready (not JSON)
             time.sleep(0.5)
         # traffic between scrapes, including a rejection, so every rate() has something to show
         for i in range(8):
