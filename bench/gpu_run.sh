@@ -36,6 +36,24 @@ gpu_tests() {  # name, time limit, pytest args...: one pytest per call, its log 
   echo "== $name exit $?"
   grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$name.log" | grep -E "cosine|passed|failed|Error|^E " | tail -12
 }
+lnorm_tests() {  # time limit, -k selection: the linear_add_layer_norm GPU tests (the split kernel, both backends' ops)
+  FUSEDSERVE_TRITON_AUTOTUNE=0 gpu_tests lnorm "$1" -n 8 tests/kernels/test_linear_layer_norm.py \
+    tests/kernels/test_triton_ops.py tests/kernels/test_cuda_ops.py -k "$2"
+}
+lnorm_bench() {  # time limit, shapes...: bench.linear_gelu --op linear_add_layer_norm
+  local limit=$1; shift
+  timeout "$limit" python3 -m bench.linear_gelu --op linear_add_layer_norm --shapes "$@" \
+    --out "$OUT/linear-layer-norm.json" 2>&1 | tee "$OUT/linear-layer-norm.log" | grep -E "^  |M=" | tail -40
+}
+MINILM_ROWS=(--providers ours --cases "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" --compile-cases --no-ffn-epilogue)
+minilm_rows() {  # time limit, name: the MiniLM b32 / b1 encoder rows, ours only -> $OUT/<name>.json
+  timeout "$1" python3 -m bench.encoder "${MINILM_ROWS[@]}" --out "$OUT/$2.json" 2>&1 | tee "$OUT/$2.log" | grep graphs
+}
+profile_b1() {  # time limit, backends...: the MiniLM b1 s16 profile
+  local limit=$1; shift
+  timeout "$limit" python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends "$@" \
+    --out "$OUT/profile-minilm-b1.json" 2>&1 | tee "$OUT/profile-minilm-b1.log" | grep -E "us/forward"
+}
 serve_sweep() {  # one server, then four replicas on the GPU; texts (the server tokenizes) and token ids
   # (SERVE_CONFIGS / SERVE_PAYLOADS / SERVE_COUNTS / SERVE_MODEL / SERVE_S override: e.g. SERVE_CONFIGS="replicas=4 replicas=8")
   timeout ${SERVE_S:-540} python3 -m bench.serve --device cuda --seconds 6 --per-request 16 \
@@ -114,41 +132,30 @@ case "$mode" in
     gpu_tests graphs-parity 320 tests/gpu/test_graphs_gpu.py tests/gpu/test_minilm_gpu.py -k "not bfloat16"
     timeout 100 python3 -m bench.linear_gelu --shapes "bert-base b32 s128" "minilm-l6 b32 s128" "minilm-l6 b1 s16" \
       --out "$OUT/linear-gelu-tma.json" 2>&1 | tee "$OUT/linear-gelu-tma.log" | tail -12
-    timeout 120 python3 -m bench.encoder --providers ours --cases "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" \
-      --compile-cases --no-ffn-epilogue --out "$OUT/encoder-minilm.json" 2>&1 | tee "$OUT/encoder-minilm.log" | tail -8
-    timeout 60 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends cuda triton \
-      --out "$OUT/profile-minilm-b1.json" 2>&1 | tee "$OUT/profile-minilm-b1.log" | grep -E "us/forward"
+    minilm_rows 120 encoder-minilm
+    profile_b1 60 cuda triton
     ;;
   lnorm)
     build_cached
-    FUSEDSERVE_TRITON_AUTOTUNE=0 gpu_tests lnorm 150 -n 8 tests/kernels/test_linear_layer_norm.py \
-      tests/kernels/test_triton_ops.py tests/kernels/test_cuda_ops.py -k "linear_layer_norm or linear_add_layer_norm or opcheck"
+    lnorm_tests 150 "linear_layer_norm or linear_add_layer_norm or opcheck"
     gpu_tests graphs-parity 200 tests/gpu/test_graphs_gpu.py tests/gpu/test_minilm_gpu.py \
       -k "(float16 and not bfloat16) or selection_change"
-    timeout 120 python3 -m bench.linear_gelu --op linear_add_layer_norm --shapes "minilm-l6 attn-out b1 s16" \
-      "minilm-l6 ffn-out b1 s16" "minilm-l6 ffn-out 128 tokens" "minilm-l6 ffn-out 512 tokens" "bert-base ffn-out b1 s16" \
-      --out "$OUT/linear-layer-norm.json" 2>&1 | tee "$OUT/linear-layer-norm.log" | grep -E "^  |M=" | tail -40
-    timeout 100 python3 -m bench.encoder --providers ours --cases "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" \
-      --compile-cases --no-ffn-epilogue --out "$OUT/encoder-minilm.json" 2>&1 | tee "$OUT/encoder-minilm.log" | tail -8
-    timeout 60 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends cuda triton \
-      --out "$OUT/profile-minilm-b1.json" 2>&1 | tee "$OUT/profile-minilm-b1.log" | grep -E "us/forward"
+    lnorm_bench 120 "minilm-l6 attn-out b1 s16" "minilm-l6 ffn-out b1 s16" "minilm-l6 ffn-out 128 tokens" \
+      "minilm-l6 ffn-out 512 tokens" "bert-base ffn-out b1 s16"
+    minilm_rows 100 encoder-minilm
+    profile_b1 60 cuda triton
     ;;
   final)
     build_cached
-    FUSEDSERVE_TRITON_AUTOTUNE=0 gpu_tests lnorm 120 -n 8 tests/kernels/test_linear_layer_norm.py \
-      tests/kernels/test_triton_ops.py tests/kernels/test_cuda_ops.py -k "linear_layer_norm or linear_add_layer_norm"
-    timeout 90 python3 -m bench.linear_gelu --op linear_add_layer_norm --shapes "minilm-l6 attn-out b1 s16" \
-      "minilm-l6 ffn-out b1 s16" "minilm-l6 ffn-out 64 tokens" "bert-base ffn-out b1 s16" \
-      --out "$OUT/linear-layer-norm.json" 2>&1 | tee "$OUT/linear-layer-norm.log" | grep -E "^  |M=" | tail -40
-    cases=(--providers ours --cases "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" --compile-cases --no-ffn-epilogue)
-    timeout 80 python3 -m bench.encoder "${cases[@]}" --out "$OUT/encoder-minilm.json" 2>&1 \
-      | tee "$OUT/encoder-minilm.log" | grep "graphs"
-    # the same rows with the split kernel off (cuBLAS + add_layer_norm at every row count)
-    timeout 80 python3 -c "import runpy, sys; import kernels.triton.linear_layer_norm as m; m.SMALL_ROWS = 0; \
+    lnorm_tests 120 "linear_layer_norm or linear_add_layer_norm"
+    lnorm_bench 90 "minilm-l6 attn-out b1 s16" "minilm-l6 ffn-out b1 s16" "minilm-l6 ffn-out 64 tokens" \
+      "bert-base ffn-out b1 s16"
+    # the split kernel on below 128 rows (its default since session 7 is off), then the default
+    timeout 80 python3 -c "import runpy, sys; import kernels.triton.linear_layer_norm as m; m.SMALL_ROWS = 128; \
       sys.argv = ['bench.encoder', *sys.argv[1:]]; runpy.run_module('bench.encoder', run_name='__main__')" \
-      "${cases[@]}" --out "$OUT/encoder-minilm-split-off.json" 2>&1 | tee "$OUT/encoder-minilm-split-off.log" | grep "graphs"
-    timeout 40 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends triton \
-      --out "$OUT/profile-minilm-b1.json" 2>&1 | tee "$OUT/profile-minilm-b1.log" | grep -E "us/forward"
+      "${MINILM_ROWS[@]}" --out "$OUT/encoder-minilm-split-on.json" 2>&1 | tee "$OUT/encoder-minilm-split-on.log" | grep graphs
+    minilm_rows 80 encoder-minilm
+    profile_b1 40 triton
     gpu_tests parity 100 tests/gpu/test_minilm_gpu.py tests/gpu/test_graphs_gpu.py \
       -k "float16 and not bfloat16 and (triton or equal_eager_packed_and_padded)"
     SERVE_S=150 SERVE_PAYLOADS=ids SERVE_CONFIGS=replicas=1 SERVE_COUNTS=16 serve_sweep
@@ -158,8 +165,7 @@ case "$mode" in
       timeout 60 python3 -c "import contextlib, runpy, sys; from torch.nn.attention import SDPBackend, sdpa_kernel; \
         b = sys.argv[1]; sys.argv = ['bench.encoder', *sys.argv[2:]]; \
         (contextlib.nullcontext() if b == 'default' else sdpa_kernel([getattr(SDPBackend, b)])).__enter__(); \
-        runpy.run_module('bench.encoder', run_name='__main__')" $b --providers ours --backends triton \
-        --cases "minilm-l6 b32 s128 fixed" "minilm-l6 b1 s16" --compile-cases --no-ffn-epilogue \
+        runpy.run_module('bench.encoder', run_name='__main__')" $b "${MINILM_ROWS[@]}" --backends triton \
         --out "$OUT/encoder-sdpa-$b.json" 2>&1 | grep -E "triton packed graphs |rror" | sed "s/^/$b /"
     done
     # last, and with room: on a cold Triton cache the server's self-tests alone took 86 s (session 7), and a timeout

@@ -75,35 +75,46 @@ def ln_providers() -> dict[str, Callable]:
     return out
 
 
-def run_ln(args: argparse.Namespace) -> dict:
+def _gelu_inputs(m: int, k: int, n: int, dtype: torch.dtype, gen: torch.Generator) -> tuple:
+    x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to("cuda", dtype)
+    b = (torch.randn(n, generator=gen) * 0.5).to("cuda", dtype)
+    return x, w, b
+
+
+def _ln_inputs(m: int, k: int, n: int, dtype: torch.dtype, gen: torch.Generator) -> tuple:
+    x, w, b = _gelu_inputs(m, k, n, dtype, gen)  # drawn first: the same x, w, b as the GELU op's at a shape
+    r = torch.randn(m, n, generator=gen).to("cuda", dtype)
+    g = (torch.randn(n, generator=gen) * 0.5 + 1).to("cuda", dtype)
+    beta = (torch.randn(n, generator=gen) * 0.5).to("cuda", dtype)
+    return x, w, b, r, g, beta, 1e-12
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every provider of args.op on every shape: device time, TFLOP/s of the GEMM, error against float64."""
     from kernels import reference
     from kernels.testing import compare
 
+    ln = args.op == "linear_add_layer_norm"
+    table, make_inputs, impls = (LN_SHAPES, _ln_inputs, ln_providers()) if ln else (SHAPES, _gelu_inputs, providers())
     dtype = getattr(torch, args.dtype)
-    impls = ln_providers()
     results = []
     for name in args.shapes:
-        m, k, n = LN_SHAPES[name]
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(m, k, generator=gen).to("cuda", dtype)
-        w = (torch.randn(n, k, generator=gen) / k**0.5).to("cuda", dtype)
-        b = (torch.randn(n, generator=gen) * 0.5).to("cuda", dtype)
-        r = torch.randn(m, n, generator=gen).to("cuda", dtype)
-        g = (torch.randn(n, generator=gen) * 0.5 + 1).to("cuda", dtype)
-        beta = (torch.randn(n, generator=gen) * 0.5).to("cuda", dtype)
-        inputs = (x, w, b, r, g, beta, 1e-12)
-        ref = reference.linear_add_layer_norm(*(t.double().cpu() for t in inputs[:6]), 1e-12)
+        m, k, n = table[name]
+        inputs = make_inputs(m, k, n, dtype, torch.Generator().manual_seed(0))
+        exact = [t.double().cpu() if isinstance(t, torch.Tensor) else t for t in inputs]
+        ref = getattr(reference, args.op)(*exact)
         flops = 2 * m * n * k
         print(f"{name}: M={m} K={k} N={n} {args.dtype}", file=sys.stderr, flush=True)
         for provider, fn in impls.items():
             started = time.perf_counter()
-            got = fn(*inputs)
+            got = fn(*inputs)  # warm-up: compile / autotune outside the timing
             torch.cuda.synchronize()
             error = compare(got, ref, dtype)
             ms = graph_ms(lambda: fn(*inputs))
-            results.append({"op": "linear_add_layer_norm", "shape": name, "m": m, "k": k, "n": n,
-                            "dtype": args.dtype, "provider": provider, "ms": ms, "tflops": flops / ms / 1e9,
-                            "rel_l2": error.rel_l2, "max_abs": error.max_abs, "within_tolerance": error.ok,
+            results.append({"op": args.op, "shape": name, "m": m, "k": k, "n": n, "dtype": args.dtype,
+                            "provider": provider, "ms": ms, "tflops": flops / ms / 1e9, "rel_l2": error.rel_l2,
+                            "max_abs": error.max_abs, "within_tolerance": error.ok,
                             "first_call_s": time.perf_counter() - started})
             print(f"  {provider:40s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s  {error}",
                   file=sys.stderr, flush=True)
@@ -132,37 +143,6 @@ def providers() -> dict[str, Callable]:
     return out
 
 
-def run(args: argparse.Namespace) -> dict:
-    from kernels import reference
-    from kernels.testing import compare
-
-    dtype = getattr(torch, args.dtype)
-    impls = providers()
-    results = []
-    for name in args.shapes:
-        m, k, n = SHAPES[name]
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(m, k, generator=gen).to("cuda", dtype)
-        w = (torch.randn(n, k, generator=gen) / k**0.5).to("cuda", dtype)
-        b = (torch.randn(n, generator=gen) * 0.5).to("cuda", dtype)
-        ref = reference.linear_bias_gelu(x.double().cpu(), w.double().cpu(), b.double().cpu())
-        flops = 2 * m * n * k
-        print(f"{name}: M={m} K={k} N={n} {args.dtype}", file=sys.stderr, flush=True)
-        for provider, fn in impls.items():
-            started = time.perf_counter()
-            got = fn(x, w, b)  # warm-up: compile / autotune outside the timing
-            torch.cuda.synchronize()
-            error = compare(got, ref, dtype)
-            ms = graph_ms(lambda: fn(x, w, b))
-            results.append({"shape": name, "m": m, "k": k, "n": n, "dtype": args.dtype, "provider": provider,
-                            "ms": ms, "tflops": flops / ms / 1e9, "rel_l2": error.rel_l2, "max_abs": error.max_abs,
-                            "within_tolerance": error.ok, "first_call_s": time.perf_counter() - started})
-            print(f"  {provider:32s} {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.1f} TFLOP/s  {error}",
-                  file=sys.stderr, flush=True)
-    return {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "results": results}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.linear_gelu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -180,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     wrong = [s for s in args.shapes if s not in (LN_SHAPES if ln else SHAPES)]
     if wrong:
         parser.error(f"shapes {wrong} are not shapes of {args.op}")
-    report = (run_ln(args) if ln else run(args)) | {"command": command("linear_gelu", argv)}
+    report = run(args) | {"command": command("linear_gelu", argv)}
     save(report, args.out)
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1))
     return 0

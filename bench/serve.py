@@ -50,17 +50,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_servers(count: int, log_path: str = os.devnull, **settings: str):
-    """`count` x `python -m server` on free loopback ports with FUSEDSERVE_* settings, started together (replicas on
-    one machine, as a Kubernetes node runs several pods), all writing to `log_path`. Yields [(process, url)] once
-    every one is ready."""
+def running_servers(count: int, log_path: str = os.devnull, *, command: list[str] | None = None, **settings: str):
+    """`count` x `python -m server` (or `command`, which takes the same --port/--log-level arguments) on free loopback
+    ports with FUSEDSERVE_* settings, started together (replicas on one machine, as a Kubernetes node runs several
+    pods), all writing to `log_path`. Yields [(process, url)] once every one is ready."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
+    command = command or [sys.executable, "-m", "server"]
     servers, log = [], open(log_path, "a")
     try:
         for _ in range(count):
             port = free_port()
-            process = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level",
-                                        "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen([*command, "--port", str(port), "--log-level", "warning"], env=env, stdout=log,
+                                       stderr=subprocess.STDOUT)
             servers.append((process, f"http://127.0.0.1:{port}"))
         deadline = time.monotonic() + 300
         for process, url in servers:
@@ -292,10 +293,7 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
     if args.single_only:
         return single_only(args, argv)
     texts = mixed_texts(4096)
-    settings = {"model": args.model, "device": "cuda", "dtype": "float16", "max_batch_requests": str(args.max_batch),
-                "max_batch_tokens": "16384", "max_wait_ms": str(args.max_wait_ms), "max_queue": "65536",
-                "max_client_batch": "256", "kernel_timing_sample_rate": str(args.timing_rate),
-                "verify_sample_rate": str(args.verify_rate)}
+    settings = gpu_server_settings(args)
     embedder, _ = Embedder.load(args.model, device="cuda", dtype="float16", max_batch_tokens=16384,
                                    max_batch=args.max_batch)
     ids = embedder.tokenizer.encode(texts)
@@ -344,8 +342,7 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
         }
 
     for n, config in enumerate(args.configs):
-        extra = dict(kv.split("=", 1) for kv in config.split(",") if kv)
-        replicas = int(extra.pop("replicas", 1))
+        replicas, extra = parse_config(config)
         log_path = f"{os.path.splitext(args.out)[0]}-server{n}.log" if args.out else os.devnull
         with running_servers(replicas, log_path, **(settings | extra)) as servers:
             urls = [url for _, url in servers]
@@ -387,13 +384,24 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
     return report()
 
 
+def gpu_server_settings(args) -> dict[str, str]:
+    """The GPU sweep's server settings (FUSEDSERVE_* without the prefix)."""
+    return {"model": args.model, "device": "cuda", "dtype": "float16", "max_batch_requests": str(args.max_batch),
+            "max_batch_tokens": "16384", "max_wait_ms": str(args.max_wait_ms), "max_queue": "65536",
+            "max_client_batch": "256", "kernel_timing_sample_rate": str(args.timing_rate),
+            "verify_sample_rate": str(args.verify_rate)}
+
+
+def parse_config(config: str) -> tuple[int, dict[str, str]]:
+    """'replicas=N[,setting=value...]' -> (N, {setting: value})."""
+    extra = dict(kv.split("=", 1) for kv in config.split(",") if kv)
+    return int(extra.pop("replicas", 1)), extra
+
+
 def single_only(args, argv: list[str] | None) -> dict:
     """Only the single-request latency on the first configuration (no raw runner, sentence-transformers or load)."""
-    settings = {"model": args.model, "device": "cuda", "dtype": "float16", "max_batch_requests": str(args.max_batch),
-                "max_batch_tokens": "16384", "max_wait_ms": str(args.max_wait_ms),
-                "kernel_timing_sample_rate": str(args.timing_rate), "verify_sample_rate": str(args.verify_rate)}
-    extra = dict(kv.split("=", 1) for kv in args.configs[0].split(",") if kv)
-    extra.pop("replicas", None)
+    settings = gpu_server_settings(args)
+    _, extra = parse_config(args.configs[0])
     log_path = f"{os.path.splitext(args.out)[0]}-server.log" if args.out else os.devnull
     with running_servers(1, log_path, **(settings | extra)) as servers:
         url = servers[0][1]

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
 import sys
 import time
 
 from bench import command, save
-from bench.serve import free_port, raw_client_latency, sentences
+from bench.serve import running_servers, sentences, single_requests
 
 
 def _serve(forward_s: float, argv: list[str]) -> None:
@@ -37,43 +35,15 @@ def _serve(forward_s: float, argv: list[str]) -> None:
 
 
 def measure(forward_ms: float, count: int) -> dict:
-    import httpx
-
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", FUSEDSERVE_DEVICE="cpu", FUSEDSERVE_KERNEL_TIMING_SAMPLE_RATE="0",
-               FUSEDSERVE_VERIFY_SAMPLE_RATE="0", FUSEDSERVE_DRAIN_DELAY_S="0")
-    process = subprocess.Popen([sys.executable, "-m", "bench.single_latency", "--serve", str(forward_ms / 1e3),
-                                "--port", str(port), "--log-level", "warning"], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(0.3)
-        texts = sentences(1, 20)
-        with httpx.Client(base_url=url, timeout=30) as client:
-            out = {}
-            for name, call in (("infer", lambda: client.post("/infer", json={"inputs": texts})),
-                               ("healthz", lambda: client.get("/healthz"))):
-                latencies = []
-                for i in range(count + 20):
-                    t = time.perf_counter()
-                    call().raise_for_status()
-                    latencies.append(time.perf_counter() - t)
-                q = statistics.quantiles(latencies[20:], n=100)
-                out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = q[49] * 1e3, q[98] * 1e3
-        return {"forward_ms": forward_ms, "requests": count, "httpx": out,
-                "http_client": raw_client_latency(url, texts, count)}
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+    """bench.serve's single-request split (httpx, the server's own account, http.client) against the stub server."""
+    command = [sys.executable, "-m", "bench.single_latency", "--serve", str(forward_ms / 1e3)]
+    with running_servers(1, command=command, device="cpu", kernel_timing_sample_rate="0", verify_sample_rate="0",
+                         drain_delay_s="0") as servers:
+        single = single_requests(servers[0][1], sentences(1, 20), count)
+    return {"forward_ms": forward_ms, "requests": count, "server": single["server"],
+            "httpx": {"infer_p50_ms": single["p50_ms"], "infer_p99_ms": single["p99_ms"],
+                      "healthz_p50_ms": single["healthz_p50_ms"]},
+            "http_client": single["raw_client"]}
 
 
 def main(argv: list[str] | None = None) -> int:
