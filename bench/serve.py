@@ -180,6 +180,7 @@ SERVER_SUMS = {
     "requests": "fusedserve_request_duration_seconds_count{{route=\"{route}\"}}",
     "queue": "fusedserve_queue_duration_seconds_sum", "inputs": "fusedserve_queue_duration_seconds_count",
     "batch_size": "fusedserve_batch_size_sum", "batches": "fusedserve_batch_size_count",
+    "cpu": "process_cpu_seconds_total",  # the server process's user + system CPU time (prometheus_client)
 }
 
 
@@ -222,7 +223,10 @@ def server_breakdown(before: dict[str, float], after: dict[str, float], elapsed:
            "queue_ms_per_input": 1e3 * d["queue"] / max(d["inputs"], 1),
            "forward_ms_per_batch": 1e3 * d["forward"] / batches, "batches": d["batches"],
            "inputs_per_batch": d["batch_size"] / batches,
-           "forward_busy": d["forward"] / elapsed}  # summed over replicas
+           "forward_busy": d["forward"] / elapsed,  # summed over replicas
+           # CPU the server process(es) spent per request, all threads (event loop, batcher, tokenizer): what caps
+           # a GIL-bound process at 1000 / cpu_ms_per_request requests/s; cpu_cores is summed over replicas
+           "cpu_ms_per_request": 1e3 * d["cpu"] / requests, "cpu_cores": d["cpu"] / elapsed}
     # the server's own time per request: in the server, but neither queued for a batch nor in a forward (parsing,
     # validation, tokenizing, the thread hops, waiting for the event loop, serializing)
     out["overhead_ms"] = out["server_request_ms"] - out["queue_ms_per_input"] - out["forward_ms_per_batch"]
@@ -369,7 +373,8 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
                           f"overhead {inside['overhead_ms']:.1f}), "
                           f"{inside['batches']:.0f} batches of {inside['inputs_per_batch']:.0f} inputs, forward "
                           f"{inside['forward_ms_per_batch']:.2f} ms/batch, GPU worker(s) busy "
-                          f"{100 * inside['forward_busy']:.0f}%", file=sys.stderr, flush=True)
+                          f"{100 * inside['forward_busy']:.0f}%, server CPU {inside['cpu_ms_per_request']:.2f} "
+                          f"ms/request ({inside['cpu_cores']:.2f} cores)", file=sys.stderr, flush=True)
                     save(report(), args.out)
             if not single:  # single-request latency on the first configuration
                 single = single_requests(urls[0], one)

@@ -17,10 +17,16 @@ from kernels.triton._common import autotune, block_cols, needs_wide, row_bucket,
 from kernels.triton._gelu import gelu
 
 
+# Below this many rows the candidates also hold 512-2048 elements (1-4 rows of a 384-768-wide model): a 4096-element
+# tile puts a b1 s16 batch's 16 rows of 384 into 2 programs, i.e. on 2 SMs, where 16 one-row programs spread it.
+SMALL_ROWS = 256
+
+
 def _prune(configs, named_args, **kwargs):
-    # Tiles of 4096 / 8192 / 16384 elements (heuristic: 4096), 8 or 16 elements per thread (16-byte
-    # vectors of half types, no spills); BLOCK_N is fixed by the row width.
-    wanted = tile_configs(kwargs["BLOCK_N"], tiles=(4096, 8192, 16384), per_thread=(16, 8))
+    # Tiles of 4096 / 8192 / 16384 elements (heuristic: 4096; a few rows also try 512 / 1024 / 2048), 8 or 16
+    # elements per thread (16-byte vectors of half types, no spills); BLOCK_N is fixed by the row width.
+    tiles = (4096, 8192, 16384) + ((512, 1024, 2048) if named_args["M"] <= SMALL_ROWS else ())
+    wanted = tile_configs(kwargs["BLOCK_N"], tiles=tiles, per_thread=(16, 8))
     return [c for w in wanted for c in configs
             if c.kwargs["BLOCK_M"] == w.kwargs["BLOCK_M"] and c.num_warps == w.num_warps]
 

@@ -3,6 +3,8 @@ agrees with what the server's own /metrics count over the same run, and the sing
 
 from __future__ import annotations
 
+import os
+
 from bench.serve import load, running_servers, server_breakdown, server_sums, settled_sums, single_requests
 from model.tokenizer import TextTokenizer
 from model.weights import default_model_dir
@@ -22,6 +24,8 @@ def test_load_and_single_requests_agree_with_the_servers_metrics():
         assert round(inside["inputs_per_batch"] * inside["batches"]) == 2 * len(run["latencies"])
         assert 0 < run["tokens"] <= 2 * len(run["latencies"]) * max(tokens)
         assert 0 < inside["forward_ms_per_batch"] and 0 < inside["server_request_ms"]
+        # the server process's own CPU time (process_cpu_seconds_total): spent, and at most all cores for the run
+        assert 0 < inside["cpu_ms_per_request"] and 0 < inside["cpu_cores"] <= os.cpu_count()
 
         single = single_requests(url, texts[:1], count=12, warm=2)
         s = single["server"]

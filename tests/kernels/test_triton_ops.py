@@ -176,3 +176,16 @@ def test_torch_compile_fullgraph_on_fused_encoder(device):
 @pytest.mark.parametrize("op", ["bias_gelu", "add_layer_norm"])
 def test_offsets_past_two_to_the_31(op):
     check_offsets_past_two_to_the_31(triton_launchers, op)
+
+
+def test_norm_candidates_spread_few_rows_over_programs():
+    """At a b1 batch's 16 rows the LayerNorm autotuner also tries one-to-four-row tiles (16 programs instead of 2);
+    the untuned default (the first candidate) is the same for every row count."""
+    from kernels.triton import _norm
+
+    few = _norm._prune(_norm._CONFIGS, {"M": 16}, BLOCK_N=512)
+    many = _norm._prune(_norm._CONFIGS, {"M": 4096}, BLOCK_N=512)
+    assert (few[0].kwargs, few[0].num_warps) == (many[0].kwargs, many[0].num_warps) == ({"BLOCK_M": 8}, 8)
+    assert {c.kwargs["BLOCK_M"] for c in few} == {1, 2, 4, 8, 16, 32}
+    assert {c.kwargs["BLOCK_M"] for c in many} == {8, 16, 32}
+    assert {c.num_warps for c in few if c.kwargs["BLOCK_M"] == 1} == {1, 2}  # 16 or 8 elements per thread
