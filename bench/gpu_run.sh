@@ -15,6 +15,10 @@
 #   bash bench/gpu_run.sh sdpa      # MiniLM rows with the dense SDPA call on torch's default (cuDNN), flash, and
 #                                   # memory-efficient kernels (Triton backend, no CUDA build); one server's
 #                                   # single-request latency with httpx and http.client (~6 min cold)
+#   bash bench/gpu_run.sh small     # the Triton LayerNorm's few-row candidates: their device times, linear_add_layer_norm
+#                                   # rows, MiniLM rows with and without them; one server's single-request latency
+#   bash bench/gpu_run.sh replicas  # one server, then eight replicas on the GPU at 64 clients (token ids), with the
+#                                   # servers' CPU time per request (~8 min)
 #   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases, and the what-if row with
 #                                   # the Triton FFN-in epilogue) + the MiniLM and BERT profiles
 # Results land in $OUT (the device tool brings them back).
@@ -58,7 +62,8 @@ serve_sweep() {  # one server, then four replicas on the GPU; texts (the server 
   # (SERVE_CONFIGS / SERVE_PAYLOADS / SERVE_COUNTS / SERVE_MODEL / SERVE_S override: e.g. SERVE_CONFIGS="replicas=4 replicas=8")
   timeout ${SERVE_S:-540} python3 -m bench.serve --device cuda --seconds 6 --per-request 16 \
     --model "${SERVE_MODEL:-$PWD/.gpu-assets/minilm}" --payloads ${SERVE_PAYLOADS:-text ids} \
-    --configs ${SERVE_CONFIGS:-replicas=1 replicas=4} --client-counts ${SERVE_COUNTS:-16 64 256} --out "$OUT/serve.json" 2>&1 \
+    --configs ${SERVE_CONFIGS:-replicas=1 replicas=4} --client-counts ${SERVE_COUNTS:-16 64 256} ${SERVE_EXTRA:-} \
+    --out "$OUT/serve.json" 2>&1 \
     | tee "$OUT/serve.log" | grep -E "clients:|raw|sentence-trans|single|rror" | tail -24
 }
 case "$mode" in
@@ -172,6 +177,32 @@ case "$mode" in
     # that kills bench.serve mid-start leaves the server shutting down beside the next step
     timeout 240 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
       --configs replicas=1,backend=triton --out "$OUT/serve-single.json" 2>&1 | tee "$OUT/serve-single.log" | tail -3
+    ;;
+  small)
+    build_cached > "$OUT/cuda-build.log" 2>&1 &  # beside the kernel-level rows (device times of graph replays)
+    for spec in add_layer_norm:float16:16x384 add_layer_norm:float16:64x384 add_layer_norm:float16:16x768 \
+        layer_norm:float16:16x384; do
+      timeout 60 python3 -m bench.triton_configs $spec 2>&1 | tee -a "$OUT/triton-configs.log" | tail -14
+    done
+    wait
+    export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
+    lnorm_bench 100 "minilm-l6 attn-out b1 s16" "minilm-l6 ffn-out b1 s16" "minilm-l6 ffn-out 64 tokens" \
+      "bert-base ffn-out b1 s16"
+    # the MiniLM rows without the few-row candidates (session 7's LayerNorm), then with them (the default)
+    timeout 70 python3 -c "import runpy, sys; import kernels.triton._norm as m; m.SMALL_ROWS = 0; \
+      sys.argv = ['bench.encoder', *sys.argv[1:]]; runpy.run_module('bench.encoder', run_name='__main__')" \
+      "${MINILM_ROWS[@]}" --backends triton --out "$OUT/encoder-minilm-before.json" 2>&1 \
+      | tee "$OUT/encoder-minilm-before.log" | grep graphs
+    timeout 90 python3 -m bench.encoder "${MINILM_ROWS[@]}" --out "$OUT/encoder-minilm.json" 2>&1 \
+      | tee "$OUT/encoder-minilm.log" | grep graphs
+    timeout 150 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
+      --out "$OUT/serve-single.json" 2>&1 | tee "$OUT/serve-single.log" | tail -3
+    ;;
+  replicas)
+    build_cached
+    # one server first (it also fills the Triton cache the eight then start from), 64 clients each
+    SERVE_S=${SERVE_S:-520} SERVE_PAYLOADS=ids SERVE_CONFIGS="${SERVE_CONFIGS:-replicas=1 replicas=8}" SERVE_COUNTS=64 \
+      SERVE_EXTRA=--no-sentence-transformers serve_sweep
     ;;
   encoder)
     build_cached

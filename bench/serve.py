@@ -324,7 +324,7 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
     torch_cuda_empty()
 
     one = sentences(1, 20)
-    st_rate, st_lat = sentence_transformers_gpu(args.model, texts, tokens_total, one)
+    st_rate, st_lat = sentence_transformers_gpu(args.model, texts, tokens_total, one) if args.st else (None, [])
 
     runs, single, info, metrics = [], {}, {}, ""
     token_count = list(map(len, ids))
@@ -486,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-rate", type=float, default=0.0, help="GPU sweep: verify_sample_rate")
     parser.add_argument("--payloads", nargs="+", choices=("text", "ids"), default=["text"],
                         help="GPU sweep: texts to /infer (tokenized by the server) and/or token ids to /v1/embeddings")
+    parser.add_argument("--no-sentence-transformers", dest="st", action="store_false",
+                        help="GPU sweep: skip the sentence-transformers comparison (its rate is then null)")
     parser.add_argument("--single-only", action="store_true",
                         help="GPU sweep: only the single-request latency on the first configuration")
     parser.add_argument("--configs", nargs="+", default=["replicas=1"],
