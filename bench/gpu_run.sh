@@ -217,7 +217,7 @@ esac
 # the device tool brings back at most 8 files: past that, everything goes back as one archive (session 7 lost a
 # serving JSON and a profile that way)
 if [ "$(ls -A "$OUT" | wc -l)" -gt 8 ]; then
-  (cd "$OUT" && tar czf "results-$mode.tar.gz" --exclude "results-$mode.tar.gz" . && \
-    find . -mindepth 1 -maxdepth 1 ! -name "results-$mode.tar.gz" -exec rm -rf {} +)
+  # (the archive is written outside $OUT: tar reading a folder it writes into fails with "file changed as we read it")
+  tar czf "/tmp/results-$mode.tar.gz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/results-$mode.tar.gz" "$OUT/"
   echo "results bundled: $OUT/results-$mode.tar.gz"
 fi
