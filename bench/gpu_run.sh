@@ -17,6 +17,7 @@
 #                                   # single-request latency with httpx and http.client (~6 min cold)
 #   bash bench/gpu_run.sh small     # the Triton LayerNorm's few-row candidates: their device times, linear_add_layer_norm
 #                                   # rows, MiniLM rows with and without them; one server's single-request latency
+#   bash bench/gpu_run.sh lnrows    # small's MiniLM rows without / with the few-row candidates (Triton), b1 profile
 #   bash bench/gpu_run.sh replicas  # one server, then eight replicas on the GPU at 64 clients (token ids), with the
 #                                   # servers' CPU time per request (~8 min)
 #   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases, and the what-if row with
@@ -197,6 +198,16 @@ case "$mode" in
       | tee "$OUT/encoder-minilm.log" | grep graphs
     timeout 150 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
       --out "$OUT/serve-single.json" 2>&1 | tee "$OUT/serve-single.log" | tail -3
+    ;;
+  lnrows)
+    # small's MiniLM A/B again with room for a cold Triton cache (70 / 90 s cut both in session 8), Triton backend only
+    timeout 200 python3 -c "import runpy, sys; import kernels.triton._norm as m; m.SMALL_ROWS = 0; \
+      sys.argv = ['bench.encoder', *sys.argv[1:]]; runpy.run_module('bench.encoder', run_name='__main__')" \
+      "${MINILM_ROWS[@]}" --backends triton --out "$OUT/encoder-minilm-before.json" 2>&1 \
+      | tee "$OUT/encoder-minilm-before.log" | grep graphs
+    timeout 150 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --out "$OUT/encoder-minilm.json" 2>&1 \
+      | tee "$OUT/encoder-minilm.log" | grep graphs
+    profile_b1 60 triton
     ;;
   replicas)
     build_cached
