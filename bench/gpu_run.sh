@@ -20,6 +20,7 @@
 #   bash bench/gpu_run.sh lnrows    # small's MiniLM rows without / with the few-row candidates (Triton), b1 profile
 #   bash bench/gpu_run.sh replicas  # one server, then eight replicas on the GPU at 64 clients (token ids), with the
 #                                   # servers' CPU time per request (~8 min)
+#   bash bench/gpu_run.sh mps       # four replicas through a CUDA MPS daemon, 64 clients, token ids (~7 min)
 #   bash bench/gpu_run.sh encoder   # bench/encoder.py (with torch.compile on three cases, and the what-if row with
 #                                   # the Triton FFN-in epilogue) + the MiniLM and BERT profiles
 # Results land in $OUT (the device tool brings them back).
@@ -208,6 +209,19 @@ case "$mode" in
     timeout 150 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --out "$OUT/encoder-minilm.json" 2>&1 \
       | tee "$OUT/encoder-minilm.log" | grep graphs
     profile_b1 60 triton
+    ;;
+  mps)
+    # four replicas sharing the GPU through CUDA MPS (what the NVIDIA device plugin's MPS sharing gives pods) instead
+    # of time-slicing between their contexts; the daemon is per-user, in /tmp, and quits at the end
+    if ! command -v nvidia-cuda-mps-control > /dev/null; then echo "no nvidia-cuda-mps-control on this image"; exit 0; fi
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && echo "MPS daemon started"
+    build_cached
+    SERVE_S=${SERVE_S:-330} SERVE_PAYLOADS=ids SERVE_CONFIGS=replicas=4 SERVE_COUNTS=64 \
+      SERVE_EXTRA=--no-sentence-transformers serve_sweep
+    echo quit | nvidia-cuda-mps-control
+    cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps-log" 2>/dev/null
     ;;
   replicas)
     build_cached
