@@ -82,21 +82,28 @@ def test_overlays_render_and_validate_strictly(overlay, tmp_path):
     assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "fusedserve_queue_depth"
 
 
-def test_shared_gpu_overlay_and_its_time_slicing_config(tmp_path):
-    """Four pods per GPU: the overlay's replicas and HPA floor match the device plugin's time-slicing replicas,
-    and the cluster ConfigMap validates and carries a device-plugin config the plugin can read."""
+def test_shared_gpu_overlay_and_its_sharing_configs(tmp_path):
+    """Four pods per GPU: the overlay's replicas and HPA floor match the replicas of both device-plugin sharing
+    configs (MPS and time-slicing, one key each in the cluster ConfigMap), which validates and carries configs the
+    plugin can read."""
     docs = render("gpu-shared")
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
-    cluster = yaml.safe_load((DEPLOY / "k8s" / "cluster" / "nvidia-time-slicing.yaml").read_text())
+    cluster = yaml.safe_load((DEPLOY / "k8s" / "cluster" / "nvidia-gpu-sharing.yaml").read_text())
     result = validate([cluster], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    (plugin_config,) = cluster["data"].values()
-    sharing = yaml.safe_load(plugin_config)["sharing"]["timeSlicing"]["resources"]
-    assert sharing == [{"name": "nvidia.com/gpu", "replicas": 4}]
-    assert deployment["spec"]["replicas"] == hpa["spec"]["minReplicas"] == sharing[0]["replicas"]
+    modes = {}
+    for key, plugin_config in cluster["data"].items():
+        config = yaml.safe_load(plugin_config)
+        assert config["version"] == "v1" and config["flags"] == {"migStrategy": "none"}, key
+        ((mode, sharing),) = config["sharing"].items()
+        modes[key] = mode
+        assert sharing["resources"] == [{"name": "nvidia.com/gpu", "replicas": deployment["spec"]["replicas"]}], key
+    assert modes == {"fusedserve-mps-x4": "mps", "fusedserve-time-slicing-x4": "timeSlicing"}
+    assert deployment["spec"]["replicas"] == hpa["spec"]["minReplicas"] == 4
     resources = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == "1" and resources["requests"]["cpu"] == "3"
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]  # one user: MPS runs pods together
 
 
 def test_strict_validation_rejects_a_broken_field(tmp_path):
