@@ -218,7 +218,7 @@ case "$mode" in
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d && echo "MPS daemon started"
     build_cached
-    SERVE_S=${SERVE_S:-330} SERVE_PAYLOADS=ids SERVE_CONFIGS=replicas=4 SERVE_COUNTS=64 \
+    SERVE_S=${SERVE_S:-330} SERVE_PAYLOADS=ids SERVE_CONFIGS="${SERVE_CONFIGS:-replicas=4}" SERVE_COUNTS=64 \
       SERVE_EXTRA=--no-sentence-transformers serve_sweep
     echo quit | nvidia-cuda-mps-control
     cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps-log" 2>/dev/null

@@ -82,6 +82,19 @@ def measure(forward_ms: float, count: int) -> dict:
             "http_client": single["raw_client"]}
 
 
+def _pin_apart(server_pid: int) -> bool:
+    """With 2+ cores: every thread of the server on core 0, this process (the load generator) on the others, so the
+    two do not take turns on one core (which made the CPU per request vary by ~25% run to run). False if not
+    possible (one core, or no affinity calls on this platform)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 2:
+        return False
+    for task in os.listdir(f"/proc/{server_pid}/task"):
+        os.sched_setaffinity(int(task), {cores[0]})
+    os.sched_setaffinity(0, set(cores[1:]))
+    return True
+
+
 def measure_load(clients: int, rate: float, seconds: float, per_request: int = 16, texts: int = 4096) -> dict:
     """N closed-loop clients of token-id requests against the stub server: rates, latency and the server's split
     and CPU time per request (bench.serve.server_breakdown)."""
@@ -91,16 +104,22 @@ def measure_load(clients: int, rate: float, seconds: float, per_request: int = 1
 
     ids = TextTokenizer(default_model_dir(), 256).encode(mixed_texts(texts))
     tokens = list(map(len, ids))
-    with _stub_servers(0.0, rate) as servers:
-        url = servers[0][1]
-        load(url, ids, clients, 2, per_request, payload="ids")  # warm
-        before = server_sums(url, "/v1/embeddings")
-        run = load(url, ids, clients, seconds, per_request, tokens, payload="ids")
-        inside = server_breakdown(before, settled_sums(url, "/v1/embeddings"), run["elapsed"])
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        with _stub_servers(0.0, rate) as servers:
+            url = servers[0][1]
+            pinned = _pin_apart(servers[0][0].pid)
+            load(url, ids, clients, 2, per_request, payload="ids")  # warm
+            before = server_sums(url, "/v1/embeddings")
+            run = load(url, ids, clients, seconds, per_request, tokens, payload="ids")
+            inside = server_breakdown(before, settled_sums(url, "/v1/embeddings"), run["elapsed"])
+    finally:
+        if mine is not None:
+            os.sched_setaffinity(0, mine)
     answered = len(run["latencies"])
     return {"clients": clients, "per_request": per_request, "stub_tokens_per_s": rate, "seconds": run["elapsed"],
             "requests": answered, "errors": run["errors"], "requests_per_s": answered / run["elapsed"],
-            "tokens_per_s": run["tokens"] / run["elapsed"], "server": inside,
+            "tokens_per_s": run["tokens"] / run["elapsed"], "server": inside, "server_pinned_to_core_0": pinned,
             "cpu_bound_requests_per_s": 1e3 / inside["cpu_ms_per_request"]}
 
 
