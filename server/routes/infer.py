@@ -6,9 +6,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from server.deps import ServiceDep
-from server.responses import EmbeddingResponse, OrjsonRoute
+from server.responses import EmbeddingResponse, LeanRoute
 
-router = APIRouter(tags=["inference"], route_class=OrjsonRoute)
+router = APIRouter(tags=["inference"], route_class=LeanRoute)
 
 
 class InferRequest(BaseModel):

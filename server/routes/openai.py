@@ -12,9 +12,9 @@ from pydantic import BaseModel, Field
 from server.batcher import l2_normalize
 from server.deps import ServiceDep
 from server.errors import BadRequest, NotFound
-from server.responses import EmbeddingResponse, OrjsonRoute
+from server.responses import EmbeddingResponse, LeanRoute
 
-router = APIRouter(tags=["openai"], route_class=OrjsonRoute)
+router = APIRouter(tags=["openai"], route_class=LeanRoute)
 
 
 class EmbeddingsRequest(BaseModel):

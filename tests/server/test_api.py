@@ -123,6 +123,12 @@ def test_kserve_v2(server):
     (lambda s: post(s, "/infer", {"inputs": ["word " * 600], "truncate": False}), 413),
     (lambda s: httpx.post(s.url + "/infer", content=b"{" + b" " * (5 << 20) + b"}",
                           headers={"content-type": "application/json"}, timeout=60), 413),
+    # the hot routes parse their own bodies (server.responses.LeanRoute) the way FastAPI does:
+    (lambda s: httpx.post(s.url + "/infer", content=b'{"inputs": ["a"]}', headers={"content-type": "text/plain"}),
+     422),  # not a JSON content type: the raw bytes fail validation
+    (lambda s: httpx.post(s.url + "/v1/embeddings", content=b"", headers={"content-type": "application/json"}), 422),
+    (lambda s: post(s, "/v1/embeddings", [1, 2]), 422),  # JSON, but not an object
+    (lambda s: httpx.post(s.url + "/v1/embeddings", content=b'{"input": [1, 2', headers={}), 422),  # no type: bytes
     (lambda s: httpx.get(s.url + "/nope"), 404),
     (lambda s: httpx.get(s.url + "/infer"), 405),
 ])
@@ -160,3 +166,17 @@ def test_tritonclient_http(server, st_embeddings):
     assert got.shape == (4, 384)
     cosine = torch.nn.functional.cosine_similarity(got.double(), st_embeddings[:4].double(), dim=1)
     assert float(cosine.min()) >= 0.99999
+
+
+def test_hot_routes_take_json_content_types_and_report_errors_under_body(server):
+    """POST /infer and /v1/embeddings read JSON under application/json (with parameters, any case) and
+    application/*+json, and refuse a body without a JSON content type (FastAPI's strict default); a validation error
+    names its field under "body", as FastAPI's own handler does."""
+    for content_type, status in (("application/json; charset=utf-8", 200), ("Application/JSON", 200),
+                                 ("application/vnd.api+json", 200), (None, 422), ("text/json", 422)):
+        headers = {"content-type": content_type} if content_type else {}
+        for path, body in (("/infer", b'{"inputs": ["a"]}'), ("/v1/embeddings", b'{"input": "a"}')):
+            r = httpx.post(server.url + path, content=body, headers=headers, timeout=60)
+            assert r.status_code == status, (content_type, path, r.text)
+    r = post(server, "/infer", {"inputs": "a", "normalize": "yes please"})
+    assert r.status_code == 422 and r.json()["error"]["message"].startswith("body.normalize: ")
