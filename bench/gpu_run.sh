@@ -16,8 +16,8 @@
 #                                   # memory-efficient kernels (Triton backend, no CUDA build); one server's
 #                                   # single-request latency with httpx and http.client (~6 min cold)
 #   bash bench/gpu_run.sh small     # the Triton LayerNorm's few-row candidates: their device times, linear_add_layer_norm
-#                                   # rows, MiniLM rows with and without them; one server's single-request latency
-#   bash bench/gpu_run.sh lnrows    # small's MiniLM rows without / with the few-row candidates (Triton), b1 profile
+#                                   # rows; one server's single-request latency (the encoder A/B is lnrows)
+#   bash bench/gpu_run.sh lnrows    # MiniLM rows without / with the few-row LayerNorm candidates (Triton), b1 profile
 #   bash bench/gpu_run.sh replicas  # one server, then eight replicas on the GPU at 64 clients (token ids), with the
 #                                   # servers' CPU time per request (~8 min)
 #   bash bench/gpu_run.sh mps       # four replicas through a CUDA MPS daemon, 64 clients, token ids (~7 min)
@@ -190,18 +190,12 @@ case "$mode" in
     export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
     lnorm_bench 100 "minilm-l6 attn-out b1 s16" "minilm-l6 ffn-out b1 s16" "minilm-l6 ffn-out 64 tokens" \
       "bert-base ffn-out b1 s16"
-    # the MiniLM rows without the few-row candidates (session 7's LayerNorm), then with them (the default)
-    timeout 70 python3 -c "import runpy, sys; import kernels.triton._norm as m; m.SMALL_ROWS = 0; \
-      sys.argv = ['bench.encoder', *sys.argv[1:]]; runpy.run_module('bench.encoder', run_name='__main__')" \
-      "${MINILM_ROWS[@]}" --backends triton --out "$OUT/encoder-minilm-before.json" 2>&1 \
-      | tee "$OUT/encoder-minilm-before.log" | grep graphs
-    timeout 90 python3 -m bench.encoder "${MINILM_ROWS[@]}" --out "$OUT/encoder-minilm.json" 2>&1 \
-      | tee "$OUT/encoder-minilm.log" | grep graphs
     timeout 150 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
       --out "$OUT/serve-single.json" 2>&1 | tee "$OUT/serve-single.log" | tail -3
     ;;
   lnrows)
-    # small's MiniLM A/B again with room for a cold Triton cache (70 / 90 s cut both in session 8), Triton backend only
+    # the MiniLM rows without the few-row LayerNorm candidates (session 7's), then with them (the default), Triton
+    # backend only, with room for a cold Triton cache (70 / 90 s limits cut both in session 8)
     timeout 200 python3 -c "import runpy, sys; import kernels.triton._norm as m; m.SMALL_ROWS = 0; \
       sys.argv = ['bench.encoder', *sys.argv[1:]]; runpy.run_module('bench.encoder', run_name='__main__')" \
       "${MINILM_ROWS[@]}" --backends triton --out "$OUT/encoder-minilm-before.json" 2>&1 \
