@@ -184,6 +184,16 @@ SERVER_SUMS = {
 }
 
 
+def measured_load(urls: str | list[str], rows: list, clients: int, seconds: float, per_request: int,
+                  count_tokens: list[int], processes: int = 1, payload: str = "text") -> tuple[dict, dict]:
+    """One closed-loop run (load) and the servers' own account of it (server_breakdown of their /metrics before and
+    after, on the payload's route): (run, inside)."""
+    route = request_body(payload, [])[0]
+    before = server_sums(urls, route)
+    run = load(urls, rows, clients, seconds, per_request, count_tokens, processes, payload)
+    return run, server_breakdown(before, settled_sums(urls, route), run["elapsed"])
+
+
 def server_sums(urls: str | list[str], route: str = "/infer") -> dict[str, float]:
     """Counters and histogram sums of the servers' /metrics that the per-run breakdown is built from (summed over
     replicas)."""
@@ -351,14 +361,12 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
         with running_servers(replicas, log_path, **(settings | extra)) as servers:
             urls = [url for _, url in servers]
             for payload in args.payloads:
-                rows, route = (ids, "/v1/embeddings") if payload == "ids" else (texts, "/infer")
+                rows = ids if payload == "ids" else texts
                 load(urls, rows, 64, 3, args.per_request, processes=args.client_processes, payload=payload)  # warm
                 for clients in args.client_counts:
-                    before = server_sums(urls, route)
-                    run = load(urls, rows, clients, args.seconds, args.per_request, token_count,
-                               args.client_processes, payload)
+                    run, inside = measured_load(urls, rows, clients, args.seconds, args.per_request, token_count,
+                                                args.client_processes, payload)
                     latencies, errors, elapsed, sent = run["latencies"], run["errors"], run["elapsed"], run["tokens"]
-                    inside = server_breakdown(before, settled_sums(urls, route), elapsed)
                     q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
                     runs.append({"config": config, "replicas": replicas, "payload": payload, "clients": clients,
                                  "requests": len(latencies), "errors": errors,

@@ -12,8 +12,9 @@ stand-in takes --forward-ms per batch (a b1 graph replay's length).
 (bench.serve's "ids" payload), the stand-in taking tokens / --rate seconds per batch (the H200 runner's raw
 tokens/s), and the server process's CPU time per request from its own process_cpu_seconds_total. That CPU
 time, not the device, is what caps one server: a process whose event loop and worker share one GIL serves at
-most 1000 / (CPU ms per request) requests/s. On this 2-core machine the load generator shares the cores, so
-the request rate is the client's; the CPU per request is the server's.
+most 1000 / (CPU ms per request) requests/s. The server runs on one core and the load generator on the others
+(with 2+ cores); on a 2-core machine the request rate is then the load generator's, the CPU per request the
+server's.
 
 The stand-in is a serial device: a launch queues behind the previous one and returns a result that is ready
 when its time is up (the batcher overlaps batches as it does with CUDA graphs); it returns ones, so the
@@ -30,7 +31,7 @@ import threading
 import time
 
 from bench import command, save
-from bench.serve import load, running_servers, sentences, server_breakdown, server_sums, settled_sums, single_requests
+from bench.serve import load, measured_load, mixed_texts, running_servers, sentences, single_requests
 
 
 class _Done:
@@ -98,7 +99,6 @@ def _pin_apart(server_pid: int) -> bool:
 def measure_load(clients: int, rate: float, seconds: float, per_request: int = 16, texts: int = 4096) -> dict:
     """N closed-loop clients of token-id requests against the stub server: rates, latency and the server's split
     and CPU time per request (bench.serve.server_breakdown)."""
-    from bench.serve import mixed_texts
     from model.tokenizer import TextTokenizer
     from model.weights import default_model_dir
 
@@ -110,9 +110,7 @@ def measure_load(clients: int, rate: float, seconds: float, per_request: int = 1
             url = servers[0][1]
             pinned = _pin_apart(servers[0][0].pid)
             load(url, ids, clients, 2, per_request, payload="ids")  # warm
-            before = server_sums(url, "/v1/embeddings")
-            run = load(url, ids, clients, seconds, per_request, tokens, payload="ids")
-            inside = server_breakdown(before, settled_sums(url, "/v1/embeddings"), run["elapsed"])
+            run, inside = measured_load(url, ids, clients, seconds, per_request, tokens, payload="ids")
     finally:
         if mine is not None:
             os.sched_setaffinity(0, mine)

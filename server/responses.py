@@ -28,6 +28,7 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from server.deps import get_service
 from server.errors import BadRequest
 
 
@@ -55,13 +56,13 @@ class OrjsonRoute(APIRoute):
         return route
 
 
-class LeanRoute(OrjsonRoute):
+class LeanRoute(APIRoute):
     """For the two hot embedding routes (POST /infer, POST /v1/embeddings): the handler parses and validates the
     body itself and calls the endpoint as endpoint(body, service, request), skipping FastAPI's per-request
     dependency solving, validation wrappers and response checks. Under closed-loop load that machinery was 12-20%
     of a server's CPU per request (`python -m bench.single_latency --load 64`, three interleaved A/B pairs: 0.72
-    against 0.82 ms on average), and one server is CPU-bound, so it is that much more throughput per process. The route stays an APIRoute (OpenAPI schema,
-    routing, the app's middleware and exception handlers); the body is handled as FastAPI's strict default does
+    against 0.82 ms on average), and one server is CPU-bound, so it is that much more throughput per process. The
+    route stays an APIRoute (OpenAPI schema, routing, the app's middleware and exception handlers); the body is handled as FastAPI's strict default does
     it: JSON when the content type is application/json or application/*+json (else, a missing type included, the
     raw bytes, which then fail validation), a malformed body is a json_invalid error, an empty one a missing body,
     and pydantic's errors are reported under "body" like FastAPI's (the app turns them into 400 / 422); a client
@@ -95,7 +96,7 @@ class LeanRoute(OrjsonRoute):
             except ValidationError as exc:
                 raise RequestValidationError([{**e, "loc": ("body", *e["loc"])}
                                               for e in exc.errors(include_url=False)]) from None
-            return await endpoint(body, request.app.state.service, request)
+            return await endpoint(body, await get_service(request), request)
 
         return route
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from bench.serve import load, running_servers, server_breakdown, server_sums, settled_sums, single_requests
+from bench.serve import measured_load, running_servers, single_requests
 from model.tokenizer import TextTokenizer
 from model.weights import default_model_dir
 
@@ -15,9 +15,7 @@ def test_load_and_single_requests_agree_with_the_servers_metrics():
     tokens = [len(r) for r in TextTokenizer(default_model_dir(), 128).encode(texts)]
     with running_servers(1, model="tiny", device="cpu", torch_threads="1") as servers:
         url = servers[0][1]
-        before = server_sums(url)
-        run = load(url, texts, clients=4, seconds=1.5, per_request=2, count_tokens=tokens)
-        inside = server_breakdown(before, settled_sums(url), run["elapsed"])
+        run, inside = measured_load(url, texts, clients=4, seconds=1.5, per_request=2, count_tokens=tokens)
         assert run["errors"] == 0 and len(run["latencies"]) > 4
         assert inside["requests"] == len(run["latencies"])  # every answered request, each once
         # every input ran once (2 per request)
