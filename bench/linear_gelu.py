@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> dict:
     from kernels import reference
     from kernels.testing import compare
 
-    ln = args.op == "linear_add_layer_norm"
-    table, make_inputs, impls = (LN_SHAPES, _ln_inputs, ln_providers()) if ln else (SHAPES, _gelu_inputs, providers())
+    table, make_inputs, make_providers = OPS[args.op]
+    impls = make_providers()
     dtype = getattr(torch, args.dtype)
     results = []
     for name in args.shapes:
@@ -143,10 +143,15 @@ def providers() -> dict[str, Callable]:
     return out
 
 
+# op: (its shapes, its inputs at a shape, its providers)
+OPS = {"linear_bias_gelu": (SHAPES, _gelu_inputs, providers),
+       "linear_add_layer_norm": (LN_SHAPES, _ln_inputs, ln_providers)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.linear_gelu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--op", default="linear_bias_gelu", choices=["linear_bias_gelu", "linear_add_layer_norm"])
+    parser.add_argument("--op", default="linear_bias_gelu", choices=list(OPS))
     parser.add_argument("--shapes", nargs="+", choices=[*SHAPES, *LN_SHAPES],
                         help="default: every shape of the op")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
@@ -155,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench.linear_gelu needs a CUDA GPU", file=sys.stderr)
         return 2
-    ln = args.op == "linear_add_layer_norm"
-    args.shapes = args.shapes or list(LN_SHAPES if ln else SHAPES)
-    wrong = [s for s in args.shapes if s not in (LN_SHAPES if ln else SHAPES)]
+    table = OPS[args.op][0]
+    args.shapes = args.shapes or list(table)
+    wrong = [s for s in args.shapes if s not in table]
     if wrong:
         parser.error(f"shapes {wrong} are not shapes of {args.op}")
     report = run(args) | {"command": command("linear_gelu", argv)}
