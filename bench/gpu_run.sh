@@ -17,6 +17,8 @@
 #                                   # single-request latency with httpx and http.client (~6 min cold)
 #   bash bench/gpu_run.sh small     # the Triton LayerNorm's few-row candidates: their device times, linear_add_layer_norm
 #                                   # rows; one server's single-request latency (the encoder A/B is lnrows)
+#   bash bench/gpu_run.sh serial    # a lone request's forward step by step (bench.serial_forward) + single-request latency
+#   bash bench/gpu_run.sh idle      # the same after idle gaps, step by step, asleep / spinning / cores held out of deep idle
 #   bash bench/gpu_run.sh lnrows    # MiniLM rows without / with the few-row LayerNorm candidates (Triton), b1 profile
 #   bash bench/gpu_run.sh replicas  # one server, then eight replicas on the GPU at 64 clients (token ids), with the
 #                                   # servers' CPU time per request (~8 min)
@@ -192,6 +194,38 @@ case "$mode" in
       "bert-base ffn-out b1 s16"
     timeout 150 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
       --out "$OUT/serve-single.json" 2>&1 | tee "$OUT/serve-single.log" | tail -3
+    ;;
+  serial)
+    # where a lone request's forward goes (host packing, copies, replay, wait vs the replay alone, with idle gaps),
+    # the SM clock sampled beside it; then one server's single-request latency (no MPS, kernel timing off)
+    build_cached
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 50 > "$OUT/serial-clocks.csv" &
+    smi=$!
+    timeout 200 python3 -m bench.serial_forward --model "$PWD/.gpu-assets/minilm" --out "$OUT/serial-forward.json" \
+      2>&1 | tee "$OUT/serial-forward.log" | grep -E "bucket|serial"
+    kill $smi
+    timeout 240 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
+      --out "$OUT/serve-single.json" 2>&1 | tee "$OUT/serve-single.log" | tail -3
+    ;;
+  idle)
+    # serial: the lone request's forward slows after idle gaps on the host side; which step, asleep vs spinning,
+    # and with the cores held out of deep idle states (PM QoS /dev/cpu_dma_latency = 0), then the server's
+    # single-request latency with that hold
+    build_cached
+    { cat /sys/devices/system/cpu/cpuidle/current_driver /sys/devices/system/cpu/cpuidle/current_governor*
+      grep . /sys/devices/system/cpu/cpu0/cpuidle/state*/{name,latency} ; lscpu | grep -iE "model name|mhz"
+    } > "$OUT/cpuidle.txt" 2>&1
+    for qos in none 0; do
+      timeout 150 python3 -m bench.serial_forward --model "$PWD/.gpu-assets/minilm" --spin --steps --gaps 0 1 5 \
+        $([ $qos = none ] || echo --cpu-dma-latency-us $qos) --out "$OUT/serial-forward-qos-$qos.json" 2>&1 \
+        | tee "$OUT/serial-forward-qos-$qos.log" | grep -E "bucket|serial|steps|cpu_dma"
+    done
+    python3 -c "import sys, time; f = open('/dev/cpu_dma_latency', 'wb', buffering=0); f.write(bytes(4)); \
+      print('holding /dev/cpu_dma_latency = 0', flush=True); time.sleep(600)" &
+    holder=$!
+    timeout 200 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
+      --out "$OUT/serve-single-qos.json" 2>&1 | tee "$OUT/serve-single-qos.log" | tail -3
+    kill $holder
     ;;
   lnrows)
     # the MiniLM rows without the few-row LayerNorm candidates (session 7's), then with them (the default), Triton
