@@ -19,6 +19,7 @@
 #                                   # rows; one server's single-request latency (the encoder A/B is lnrows)
 #   bash bench/gpu_run.sh serial    # a lone request's forward step by step (bench.serial_forward) + single-request latency
 #   bash bench/gpu_run.sh idle      # the same after idle gaps, step by step, asleep / spinning / cores held out of deep idle
+#   bash bench/gpu_run.sh poll      # single-request latency with and without idle_poll_ms, alternated
 #   bash bench/gpu_run.sh lnrows    # MiniLM rows without / with the few-row LayerNorm candidates (Triton), b1 profile
 #   bash bench/gpu_run.sh replicas  # one server, then eight replicas on the GPU at 64 clients (token ids), with the
 #                                   # servers' CPU time per request (~8 min)
@@ -226,6 +227,16 @@ case "$mode" in
     timeout 200 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
       --out "$OUT/serve-single-qos.json" 2>&1 | tee "$OUT/serve-single-qos.log" | tail -3
     kill $holder
+    ;;
+  poll)
+    # one server's single-request latency with the worker polling between requests (idle_poll_ms) and without,
+    # alternated (the first start also fills the Triton cache the others start from)
+    build_cached
+    for poll in 100 0 100 0; do
+      timeout 200 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --model "$PWD/.gpu-assets/minilm" \
+        --configs replicas=1,idle_poll_ms=$poll --out "$OUT/serve-single-poll$poll-$SECONDS.json" 2>&1 | tail -2 \
+        | sed "s/^/idle_poll_ms=$poll: /"
+    done
     ;;
   lnrows)
     # the MiniLM rows without the few-row LayerNorm candidates (session 7's), then with them (the default), Triton

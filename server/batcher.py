@@ -37,6 +37,8 @@ from server.metrics import Metrics
 
 log = logging.getLogger("fusedserve.batcher")
 
+IDLE_POLL_US = 50  # the worker's wake-up period within idle_poll_ms (about the kernel's default timer slack)
+
 
 def l2_normalize(matrix: np.ndarray) -> np.ndarray:
     """Rows scaled to unit L2 norm, as torch.nn.functional.normalize (norms floored at 1e-12)."""
@@ -105,6 +107,7 @@ class Batcher:
         self._stopping = False
         self._draining = False
         self._busy = False
+        self._poll_until = 0.0  # idle_poll_ms: the worker polls for work instead of sleeping until then
         self._thread = threading.Thread(target=self._run, name="fusedserve-batcher", daemon=True)
         self.batches = 0
         self.overlapped = 0  # batches launched while the one before was still in flight (overlap_batches)
@@ -197,6 +200,8 @@ class Batcher:
                 self._finish(inflight)
             inflight = launched
             with self._cond:
+                if self.settings.idle_poll_ms:
+                    self._poll_until = time.monotonic() + self.settings.idle_poll_ms / 1e3
                 self._busy = inflight is not None
                 self._cond.notify_all()
         if inflight is not None:
@@ -215,7 +220,9 @@ class Batcher:
                     return None
                 if not block:
                     return []
-                self._cond.wait()
+                # idle_poll_ms: short timed waits (the GIL is free during each) keep the core from idling deeply
+                poll = self._poll_until - time.monotonic()
+                self._cond.wait(timeout=min(poll, IDLE_POLL_US / 1e6) if poll > 0 else None)
                 continue
             oldest = self._pending[0]  # arrival order
             waited = time.monotonic() - oldest.enqueued

@@ -116,7 +116,8 @@ class Service:
             graphs = f"CUDA graphs on (up to {s.max_cuda_graphs}, captured per shape bucket on first use)"
         return (f"{self.report}\nlayout {e.layout} (attention {e.attention}), {graphs}\n"
                 f"batching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
-                f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}; "
+                f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}"
+                f"{f', idle_poll_ms {s.idle_poll_ms:g}' if s.idle_poll_ms else ''}; "
                 f"verify_sample_rate {s.verify_sample_rate:g} ({s.verify_action}), "
                 f"kernel_timing_sample_rate {s.kernel_timing_sample_rate:g}")
 
@@ -298,7 +299,7 @@ class Service:
             "batching": {"max_batch_tokens": s.max_batch_tokens, "max_batch_requests": s.max_batch_requests,
                          "max_wait_ms": s.max_wait_ms, "max_queue": s.max_queue,
                          "max_client_batch": s.max_client_batch, "request_timeout_s": s.request_timeout_s,
-                         "overlap_batches": s.overlap_batches,
+                         "overlap_batches": s.overlap_batches, "idle_poll_ms": s.idle_poll_ms,
                          "batches": self.batcher.batches if self.batcher else 0,
                          "overlapped": self.batcher.overlapped if self.batcher else 0},
             "verify": {"sample_rate": s.verify_sample_rate, "action": s.verify_action,
