@@ -83,7 +83,7 @@ def test_overlays_render_and_validate_strictly(overlay, tmp_path):
 
 
 def test_shared_gpu_overlay_and_its_sharing_configs(tmp_path):
-    """Four pods per GPU: the overlay's replicas and HPA floor match the replicas of both device-plugin sharing
+    """Six pods per GPU: the overlay's replicas and HPA floor match the replicas of both device-plugin sharing
     configs (MPS and time-slicing, one key each in the cluster ConfigMap), which validates and carries configs the
     plugin can read."""
     docs = render("gpu-shared")
@@ -99,10 +99,10 @@ def test_shared_gpu_overlay_and_its_sharing_configs(tmp_path):
         ((mode, sharing),) = config["sharing"].items()
         modes[key] = mode
         assert sharing["resources"] == [{"name": "nvidia.com/gpu", "replicas": deployment["spec"]["replicas"]}], key
-    assert modes == {"fusedserve-mps-x4": "mps", "fusedserve-time-slicing-x4": "timeSlicing"}
-    assert deployment["spec"]["replicas"] == hpa["spec"]["minReplicas"] == 4
+    assert modes == {"fusedserve-mps-x6": "mps", "fusedserve-time-slicing-x6": "timeSlicing"}
+    assert deployment["spec"]["replicas"] == hpa["spec"]["minReplicas"] == 6
     resources = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]
-    assert resources["limits"]["nvidia.com/gpu"] == "1" and resources["requests"]["cpu"] == "3"
+    assert resources["limits"]["nvidia.com/gpu"] == "1" and resources["requests"]["cpu"] == "2"
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]  # one user: MPS runs pods together
 
 
