@@ -90,6 +90,16 @@ def running_server(**settings: str):
         yield servers[0]
 
 
+def kernel_choices(urls: list[str]) -> dict[str, dict[str, int]]:
+    """Per op, how many of the servers chose each backend (their /info): replicas starting together on one GPU race
+    their kernels beside each other's start-up work, so they may choose differently."""
+    counts: dict[str, collections.Counter] = {}
+    for url in urls:
+        for op, choice in httpx.get(url + "/info").json()["kernels"].items():
+            counts.setdefault(op, collections.Counter())[choice["backend"]] += 1
+    return {op: dict(c) for op, c in counts.items()}
+
+
 def sentence_transformers_rate(texts: list[str], batch_size: int, device: str) -> float:
     from sentence_transformers import SentenceTransformer
 
@@ -360,6 +370,11 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
         log_path = f"{os.path.splitext(args.out)[0]}-server{n}.log" if args.out else os.devnull
         with running_servers(replicas, log_path, **(settings | extra)) as servers:
             urls = [url for _, url in servers]
+            choices = kernel_choices(urls)
+            split = {op: c for op, c in choices.items() if len(c) > 1}
+            print(f"[{config}] kernel choices: " + ("the same in every replica" if not split else "replicas differ on " +
+                  "; ".join(f"{op} " + ", ".join(f"{b} x{n}" for b, n in c.items()) for op, c in split.items())),
+                  file=sys.stderr, flush=True)
             for payload in args.payloads:
                 rows = ids if payload == "ids" else texts
                 load(urls, rows, 64, 3, args.per_request, processes=args.client_processes, payload=payload)  # warm
@@ -373,7 +388,7 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
                                  "requests_per_s": len(latencies) / elapsed, "tokens_per_s": sent / elapsed,
                                  "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "served_vs_raw": sent / elapsed / raw,
                                  "vs_sentence_transformers": sent / elapsed / st_rate if st_rate else None,
-                                 "server": inside})
+                                 "server": inside, "kernel_choices": choices})
                     print(f"[{config} {payload}] {clients} clients: {runs[-1]['requests_per_s']:.0f} req/s, "
                           f"{sent / elapsed / 1e6:.2f} M tok/s ({100 * sent / elapsed / raw:.0f}% of raw), p50 "
                           f"{q[49] * 1e3:.1f} ms p99 {q[98] * 1e3:.1f} ms, {errors} errors; server: "

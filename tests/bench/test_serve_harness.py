@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 
-from bench.serve import measured_load, running_servers, single_requests
+import httpx
+
+from bench.serve import kernel_choices, measured_load, running_servers, single_requests
 from model.tokenizer import TextTokenizer
 from model.weights import default_model_dir
 
@@ -24,6 +26,11 @@ def test_load_and_single_requests_agree_with_the_servers_metrics():
         assert 0 < inside["forward_ms_per_batch"] and 0 < inside["server_request_ms"]
         # the server process's own CPU time (process_cpu_seconds_total): spent, and at most all cores for the run
         assert 0 < inside["cpu_ms_per_request"] and 0 < inside["cpu_cores"] <= os.cpu_count()
+
+        # per op, how many servers chose each backend (from /info): the one server, counted twice
+        choices = kernel_choices([url, url])
+        ops = httpx.get(url + "/info").json()["kernels"]
+        assert choices == {op: {choice["backend"]: 2} for op, choice in ops.items()} and "linear_bias_gelu" in choices
 
         single = single_requests(url, texts[:1], count=12, warm=2)
         s = single["server"]
