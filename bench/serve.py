@@ -371,10 +371,10 @@ def gpu_sweep(args, argv: list[str] | None = None) -> dict:
         with running_servers(replicas, log_path, **(settings | extra)) as servers:
             urls = [url for _, url in servers]
             choices = kernel_choices(urls)
-            split = {op: c for op, c in choices.items() if len(c) > 1}
-            print(f"[{config}] kernel choices: " + ("the same in every replica" if not split else "replicas differ on " +
-                  "; ".join(f"{op} " + ", ".join(f"{b} x{n}" for b, n in c.items()) for op, c in split.items())),
-                  file=sys.stderr, flush=True)
+            split = [f"{op} " + ", ".join(f"{backend} x{count}" for backend, count in counts.items())
+                     for op, counts in choices.items() if len(counts) > 1]
+            agreement = "replicas differ on " + "; ".join(split) if split else "the same in every replica"
+            print(f"[{config}] kernel choices: {agreement}", file=sys.stderr, flush=True)
             for payload in args.payloads:
                 rows = ids if payload == "ids" else texts
                 load(urls, rows, 64, 3, args.per_request, processes=args.client_processes, payload=payload)  # warm

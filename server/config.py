@@ -49,9 +49,10 @@ class Settings(BaseSettings):
         True, description="launch the next batch before waiting for the last one's result (CUDA graphs): the GPU "
         "runs while the worker delivers and waits for the GIL")
     idle_poll_ms: float = Field(
-        0.0, ge=0, description="after each batch the worker wakes every IDLE_POLL_US for this long before it sleeps "
-        "until the next request (0: off): keeps its core from sleeping deeply between a lone client's requests, whose "
-        "host work otherwise runs up to 3x slower after ~1 ms idle on VM guests; costs some CPU while traffic is sparse")
+        0.0, ge=0, description="after each batch the worker wakes every 50 us for this long before it sleeps "
+        "until the next request (0: off): keeps its core from sleeping deeply between a lone client's requests, "
+        "whose host work otherwise runs up to 3x slower after ~1 ms idle on VM guests; costs CPU while traffic is "
+        "sparse")
     max_queue: int = Field(4096, ge=1, description="queued inputs beyond which requests get 429")
     max_client_batch: int = Field(256, ge=1, description="inputs per request")
     request_timeout_s: float = Field(30.0, gt=0)
