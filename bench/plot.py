@@ -3,6 +3,7 @@
     python -m bench.plot kernels bench/results/2026-11-30-h200-kernels-cuda.json docs/img/kernels-bf16.png
     python -m bench.plot encoder bench/results/<date>-h200-encoder.json docs/img/encoder.png
     python -m bench.plot serve bench/results/<date>-h200-serve.json docs/img/serve.png
+    python -m bench.plot replicas docs/img/replicas.png LABEL=bench/results/<serve>.json ...
 """
 
 from __future__ import annotations
@@ -101,8 +102,39 @@ def serve(report: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def replicas(reports: dict[str, dict], path: str, clients: int = 64) -> None:
+    """Served tokens/s as a share of each run's own raw runner rate against the number of servers sharing the GPU,
+    one line per labelled bench.serve report (e.g. time-sliced vs MPS), at one client count, with the 85% target."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label, report in reports.items():
+        runs = sorted((r for r in report["runs"] if r["clients"] == clients and r.get("payload", "ids") == "ids"),
+                      key=lambda r: r["replicas"])
+        ax.plot([r["replicas"] for r in runs], [100 * r["served_vs_raw"] for r in runs], marker="o", label=label)
+        for r in runs:
+            ax.annotate(f"{r['requests_per_s']:.0f} req/s", (r["replicas"], 100 * r["served_vs_raw"]),
+                        textcoords="offset points", xytext=(4, -12), fontsize=7)
+    ax.axhline(85, color="black", linestyle=":", label="target: 85% of raw")
+    ax.set_xlabel(f"servers sharing one GPU ({clients} clients, 16 token-id rows per request)")
+    ax.set_ylabel("served tokens/s, % of the same run's raw runner")
+    ax.set_ylim(0, 110)
+    ax.margins(x=0.12)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) >= 3 and argv[0] == "replicas" and all("=" in a for a in argv[2:]):
+        reports = {}
+        for spec in argv[2:]:
+            label, source = spec.split("=", 1)
+            with open(source) as f:
+                reports[label] = json.load(f)
+        replicas(reports, argv[1])
+        print(argv[1])
+        return 0
     if len(argv) != 3 or argv[0] not in ("kernels", "encoder", "serve"):
         print(__doc__, file=sys.stderr)
         return 2

@@ -37,3 +37,11 @@ def test_encoder_and_serve_plots(tmp_path):
     plot.serve(serve, str(tmp_path / "s.png"))
     assert _png(tmp_path / "e.png") and _png(tmp_path / "s.png")
     assert plot.main(["nonsense", "a", "b"]) == 2
+
+
+def test_replica_plot_from_the_committed_h200_serving_runs(tmp_path):
+    target = tmp_path / "r.png"
+    assert plot.main(["replicas", str(target), f"MPS={RESULTS / '2026-11-30-h200-serve-mps-s9.json'}",
+                      f"one server={RESULTS / '2026-11-30-h200-serve-s8.json'}"]) == 0
+    assert _png(target)
+    assert plot.main(["replicas", str(target)]) == 2  # no report given
