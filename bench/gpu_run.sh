@@ -20,6 +20,7 @@
 #   bash bench/gpu_run.sh serial    # a lone request's forward step by step (bench.serial_forward) + single-request latency
 #   bash bench/gpu_run.sh idle      # the same after idle gaps, step by step, asleep / spinning / cores held out of deep idle
 #   bash bench/gpu_run.sh poll      # single-request latency with and without idle_poll_ms, alternated
+#   bash bench/gpu_run.sh next      # few-row GEMM + GELU configs forced one by one, then six MPS replicas (session 10)
 #   bash bench/gpu_run.sh lnrows    # MiniLM rows without / with the few-row LayerNorm candidates (Triton), b1 profile
 #   bash bench/gpu_run.sh replicas  # one server, then eight replicas on the GPU at 64 clients (token ids), with the
 #                                   # servers' CPU time per request (~8 min)
@@ -237,6 +238,16 @@ case "$mode" in
         --configs replicas=1,idle_poll_ms=$poll --out "$OUT/serve-single-poll$poll-$SECONDS.json" 2>&1 | tail -2 \
         | sed "s/^/idle_poll_ms=$poll: /"
     done
+    ;;
+  next)
+    # session 10's first call: every few-row GEMM + GELU config forced vs the autotuner's pick (the s8 b1 profile's
+    # 12.6 us pick where 4.4 was available), then six MPS replicas again (do their kernel choices agree now that
+    # the race takes each backend's best round; does the 99% row hold)
+    for spec in linear_bias_gelu:float16:16x384x1536 linear_bias_gelu:float16:64x384x1536 \
+        linear_bias_gelu:float16:16x768x3072; do
+      timeout 60 python3 -m bench.triton_configs $spec 2>&1 | tee -a "$OUT/triton-configs.log" | tail -10
+    done
+    SERVE_CONFIGS="replicas=6" SERVE_S=420 bash "$0" mps
     ;;
   lnrows)
     # the MiniLM rows without the few-row LayerNorm candidates (session 7's), then with them (the default), Triton

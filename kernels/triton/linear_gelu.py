@@ -151,6 +151,18 @@ def _launch_pointer(x2: Tensor, weight: Tensor, bias: Tensor, y: Tensor, approxi
                               y.stride(0), y.stride(1), MODE=GELU_MODES[approximate], IEEE=_ieee(x2.dtype))
 
 
+def launch_config(config: triton.Config, x2: Tensor, weight: Tensor, bias: Tensor, y: Tensor,
+                  approximate: str = "none") -> None:
+    """One launch of the kernel with `config` (one of CONFIGS) instead of the autotuner's pick: x2 [M, K] rows,
+    y [M, N] written. For measuring each candidate (bench.triton_configs), not for serving."""
+    (m, k), n = x2.shape, weight.shape[0]
+    grid = (triton.cdiv(m, config.kwargs["BLOCK_M"]) * triton.cdiv(n, config.kwargs["BLOCK_N"]),)
+    _linear_gelu_kernel.fn[grid](x2, weight, bias, y, m, n, k, row_class(m),
+                                 x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1),
+                                 y.stride(0), y.stride(1), MODE=GELU_MODES[approximate], IEEE=_ieee(x2.dtype),
+                                 num_warps=config.num_warps, num_stages=config.num_stages, **config.kwargs)
+
+
 def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none", *,
                      out: Tensor | None = None) -> Tensor:
     """GELU(x @ weight^T + bias): x [..., K], weight [N, K] (nn.Linear's layout), bias [N] -> [..., N] in x's

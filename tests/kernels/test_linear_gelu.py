@@ -86,6 +86,21 @@ def test_bad_arguments_are_refused(device):
         linear_gelu.linear_bias_gelu(x, weight, bias, "sigmoid")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=lambda v: str(v).removeprefix("torch."))
+def test_every_candidate_config_computes_the_same_result(device, dtype):
+    """Each autotune candidate launched on its own (launch_config, what bench.triton_configs times) matches the
+    reference at a few-row shape with a ragged N and K, whichever of them the autotuner would pick."""
+    m, k, n = 16, 100, 200
+    x, weight, bias = _inputs(m, k, n, dtype, device, 5)
+    expected = _reference(x, weight, bias)
+    for config in linear_gelu.CONFIGS:
+        out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+        linear_gelu.launch_config(config, x, weight, bias, out)
+        report = compare(out, expected, dtype)
+        assert report.ok, (config, report)
+
+
 def test_configs_that_overflow_shared_memory_are_pruned():
     h200 = 232448  # shared_memory_per_block_optin on Hopper
     fp16 = linear_gelu.configs_within(linear_gelu.CONFIGS, 2, h200)
