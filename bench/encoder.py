@@ -143,6 +143,8 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
             # the serving default (varlen attention in fp16), and for the first backend pad attention as well
             attentions = [resolve_attention("auto", torch.device("cuda"), torch.float16)]
             attentions += ["pad"] if backend == backends[0] and attentions[0] != "pad" else []
+            # the Triton backend's one-kernel QKV projection + attention (kernels.qkv_attention; opt-in until measured)
+            attentions += ["fused"] if backend == "triton" and args.fused_attention else []
             for attention in attentions:
                 graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256,
                                     attention=attention)
@@ -176,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="cases that also run torch.compile (compilation takes ~a minute per case)")
     parser.add_argument("--no-ffn-epilogue", dest="ffn_epilogue", action="store_false",
                         help="skip the what-if row with the Triton GEMM + bias + GELU epilogue as the FFN-in")
+    parser.add_argument("--no-fused-attention", dest="fused_attention", action="store_false",
+                        help="skip the Triton backend's graphs row with attention=fused (QKV projection + attention as "
+                             "one kernel per sequence x head)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     results = []

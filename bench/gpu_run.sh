@@ -20,7 +20,10 @@
 #   bash bench/gpu_run.sh serial    # a lone request's forward step by step (bench.serial_forward) + single-request latency
 #   bash bench/gpu_run.sh idle      # the same after idle gaps, step by step, asleep / spinning / cores held out of deep idle
 #   bash bench/gpu_run.sh poll      # single-request latency with and without idle_poll_ms, alternated
-#   bash bench/gpu_run.sh next      # few-row GEMM + GELU configs forced one by one, then six MPS replicas (session 10)
+#   bash bench/gpu_run.sh next      # attention=fused (kernels.qkv_attention): GPU tests, MiniLM rows, b1 profile; the
+#                                   # few-row GEMM + GELU configs forced one by one (~8 min cold)
+#   bash bench/gpu_run.sh next2     # six MPS replicas at 64 clients: kernel choices across replicas, served / raw
+#   bash bench/gpu_run.sh next3     # BERT-base b32 fixed and b128 varlen with torch.compile + CUDA graphs in the same run
 #   bash bench/gpu_run.sh lnrows    # MiniLM rows without / with the few-row LayerNorm candidates (Triton), b1 profile
 #   bash bench/gpu_run.sh replicas  # one server, then eight replicas on the GPU at 64 clients (token ids), with the
 #                                   # servers' CPU time per request (~8 min)
@@ -240,14 +243,31 @@ case "$mode" in
     done
     ;;
   next)
-    # session 10's first call: every few-row GEMM + GELU config forced vs the autotuner's pick (the s8 b1 profile's
-    # 12.6 us pick where 4.4 was available), then six MPS replicas again (do their kernel choices agree now that
-    # the race takes each backend's best round; does the 99% row hold)
+    # the next session's first call (~8 min cold): the one-kernel QKV projection + attention (kernels.qkv_attention,
+    # attention=fused) on the GPU: its tests (model shapes fp16/bf16, graph replay, the sweeps), the MiniLM rows with
+    # a fused-attn graphs row next to varlen, the b1 s16 profile with it; then every few-row GEMM + GELU config
+    # forced vs the autotuner's pick (the s8 b1 profile's 12.6 us pick where 4.4 was available)
+    gpu_tests qkv 150 -n 4 tests/kernels/test_qkv_attention.py tests/kernels/test_triton_ops.py -k "qkv or opcheck"
+    timeout 200 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --out "$OUT/encoder-minilm.json" 2>&1 \
+      | tee "$OUT/encoder-minilm.log" | grep graphs
+    timeout 60 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends triton --attention fused \
+      --out "$OUT/profile-minilm-b1-fused.json" 2>&1 | tee "$OUT/profile-minilm-b1-fused.log" | grep -E "us/forward"
     for spec in linear_bias_gelu:float16:16x384x1536 linear_bias_gelu:float16:64x384x1536 \
         linear_bias_gelu:float16:16x768x3072; do
       timeout 60 python3 -m bench.triton_configs $spec 2>&1 | tee -a "$OUT/triton-configs.log" | tail -10
     done
+    ;;
+  next2)
+    # six MPS replicas again: do their kernel choices agree now that the race takes each backend's best round; does
+    # the 99% row hold (~8 min)
     SERVE_CONFIGS="replicas=6" SERVE_S=420 bash "$0" mps
+    ;;
+  next3)
+    # the BERT-base rows with torch.compile + CUDA graphs in the same run, the b128 varlen row included (issue #6's
+    # acceptance compares every row with it; session 6 ran it for the fixed rows only), and the fused-attn rows
+    timeout 560 python3 -m bench.encoder --cases "bert-base b32 s128 fixed" "bert-base b128 s128 varlen" \
+      --compile-cases "bert-base b32 s128 fixed" "bert-base b128 s128 varlen" --no-ffn-epilogue \
+      --out "$OUT/encoder-bert.json" 2>&1 | tee "$OUT/encoder-bert.log" | grep -E "ms "
     ;;
   lnrows)
     # the MiniLM rows without the few-row LayerNorm candidates (session 7's), then with them (the default), Triton

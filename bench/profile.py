@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--backends", nargs="+", default=["cuda", "triton"])
+    parser.add_argument("--attention", choices=["pad", "varlen", "fused"], default="pad",
+                        help="the fused backends' packed attention (the unfused reference keeps pad)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     cfg = EncoderConfig.from_name(args.preset)
@@ -84,10 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, backend, fused in [("reference (unfused torch)", "torch", False),
                                      *[(f"fused {b}", b, True) for b in args.backends]]:
             kernels.configure("cuda", (torch.float16,), backend=backend, fused=fused, hidden_sizes=(cfg.hidden_size,))
-            results[f"{name} eager"] = breakdown(lambda: packed_mean_pool(encoder.forward_packed(packed), packed, False))
+            attention = args.attention if fused else "pad"
+            results[f"{name} eager"] = breakdown(
+                lambda: packed_mean_pool(encoder.forward_packed(packed, attention), packed, False))
             if fused:
                 graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=args.batch * args.seq,
-                                    max_batch=args.batch)
+                                    max_batch=args.batch, attention=attention)
                 results[f"{name} graphs"] = breakdown(lambda: graphs.run(rows))
                 del graphs
             for mode in ("eager", "graphs"):
@@ -95,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name}: {r['wall_us']:.0f} us/forward {mode}, {r['kernels_per_forward']:.0f} kernels: "
                           f"{r['us']}", file=sys.stderr, flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "case": f"{args.preset} b{args.batch} s{args.seq} fp16 packed", "results": results,
+              "case": f"{args.preset} b{args.batch} s{args.seq} fp16 packed", "attention": args.attention,
+              "results": results,
               "command": command("profile", argv)}
     save(report, args.out)
     print(json.dumps(report, indent=1))

@@ -20,7 +20,7 @@ from kernels.registry import BackendError, BackendUnavailable, Selection, config
 __all__ = [
     "BackendError", "Selection", "configure", "registry", "reference_path",
     "layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm", "embedding_layer_norm",
-    "linear_bias_gelu", "linear_add_layer_norm", "segment_mean",
+    "linear_bias_gelu", "linear_add_layer_norm", "segment_mean", "qkv_attention",
 ]
 
 _active = registry.active
@@ -119,6 +119,14 @@ def segment_mean(x: Tensor, cu_seqlens: Tensor) -> Tensor:
     """Mean of each segment of rows, x [T, H] and offsets cu_seqlens [B + 1] -> [B, H] float32 (empty segment: 0;
     rows past the last offset unread): the mean pooling of a packed batch."""
     return _ops()["segment_mean"](x, cu_seqlens)
+
+
+def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                  num_heads: int) -> Tensor:
+    """A layer's attention block before its output projection: q, k, v = x @ weight^T + bias (weight [3H, H], nn.Linear's
+    layout, query/key/value stacked), softmax(q k^T / sqrt(d)) v per head within each packed sequence of x [T, H]
+    (offsets cu_seqlens [B + 1], each at most max_seqlen long) -> [T, H]; rows past the last offset are zeros."""
+    return _ops()["qkv_attention"](x, weight, bias, cu_seqlens, max_seqlen, num_heads)
 
 
 def _load_triton(device: torch.device):

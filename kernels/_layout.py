@@ -90,9 +90,10 @@ def embedding_inputs(input_ids: Tensor, position_ids: Tensor, token_type_ids: Te
 
 
 def segment_arguments(name: str, x: Tensor, cu_seqlens: Tensor, out: Tensor | None,
-                      out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """segment_mean's arguments, checked the same way for both backends: x as [tokens, hidden] rows with unit column
-    stride, the offsets contiguous, and the [segments, hidden] output (fresh, or the caller's contiguous `out`)."""
+                      out_dtype: torch.dtype, rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """segment_mean's (and qkv_attention's) arguments, checked the same way for both backends: x as [tokens, hidden]
+    rows with unit column stride, the offsets contiguous, and the [segments, hidden] output, or [rows, hidden] when
+    `rows` is given (fresh, or the caller's contiguous `out`)."""
     if x.dim() != 2:
         raise ValueError(f"{name}: x must be [tokens, hidden], got {tuple(x.shape)}")
     if cu_seqlens.device != x.device:
@@ -100,7 +101,7 @@ def segment_arguments(name: str, x: Tensor, cu_seqlens: Tensor, out: Tensor | No
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name}: cu_seqlens must be a [segments + 1] int32/int64 vector, got "
                          f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-    shape = (cu_seqlens.numel() - 1, x.shape[1])
+    shape = (cu_seqlens.numel() - 1 if rows is None else rows, x.shape[1])
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=x.device)
     elif out.shape != shape or out.dtype != out_dtype or not out.is_contiguous():

@@ -214,6 +214,22 @@ def _define(backend: str, launchers: Mapping[str, Callable]) -> dict[str, Callab
         return segment_mean_op(x, cu_seqlens)
 
     ops["segment_mean"] = segment_mean
+
+    # ---- qkv_attention (a backend may leave it out: the registry then keeps the reference) ------------
+    if "qkv_attention" in launchers:
+        @torch.library.custom_op(lib + "qkv_attention", mutates_args=())
+        def qkv_attention_op(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                             num_heads: int) -> Tensor:
+            return launchers["qkv_attention"](x, weight, bias, cu_seqlens, max_seqlen, num_heads)
+
+        qkv_attention_op.register_fake(lambda x, weight, bias, cu_seqlens, max_seqlen, num_heads: torch.empty_like(x))
+
+        def qkv_attention(x, weight, bias, cu_seqlens, max_seqlen, num_heads, *, out=None):
+            if out is not None or _eager(x, weight, bias):
+                return launchers["qkv_attention"](x, weight, bias, cu_seqlens, max_seqlen, num_heads, out=out)
+            return qkv_attention_op(x, weight, bias, cu_seqlens, max_seqlen, num_heads)
+
+        ops["qkv_attention"] = qkv_attention
     return ops
 
 

@@ -154,6 +154,34 @@ def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) ->
     return _store(sums[:segments] / lengths, compute, out)
 
 
+def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, *,
+                  out: Tensor | None = None) -> Tensor:
+    """Self-attention of each packed sequence with its QKV projection: qkv = x @ weight^T + bias for x [T, H] and
+    weight [3H, H] (query, key and value rows stacked, each split into num_heads heads of H / num_heads), then per
+    head softmax(q k^T / sqrt(H / num_heads)) v within each sequence cu_seqlens[b] : cu_seqlens[b + 1] -> [T, H] in
+    x's dtype. Rows past cu_seqlens[-1] (a packed batch's filler tokens) come out as zeros. Sequences must be at
+    most max_seqlen long. The projection runs in the input dtype (as cuBLAS does), attention in float32 (float64
+    stays float64) through SDPA on a padded [batch, max_seqlen] block built on the device: no host sync, so it
+    runs inside CUDA graphs."""
+    compute = _compute_dtype(x.dtype)
+    t, hidden = x.shape
+    batch, d = cu_seqlens.numel() - 1, hidden // num_heads
+    qkv = torch.nn.functional.linear(x, weight, bias).to(compute)
+    cu = torch.cummax(cu_seqlens.to(device=x.device, dtype=torch.long).clamp(0, t), 0).values
+    rows = torch.arange(t, device=x.device)
+    seq = torch.searchsorted(cu[1:], rows, right=True).clamp(max=max(batch - 1, 0))
+    real = (rows >= cu[0]) & (rows < cu[-1])
+    pad_index = torch.where(real, seq * max_seqlen + rows - cu[seq], batch * max_seqlen)  # filler -> scratch row
+    padded = qkv.new_zeros((batch * max_seqlen + 1, 3 * hidden)).index_copy_(0, pad_index, qkv)
+    q, k, v = padded[:-1].view(batch, max_seqlen, 3, num_heads, d).permute(2, 0, 3, 1, 4)
+    positions = torch.arange(max_seqlen, device=x.device)
+    keep = (positions[None, :] < (cu[1:] - cu[:-1])[:, None])[:, None, None, :]
+    ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # [batch, heads, seq, d]
+    ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, hidden)
+    ctx = torch.where(real[:, None], ctx[pad_index.clamp(max=max(batch * max_seqlen - 1, 0))], 0.0)
+    return _store(ctx, x.dtype, out)
+
+
 OPS = {
     "layer_norm": layer_norm,
     "layer_norm_gelu": layer_norm_gelu,
@@ -164,4 +192,5 @@ OPS = {
     "linear_bias_gelu": linear_bias_gelu,
     "linear_add_layer_norm": linear_add_layer_norm,
     "segment_mean": segment_mean,
+    "qkv_attention": qkv_attention,
 }

@@ -3,7 +3,8 @@ device?), then self-tested op by op against the float64 reference on fresh rando
 shapes and every dtype in use. Auto mode self-tests every fused backend; when more than one passes it
 races them at the model's shape (RACE_ROWS x hidden size, serving dtype) and takes the fastest, else the one
 that passed; the reference is the fallback. Why every other backend was rejected is recorded; an explicitly
-forced backend that fails raises. The model never sees any of this: it calls `kernels.<op>`, which
+forced backend that fails raises (one forced for every op that does not implement some op leaves that op on the
+reference; forced for that op alone, it raises). The model never sees any of this: it calls `kernels.<op>`, which
 dispatches through `active`.
 """
 
@@ -120,6 +121,8 @@ class Selection:
 # What kernels.<op> calls right now; starts on the reference so the package works before configure().
 active: dict[str, Callable] = dict(reference.OPS)
 _current: Selection | None = None
+
+_NOT_IMPLEMENTED = "does not implement this op"
 
 # Self-test sizes: a single row, an odd row count, and the model's own width plus an awkward one.
 SELF_TEST_ROWS = (1, 37)
@@ -293,7 +296,7 @@ def configure(
             if isinstance(impl, str):
                 why = impl
             elif op not in impl:
-                why = "does not implement this op"
+                why = _NOT_IMPLEMENTED
             else:
                 why = _self_test(impl[op], op, device, dtypes, test_cols)
                 if why is None:
@@ -318,6 +321,11 @@ def configure(
                 choice.reason = "reference path: no fused backend passed"
             else:
                 choice.reason = "the only fused backend that passed its self-test"
+        if (not choice.backend and forced != "auto" and overrides.get(op, "auto") == "auto"
+                and choice.rejected.get(forced) == _NOT_IMPLEMENTED):
+            # a backend forced for every op lacks this one (the CUDA backend has no qkv_attention): the reference
+            choice.backend = REFERENCE_BACKEND
+            choice.reason = f"reference path: {forced} (forced) does not implement this op"
         if not choice.backend:
             if forced != "auto":
                 raise BackendError(f"backend {forced!r} was forced for op {op!r} but cannot be used: "

@@ -146,6 +146,29 @@ def _segment_inputs(rows, cols, dtype, device, gen):
     return (x, offsets), {}
 
 
+def attention_heads(cols: int) -> int:
+    """A head count for a [*, cols] attention test: 12 heads where they divide the width (MiniLM's 384 and BERT's 768
+    give 32 and 64 dims, 300 gives 25), else the most of (8, 6, 4, 3, 2, 1) that divide it with heads of <= 128."""
+    return next(h for h in (12, 8, 6, 4, 3, 2, 1) if cols % h == 0 and (cols // h <= 128 or h == 1))
+
+
+def _qkv_attention_inputs(rows, cols, dtype, device, gen):
+    # `rows` packed tokens: sequences of 1..2*avg-1 tokens, an empty one (a graph bucket's filler sequence), then
+    # ~1/8 of the rows as filler tokens past the last offset (zeros out). Weights at 1/sqrt(cols) give q k^T / sqrt(d)
+    # of order 1: softmax neither uniform nor one-hot. max_seqlen is a loose bound (a graph bucket's), not the longest.
+    real = rows - rows // 8
+    avg = max(1, min(40, real // 3))
+    lengths: list[int] = []
+    while sum(lengths) < real:
+        lengths.append(min(int(torch.randint(1, 2 * avg, (1,), generator=gen)), real - sum(lengths)))
+    offsets = torch.tensor([0, *itertools.accumulate([*lengths, 0])], dtype=torch.int32, device=device)
+    x = _randn((rows, cols), dtype, device, gen)
+    w = _randn((3 * cols, cols), dtype, device, gen, scale=cols**-0.5)
+    b = _randn((3 * cols,), dtype, device, gen, scale=0.5)
+    max_seqlen = -(-max(lengths) // 16) * 16
+    return (x, w, b, offsets, max_seqlen, attention_heads(cols)), {}
+
+
 def _same_as_input(args, rows, cols, dtype):
     return (rows, cols), dtype
 
@@ -163,6 +186,12 @@ class OpSpec:
     race_cols: Callable[[int], int] = lambda hidden: hidden  # output width at a model's hidden size
     # (args, rows, cols, dtype) -> the output's (shape, dtype): [rows, cols] in the input dtype unless said
     output: Callable[..., tuple[tuple[int, ...], torch.dtype]] = _same_as_input
+    fused_in: tuple[str, ...] = ("triton", "cuda")  # the fused backends that implement it
+
+
+def ops_of(backend: str) -> list[str]:
+    """The ops a fused backend implements (the registry runs the rest on the reference when it is forced)."""
+    return [op for op, spec in OP_SPECS.items() if backend in spec.fused_in]
 
 
 OP_SPECS: dict[str, OpSpec] = {
@@ -179,6 +208,9 @@ OP_SPECS: dict[str, OpSpec] = {
     # mean pooling of a packed batch: [rows tokens, cols] -> [segments, cols] float32
     "segment_mean": OpSpec("segment_mean", reference.segment_mean, _segment_inputs, rowwise=False,
                            output=_per_segment),
+    # a layer's QKV projection + attention over each packed sequence: [rows tokens, cols] -> [rows, cols]
+    "qkv_attention": OpSpec("qkv_attention", reference.qkv_attention, _qkv_attention_inputs, rowwise=False,
+                            fused_in=("triton",)),
 }
 ROWWISE_OPS = tuple(op for op, spec in OP_SPECS.items() if spec.rowwise)
 assert set(OP_SPECS) == set(reference.OPS)

@@ -6,7 +6,8 @@ Two layouts: `forward` takes a padded [batch, seq] batch; `forward_packed` takes
 tokens of every sequence back to back ([tokens, hidden], no padding), so GEMMs and the fused ops touch real
 tokens only. Attention in the packed layout either scatters q/k/v into a padded [batch, seq] block for SDPA
 and gathers the context back ("pad", works everywhere and inside CUDA graphs; attention is a few per cent
-of an encoder's FLOPs at these lengths), or runs torch's variable-length flash attention ("varlen").
+of an encoder's FLOPs at these lengths), or runs torch's variable-length flash attention ("varlen"), or runs the
+QKV projection and the attention of each sequence as one fused op ("fused", kernels.qkv_attention).
 """
 
 from __future__ import annotations
@@ -141,17 +142,23 @@ def _varlen_attention():
     return varlen_attn
 
 
+ATTENTIONS = ("auto", "pad", "varlen", "fused")
+OFFSET_ATTENTIONS = ("varlen", "fused")  # attend within cu_seqlens: no padded block, filler sequences of length 0
+
+
 def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
     """auto -> "varlen" (torch's variable-length flash attention: no padded block, no mask) where it runs, that is
-    fp16/bf16 on CUDA with torch.nn.attention.varlen; "pad" otherwise."""
+    fp16/bf16 on CUDA with torch.nn.attention.varlen; "pad" otherwise. "fused" (the QKV projection and attention of
+    each sequence as one op, `kernels.qkv_attention`: one Triton kernel where the registry chose Triton, else the
+    torch reference) runs anywhere; auto does not pick it until the H200 says it is faster."""
     usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attention() is not None
     if attention == "auto":
         return "varlen" if usable else "pad"
     if attention == "varlen" and not usable:
         raise ValueError(f"varlen attention needs fp16/bf16 on CUDA and torch.nn.attention.varlen "
                          f"(device {device}, dtype {dtype}, torch {torch.__version__})")
-    if attention not in ("pad", "varlen"):
-        raise ValueError(f"attention must be auto, pad or varlen, got {attention!r}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     return attention
 
 
@@ -176,6 +183,9 @@ class Layer(nn.Module):
 
     def forward_packed(self, x: Tensor, p: Packed, attention: str = "pad") -> Tensor:
         # x: [T, hidden] real (and filler) tokens only
+        if attention == "fused":  # projection + attention in one op; dense batches too (their offsets are regular)
+            ctx = kernels.qkv_attention(x, self.qkv.weight, self.qkv.bias, p.cu_seqlens, p.seq, self.num_heads)
+            return self._residual_blocks(x, ctx)
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
         if p.dense:  # rows of equal length back to back: the packed layout is the padded one, unmasked
             ctx = self._attend(qkv, p.batch, p.seq, None)
@@ -242,6 +252,8 @@ class Encoder(nn.Module):
         """Hidden states [T, hidden] of a packed batch (filler tokens' rows are garbage, never read)."""
         if attention == "varlen":  # the one check of where varlen runs (raises with the reason)
             resolve_attention("varlen", p.input_ids.device, self.embeddings.word_embeddings.dtype)
+        if attention in OFFSET_ATTENTIONS and p.cu_seqlens is None:
+            raise ValueError(f"{attention} attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
         x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
         for layer in self.layers:
             x = layer.forward_packed(x, p, attention)

@@ -3,7 +3,8 @@ instead of ~10 kernel launches per layer from Python.
 
 A bucket is (tokens, batch, seq, dense): the packed token count rounded up to token_buckets() (quarter-power-of-two
 steps, eighth steps above 1024 tokens); filler tokens and
-sequences go to scratch rows (see model.encoder.Packed). With varlen attention (fp16/bf16 on CUDA, the default)
+sequences go to scratch rows (see model.encoder.Packed). With varlen attention (fp16/bf16 on CUDA, the default;
+"fused" attention buckets the same way)
 the row count is rounded up to a power of 4 and seq is min(model's longest, tokens): the longest row only bounds
 the attention grid, so a bucket is really (tokens, batch) and every reachable one can be captured at start-up
 (`capture_all`, the service's warm-up). With pad attention the row count goes to a power of two and the longest
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor
 
 from kernels import registry
-from model.encoder import Encoder, Packed, packed_mean_pool
+from model.encoder import OFFSET_ATTENTIONS, Encoder, Packed, packed_mean_pool
 
 log = logging.getLogger("fusedserve.model")
 
@@ -105,7 +106,7 @@ class CudaGraphs:
     def _batch_bucket(self, rows: int) -> int:
         # varlen: rows only size the attention grid and the pooled output, so powers of 4 (fewer graphs);
         # pad attention: the padded block is batch x seq, so powers of 2
-        return min(_ceil_pow4(rows) if self.attention == "varlen" else _ceil_pow2(rows), self.max_batch)
+        return min(_ceil_pow4(rows) if self.attention in OFFSET_ATTENTIONS else _ceil_pow2(rows), self.max_batch)
 
     def bucket(self, rows: list[list[int]]) -> tuple[int, int, int, bool] | None:
         tokens, longest = sum(map(len, rows)), max(map(len, rows))
@@ -115,7 +116,7 @@ class CudaGraphs:
         s = SEQ_BUCKETS[bisect.bisect_left(SEQ_BUCKETS, longest)]
         if tokens == t == _ceil_pow2(len(rows)) * s:  # equal-length rows filling the bucket: the dense graph
             return t, _ceil_pow2(len(rows)), s, True
-        if self.attention == "varlen":  # the longest row only bounds the attention grid: no row can pass t
+        if self.attention in OFFSET_ATTENTIONS:  # the longest row only bounds the attention grid: no row passes t
             return t, self._batch_bucket(len(rows)), min(self.max_seq, t), False
         return t, self._batch_bucket(len(rows)), s, False
 
@@ -124,7 +125,7 @@ class CudaGraphs:
         (rows in (b_prev, b]) with rows <= tokens <= rows x max_seq possible, then the dense ones (b rows of
         exactly s tokens, s a SEQ_BUCKETS length no longer than the model takes: a single 256-token truncated
         input is one). Empty for pad attention, whose keys also carry the longest row (too many to capture ahead)."""
-        if self.attention != "varlen":
+        if self.attention not in OFFSET_ATTENTIONS:
             return []
         batches = sorted({self._batch_bucket(n) for n in range(1, self.max_batch + 1)})
         keys = []

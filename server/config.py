@@ -30,8 +30,9 @@ class Settings(BaseSettings):
         default_factory=dict, description="per-op backend, e.g. 'add_layer_norm=cuda,bias_gelu=triton'")
     max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's)")
     layout: Literal["packed", "padded"] = Field("packed", description="packed: real tokens only, no padding")
-    attention: Literal["auto", "pad", "varlen"] = Field(
-        "auto", description="packed attention: varlen flash (fp16/bf16 on CUDA; auto picks it there) or pad-for-SDPA")
+    attention: Literal["auto", "pad", "varlen", "fused"] = Field(
+        "auto", description="packed attention: varlen flash (fp16/bf16 on CUDA; auto picks it there), pad-for-SDPA, "
+                            "or fused (QKV projection + attention in one kernels.qkv_attention op)")
     cuda_graphs: bool = Field(True, description="replay the packed forward from CUDA graphs per shape bucket (GPU)")
     cuda_graph_warmup: bool = Field(True, description="capture every reachable graph bucket before ready (varlen)")
     max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)")

@@ -9,6 +9,7 @@ from kernels.triton.layer_norm import layer_norm
 from kernels.triton.layer_norm_gelu import layer_norm_gelu
 from kernels.triton.linear_gelu import linear_bias_gelu
 from kernels.triton.linear_layer_norm import linear_add_layer_norm
+from kernels.triton.qkv_attention import qkv_attention
 from kernels.triton.segment_mean import segment_mean
 
 LAUNCHERS = {
@@ -21,4 +22,5 @@ LAUNCHERS = {
     "linear_bias_gelu": linear_bias_gelu,  # one GEMM with the bias + GELU epilogue
     "linear_add_layer_norm": linear_add_layer_norm,  # cuBLAS + add_layer_norm (the split kernel: opt-in)
     "segment_mean": segment_mean,  # mean pooling of a packed batch
+    "qkv_attention": qkv_attention,  # QKV projection + attention per packed sequence (Triton only)
 }

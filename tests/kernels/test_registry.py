@@ -71,9 +71,19 @@ def test_forced_backend_that_fails_raises(fake_backends):
         kernels.configure("cpu", (torch.float32,), overrides={"layer_norm": "broken"})
     with pytest.raises(BackendError, match="'missing' was forced.*no such package"):
         kernels.configure("cpu", (torch.float32,), backend="missing")
-    # forcing a backend that lacks an op is an error too, not a silent fallback
+    # forcing a backend for an op it lacks is an error too, not a silent fallback
     with pytest.raises(BackendError, match="'good' was forced for op 'layer_norm_gelu'.*does not implement"):
-        kernels.configure("cpu", (torch.float32,), backend="good")
+        kernels.configure("cpu", (torch.float32,), overrides={"layer_norm_gelu": "good"})
+
+
+def test_a_backend_forced_for_every_op_leaves_the_ops_it_lacks_on_the_reference_and_says_so(fake_backends):
+    # (the CUDA backend has no qkv_attention: BACKEND=cuda must still start, with that op on the torch reference)
+    sel = kernels.configure("cpu", (torch.float32,), backend="good")
+    assert sel.backend_of("layer_norm") == sel.backend_of("bias_gelu") == "good"
+    lacking = sel.choices["layer_norm_gelu"]
+    assert lacking.backend == "torch" and lacking.reason == "reference path: good (forced) does not implement this op"
+    assert "good (forced) does not implement this op" in sel.report()
+    assert registry.active["layer_norm_gelu"] is reference.layer_norm_gelu
 
 
 def test_per_op_override_wins_over_global(fake_backends):

@@ -76,6 +76,28 @@ def test_bucketed_packing_with_filler_tokens_and_sequences(encoder):
         Packed.from_rows(rows, "cpu", tokens=64, batch=8, seq=64)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@torch.no_grad()
+def test_fused_attention_equals_padded(encoder, backend):
+    """attention="fused" (kernels.qkv_attention: the Triton kernel on the interpreter, or the torch reference) on mixed
+    lengths in a bucket with filler tokens and filler sequences, and on a dense batch."""
+    import kernels
+
+    kernels.configure("cpu", (torch.float32,), backend=backend)
+    try:
+        rows = _rows([7, 40, 3, 33, 2])
+        packed = Packed.from_rows(rows, "cpu", tokens=128, batch=8, seq=64)
+        pooled = packed_mean_pool(encoder.forward_packed(packed, "fused"), packed, normalize=False)
+        assert torch.isfinite(pooled).all()
+        assert (pooled[:5] - _padded(encoder, rows)).abs().max() <= 1e-5
+        dense = _rows([16] * 4)
+        packed = Packed.from_rows(dense, "cpu")
+        pooled = packed_mean_pool(encoder.forward_packed(packed, "fused"), packed, normalize=False)
+        assert (pooled - _padded(encoder, dense)).abs().max() <= 1e-5
+    finally:
+        kernels.configure("cpu", fused=False)
+
+
 def test_packed_indices():
     p = Packed.from_rows([[5, 6, 7], [8, 9]], "cpu", tokens=8, batch=4, seq=4)
     assert p.input_ids.tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
@@ -171,6 +193,9 @@ def test_varlen_graph_buckets_drop_the_sequence_length():
     assert resolve_attention("auto", torch.device("cuda"), torch.float32) == "pad"
     with pytest.raises(ValueError, match="varlen attention needs"):
         resolve_attention("varlen", torch.device("cpu"), torch.float16)
+    assert resolve_attention("fused", torch.device("cpu"), torch.float32) == "fused"
+    assert CudaGraphs(enc, torch.device("cpu"), max_tokens=4096, max_batch=64, attention="fused").bucket(short) == (
+        48, 4, 48, False)  # fused attention buckets as varlen does
 
 
 @pytest.mark.parametrize("max_tokens, max_batch", [(16384, 256), (8192, 64), (2048, 100)])

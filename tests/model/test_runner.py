@@ -38,6 +38,15 @@ def test_fused_triton_on_interpreter_matches_reference_path():
     torch.testing.assert_close(a, plain.embed(["same input", "and a second, longer input"]), rtol=0, atol=1e-5)
 
 
+def test_fused_attention_on_the_interpreter_matches_the_reference_path():
+    texts = ["same input", "and a second, longer input", "a third"]
+    fused, report = Embedder.load("tiny", device="cpu", backend="triton", attention="fused")
+    assert fused.attention == "fused" and report.kernels.backend_of("qkv_attention") == "triton"
+    plain, _ = Embedder.load("tiny", device="cpu", fused=False)
+    assert plain.attention == "pad"
+    torch.testing.assert_close(fused.embed(texts), plain.embed(texts), rtol=0, atol=1e-5)
+
+
 def test_bfloat16_on_cpu_is_close_to_float32():
     f32, _ = Embedder.load("default", device="cpu", dtype="float32", backend="torch")
     bf16, _ = Embedder.load("default", device="cpu", dtype="bfloat16", backend="torch")

@@ -1,0 +1,161 @@
+"""A layer's QKV projection and self-attention over each packed sequence in one kernel.
+
+Why: at a single short request (MiniLM b1 s16) every kernel is latency. A layer's attention block is three kernels
+today, the QKV GEMM (cuBLAS, 2.9 us), a memset and the SDPA kernel (cuDNN, 0.8 + 4.2 us), plus their boundaries in
+the CUDA graph (`bench/results/2026-11-30-h200-profile-minilm-b1-s8.json`). Attention of short sequences needs
+only its own head's slice of the projection, so one program per (sequence, head) can project its tokens and attend
+without meeting any other program: no workspace, no counters (what made the split GEMM + LayerNorm lose,
+kernels/triton/linear_layer_norm.py).
+
+Per program (sequence b, head h, query block): q = x[block] Wq_h^T + bq_h, then flash-style over key blocks of the
+same sequence: k, v = x[keys] Wk_h^T + bk_h, x[keys] Wv_h^T + bv_h, online softmax (running max and sum in fp32),
+acc += p v. The projections accumulate in fp32 and are rounded to the input dtype before the attention products,
+as the unfused path stores them (fp32 inputs use IEEE products); p goes into the p v product as two halves in the
+input dtype, so it is not rounded (one rounding of p put single elements past the fp16 tolerance). A sequence longer than one block re-projects its
+keys for every query block (work grows with length / BLOCK): this is for short sequences, and the encoder uses it
+only when asked (`attention="fused"`). The weights a program reads are its head's 3 x head_dim rows, so the grid
+spreads the projection's weight traffic over heads x sequences SMs.
+
+The last grid row writes zeros into the rows past cu_seqlens[-1] (a graph bucket's filler tokens), so the output
+is fully defined.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels import reference
+from kernels._layout import segment_arguments
+from kernels.triton._common import INTERPRET, check_device
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 128  # one head's [BLOCK, head_dim] q, k, v and accumulator stay in registers; wider: torch
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _project(x_ptr, w_ptr, b_ptr, first, end, H, D, stride_x, stride_w,
+             BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """x[first : first + BLOCK] @ W^T + b for one head's [D, H] slice W of the QKV weight (rows past `end` read as
+    0): [BLOCK, BLOCK_D] in fp32."""
+    rows = first + tl.arange(0, BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :]
+    w_ptrs = w_ptr + dims[None, :] * stride_w + ks[:, None]  # W^T tile [BLOCK_K, BLOCK_D]
+    acc = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        a = tl.load(x_ptrs, mask=(rows[:, None] < end) & (ks[None, :] < H - k0), other=0.0)
+        b = tl.load(w_ptrs, mask=(ks[:, None] < H - k0) & (dims[None, :] < D), other=0.0)
+        if IEEE:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    bias = tl.load(b_ptr + dims, mask=dims < D, other=0.0).to(tl.float32)
+    return acc + bias[None, :]
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _qkv_attention_kernel(x_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, T, H, D, qk_scale, stride_x, stride_w, stride_y,
+                          BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    part = tl.program_id(2)
+    parts = tl.num_programs(2)
+    filler = tl.num_programs(0) - 1  # the last grid row: zeros for the rows past the last offset
+    dims = tl.arange(0, BLOCK_D)
+    y_cols = head * D + dims
+    start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int32), 0), T)
+    dtype = y_ptr.dtype.element_ty
+    if seq == filler:
+        for first in range(start + part * BLOCK, T, BLOCK * parts):
+            rows = first + tl.arange(0, BLOCK)
+            tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + y_cols[None, :],
+                     tl.zeros((BLOCK, BLOCK_D), dtype=dtype), mask=(rows[:, None] < T) & (dims[None, :] < D))
+    else:
+        end = tl.minimum(tl.maximum(tl.load(cu_ptr + seq + 1).to(tl.int32), start), T)
+        wq = w_ptr + (head * D).to(tl.int64) * stride_w
+        wk = w_ptr + (H + head * D).to(tl.int64) * stride_w
+        wv = w_ptr + (2 * H + head * D).to(tl.int64) * stride_w
+        for first in range(start + part * BLOCK, end, BLOCK * parts):
+            q = _project(x_ptr, wq, b_ptr + head * D, first, end, H, D, stride_x, stride_w,
+                         BLOCK, BLOCK_D, BLOCK_K, IEEE).to(dtype)
+            m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+            total = tl.zeros((BLOCK,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
+            for key in range(start, end, BLOCK):
+                k = _project(x_ptr, wk, b_ptr + H + head * D, key, end, H, D, stride_x, stride_w,
+                             BLOCK, BLOCK_D, BLOCK_K, IEEE).to(dtype)
+                v = _project(x_ptr, wv, b_ptr + 2 * H + head * D, key, end, H, D, stride_x, stride_w,
+                             BLOCK, BLOCK_D, BLOCK_K, IEEE).to(dtype)
+                s = _dot(q, tl.trans(k), tl.zeros((BLOCK, BLOCK), dtype=tl.float32), IEEE) * qk_scale  # log2 units
+                keys = key + tl.arange(0, BLOCK)
+                s = tl.where(keys[None, :] < end, s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                p = tl.exp2(s - m_new[:, None])
+                alpha = tl.exp2(m - m_new)
+                total = total * alpha + tl.sum(p, axis=1)
+                # p in two halves of the input dtype (hi + lo): the product keeps p's fp32 precision, where
+                # rounding p once (flash attention's habit) would cost more than the tolerance table allows
+                p_hi = p.to(dtype)
+                acc = _dot(p_hi, v, acc * alpha[:, None], IEEE)
+                if not IEEE:
+                    acc = tl.dot((p - p_hi.to(tl.float32)).to(dtype), v, acc)
+                m = m_new
+            rows = first + tl.arange(0, BLOCK)
+            tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + y_cols[None, :],
+                     (acc / total[:, None]).to(dtype), mask=(rows[:, None] < end) & (dims[None, :] < D))
+
+
+def launch_shape(max_seqlen: int, head_dim: int, hidden: int) -> dict:
+    """BLOCK (query and key rows per step: the sequence bound rounded up to a power of two, 16..64), BLOCK_D, BLOCK_K,
+    the warps, and how many programs share one sequence's query blocks."""
+    block = min(max(triton.next_power_of_2(max(max_seqlen, 1)), 16), 64)
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    return {"BLOCK": block, "BLOCK_D": block_d, "BLOCK_K": min(max(triton.next_power_of_2(hidden), 16), 64),
+            "num_warps": 4 if block * block_d <= 2048 else 8, "parts": triton.cdiv(min(max_seqlen, 4096), block)}
+
+
+def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, *,
+                  out: Tensor | None = None) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v per head within each packed sequence, q, k, v = x @ weight^T + bias: x [T, H] (unit
+    column stride), weight [3H, H] (contiguous rows), bias [3H], cu_seqlens [B + 1] on x's device -> [T, H] in x's
+    dtype, zeros past cu_seqlens[-1]; `out` (contiguous [T, H]) is written in place. Any sequence length is computed
+    right; max_seqlen (a bound, as varlen attention takes it) sizes the blocks and the grid."""
+    check_device("qkv_attention", x, weight, bias)
+    if x.dtype not in DTYPES or weight.dtype != x.dtype or bias.dtype != x.dtype:
+        raise TypeError(f"qkv_attention: x, weight and bias must share one of {DTYPES}, got "
+                        f"{x.dtype}, {weight.dtype}, {bias.dtype}")
+    if x.dim() != 2 or weight.shape != (3 * x.shape[1], x.shape[1]) or bias.shape != (3 * x.shape[1],):
+        raise ValueError(f"qkv_attention: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
+                         f"{tuple(bias.shape)} do not fit x [T, H] @ weight [3H, H]^T + bias [3H]")
+    t, hidden = x.shape
+    if num_heads < 1 or hidden % num_heads:
+        raise ValueError(f"qkv_attention: {num_heads} heads do not split {hidden} columns")
+    if hidden // num_heads > MAX_HEAD_DIM:  # wider heads than the registers hold: the unfused torch path
+        return reference.qkv_attention(x, weight, bias, cu_seqlens, max_seqlen, num_heads, out=out)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    bias = bias.contiguous()
+    x, cu_seqlens, y = segment_arguments("qkv_attention", x, cu_seqlens, out, x.dtype, rows=t)
+    if y.numel():
+        d = hidden // num_heads
+        shape = launch_shape(max_seqlen, d, hidden)
+        parts = shape.pop("parts")
+        ieee = x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16)  # the interpreter's bf16 dot
+        _qkv_attention_kernel[(cu_seqlens.numel(), num_heads, parts)](
+            x, weight, bias, cu_seqlens, y, t, hidden, d, d**-0.5 * LOG2E, x.stride(0), weight.stride(0), y.stride(0),
+            IEEE=ieee, **shape)
+    return y

@@ -1,0 +1,123 @@
+"""qkv_attention (a layer's QKV projection + attention per packed sequence) beyond the generic sweeps: sequences
+longer than a block and a max_seqlen bound below or far above the real lengths, filler rows and empty sequences,
+heads too wide for the kernel, clear errors, the model's shapes on the GPU and CUDA-graph replays. Triton runs on
+the interpreter here (and on the GPU with -m gpu); the CUDA backend does not implement this op."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels.testing import compare, float64_reference
+from tests.conftest import DEVICES
+
+NAN = float("nan")
+
+
+def _triton():
+    return pytest.importorskip("kernels.triton").LAUNCHERS["qkv_attention"]
+
+
+def _inputs(lengths, hidden, heads, dtype, device, filler=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths) + filler
+    x = torch.randn(t, hidden, generator=gen).to(device, dtype)
+    w = (torch.randn(3 * hidden, hidden, generator=gen) * hidden**-0.5).to(device, dtype)
+    b = (torch.randn(3 * hidden, generator=gen) * 0.5).to(device, dtype)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    return x, w, b, cu
+
+
+def _check(out, x, w, b, cu, heads, dtype):
+    # the float64 reference with a tight bound (the reference needs every sequence within max_seqlen)
+    longest = int((cu[1:] - cu[:-1]).max())
+    report = compare(out, float64_reference("qkv_attention", (x, w, b, cu, longest, heads), {}), dtype)
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bound", [16, 256])
+def test_sequences_longer_than_a_block_with_a_short_or_loose_bound(device, bound):
+    # 16 -> one 16-row block per step: the 70- and 130-token sequences take several query programs' turns and several
+    # key blocks (online softmax); 256 -> 64-row blocks and a grid of mostly idle query programs
+    lengths = [1, 70, 130, 5, 16]
+    x, w, b, cu = _inputs(lengths, 96, 3, torch.float32, device, filler=9, seed=bound)
+    out = torch.full_like(x, NAN)
+    _triton()(x, w, b, cu, bound, 3, out=out)
+    _check(out, x, w, b, cu, 3, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_filler_rows_are_zeros_and_empty_sequences_cost_nothing(device):
+    x, w, b, _ = _inputs([5, 3], 64, 4, torch.float16, device, filler=21, seed=1)
+    cu = torch.tensor([0, 5, 5, 8, 8, 8], dtype=torch.int32, device=device)  # empty sequences between and after
+    out = _triton()(x, w, b, cu, 16, 4)
+    assert torch.equal(out[8:], torch.zeros_like(out[8:]))
+    _check(out, x, w, b, cu, 4, torch.float16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_heads_too_wide_for_the_kernel_run_the_torch_path(device):
+    x, w, b, cu = _inputs([3, 4], 160, 1, torch.float32, device, filler=2, seed=2)  # one head of 160 > 128
+    out = torch.full_like(x, NAN)
+    assert _triton()(x, w, b, cu, 16, 1, out=out).data_ptr() == out.data_ptr()
+    _check(out, x, w, b, cu, 1, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_raise_clear_errors(device):
+    launch = _triton()
+    x, w, b, cu = _inputs([3, 4], 64, 4, torch.float32, device)
+    with pytest.raises(ValueError, match="do not fit"):
+        launch(x, w[:-1], b, cu, 16, 4)
+    with pytest.raises(ValueError, match="5 heads do not split 64"):
+        launch(x, w, b, cu, 16, 5)
+    with pytest.raises(TypeError, match="must share"):
+        launch(x, w.half(), b, cu, 16, 4)
+    with pytest.raises(ValueError, match="cu_seqlens must be"):
+        launch(x, w, b, cu.float(), 16, 4)
+    with pytest.raises(ValueError, match="out must be"):
+        launch(x, w, b, cu, 16, 4, out=torch.empty(3, 64, device=device))
+
+
+# ---- the GPU: the model's shapes, graphs -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden,heads,lengths", [
+    (384, 12, [16]),                                          # MiniLM, a single short request
+    (384, 12, [128] * 32),                                    # MiniLM b32 s128 fixed
+    (768, 12, [7, 120, 33, 64, 1, 128, 90, 3]),               # BERT-base, mixed lengths
+    (768, 12, [256, 300]),                                    # longer than any block: several query/key blocks
+])
+def test_model_shapes_on_the_gpu(dtype, hidden, heads, lengths):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x, w, b, cu = _inputs(lengths, hidden, heads, dtype, "cuda", filler=13, seed=len(lengths))
+    out = torch.full_like(x, NAN)
+    _triton()(x, w, b, cu, max(lengths), heads, out=out)
+    assert torch.equal(out[sum(lengths):], torch.zeros_like(out[sum(lengths):]))
+    _check(out, x, w, b, cu, heads, dtype)
+
+
+@pytest.mark.gpu
+def test_replays_in_a_cuda_graph_with_new_inputs():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    launch = _triton()
+    x, w, b, cu = _inputs([9, 30, 2], 384, 12, torch.float16, "cuda", filler=7, seed=4)
+    out = torch.empty_like(x)
+    launch(x, w, b, cu, 64, 12, out=out)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(x, w, b, cu, 64, 12, out=out)
+    x2, _, _, _ = _inputs([9, 30, 2], 384, 12, torch.float16, "cuda", filler=7, seed=5)
+    x.copy_(x2)
+    cu.copy_(torch.tensor([0, 20, 41, 41], dtype=torch.int32))  # new lengths, same bound
+    out.fill_(NAN)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, x, w, b, cu, 12, torch.float16)
