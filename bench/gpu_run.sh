@@ -243,11 +243,13 @@ case "$mode" in
     done
     ;;
   next)
-    # the next session's first call (~8 min cold): the one-kernel QKV projection + attention (kernels.qkv_attention,
-    # attention=fused) on the GPU: its tests (model shapes fp16/bf16, graph replay, the sweeps), the MiniLM rows with
-    # a fused-attn graphs row next to varlen, the b1 s16 profile with it; then every few-row GEMM + GELU config
-    # forced vs the autotuner's pick (the s8 b1 profile's 12.6 us pick where 4.4 was available)
-    gpu_tests qkv 150 -n 4 tests/kernels/test_qkv_attention.py tests/kernels/test_triton_ops.py -k "qkv or opcheck"
+    # the next session's first call (~8 min cold): attention=fused on the GPU (kernels.qkv_attention, and for at most
+    # 64 tokens the four-kernel layer: attention_partials, ffn_partials, partial_add_layer_norm): its tests (model
+    # shapes fp16/bf16, graph replays, the sweeps, MiniLM through graphs), the MiniLM rows with a fused-attn graphs
+    # row next to varlen and pad, the b1 s16 profile with it; then every few-row GEMM + GELU config forced vs the
+    # autotuner's pick (the s8 b1 profile's 12.6 us pick where 4.4 was available)
+    gpu_tests fused 200 -n 4 tests/kernels/test_qkv_attention.py tests/kernels/test_triton_ops.py \
+      tests/gpu/test_graphs_gpu.py -k "qkv or partial or opcheck or fused or few_token"
     timeout 200 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --out "$OUT/encoder-minilm.json" 2>&1 \
       | tee "$OUT/encoder-minilm.log" | grep graphs
     timeout 60 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends triton --attention fused \

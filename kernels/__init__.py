@@ -20,7 +20,8 @@ from kernels.registry import BackendError, BackendUnavailable, Selection, config
 __all__ = [
     "BackendError", "Selection", "configure", "registry", "reference_path",
     "layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm", "embedding_layer_norm",
-    "linear_bias_gelu", "linear_add_layer_norm", "segment_mean", "qkv_attention",
+    "linear_bias_gelu", "linear_add_layer_norm", "segment_mean", "qkv_attention", "attention_partials",
+    "ffn_partials", "partial_add_layer_norm",
 ]
 
 _active = registry.active
@@ -127,6 +128,25 @@ def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, m
     layout, query/key/value stacked), softmax(q k^T / sqrt(d)) v per head within each packed sequence of x [T, H]
     (offsets cu_seqlens [B + 1], each at most max_seqlen long) -> [T, H]; rows past the last offset are zeros."""
     return _ops()["qkv_attention"](x, weight, bias, cu_seqlens, max_seqlen, num_heads)
+
+
+def attention_partials(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int,
+                       out_weight: Tensor) -> Tensor:
+    """qkv_attention's context times each head's slice of the output projection out_weight [H, H]: [num_heads, T, H]
+    float32 partial sums (summed: ctx @ out_weight^T), for partial_add_layer_norm."""
+    return _ops()["attention_partials"](x, weight, bias, cu_seqlens, max_seqlen, num_heads, out_weight)
+
+
+def ffn_partials(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, splits: int, approximate: str = "none") -> Tensor:
+    """GELU(x @ w1^T + b1) @ w2^T as `splits` float32 partial sums over chunks of the intermediate width: [splits,
+    T, H], for partial_add_layer_norm."""
+    return _ops()["ffn_partials"](x, w1, b1, w2, splits, approximate)
+
+
+def partial_add_layer_norm(parts: Tensor, bias: Tensor | None, residual: Tensor, weight: Tensor, ln_bias: Tensor,
+                           eps: float = 1e-12) -> Tensor:
+    """LayerNorm(parts.sum(0) + bias + residual): parts [P, T, H] float32 -> [T, H] in residual's dtype."""
+    return _ops()["partial_add_layer_norm"](parts, bias, residual, weight, ln_bias, eps)
 
 
 def _load_triton(device: torch.device):

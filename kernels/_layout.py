@@ -94,6 +94,17 @@ def segment_arguments(name: str, x: Tensor, cu_seqlens: Tensor, out: Tensor | No
     """segment_mean's (and qkv_attention's) arguments, checked the same way for both backends: x as [tokens, hidden]
     rows with unit column stride, the offsets contiguous, and the [segments, hidden] output, or [rows, hidden] when
     `rows` is given (fresh, or the caller's contiguous `out`)."""
+    cu_seqlens = offsets(name, x, cu_seqlens)
+    shape = (cu_seqlens.numel() - 1 if rows is None else rows, x.shape[1])
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=x.device)
+    elif out.shape != shape or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be a contiguous {out_dtype} tensor of shape {shape}")
+    return as_rows(x, x.shape[1], name, max_cols=2**31), cu_seqlens, out
+
+
+def offsets(name: str, x: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """cu_seqlens checked against x [tokens, hidden] (a [segments + 1] int32/int64 vector on x's device), contiguous."""
     if x.dim() != 2:
         raise ValueError(f"{name}: x must be [tokens, hidden], got {tuple(x.shape)}")
     if cu_seqlens.device != x.device:
@@ -101,9 +112,4 @@ def segment_arguments(name: str, x: Tensor, cu_seqlens: Tensor, out: Tensor | No
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name}: cu_seqlens must be a [segments + 1] int32/int64 vector, got "
                          f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-    shape = (cu_seqlens.numel() - 1 if rows is None else rows, x.shape[1])
-    if out is None:
-        out = torch.empty(shape, dtype=out_dtype, device=x.device)
-    elif out.shape != shape or out.dtype != out_dtype or not out.is_contiguous():
-        raise ValueError(f"{name}: out must be a contiguous {out_dtype} tensor of shape {shape}")
-    return as_rows(x, x.shape[1], name, max_cols=2**31), cu_seqlens.contiguous(), out
+    return cu_seqlens.contiguous()

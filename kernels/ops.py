@@ -215,7 +215,7 @@ def _define(backend: str, launchers: Mapping[str, Callable]) -> dict[str, Callab
 
     ops["segment_mean"] = segment_mean
 
-    # ---- qkv_attention (a backend may leave it out: the registry then keeps the reference) ------------
+    # ---- Triton-only ops (a backend may leave them out: the registry then keeps the reference) ------------
     if "qkv_attention" in launchers:
         @torch.library.custom_op(lib + "qkv_attention", mutates_args=())
         def qkv_attention_op(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int,
@@ -230,6 +230,54 @@ def _define(backend: str, launchers: Mapping[str, Callable]) -> dict[str, Callab
             return qkv_attention_op(x, weight, bias, cu_seqlens, max_seqlen, num_heads)
 
         ops["qkv_attention"] = qkv_attention
+
+    if "attention_partials" in launchers:
+        @torch.library.custom_op(lib + "attention_partials", mutates_args=())
+        def attention_partials_op(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                                  num_heads: int, out_weight: Tensor) -> Tensor:
+            return launchers["attention_partials"](x, weight, bias, cu_seqlens, max_seqlen, num_heads, out_weight)
+
+        attention_partials_op.register_fake(lambda x, weight, bias, cu_seqlens, max_seqlen, num_heads, out_weight:
+                                            x.new_empty((num_heads, *x.shape), dtype=torch.float32))
+
+        def attention_partials(x, weight, bias, cu_seqlens, max_seqlen, num_heads, out_weight, *, out=None):
+            if out is not None or _eager(x, weight, bias, out_weight):
+                return launchers["attention_partials"](x, weight, bias, cu_seqlens, max_seqlen, num_heads, out_weight,
+                                                       out=out)
+            return attention_partials_op(x, weight, bias, cu_seqlens, max_seqlen, num_heads, out_weight)
+
+        ops["attention_partials"] = attention_partials
+
+    if "ffn_partials" in launchers:
+        @torch.library.custom_op(lib + "ffn_partials", mutates_args=())
+        def ffn_partials_op(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, splits: int, approximate: str) -> Tensor:
+            return launchers["ffn_partials"](x, w1, b1, w2, splits, approximate)
+
+        ffn_partials_op.register_fake(lambda x, w1, b1, w2, splits, approximate:
+                                      x.new_empty((splits, *x.shape), dtype=torch.float32))
+
+        def ffn_partials(x, w1, b1, w2, splits, approximate="none", *, out=None):
+            if out is not None or _eager(x, w1, b1, w2):
+                return launchers["ffn_partials"](x, w1, b1, w2, splits, approximate, out=out)
+            return ffn_partials_op(x, w1, b1, w2, splits, approximate)
+
+        ops["ffn_partials"] = ffn_partials
+
+    if "partial_add_layer_norm" in launchers:
+        @torch.library.custom_op(lib + "partial_add_layer_norm", mutates_args=())
+        def partial_add_layer_norm_op(parts: Tensor, bias: Tensor | None, residual: Tensor, weight: Tensor,
+                                      ln_bias: Tensor, eps: float) -> Tensor:
+            return launchers["partial_add_layer_norm"](parts, bias, residual, weight, ln_bias, eps)
+
+        partial_add_layer_norm_op.register_fake(lambda parts, bias, residual, weight, ln_bias, eps:
+                                                torch.empty_like(residual))
+
+        def partial_add_layer_norm(parts, bias, residual, weight, ln_bias, eps=1e-12, *, out=None):
+            if out is not None or _eager(parts, bias, residual, weight, ln_bias):
+                return launchers["partial_add_layer_norm"](parts, bias, residual, weight, ln_bias, eps, out=out)
+            return partial_add_layer_norm_op(parts, bias, residual, weight, ln_bias, eps)
+
+        ops["partial_add_layer_norm"] = partial_add_layer_norm
     return ops
 
 

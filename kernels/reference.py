@@ -182,6 +182,42 @@ def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, m
     return _store(ctx, x.dtype, out)
 
 
+def attention_partials(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int,
+                       out_weight: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """Each head's share of a layer's attention output projection: ctx_h @ out_weight[:, h*d : h*d + d]^T for the
+    context ctx = qkv_attention(...) (rounded to x's dtype, as stored) -> [num_heads, T, H] float32 (float64 stays);
+    their sum over heads is ctx @ out_weight^T. Rows past cu_seqlens[-1]: zeros."""
+    compute = _compute_dtype(x.dtype)
+    t, hidden = x.shape
+    ctx = qkv_attention(x, weight, bias, cu_seqlens, max_seqlen, num_heads).to(compute)
+    parts = torch.einsum("thd,nhd->htn", ctx.view(t, num_heads, hidden // num_heads),
+                         out_weight.to(compute).view(hidden, num_heads, hidden // num_heads))
+    return _store(parts, compute, out)
+
+
+def ffn_partials(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, splits: int, approximate: str = "none", *,
+                 out: Tensor | None = None) -> Tensor:
+    """A layer's feed-forward product GELU(x @ w1^T + b1) @ w2^T as `splits` partial sums over equal chunks of the
+    intermediate width (the intermediate rounded to x's dtype, as stored) -> [splits, T, H] float32 (float64 stays)."""
+    compute = _compute_dtype(x.dtype)
+    h = linear_bias_gelu(x, w1, b1, approximate).to(compute)
+    (t, inner), hidden = h.shape, w2.shape[0]
+    parts = torch.einsum("tsc,nsc->stn", h.view(t, splits, inner // splits),
+                         w2.to(compute).view(hidden, splits, inner // splits))
+    return _store(parts, compute, out)
+
+
+def partial_add_layer_norm(parts: Tensor, bias: Tensor | None, residual: Tensor, weight: Tensor, ln_bias: Tensor,
+                           eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
+    """LayerNorm(parts.sum(0) + bias + residual) for a split GEMM's partial products parts [P, T, H] -> [T, H] in
+    residual's dtype: what finishes attention_partials and ffn_partials."""
+    compute = _compute_dtype(residual.dtype)
+    s = parts.to(compute).sum(0) + residual.to(compute)
+    if bias is not None:
+        s = s + bias.to(compute)
+    return _store(_layer_norm(s, weight, ln_bias, eps), residual.dtype, out)
+
+
 OPS = {
     "layer_norm": layer_norm,
     "layer_norm_gelu": layer_norm_gelu,
@@ -193,4 +229,7 @@ OPS = {
     "linear_add_layer_norm": linear_add_layer_norm,
     "segment_mean": segment_mean,
     "qkv_attention": qkv_attention,
+    "attention_partials": attention_partials,
+    "ffn_partials": ffn_partials,
+    "partial_add_layer_norm": partial_add_layer_norm,
 }

@@ -169,6 +169,43 @@ def _qkv_attention_inputs(rows, cols, dtype, device, gen):
     return (x, w, b, offsets, max_seqlen, attention_heads(cols)), {}
 
 
+def _attention_partials_inputs(rows, cols, dtype, device, gen):
+    (x, w, b, offsets, max_seqlen, heads), _ = _qkv_attention_inputs(rows, cols, dtype, device, gen)
+    out_weight = _randn((cols, cols), dtype, device, gen, scale=cols**-0.5)
+    return (x, w, b, offsets, max_seqlen, heads, out_weight), {}
+
+
+def _ffn_partials_inputs(rows, cols, dtype, device, gen):
+    # the FFN at 4 x width (at most 1024: a 4097-wide row tests the kernel's column loops without a 67M-element
+    # weight), split into chunks of odd sizes where the width allows (300 -> 1200 / 16 = 75 columns)
+    inner = min(4 * cols, 1024)
+    x = _randn((rows, cols), dtype, device, gen)
+    w1 = _randn((inner, cols), dtype, device, gen, scale=cols**-0.5)
+    b1 = _randn((inner,), dtype, device, gen, scale=0.5)
+    w2 = _randn((cols, inner), dtype, device, gen, scale=inner**-0.5)
+    splits = next(s for s in (16, 12, 8, 4, 2, 1) if inner % s == 0)
+    return (x, w1, b1, w2, splits), {}
+
+
+def _partial_ln_inputs(rows, cols, dtype, device, gen):
+    # 3 fp32 partial sums (float64 stays float64) that add up to a non-zero mean and spread
+    parts = _randn((3, rows, cols), torch.float64 if dtype == torch.float64 else torch.float32, device, gen,
+                   scale=0.7, shift=0.1)
+    residual = _randn((rows, cols), dtype, device, gen)
+    bias = _randn((cols,), dtype, device, gen, scale=0.5)
+    w = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (parts, bias, residual, w, b, 1e-5), {}
+
+
+def _per_head(args, rows, cols, dtype):
+    return (args[5], rows, cols), (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def _per_split(args, rows, cols, dtype):
+    return (args[4], rows, cols), (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
 def _same_as_input(args, rows, cols, dtype):
     return (rows, cols), dtype
 
@@ -211,6 +248,14 @@ OP_SPECS: dict[str, OpSpec] = {
     # a layer's QKV projection + attention over each packed sequence: [rows tokens, cols] -> [rows, cols]
     "qkv_attention": OpSpec("qkv_attention", reference.qkv_attention, _qkv_attention_inputs, rowwise=False,
                             fused_in=("triton",)),
+    # the few-token layer's pieces: attention + each head's share of the output projection -> [heads, rows, cols]
+    # fp32; the FFN split over its intermediate width -> [splits, rows, cols] fp32; their LayerNorm over the sum
+    "attention_partials": OpSpec("attention_partials", reference.attention_partials, _attention_partials_inputs,
+                                 rowwise=False, output=_per_head, fused_in=("triton",)),
+    "ffn_partials": OpSpec("ffn_partials", reference.ffn_partials, _ffn_partials_inputs, rowwise=False,
+                           output=_per_split, fused_in=("triton",)),
+    "partial_add_layer_norm": OpSpec("partial_add_layer_norm", reference.partial_add_layer_norm, _partial_ln_inputs,
+                                     rowwise=False, fused_in=("triton",)),
 }
 ROWWISE_OPS = tuple(op for op, spec in OP_SPECS.items() if spec.rowwise)
 assert set(OP_SPECS) == set(reference.OPS)

@@ -143,14 +143,18 @@ def _varlen_attention():
 
 
 ATTENTIONS = ("auto", "pad", "varlen", "fused")
+# With attention="fused", batches of at most this many tokens (the serving buckets of a single short request or a
+# few) run each layer as four kernels (Layer._few_token_layer); larger ones run qkv_attention + the usual blocks.
+FUSED_LAYER_TOKENS = 64
 OFFSET_ATTENTIONS = ("varlen", "fused")  # attend within cu_seqlens: no padded block, filler sequences of length 0
 
 
 def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
     """auto -> "varlen" (torch's variable-length flash attention: no padded block, no mask) where it runs, that is
     fp16/bf16 on CUDA with torch.nn.attention.varlen; "pad" otherwise. "fused" (the QKV projection and attention of
-    each sequence as one op, `kernels.qkv_attention`: one Triton kernel where the registry chose Triton, else the
-    torch reference) runs anywhere; auto does not pick it until the H200 says it is faster."""
+    each sequence as one op, `kernels.qkv_attention`, and for at most FUSED_LAYER_TOKENS tokens the whole layer in
+    four kernels; Triton where the registry chose it, else the torch reference) runs anywhere; auto does not pick
+    it until the H200 says it is faster."""
     usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attention() is not None
     if attention == "auto":
         return "varlen" if usable else "pad"
@@ -160,6 +164,12 @@ def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) 
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     return attention
+
+
+def ffn_splits(inner: int, chunk: int = 64) -> int:
+    """How many chunks the few-token layer splits its FFN into: the most that divide the intermediate width evenly
+    without going under `chunk` columns (24 for MiniLM's 1536, 48 for BERT-base's 3072): one SM each."""
+    return max(s for s in range(1, max(inner // chunk, 1) + 1) if inner % s == 0)
 
 
 class Layer(nn.Module):
@@ -175,6 +185,7 @@ class Layer(nn.Module):
         self.ffn_out = nn.Linear(i, h)
         self.ffn_ln_weight = nn.Parameter(torch.ones(h))
         self.ffn_ln_bias = nn.Parameter(torch.zeros(h))
+        self.ffn_splits = ffn_splits(i)
 
     def forward(self, x: Tensor, batch: int, seq: int, attn_mask: Tensor) -> Tensor:
         # x: [batch * seq, hidden]; attn_mask: [batch, 1, 1, seq] bool, True = attend
@@ -183,7 +194,9 @@ class Layer(nn.Module):
 
     def forward_packed(self, x: Tensor, p: Packed, attention: str = "pad") -> Tensor:
         # x: [T, hidden] real (and filler) tokens only
-        if attention == "fused":  # projection + attention in one op; dense batches too (their offsets are regular)
+        if attention == "fused":  # dense batches too (their offsets are regular)
+            if x.shape[0] <= FUSED_LAYER_TOKENS:
+                return self._few_token_layer(x, p)
             ctx = kernels.qkv_attention(x, self.qkv.weight, self.qkv.bias, p.cu_seqlens, p.seq, self.num_heads)
             return self._residual_blocks(x, ctx)
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
@@ -196,6 +209,18 @@ class Layer(nn.Module):
             padded = qkv.new_zeros((p.batch * p.seq + 1, qkv.shape[1])).index_copy_(0, p.pad_index, qkv)
             ctx = self._attend(padded[:-1], p.batch, p.seq, p.attn_mask).index_select(0, p.gather_index)
         return self._residual_blocks(x, ctx)
+
+    def _few_token_layer(self, x: Tensor, p: Packed) -> Tensor:
+        # four kernels where the blocks above take eight: attention with each head's share of the output projection,
+        # then the FFN split over its intermediate width, each as fp32 partial sums that a LayerNorm kernel adds up
+        # with the bias and the residual (kernels/triton/qkv_attention.py, ffn_partials.py)
+        parts = kernels.attention_partials(x, self.qkv.weight, self.qkv.bias, p.cu_seqlens, p.seq, self.num_heads,
+                                           self.attn_out.weight)
+        x = kernels.partial_add_layer_norm(parts, self.attn_out.bias, x, self.attn_ln_weight, self.attn_ln_bias,
+                                           self.eps)
+        parts = kernels.ffn_partials(x, self.ffn_in.weight, self.ffn_in.bias, self.ffn_out.weight, self.ffn_splits)
+        return kernels.partial_add_layer_norm(parts, self.ffn_out.bias, x, self.ffn_ln_weight, self.ffn_ln_bias,
+                                              self.eps)
 
     def _attend(self, qkv: Tensor, batch: int, seq: int, attn_mask: Tensor | None) -> Tensor:
         # [batch * seq, 3*hidden] -> 3 x [batch, heads, seq, head_dim] -> context [batch * seq, hidden]

@@ -38,10 +38,10 @@ _CONFIGS = [
 ]
 
 
-@autotune(_CONFIGS, key=["N", "M_BUCKET", "HAS_RESIDUAL", "HAS_BIAS", "STORE_SUM", "GELU"], prune=_prune)
+@autotune(_CONFIGS, key=["N", "M_BUCKET", "HAS_RESIDUAL", "HAS_BIAS", "STORE_SUM", "GELU", "PARTS"], prune=_prune)
 @triton.jit
 def _norm_kernel(
-    X,  # [M, N] input
+    X,  # [M, N] input; with PARTS, [P, M, N] partial sums (summed in order, then as one input)
     R,  # [M, N] residual (unused unless HAS_RESIDUAL)
     BIAS,  # [N] bias added before the norm (unused unless HAS_BIAS)
     W,  # [N] LayerNorm weight
@@ -49,8 +49,10 @@ def _norm_kernel(
     Y,  # [M, N] output
     S,  # [M, N] pre-norm sum output (unused unless STORE_SUM)
     stride_x, stride_r, stride_y, stride_s,  # row strides; columns are unit-stride
+    stride_p, P,  # with PARTS: the stride between X's partial sums and their number
     M, N, eps,
     M_BUCKET,  # autotune key only
+    PARTS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STORE_SUM: tl.constexpr,
@@ -70,6 +72,9 @@ def _norm_kernel(
 
     h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     h = h.to(tl.float64) if F64 else h.to(tl.float32)
+    if PARTS:  # the other partial products of a split GEMM, in a fixed order (deterministic)
+        for part in range(1, P):
+            h += tl.load(X + part * stride_p + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(h.dtype)
     if HAS_RESIDUAL:
         h += tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(h.dtype)
     if HAS_BIAS:
@@ -91,8 +96,9 @@ def _norm_kernel(
 
 
 def launch_norm(x: Tensor, residual: Tensor | None, bias: Tensor | None, weight: Tensor, ln_bias: Tensor,
-                y: Tensor, pre_norm_sum: Tensor | None, eps: float, gelu_mode: int) -> None:
-    """All tensors already validated: x, residual, y, pre_norm_sum are [M, N] with unit column stride."""
+                y: Tensor, pre_norm_sum: Tensor | None, eps: float, gelu_mode: int, parts: Tensor | None = None) -> None:
+    """All tensors already validated: x, residual, y, pre_norm_sum are [M, N] with unit column stride. `parts`
+    ([P, M, N], contiguous, x = parts[0]): the input is the sum of its P slices."""
     rows, cols = x.shape
     if rows == 0:
         return
@@ -105,9 +111,11 @@ def launch_norm(x: Tensor, residual: Tensor | None, bias: Tensor | None, weight:
         y, pre_norm_sum if pre_norm_sum is not None else y,
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         pre_norm_sum.stride(0) if pre_norm_sum is not None else 0,
-        rows, cols, eps, row_bucket(rows),
+        parts.stride(0) if parts is not None else 0, parts.shape[0] if parts is not None else 1,
+        rows, cols, eps, row_bucket(rows), PARTS=parts is not None,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, STORE_SUM=pre_norm_sum is not None,
-        GELU=gelu_mode, F64=x.dtype == torch.float64, WIDE=needs_wide(x, residual, y, pre_norm_sum),
+        GELU=gelu_mode, F64=x.dtype == torch.float64,
+        WIDE=needs_wide(x, residual, y, pre_norm_sum) or (parts is not None and parts.numel() >= 2**31),
         BLOCK_N=block_cols(cols),
     )
 

@@ -1,4 +1,5 @@
-"""Triton add + LayerNorm: LayerNorm(x + bias + residual), optionally also storing the pre-norm sum."""
+"""Triton add + LayerNorm: LayerNorm(x + bias + residual), optionally also storing the pre-norm sum; and the same over
+the sum of a split GEMM's partial products (partial_add_layer_norm)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,27 @@ def add_layer_norm(x: Tensor, residual: Tensor, bias: Tensor | None, weight: Ten
                 y, pre_norm_sum, eps, GELU_NONE)
     y = out if out is not None else y.view(x.shape)
     return (y, pre_norm_sum.view(x.shape)) if return_sum else y
+
+
+def partial_add_layer_norm(parts: Tensor, bias: Tensor | None, residual: Tensor, weight: Tensor, ln_bias: Tensor,
+                           eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
+    """LayerNorm(parts.sum(0) + bias + residual): parts [P, T, H] (a split GEMM's partial products, fp32), residual
+    [T, H] -> [T, H] in residual's dtype. The partial sums are added in order inside the norm kernel (deterministic)."""
+    name = "partial_add_layer_norm"
+    check_device(name, parts, residual, bias, weight, ln_bias)
+    if parts.dim() != 3 or parts.shape[1:] != residual.shape or residual.dim() != 2 or parts.shape[0] < 1:
+        raise ValueError(f"{name}: parts {tuple(parts.shape)} must be [P >= 1, T, H] over residual "
+                         f"{tuple(residual.shape)} [T, H]")
+    cols = residual.shape[1]
+    parts = parts.contiguous()
+    r = as_rows(residual, cols, f"{name} residual")
+    if out is None:
+        y = torch.empty(r.shape, dtype=residual.dtype, device=residual.device)
+    elif out.shape != residual.shape or out.dtype != residual.dtype or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous {tuple(residual.shape)} {residual.dtype}")
+    else:
+        y = out
+    launch_norm(parts[0], r, None if bias is None else as_vector(bias, cols, f"{name} bias"),
+                as_vector(weight, cols, f"{name} weight"), as_vector(ln_bias, cols, f"{name} ln_bias"),
+                y, None, eps, GELU_NONE, parts=parts)
+    return y

@@ -11,7 +11,9 @@ Per program (sequence b, head h, query block): q = x[block] Wq_h^T + bq_h, then 
 same sequence: k, v = x[keys] Wk_h^T + bk_h, x[keys] Wv_h^T + bv_h, online softmax (running max and sum in fp32),
 acc += p v. The projections accumulate in fp32 and are rounded to the input dtype before the attention products,
 as the unfused path stores them (fp32 inputs use IEEE products); p goes into the p v product as two halves in the
-input dtype, so it is not rounded (one rounding of p put single elements past the fp16 tolerance). A sequence longer than one block re-projects its
+input dtype, so it is not rounded (one rounding of p put single elements past the fp16 tolerance). With
+`attention_partials` the context (rounded the same way) is multiplied by the head's slice of the output projection
+in the same program, giving that head's fp32 partial sum of the projected output. A sequence longer than one block re-projects its
 keys for every query block (work grows with length / BLOCK): this is for short sequences, and the encoder uses it
 only when asked (`attention="fused"`). The weights a program reads are its head's 3 x head_dim rows, so the grid
 spreads the projection's weight traffic over heads x sequences SMs.
@@ -28,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import reference
-from kernels._layout import segment_arguments
+from kernels._layout import offsets, segment_arguments
 from kernels.triton._common import INTERPRET, check_device
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -61,6 +63,16 @@ def _project(x_ptr, w_ptr, b_ptr, first, end, H, D, stride_x, stride_w,
 
 
 @triton.jit
+def _operand(v, dtype, IEEE: tl.constexpr):
+    """An fp32 intermediate as the next product's operand: rounded to the input dtype (as the unfused path stores it)
+    for tensor cores, kept in fp32 for IEEE products (fp32 inputs; bf16 under the interpreter, whose fp32 -> bf16
+    conversion truncates instead of rounding to nearest)."""
+    if IEEE:
+        return v
+    return v.to(dtype)
+
+
+@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -68,8 +80,27 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _qkv_attention_kernel(x_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, T, H, D, qk_scale, stride_x, stride_w, stride_y,
-                          BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _store_out_projection(ctx, wo_ptr, p_ptr, rows, end, head, H, D, stride_wo,
+                          BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The head's share of the output projection, ctx [BLOCK, BLOCK_D] @ Wo[:, head*D : head*D + D]^T, stored as fp32
+    rows of its [T, H] partial-sum slice p_ptr (rows past `end` not stored)."""
+    dims = tl.arange(0, BLOCK_D)
+    for n0 in range(0, H, BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        wo = tl.load(wo_ptr + ns[None, :].to(tl.int64) * stride_wo + (head * D + dims)[:, None],
+                     mask=(dims[:, None] < D) & (ns[None, :] < H), other=0.0)  # [BLOCK_D, BLOCK_N] of Wo^T
+        prod = _dot(ctx, wo, tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32), IEEE)
+        tl.store(p_ptr + rows[:, None].to(tl.int64) * H + ns[None, :], prod,
+                 mask=(rows[:, None] < end) & (ns[None, :] < H))
+
+
+@triton.jit
+def _qkv_attention_kernel(x_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, wo_ptr, T, H, D, qk_scale, stride_x, stride_w,
+                          stride_y, stride_wo,
+                          BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          OUT_PROJ: tl.constexpr, IEEE: tl.constexpr):
+    # OUT_PROJ: y is the [heads, T, H] fp32 partial sums of the output projection (head h's slice at h * T * H), not
+    # the [T, H] context
     seq = tl.program_id(0)
     head = tl.program_id(1)
     part = tl.program_id(2)
@@ -78,28 +109,35 @@ def _qkv_attention_kernel(x_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, T, H, D, qk_scale,
     dims = tl.arange(0, BLOCK_D)
     y_cols = head * D + dims
     start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int32), 0), T)
-    dtype = y_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty
+    p_ptr = y_ptr + head.to(tl.int64) * T * H  # OUT_PROJ: this head's partial-sum slice
     if seq == filler:
         for first in range(start + part * BLOCK, T, BLOCK * parts):
             rows = first + tl.arange(0, BLOCK)
-            tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + y_cols[None, :],
-                     tl.zeros((BLOCK, BLOCK_D), dtype=dtype), mask=(rows[:, None] < T) & (dims[None, :] < D))
+            if OUT_PROJ:
+                for n0 in range(0, H, BLOCK_N):
+                    ns = n0 + tl.arange(0, BLOCK_N)
+                    tl.store(p_ptr + rows[:, None].to(tl.int64) * H + ns[None, :],
+                             tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32), mask=(rows[:, None] < T) & (ns[None, :] < H))
+            else:
+                tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + y_cols[None, :],
+                         tl.zeros((BLOCK, BLOCK_D), dtype=dtype), mask=(rows[:, None] < T) & (dims[None, :] < D))
     else:
         end = tl.minimum(tl.maximum(tl.load(cu_ptr + seq + 1).to(tl.int32), start), T)
         wq = w_ptr + (head * D).to(tl.int64) * stride_w
         wk = w_ptr + (H + head * D).to(tl.int64) * stride_w
         wv = w_ptr + (2 * H + head * D).to(tl.int64) * stride_w
         for first in range(start + part * BLOCK, end, BLOCK * parts):
-            q = _project(x_ptr, wq, b_ptr + head * D, first, end, H, D, stride_x, stride_w,
-                         BLOCK, BLOCK_D, BLOCK_K, IEEE).to(dtype)
+            q = _operand(_project(x_ptr, wq, b_ptr + head * D, first, end, H, D, stride_x, stride_w,
+                                  BLOCK, BLOCK_D, BLOCK_K, IEEE), dtype, IEEE)
             m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
             total = tl.zeros((BLOCK,), dtype=tl.float32)
             acc = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
             for key in range(start, end, BLOCK):
-                k = _project(x_ptr, wk, b_ptr + H + head * D, key, end, H, D, stride_x, stride_w,
-                             BLOCK, BLOCK_D, BLOCK_K, IEEE).to(dtype)
-                v = _project(x_ptr, wv, b_ptr + 2 * H + head * D, key, end, H, D, stride_x, stride_w,
-                             BLOCK, BLOCK_D, BLOCK_K, IEEE).to(dtype)
+                k = _operand(_project(x_ptr, wk, b_ptr + H + head * D, key, end, H, D, stride_x, stride_w,
+                                      BLOCK, BLOCK_D, BLOCK_K, IEEE), dtype, IEEE)
+                v = _operand(_project(x_ptr, wv, b_ptr + 2 * H + head * D, key, end, H, D, stride_x, stride_w,
+                                      BLOCK, BLOCK_D, BLOCK_K, IEEE), dtype, IEEE)
                 s = _dot(q, tl.trans(k), tl.zeros((BLOCK, BLOCK), dtype=tl.float32), IEEE) * qk_scale  # log2 units
                 keys = key + tl.arange(0, BLOCK)
                 s = tl.where(keys[None, :] < end, s, float("-inf"))
@@ -109,14 +147,21 @@ def _qkv_attention_kernel(x_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, T, H, D, qk_scale,
                 total = total * alpha + tl.sum(p, axis=1)
                 # p in two halves of the input dtype (hi + lo): the product keeps p's fp32 precision, where
                 # rounding p once (flash attention's habit) would cost more than the tolerance table allows
-                p_hi = p.to(dtype)
-                acc = _dot(p_hi, v, acc * alpha[:, None], IEEE)
-                if not IEEE:
+                if IEEE:
+                    acc = _dot(p, v, acc * alpha[:, None], IEEE)
+                else:
+                    p_hi = p.to(dtype)
+                    acc = tl.dot(p_hi, v, acc * alpha[:, None])
                     acc = tl.dot((p - p_hi.to(tl.float32)).to(dtype), v, acc)
                 m = m_new
             rows = first + tl.arange(0, BLOCK)
-            tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + y_cols[None, :],
-                     (acc / total[:, None]).to(dtype), mask=(rows[:, None] < end) & (dims[None, :] < D))
+            ctx = acc / total[:, None]
+            if OUT_PROJ:
+                _store_out_projection(_operand(ctx, dtype, IEEE), wo_ptr, p_ptr, rows, end, head, H, D, stride_wo,
+                                      BLOCK, BLOCK_D, BLOCK_N, IEEE)
+            else:
+                tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + y_cols[None, :], ctx.to(dtype),
+                         mask=(rows[:, None] < end) & (dims[None, :] < D))
 
 
 def launch_shape(max_seqlen: int, head_dim: int, hidden: int) -> dict:
@@ -125,37 +170,70 @@ def launch_shape(max_seqlen: int, head_dim: int, hidden: int) -> dict:
     block = min(max(triton.next_power_of_2(max(max_seqlen, 1)), 16), 64)
     block_d = max(triton.next_power_of_2(head_dim), 16)
     return {"BLOCK": block, "BLOCK_D": block_d, "BLOCK_K": min(max(triton.next_power_of_2(hidden), 16), 64),
+            "BLOCK_N": min(max(triton.next_power_of_2(hidden), 16), 64),
             "num_warps": 4 if block * block_d <= 2048 else 8, "parts": triton.cdiv(min(max_seqlen, 4096), block)}
+
+
+def _check(name: str, x: Tensor, weight: Tensor, bias: Tensor, num_heads: int) -> None:
+    check_device(name, x, weight, bias)
+    if x.dtype not in DTYPES or weight.dtype != x.dtype or bias.dtype != x.dtype:
+        raise TypeError(f"{name}: x, weight and bias must share one of {DTYPES}, got "
+                        f"{x.dtype}, {weight.dtype}, {bias.dtype}")
+    if x.dim() != 2 or weight.shape != (3 * x.shape[1], x.shape[1]) or bias.shape != (3 * x.shape[1],):
+        raise ValueError(f"{name}: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
+                         f"{tuple(bias.shape)} do not fit x [T, H] @ weight [3H, H]^T + bias [3H]")
+    if num_heads < 1 or x.shape[1] % num_heads:
+        raise ValueError(f"{name}: {num_heads} heads do not split {x.shape[1]} columns")
+
+
+def _launch(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, y: Tensor, max_seqlen: int, num_heads: int,
+            out_weight: Tensor | None) -> None:
+    t, hidden = x.shape
+    d = hidden // num_heads
+    shape = launch_shape(max_seqlen, d, hidden)
+    parts = shape.pop("parts")
+    ieee = x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16)  # the interpreter's bf16 dot
+    wo = out_weight if out_weight is not None else weight
+    _qkv_attention_kernel[(cu_seqlens.numel(), num_heads, parts)](
+        x, weight, bias, cu_seqlens, y, wo, t, hidden, d, d**-0.5 * LOG2E, x.stride(0), weight.stride(0),
+        y.stride(0) if out_weight is None else 0, wo.stride(0), OUT_PROJ=out_weight is not None, IEEE=ieee, **shape)
 
 
 def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, *,
                   out: Tensor | None = None) -> Tensor:
     """softmax(q k^T / sqrt(d)) v per head within each packed sequence, q, k, v = x @ weight^T + bias: x [T, H] (unit
-    column stride), weight [3H, H] (contiguous rows), bias [3H], cu_seqlens [B + 1] on x's device -> [T, H] in x's
-    dtype, zeros past cu_seqlens[-1]; `out` (contiguous [T, H]) is written in place. Any sequence length is computed
-    right; max_seqlen (a bound, as varlen attention takes it) sizes the blocks and the grid."""
-    check_device("qkv_attention", x, weight, bias)
-    if x.dtype not in DTYPES or weight.dtype != x.dtype or bias.dtype != x.dtype:
-        raise TypeError(f"qkv_attention: x, weight and bias must share one of {DTYPES}, got "
-                        f"{x.dtype}, {weight.dtype}, {bias.dtype}")
-    if x.dim() != 2 or weight.shape != (3 * x.shape[1], x.shape[1]) or bias.shape != (3 * x.shape[1],):
-        raise ValueError(f"qkv_attention: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
-                         f"{tuple(bias.shape)} do not fit x [T, H] @ weight [3H, H]^T + bias [3H]")
-    t, hidden = x.shape
-    if num_heads < 1 or hidden % num_heads:
-        raise ValueError(f"qkv_attention: {num_heads} heads do not split {hidden} columns")
-    if hidden // num_heads > MAX_HEAD_DIM:  # wider heads than the registers hold: the unfused torch path
+    column stride), weight [3H, H], bias [3H], cu_seqlens [B + 1] on x's device -> [T, H] in x's dtype, zeros past
+    cu_seqlens[-1]; `out` (contiguous [T, H]) is written in place. Any sequence length is computed right;
+    max_seqlen (a bound, as varlen attention takes it) sizes the blocks and the grid."""
+    _check("qkv_attention", x, weight, bias, num_heads)
+    if x.shape[1] // num_heads > MAX_HEAD_DIM:  # wider heads than the registers hold: the unfused torch path
         return reference.qkv_attention(x, weight, bias, cu_seqlens, max_seqlen, num_heads, out=out)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    bias = bias.contiguous()
-    x, cu_seqlens, y = segment_arguments("qkv_attention", x, cu_seqlens, out, x.dtype, rows=t)
+    x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
+    x, cu_seqlens, y = segment_arguments("qkv_attention", x, cu_seqlens, out, x.dtype, rows=x.shape[0])
     if y.numel():
-        d = hidden // num_heads
-        shape = launch_shape(max_seqlen, d, hidden)
-        parts = shape.pop("parts")
-        ieee = x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16)  # the interpreter's bf16 dot
-        _qkv_attention_kernel[(cu_seqlens.numel(), num_heads, parts)](
-            x, weight, bias, cu_seqlens, y, t, hidden, d, d**-0.5 * LOG2E, x.stride(0), weight.stride(0), y.stride(0),
-            IEEE=ieee, **shape)
+        _launch(x, weight, bias, cu_seqlens, y, max_seqlen, num_heads, None)
+    return y
+
+
+def attention_partials(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int,
+                       out_weight: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """qkv_attention followed by each head's share of the output projection, ctx_h @ out_weight[:, h*d : h*d+d]^T,
+    in the same kernel: [num_heads, T, H] fp32 partial sums (their sum is ctx @ out_weight^T; rows past the last
+    offset: zeros), for partial_add_layer_norm to finish the block. out_weight [H, H] in nn.Linear's layout."""
+    name = "attention_partials"
+    _check(name, x, weight, bias, num_heads)
+    t, hidden = x.shape
+    if out_weight.shape != (hidden, hidden) or out_weight.dtype != x.dtype or out_weight.device != x.device:
+        raise ValueError(f"{name}: out_weight must be [{hidden}, {hidden}] {x.dtype} on {x.device}, got "
+                         f"{tuple(out_weight.shape)} {out_weight.dtype} on {out_weight.device}")
+    shape = (num_heads, t, hidden)
+    if out is not None and (out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous()):
+        raise ValueError(f"{name}: out must be a contiguous float32 tensor of shape {shape}")
+    if hidden // num_heads > MAX_HEAD_DIM:
+        return reference.attention_partials(x, weight, bias, cu_seqlens, max_seqlen, num_heads, out_weight, out=out)
+    x, weight, bias, out_weight = x.contiguous(), weight.contiguous(), bias.contiguous(), out_weight.contiguous()
+    cu_seqlens = offsets(name, x, cu_seqlens)
+    y = out if out is not None else torch.empty(shape, dtype=torch.float32, device=x.device)
+    if y.numel():
+        _launch(x, weight, bias, cu_seqlens, y, max_seqlen, num_heads, out_weight)
     return y

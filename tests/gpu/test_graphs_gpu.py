@@ -100,6 +100,22 @@ def test_varlen_attention_matches_pad_attention():
     assert torch.nn.functional.cosine_similarity(a, b).min() >= 0.9999
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fused_attention_graphs_match_the_padded_path(dtype):
+    """ATTENTION=fused on the real MiniLM: single requests and small batches (the four-kernel few-token layer), a
+    larger batch (qkv_attention + the usual blocks), through CUDA graphs, against the padded eager path."""
+    e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype=dtype, backend="triton", attention="fused",
+                         max_batch_tokens=4096, max_batch=128)
+    padded, _ = Embedder.load(str(_model_dir()), device="cuda", dtype=dtype, backend="triton", layout="padded")
+    assert e.attention == "fused"
+    for texts in (SENTENCES[:1], SENTENCES[1:4], SENTENCES):
+        ids = e.tokenizer.encode(texts)
+        a, c = e.embed_ids(ids), padded.embed_ids(ids)
+        assert torch.isfinite(a).all()
+        assert _agree(a, c, dtype), float((a - c).abs().max())
+    assert e.graphs.stats()["replays"] == 3 and e.graphs.stats()["eager_fallbacks"] == 0
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_dense_batches_replay_unmasked_graphs(dtype):
     """Equal-length rows that fill their bucket (the fixed-shape case) take the dense graph: no mask, no

@@ -36,7 +36,7 @@ def opcheck_custom_ops(backend: str, device: str) -> None:
         args, _ = OP_SPECS[op].make_inputs(6, 40, torch.float32, device, gen)
         if op == "add_layer_norm":
             args = (*args, False)
-        elif op in ("layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "linear_bias_gelu"):
+        elif op in ("layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "linear_bias_gelu", "ffn_partials"):
             args = (*args, "none")
         custom = getattr(torch.ops.fusedserve, f"{backend}_{op}").default
         torch.library.opcheck(custom, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

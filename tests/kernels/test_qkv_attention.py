@@ -1,7 +1,8 @@
-"""qkv_attention (a layer's QKV projection + attention per packed sequence) beyond the generic sweeps: sequences
-longer than a block and a max_seqlen bound below or far above the real lengths, filler rows and empty sequences,
-heads too wide for the kernel, clear errors, the model's shapes on the GPU and CUDA-graph replays. Triton runs on
-the interpreter here (and on the GPU with -m gpu); the CUDA backend does not implement this op."""
+"""qkv_attention (a layer's QKV projection + attention per packed sequence) and the few-token layer's ops
+(attention_partials, ffn_partials, partial_add_layer_norm) beyond the generic sweeps: sequences longer than a block
+and a max_seqlen bound below or far above the real lengths, filler rows and empty sequences, heads too wide for the
+kernel, clear errors, a whole layer against the unfused float64 one, the model's shapes on the GPU and CUDA-graph
+replays. Triton runs on the interpreter here (and on the GPU with -m gpu); the CUDA backend implements none of them."""
 
 from __future__ import annotations
 
@@ -121,3 +122,100 @@ def test_replays_in_a_cuda_graph_with_new_inputs():
     graph.replay()
     torch.cuda.synchronize()
     _check(out, x, w, b, cu, 12, torch.float16)
+
+
+# ---- the few-token layer's pieces: attention_partials, ffn_partials, partial_add_layer_norm ------------------------
+
+
+def _few_token_layer(launchers, x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln, splits):
+    """One encoder layer through the three few-token ops (as model.encoder.Layer._few_token_layer)."""
+    g1, be1, g2, be2 = ln
+    y = launchers["partial_add_layer_norm"](launchers["attention_partials"](x, w, b, cu, 64, heads, wo), bo, x, g1,
+                                            be1, 1e-12)
+    return launchers["partial_add_layer_norm"](launchers["ffn_partials"](y, w1, b1, w2, splits), b2, y, g2, be2, 1e-12)
+
+
+def _layer_weights(hidden, inner, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(device, dtype)
+
+    return (r(hidden, hidden, scale=hidden**-0.5), r(hidden, scale=0.5), r(inner, hidden, scale=hidden**-0.5),
+            r(inner, scale=0.5), r(hidden, inner, scale=inner**-0.5), r(hidden, scale=0.5),
+            (r(hidden, scale=0.2, shift=1.0), r(hidden, scale=0.2), r(hidden, scale=0.2, shift=1.0), r(hidden, scale=0.2)))
+
+
+def _reference_layer(x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln):
+    """The unfused float64 layer: attention, output projection, add + LayerNorm, FFN, add + LayerNorm."""
+    from kernels import reference
+
+    g1, be1, g2, be2 = (t.double().cpu() for t in ln)
+    x, w, b, cu, wo, bo, w1, b1, w2, b2 = (t.double().cpu() if t.is_floating_point() else t.cpu()
+                                           for t in (x, w, b, cu, wo, bo, w1, b1, w2, b2))
+    longest = int((cu[1:] - cu[:-1]).max())
+    ctx = reference.qkv_attention(x, w, b, cu, longest, heads)
+    y = reference.add_layer_norm(ctx @ wo.T, x, bo, g1, be1, 1e-12)
+    return reference.add_layer_norm(reference.linear_bias_gelu(y, w1, b1) @ w2.T, y, b2, g2, be2, 1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_few_token_layer_equals_the_unfused_layer(device):
+    launchers = pytest.importorskip("kernels.triton").LAUNCHERS
+    x, w, b, cu = _inputs([5, 11], 64, 4, torch.float32, device, filler=6, seed=7)
+    wo, bo, w1, b1, w2, b2, ln = _layer_weights(64, 256, torch.float32, device, seed=8)
+    out = _few_token_layer(launchers, x, w, b, cu, 4, wo, bo, w1, b1, w2, b2, ln, splits=4)
+    ref = _reference_layer(x, w, b, cu, 4, wo, bo, w1, b1, w2, b2, ln)
+    report = compare(out[:16], ref[:16], torch.float32)  # filler rows: LayerNorm of the bias and residual alone
+    assert report.ok, report
+    again = _few_token_layer(launchers, x, w, b, cu, 4, wo, bo, w1, b1, w2, b2, ln, splits=4)
+    assert torch.equal(out, again)  # partial sums added in a fixed order: deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden,heads,inner,lengths", [
+    (384, 12, 1536, [16]),           # MiniLM, a single short request
+    (384, 12, 1536, [9, 30, 2, 17]),  # MiniLM, a few requests in a 64-token bucket
+    (768, 12, 3072, [20, 23]),       # BERT-base
+])
+def test_few_token_ops_at_model_shapes_on_the_gpu(dtype, hidden, heads, inner, lengths):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from model.encoder import ffn_splits
+
+    launchers = pytest.importorskip("kernels.triton").LAUNCHERS
+    x, w, b, cu = _inputs(lengths, hidden, heads, dtype, "cuda", filler=64 - sum(lengths), seed=len(lengths))
+    wo, bo, w1, b1, w2, b2, ln = _layer_weights(hidden, inner, dtype, "cuda", seed=hidden)
+    longest = max(lengths)
+    parts = torch.full((heads, 64, hidden), NAN, device="cuda")
+    launchers["attention_partials"](x, w, b, cu, longest, heads, wo, out=parts)
+    ref = float64_reference("attention_partials", (x, w, b, cu, longest, heads, wo), {})
+    assert compare(parts, ref, dtype).ok
+    splits = ffn_splits(inner)
+    fparts = torch.full((splits, 64, hidden), NAN, device="cuda")
+    launchers["ffn_partials"](x, w1, b1, w2, splits, out=fparts)
+    assert compare(fparts, float64_reference("ffn_partials", (x, w1, b1, w2, splits), {}), dtype).ok
+    out = _few_token_layer(launchers, x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln, splits)
+    report = compare(out[: sum(lengths)], _reference_layer(x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln)[
+        : sum(lengths)], dtype)
+    assert report.ok, report
+
+
+@pytest.mark.gpu
+def test_the_few_token_layer_replays_in_a_cuda_graph():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    launchers = pytest.importorskip("kernels.triton").LAUNCHERS
+    x, w, b, cu = _inputs([9, 30, 2], 384, 12, torch.float16, "cuda", filler=23, seed=4)
+    wo, bo, w1, b1, w2, b2, ln = _layer_weights(384, 1536, torch.float16, "cuda", seed=5)
+    _few_token_layer(launchers, x, w, b, cu, 12, wo, bo, w1, b1, w2, b2, ln, 24)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _few_token_layer(launchers, x, w, b, cu, 12, wo, bo, w1, b1, w2, b2, ln, 24)
+    x.copy_(_inputs([9, 30, 2], 384, 12, torch.float16, "cuda", filler=23, seed=6)[0])
+    cu.copy_(torch.tensor([0, 20, 41, 41], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = _reference_layer(x, w, b, cu, 12, wo, bo, w1, b1, w2, b2, ln)
+    assert compare(out[:41], ref[:41], torch.float16).ok

@@ -79,17 +79,21 @@ def test_bucketed_packing_with_filler_tokens_and_sequences(encoder):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @torch.no_grad()
 def test_fused_attention_equals_padded(encoder, backend):
-    """attention="fused" (kernels.qkv_attention: the Triton kernel on the interpreter, or the torch reference) on mixed
-    lengths in a bucket with filler tokens and filler sequences, and on a dense batch."""
+    """attention="fused" (the Triton kernels on the interpreter, or the torch references) on mixed lengths in buckets
+    with filler tokens and filler sequences: above FUSED_LAYER_TOKENS (qkv_attention + the usual blocks) and below it
+    (the four-kernel few-token layer), and on a dense batch of 64 tokens."""
     import kernels
+    from model.encoder import FUSED_LAYER_TOKENS
 
     kernels.configure("cpu", (torch.float32,), backend=backend)
     try:
-        rows = _rows([7, 40, 3, 33, 2])
-        packed = Packed.from_rows(rows, "cpu", tokens=128, batch=8, seq=64)
-        pooled = packed_mean_pool(encoder.forward_packed(packed, "fused"), packed, normalize=False)
-        assert torch.isfinite(pooled).all()
-        assert (pooled[:5] - _padded(encoder, rows)).abs().max() <= 1e-5
+        for lengths, tokens in (([7, 40, 3, 33, 2], 128), ([7, 20, 3, 2], 48)):
+            rows = _rows(lengths)
+            packed = Packed.from_rows(rows, "cpu", tokens=tokens, batch=8, seq=64)
+            assert (tokens <= FUSED_LAYER_TOKENS) == (tokens == 48)
+            pooled = packed_mean_pool(encoder.forward_packed(packed, "fused"), packed, normalize=False)
+            assert torch.isfinite(pooled).all()
+            assert (pooled[: len(rows)] - _padded(encoder, rows)).abs().max() <= 1e-5
         dense = _rows([16] * 4)
         packed = Packed.from_rows(dense, "cpu")
         pooled = packed_mean_pool(encoder.forward_packed(packed, "fused"), packed, normalize=False)
