@@ -24,6 +24,7 @@
 #                                   # few-row GEMM + GELU configs forced one by one (~8 min cold)
 #   bash bench/gpu_run.sh next2     # six MPS replicas at 64 clients: kernel choices across replicas, served / raw
 #   bash bench/gpu_run.sh next3     # BERT-base b32 fixed and b128 varlen with torch.compile + CUDA graphs in the same run
+#   bash bench/gpu_run.sh next4     # one server's single-request latency, default attention then attention=fused
 #   bash bench/gpu_run.sh lnrows    # MiniLM rows without / with the few-row LayerNorm candidates (Triton), b1 profile
 #   bash bench/gpu_run.sh replicas  # one server, then eight replicas on the GPU at 64 clients (token ids), with the
 #                                   # servers' CPU time per request (~8 min)
@@ -257,6 +258,15 @@ case "$mode" in
     for spec in linear_bias_gelu:float16:16x384x1536 linear_bias_gelu:float16:64x384x1536 \
         linear_bias_gelu:float16:16x768x3072; do
       timeout 60 python3 -m bench.triton_configs $spec 2>&1 | tee -a "$OUT/triton-configs.log" | tail -10
+    done
+    ;;
+  next4)
+    # one server's single-request latency with the default attention (varlen), then with attention=fused (the
+    # four-kernel layer serves every bucket of at most 64 tokens), kernel timing off, no MPS (~6 min cold)
+    for config in replicas=1 replicas=1,attention=fused; do
+      timeout 250 python3 -m bench.serve --device cuda --single-only --timing-rate 0 --configs $config \
+        --model "$PWD/.gpu-assets/minilm" --out "$OUT/serve-single-${config//[=,]/-}.json" 2>&1 \
+        | tee "$OUT/serve-single-${config//[=,]/-}.log" | tail -3
     done
     ;;
   next2)

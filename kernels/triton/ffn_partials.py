@@ -95,12 +95,13 @@ def ffn_partials(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, splits: int, app
     if y.numel():
         x, w1, b1, w2 = x.contiguous(), w1.contiguous(), b1.contiguous(), w2.contiguous()
         chunk = inner // splits
-        block_m = min(max(triton.next_power_of_2(t), 16), 64)
+        # larger steps under the interpreter, whose cost is per operation (the masks make any step exact)
+        block_m = min(max(triton.next_power_of_2(t), 16), 128 if INTERPRET else 64)
+        step = min(max(triton.next_power_of_2(hidden), 16), 512 if INTERPRET else 64)
         _ffn_partials_kernel[(triton.cdiv(t, block_m), splits)](
             x, w1, b1, w2, y, t, hidden, chunk, x.stride(0), w1.stride(0), w2.stride(0),
             MODE=GELU_MODES[approximate], IEEE=x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16),
             BLOCK_M=block_m, BLOCK_I=max(triton.next_power_of_2(chunk), 16),
-            BLOCK_K=min(max(triton.next_power_of_2(hidden), 16), 64), BLOCK_N=min(max(triton.next_power_of_2(hidden), 16), 64),
-            num_warps=4)
+            BLOCK_K=step, BLOCK_N=step, num_warps=4)
     return y
 
