@@ -19,6 +19,11 @@ from tests.conftest import DEVICES, DTYPES, ODD_COLS, ROWS
 triton_launchers = pytest.importorskip("kernels.triton").LAUNCHERS
 
 
+# kernels whose bf16 path the interpreter cannot run (its bf16 dot is wrong and its fp32 -> bf16 conversion truncates):
+# there they take the fp32 path, so their bf16 interpreter cases would repeat the float32 ones at twice the cost
+FP32_ON_THE_INTERPRETER = ("qkv_attention", "attention_partials", "ffn_partials")
+
+
 def _seed(*parts) -> int:
     return zlib.crc32("-".join(map(str, parts)).encode())
 
@@ -27,6 +32,9 @@ def _seed(*parts) -> int:
 @pytest.mark.parametrize("op,rows,cols,dtype", list(itertools.product(ops_of("triton"), ROWS, ODD_COLS, DTYPES)),
                          ids=lambda v: str(v).removeprefix("torch."))
 def test_matches_float64_reference(device, op, rows, cols, dtype):
+    if device == "cpu" and dtype == torch.bfloat16 and op in FP32_ON_THE_INTERPRETER:
+        pytest.skip("on the interpreter this kernel runs bf16 through its fp32 (IEEE) path, which the float32 case "
+                    "covers; the GPU sweep runs its bf16 path")
     report = check_op(triton_launchers[op], op, rows, cols, dtype, device, seed=_seed(op, rows, cols, dtype))
     assert report.ok, report
 
