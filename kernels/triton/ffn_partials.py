@@ -24,6 +24,7 @@ from torch import Tensor
 from kernels import reference
 from kernels.triton._common import INTERPRET, check_device
 from kernels.triton._gelu import GELU_MODES, gelu
+from kernels.triton.qkv_attention import _dot, _operand, _project
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_CHUNK = 128  # intermediate columns one program holds ([rows, chunk] fp32 in registers); wider chunks: torch
@@ -34,36 +35,22 @@ def _ffn_partials_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, p_ptr, T, H, CHUNK, stri
                          MODE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     chunk = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = tl.program_id(0) * BLOCK_M
+    rows = first + tl.arange(0, BLOCK_M)
     inner = tl.arange(0, BLOCK_I)
     in_chunk = inner < CHUNK
     icols = chunk * CHUNK + inner
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :]
-    w1_ptrs = w1_ptr + icols[None, :].to(tl.int64) * stride_w1 + ks[:, None]  # W1_j^T tile [BLOCK_K, BLOCK_I]
-    acc = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        a = tl.load(x_ptrs, mask=(rows[:, None] < T) & (ks[None, :] < H - k0), other=0.0)
-        b = tl.load(w1_ptrs, mask=(ks[:, None] < H - k0) & in_chunk[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        x_ptrs += BLOCK_K
-        w1_ptrs += BLOCK_K
-    b1 = tl.load(b1_ptr + icols, mask=in_chunk, other=0.0).to(tl.float32)
-    h = gelu(acc + b1[None, :], MODE)  # columns past the chunk: GELU(0) = 0
-    if not IEEE:  # rounded as the unfused path stores the intermediate (IEEE: fp32, or the interpreter's bf16,
-        h = h.to(x_ptr.dtype.element_ty)  # whose conversion truncates)
+    # x[rows] @ W1_j^T + b1_j: the attention kernel's projection with the chunk's CHUNK rows of W1 as the "head"
+    acc = _project(x_ptr, w1_ptr + (chunk * CHUNK).to(tl.int64) * stride_w1, b1_ptr + chunk * CHUNK, first, T, H,
+                   CHUNK, stride_x, stride_w1, BLOCK_M, BLOCK_I, BLOCK_K, IEEE)
+    # rounded as the unfused path stores the intermediate (columns past the chunk: GELU(0) = 0)
+    h = _operand(gelu(acc, MODE), x_ptr.dtype.element_ty, IEEE)
     p_ptrs = p_ptr + chunk.to(tl.int64) * T * H + rows[:, None].to(tl.int64) * H
     for n0 in range(0, H, BLOCK_N):
         ns = n0 + tl.arange(0, BLOCK_N)
         w2 = tl.load(w2_ptr + ns[None, :].to(tl.int64) * stride_w2 + icols[:, None],
                      mask=in_chunk[:, None] & (ns[None, :] < H), other=0.0)  # W2[:, j]^T tile [BLOCK_I, BLOCK_N]
-        if IEEE:
-            prod = tl.dot(h, w2.to(tl.float32), input_precision="ieee")
-        else:
-            prod = tl.dot(h, w2)
+        prod = _dot(h, w2, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
         tl.store(p_ptrs + ns[None, :], prod, mask=(rows[:, None] < T) & (ns[None, :] < H))
 
 
