@@ -63,6 +63,34 @@ def _project(x_ptr, w_ptr, b_ptr, first, end, H, D, stride_x, stride_w,
 
 
 @triton.jit
+def _project_qkv(x_ptr, wq, wk, wv, bq, bk, bv, first, end, H, D, stride_x, stride_w,
+                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """_project for q, k and v of the same rows in one pass over x: each step loads its x tile once and has the three
+    weight tiles in flight together (three passes wait out three chains of loads)."""
+    rows = first + tl.arange(0, BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :]
+    w_offs = dims[None, :] * stride_w + ks[:, None]
+    q = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
+    k = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
+    v = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        a = tl.load(x_ptrs, mask=(rows[:, None] < end) & (ks[None, :] < H - k0), other=0.0)
+        w_mask = (ks[:, None] < H - k0) & (dims[None, :] < D)
+        q = _dot(a, tl.load(wq + w_offs, mask=w_mask, other=0.0), q, IEEE)
+        k = _dot(a, tl.load(wk + w_offs, mask=w_mask, other=0.0), k, IEEE)
+        v = _dot(a, tl.load(wv + w_offs, mask=w_mask, other=0.0), v, IEEE)
+        x_ptrs += BLOCK_K
+        w_offs += BLOCK_K
+    d_ok = dims < D
+    q += tl.load(bq + dims, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    k += tl.load(bk + dims, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    v += tl.load(bv + dims, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    return q, k, v
+
+
+@triton.jit
 def _operand(v, dtype, IEEE: tl.constexpr):
     """An fp32 intermediate as the next product's operand: rounded to the input dtype (as the unfused path stores it)
     for tensor cores, kept in fp32 for IEEE products (fp32 inputs; bf16 under the interpreter, whose fp32 -> bf16
@@ -77,6 +105,28 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attend(q, k, v, key, end, m, total, acc, qk_scale, dtype, BLOCK: tl.constexpr, IEEE: tl.constexpr):
+    """One key block of online-softmax attention: the running max m, sum `total` and accumulator acc after the keys
+    key .. key + BLOCK (those at or past `end` masked out)."""
+    s = _dot(q, tl.trans(k), tl.zeros((BLOCK, BLOCK), dtype=tl.float32), IEEE) * qk_scale  # log2 units
+    keys = key + tl.arange(0, BLOCK)
+    s = tl.where(keys[None, :] < end, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    total = total * alpha + tl.sum(p, axis=1)
+    # p in two halves of the input dtype (hi + lo): the product keeps p's fp32 precision, where rounding p once
+    # (flash attention's habit) would cost more than the tolerance table allows
+    if IEEE:
+        acc = _dot(p, v, acc * alpha[:, None], IEEE)
+    else:
+        p_hi = p.to(dtype)
+        acc = tl.dot(p_hi, v, acc * alpha[:, None])
+        acc = tl.dot((p - p_hi.to(tl.float32)).to(dtype), v, acc)
+    return m_new, total, acc
 
 
 @triton.jit
@@ -127,33 +177,25 @@ def _qkv_attention_kernel(x_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, wo_ptr, T, H, D, q
         wq = w_ptr + (head * D).to(tl.int64) * stride_w
         wk = w_ptr + (H + head * D).to(tl.int64) * stride_w
         wv = w_ptr + (2 * H + head * D).to(tl.int64) * stride_w
+        bq, bk, bv = b_ptr + head * D, b_ptr + H + head * D, b_ptr + 2 * H + head * D
         for first in range(start + part * BLOCK, end, BLOCK * parts):
-            q = _operand(_project(x_ptr, wq, b_ptr + head * D, first, end, H, D, stride_x, stride_w,
-                                  BLOCK, BLOCK_D, BLOCK_K, IEEE), dtype, IEEE)
             m = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
             total = tl.zeros((BLOCK,), dtype=tl.float32)
             acc = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
-            for key in range(start, end, BLOCK):
-                k = _operand(_project(x_ptr, wk, b_ptr + H + head * D, key, end, H, D, stride_x, stride_w,
+            if end - start <= BLOCK:  # the sequence fits one block: its queries are its keys, projected in one pass
+                q, k, v = _project_qkv(x_ptr, wq, wk, wv, bq, bk, bv, first, end, H, D, stride_x, stride_w,
+                                       BLOCK, BLOCK_D, BLOCK_K, IEEE)
+                m, total, acc = _attend(_operand(q, dtype, IEEE), _operand(k, dtype, IEEE), _operand(v, dtype, IEEE),
+                                        first, end, m, total, acc, qk_scale, dtype, BLOCK, IEEE)
+            else:
+                q = _operand(_project(x_ptr, wq, bq, first, end, H, D, stride_x, stride_w,
                                       BLOCK, BLOCK_D, BLOCK_K, IEEE), dtype, IEEE)
-                v = _operand(_project(x_ptr, wv, b_ptr + 2 * H + head * D, key, end, H, D, stride_x, stride_w,
-                                      BLOCK, BLOCK_D, BLOCK_K, IEEE), dtype, IEEE)
-                s = _dot(q, tl.trans(k), tl.zeros((BLOCK, BLOCK), dtype=tl.float32), IEEE) * qk_scale  # log2 units
-                keys = key + tl.arange(0, BLOCK)
-                s = tl.where(keys[None, :] < end, s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                p = tl.exp2(s - m_new[:, None])
-                alpha = tl.exp2(m - m_new)
-                total = total * alpha + tl.sum(p, axis=1)
-                # p in two halves of the input dtype (hi + lo): the product keeps p's fp32 precision, where
-                # rounding p once (flash attention's habit) would cost more than the tolerance table allows
-                if IEEE:
-                    acc = _dot(p, v, acc * alpha[:, None], IEEE)
-                else:
-                    p_hi = p.to(dtype)
-                    acc = tl.dot(p_hi, v, acc * alpha[:, None])
-                    acc = tl.dot((p - p_hi.to(tl.float32)).to(dtype), v, acc)
-                m = m_new
+                for key in range(start, end, BLOCK):
+                    k = _operand(_project(x_ptr, wk, bk, key, end, H, D, stride_x, stride_w,
+                                          BLOCK, BLOCK_D, BLOCK_K, IEEE), dtype, IEEE)
+                    v = _operand(_project(x_ptr, wv, bv, key, end, H, D, stride_x, stride_w,
+                                          BLOCK, BLOCK_D, BLOCK_K, IEEE), dtype, IEEE)
+                    m, total, acc = _attend(q, k, v, key, end, m, total, acc, qk_scale, dtype, BLOCK, IEEE)
             rows = first + tl.arange(0, BLOCK)
             ctx = acc / total[:, None]
             if OUT_PROJ:
