@@ -183,10 +183,13 @@ def _qkv_attention_kernel(x_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, wo_ptr, T, H, D, q
             total = tl.zeros((BLOCK,), dtype=tl.float32)
             acc = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
             if end - start <= BLOCK:  # the sequence fits one block: its queries are its keys, projected in one pass
-                q, k, v = _project_qkv(x_ptr, wq, wk, wv, bq, bk, bv, first, end, H, D, stride_x, stride_w,
-                                       BLOCK, BLOCK_D, BLOCK_K, IEEE)
-                m, total, acc = _attend(_operand(q, dtype, IEEE), _operand(k, dtype, IEEE), _operand(v, dtype, IEEE),
-                                        first, end, m, total, acc, qk_scale, dtype, BLOCK, IEEE)
+                # (names of their own: a variable set in both branches must keep one type, and q, k, v below are
+                # rounded operands where these are fp32 sums)
+                q32, k32, v32 = _project_qkv(x_ptr, wq, wk, wv, bq, bk, bv, first, end, H, D, stride_x, stride_w,
+                                             BLOCK, BLOCK_D, BLOCK_K, IEEE)
+                m, total, acc = _attend(_operand(q32, dtype, IEEE), _operand(k32, dtype, IEEE),
+                                        _operand(v32, dtype, IEEE), first, end, m, total, acc, qk_scale, dtype, BLOCK,
+                                        IEEE)
             else:
                 q = _operand(_project(x_ptr, wq, bq, first, end, H, D, stride_x, stride_w,
                                       BLOCK, BLOCK_D, BLOCK_K, IEEE), dtype, IEEE)

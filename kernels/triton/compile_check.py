@@ -1,0 +1,96 @@
+"""Compile Triton kernels for a GPU architecture on a machine without one: `python -m kernels.triton.compile_check`.
+
+Why: the interpreter (TRITON_INTERPRET=1, how CI runs the kernels) executes the Python body of a kernel and never
+runs the compiler, so errors only a compile finds pass CI and first show on the GPU. One did: a variable assigned in
+both branches of a runtime `if` with two different types (fp32 in one, fp16 in the other) is a CompilationError on
+the H200 and ran fine on the interpreter (session 11, qkv_attention). triton.compile lowers a kernel through TTIR,
+TTGIR, LLVM IR and PTX to a cubin with the ptxas that ships in Triton's wheel; none of that needs a driver.
+
+Covered: the kernels of the few-token layer (qkv_attention and attention_partials, ffn_partials, the LayerNorm
+kernel summing partials) at the model's shapes, in fp16, bf16 and fp32. Must run without TRITON_INTERPRET (under it
+`triton.jit` builds interpreter objects the compiler cannot take); tests/kernels/test_triton_compile.py runs it in a
+subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+
+
+def _signature(fn, types: dict, constexprs: dict) -> dict:
+    missing = set(fn.arg_names) - set(types) - set(constexprs)
+    if missing:
+        raise ValueError(f"{fn.__name__}: no type for {sorted(missing)}")
+    return {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
+
+
+def cases():
+    """(name, jit function, argument types, constexprs, num_warps) for every kernel configuration checked."""
+    from kernels.triton._norm import _norm_kernel
+    from kernels.triton.ffn_partials import _ffn_partials_kernel
+    from kernels.triton.qkv_attention import _qkv_attention_kernel, launch_shape
+
+    i32, f32 = "i32", "fp32"
+    for dname, ptr in DTYPES.items():
+        ieee = dname == "fp32"
+        # MiniLM (head_dim 32, 16 tokens) and BERT-base (head_dim 64, 128 tokens: several query and key blocks)
+        for hidden, heads, seq in ((384, 12, 16), (768, 12, 128)):
+            shape = launch_shape(seq, hidden // heads, hidden)
+            warps = shape.pop("num_warps")
+            shape.pop("parts")
+            for out_proj in (False, True):
+                types = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "cu_ptr": "*i32",
+                         "y_ptr": "*fp32" if out_proj else ptr, "wo_ptr": ptr, "T": i32, "H": i32, "D": i32,
+                         "qk_scale": f32, "stride_x": i32, "stride_w": i32, "stride_y": i32, "stride_wo": i32}
+                yield (f"qkv_attention {dname} H={hidden} seq={seq}{' out_proj' if out_proj else ''}",
+                       _qkv_attention_kernel, types, {**shape, "OUT_PROJ": out_proj, "IEEE": ieee}, warps)
+        types = {"x_ptr": ptr, "w1_ptr": ptr, "b1_ptr": ptr, "w2_ptr": ptr, "p_ptr": "*fp32", "T": i32, "H": i32,
+                 "CHUNK": i32, "stride_x": i32, "stride_w1": i32, "stride_w2": i32}
+        yield (f"ffn_partials {dname}", _ffn_partials_kernel, types,
+               {"MODE": 1, "IEEE": ieee, "BLOCK_M": 16, "BLOCK_I": 64, "BLOCK_K": 64, "BLOCK_N": 64}, 4)
+        for parts in (12, 24):
+            types = {"X": "*fp32", "R": ptr, "BIAS": ptr, "W": ptr, "B": ptr, "Y": ptr, "S": ptr, "stride_x": i32,
+                     "stride_r": i32, "stride_y": i32, "stride_s": i32, "stride_p": i32, "M": i32, "N": i32,
+                     "eps": f32, "M_BUCKET": i32}
+            yield (f"partial_add_layer_norm {dname} parts={parts}", _norm_kernel.fn, types,
+                   {"PARTS": parts, "HAS_RESIDUAL": True, "HAS_BIAS": True, "STORE_SUM": False, "GELU": 0,
+                    "F64": False, "WIDE": False, "BLOCK_N": 512, "BLOCK_M": 1}, 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: Hopper)")
+    parser.add_argument("-k", default="", help="only cases whose name contains this")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("compile_check: unset TRITON_INTERPRET (the interpreter's kernels cannot be compiled)", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target, failed = GPUTarget("cuda", args.arch, 32), 0
+    for name, fn, types, constexprs, warps in cases():
+        if args.k not in name:
+            continue
+        start = time.perf_counter()
+        try:
+            source = ASTSource(fn=fn, signature=_signature(fn, types, constexprs), constexprs=constexprs)
+            kernel = triton.compile(source, target=target, options={"num_warps": warps})
+        except Exception as exc:  # a compile error names the kernel line; report every case, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        print(f"ok   {name}: sm_{args.arch}, {warps} warps, {kernel.metadata.shared} B shared, "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+    print(f"compile_check: {failed} failed" if failed else "compile_check: all compiled")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
