@@ -160,7 +160,7 @@ def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) 
     fp16/bf16 on CUDA with torch.nn.attention.varlen; "pad" otherwise. "fused" (the QKV projection and attention of
     each sequence as one op, `kernels.qkv_attention`, and for at most FUSED_LAYER_TOKENS tokens the whole layer in
     four kernels; Triton where the registry chose it, else the torch reference; above that many tokens the varlen
-    path where it runs) runs anywhere; auto does not pick it until the H200 says it is faster."""
+    path where it runs) runs anywhere; auto does not pick it yet (docs/performance.md, session 11)."""
     usable = _varlen_runs(device, dtype)
     if attention == "auto":
         return "varlen" if usable else "pad"

@@ -73,8 +73,8 @@ def _norm_kernel(
     h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     h = h.to(tl.float64) if F64 else h.to(tl.float32)
     # the other partial products of a split GEMM, in a fixed order (deterministic). Unrolled: the loads are
-    # independent and in flight together (a runtime loop waited out one memory latency per part: 4.9 us for 12-24
-    # parts of a 16-row batch on the H200, bench/results/2026-12-01-h200-profile-minilm-b1-fused.json)
+    # independent and in flight together (a runtime loop waited out one memory latency per part: 4.8 us for 12-24
+    # parts of a 16-row batch on the H200, bench/results/2026-12-01-h200-s11/run1-next/profile-minilm-b1-fused.json)
     for part in tl.static_range(1, PARTS):
         h += tl.load(X + part * stride_p + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(h.dtype)
     if HAS_RESIDUAL:

@@ -9,7 +9,9 @@ kernels/triton/linear_layer_norm.py).
 
 Per program (sequence b, head h, query block): q = x[block] Wq_h^T + bq_h, then flash-style over key blocks of the
 same sequence: k, v = x[keys] Wk_h^T + bk_h, x[keys] Wv_h^T + bv_h, online softmax (running max and sum in fp32),
-acc += p v. The projections accumulate in fp32 and are rounded to the input dtype before the attention products,
+acc += p v. A sequence within one block (a short request) has its queries as its keys: q, k and v are projected in
+one pass over x (each step one x tile and three weight tiles in flight: 7.3 -> 5.6 us a layer for MiniLM b1 s16 on
+the H200, docs/performance.md session 11). The projections accumulate in fp32 and are rounded to the input dtype before the attention products,
 as the unfused path stores them (fp32 inputs use IEEE products); p goes into the p v product as two halves in the
 input dtype, so it is not rounded (one rounding of p put single elements past the fp16 tolerance). With
 `attention_partials` the context (rounded the same way) is multiplied by the head's slice of the output projection
