@@ -265,10 +265,14 @@ case "$mode" in
     # the model-level fused tests (MiniLM through fused graphs vs padded, graph replays; a cold Triton cache compiles
     # and tunes the unrolled kernels first) and the MiniLM rows with fused-attn beside varlen: if b1 s16 confirms the
     # profile (158 vs 210 us), auto takes fused for buckets of <= 64 tokens
-    gpu_tests fused-model 300 -n 4 tests/kernels/test_qkv_attention.py tests/gpu/test_graphs_gpu.py \
+    gpu_tests fused-model 260 -n 4 tests/kernels/test_qkv_attention.py tests/gpu/test_graphs_gpu.py \
       -k "qkv or partial or fused or few_token"
-    timeout 250 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --out "$OUT/encoder-minilm.json" 2>&1 \
+    timeout 180 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --out "$OUT/encoder-minilm.json" 2>&1 \
       | tee "$OUT/encoder-minilm.log" | grep graphs
+    # 24 FFN partial sums (64-column chunks) against 12 (128): the partial-sum norm reads half as much
+    timeout 120 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends triton --attention fused \
+      --ffn-chunks 64 128 --out "$OUT/profile-minilm-b1-fused-chunks.json" 2>&1 \
+      | tee "$OUT/profile-minilm-b1-fused-chunks.log" | grep -E "us/forward"
     ;;
   next4)
     # one server's single-request latency with the default attention (varlen), then with attention=fused (the

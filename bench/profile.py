@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench import command, save
 import kernels
 from model.config import EncoderConfig
-from model.encoder import Encoder, Packed, packed_mean_pool
+from model.encoder import Encoder, Packed, ffn_splits, packed_mean_pool
 from model.graphs import CudaGraphs
 
 CATEGORIES = [  # first match wins: attention before GEMM (cutlass fmha kernels would match both)
@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", nargs="+", default=["cuda", "triton"])
     parser.add_argument("--attention", choices=["pad", "varlen", "fused"], default="pad",
                         help="the fused backends' packed attention (the unfused reference keeps pad)")
+    parser.add_argument("--ffn-chunks", type=int, nargs="+", default=[64],
+                        help="with --attention fused: profile the few-token layer once per FFN chunk width (columns "
+                             "of the intermediate per ffn_partials program; wider: fewer partial sums to add up)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     cfg = EncoderConfig.from_name(args.preset)
@@ -83,10 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     packed = Packed.from_rows(rows, "cuda")
     results = {}
     with torch.inference_mode():
-        for name, backend, fused in [("reference (unfused torch)", "torch", False),
-                                     *[(f"fused {b}", b, True) for b in args.backends]]:
+        chunks = args.ffn_chunks if args.attention == "fused" else [None]
+        for name, backend, fused, chunk in [("reference (unfused torch)", "torch", False, None),
+                                            *[(f"fused {b}" + (f" (FFN chunk {c})" if len(chunks) > 1 else ""), b, True,
+                                               c) for b in args.backends for c in chunks]]:
             kernels.configure("cuda", (torch.float16,), backend=backend, fused=fused, hidden_sizes=(cfg.hidden_size,))
             attention = args.attention if fused else "pad"
+            for layer in encoder.layers:
+                layer.ffn_splits = ffn_splits(cfg.intermediate_size, chunk or 64)
             results[f"{name} eager"] = breakdown(
                 lambda: packed_mean_pool(encoder.forward_packed(packed, attention), packed, False))
             if fused:

@@ -51,8 +51,9 @@ def cases():
                        _qkv_attention_kernel, types, {**shape, "OUT_PROJ": out_proj, "IEEE": ieee}, warps)
         types = {"x_ptr": ptr, "w1_ptr": ptr, "b1_ptr": ptr, "w2_ptr": ptr, "p_ptr": "*fp32", "T": i32, "H": i32,
                  "CHUNK": i32, "stride_x": i32, "stride_w1": i32, "stride_w2": i32}
-        yield (f"ffn_partials {dname}", _ffn_partials_kernel, types,
-               {"MODE": 1, "IEEE": ieee, "BLOCK_M": 16, "BLOCK_I": 64, "BLOCK_K": 64, "BLOCK_N": 64}, 4)
+        for chunk in (64, 128):  # the encoder's default chunk and the widest the kernel takes (MAX_CHUNK)
+            yield (f"ffn_partials {dname} chunk={chunk}", _ffn_partials_kernel, types,
+                   {"MODE": 1, "IEEE": ieee, "BLOCK_M": 16, "BLOCK_I": chunk, "BLOCK_K": 64, "BLOCK_N": 64}, 4)
         for parts in (12, 24):
             types = {"X": "*fp32", "R": ptr, "BIAS": ptr, "W": ptr, "B": ptr, "Y": ptr, "S": ptr, "stride_x": i32,
                      "stride_r": i32, "stride_y": i32, "stride_s": i32, "stride_p": i32, "M": i32, "N": i32,
