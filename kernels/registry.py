@@ -2,7 +2,9 @@
 device?), then self-tested op by op against the float64 reference on fresh random inputs of a few
 shapes and every dtype in use. Auto mode self-tests every fused backend; when more than one passes it
 races them at the model's shape (RACE_ROWS x hidden size, serving dtype) and takes the fastest, else the one
-that passed; the reference is the fallback. Why every other backend was rejected is recorded; an explicitly
+that passed; the reference is the fallback. Ops the model will not call (`ops=`: say, the few-token layer's ops when attention is
+not fused) stay on the reference untested, so a server start compiles no kernel it will never launch. Why every
+other backend was rejected is recorded; an explicitly
 forced backend that fails raises (one forced for every op that does not implement some op leaves that op on the
 reference; forced for that op alone, it raises). The model never sees any of this: it calls `kernels.<op>`, which
 dispatches through `active`.
@@ -77,6 +79,7 @@ class OpChoice:
     reason: str
     rejected: dict[str, str] = field(default_factory=dict)
     timings_us: dict[str, float] = field(default_factory=dict)  # the auto-mode race, when there was one
+    used: bool = True  # False: the model does not call this op; it stays on the reference, untested
 
 
 @dataclass
@@ -95,17 +98,21 @@ class Selection:
         dtypes = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
         lines = [f"kernel backends (device {self.device}, dtypes {dtypes}, fused path "
                  f"{'on' if self.fused else 'off'}, chosen in {self.seconds:.2f}s):"]
+        used = [c for c in self.choices.values() if c.used]
         # a backend rejected for the same reason on every op (typically: unavailable here) is said once
-        everywhere = {name: why for name, why in next(iter(self.choices.values())).rejected.items()
-                      if all(c.rejected.get(name) == why for c in self.choices.values())}
+        everywhere = {name: why for name, why in (used[0].rejected.items() if used else ())
+                      if all(c.rejected.get(name) == why for c in used)}
         for name, why in everywhere.items():
             lines.append(f"  rejected {name} for every op: {why}")
         width = max(map(len, self.choices))
-        for choice in self.choices.values():
+        for choice in used:
             lines.append(f"  {choice.op:<{width}}  {choice.backend:<6}  {choice.reason}")
             for name, why in choice.rejected.items():
                 if name not in everywhere:
                     lines.append(f"  {'':<{width}}    rejected {name}: {why}")
+        unused = [c.op for c in self.choices.values() if not c.used]
+        if unused:
+            lines.append(f"  not called by this model (reference, not tested): {', '.join(unused)}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
@@ -114,7 +121,8 @@ class Selection:
             "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
             "fused": self.fused,
             "ops": {c.op: {"backend": c.backend, "reason": c.reason, "rejected": dict(c.rejected),
-                           **({"timings_us": dict(c.timings_us)} if c.timings_us else {})}
+                           **({"timings_us": dict(c.timings_us)} if c.timings_us else {}),
+                           **({} if c.used else {"used": False})}
                     for c in self.choices.values()},
         }
 
@@ -255,6 +263,7 @@ def configure(
     hidden_sizes: Iterable[int] = (),
     race: bool | None = None,
     race_timing: str = "eager",
+    ops: Iterable[str] | None = None,
 ) -> Selection:
     """Choose a backend per op, make it active, and return what was chosen and why.
 
@@ -262,7 +271,9 @@ def configure(
     `backend`; fused=False puts every op on the reference path without probing anything. race: time the
     fused backends that pass and take the fastest (default: on CUDA devices; elsewhere the first that passes
     in preference order, since the Triton interpreter's speed says nothing). race_timing: "eager" (the model
-    launches ops from Python) or "device" (the model runs from CUDA graphs: device time decides).
+    launches ops from Python) or "device" (the model runs from CUDA graphs: device time decides). ops: the ops
+    the caller will call (default: all); the others stay on the reference without a self-test, except those named
+    in `overrides` (asked for by name, so chosen as asked).
     """
     global _current
     started = time.perf_counter()
@@ -282,6 +293,9 @@ def configure(
     hidden_sizes = tuple(hidden_sizes)
     test_cols = tuple(dict.fromkeys([*SELF_TEST_COLS, *hidden_sizes]))
     race = device.type == "cuda" if race is None else race
+    wanted = set(OPS) if ops is None else {*ops, *overrides}
+    if unknown := wanted - set(OPS):
+        raise ValueError(f"unknown op(s) {sorted(unknown)}; ops are {', '.join(OPS)}")
 
     loaded: dict[str, Mapping[str, Callable] | str] = {}
 
@@ -302,6 +316,9 @@ def configure(
     for op in OPS:
         if not fused:
             choices[op] = OpChoice(op, REFERENCE_BACKEND, "fused path disabled by configuration")
+            continue
+        if op not in wanted:
+            choices[op] = OpChoice(op, REFERENCE_BACKEND, "not called by this model", used=False)
             continue
         forced = overrides.get(op, "auto")
         forced = backend if forced == "auto" else forced

@@ -172,6 +172,17 @@ def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) 
     return attention
 
 
+def kernel_ops(layout: str, attention: str) -> tuple[str, ...]:
+    """The `kernels.*` ops a forward calls in this layout ("packed" or "padded") and attention mode (resolved: pad,
+    varlen or fused). The registry self-tests and races these only; the rest stay on the reference, untested."""
+    ops = ["embedding_layer_norm", "linear_add_layer_norm", "linear_bias_gelu"]
+    if layout == "packed":
+        ops.append("segment_mean")  # pooling over cu_seqlens
+        if attention == "fused":  # the few-token layer, and qkv_attention above FUSED_LAYER_TOKENS
+            ops += ["qkv_attention", "attention_partials", "ffn_partials", "partial_add_layer_norm"]
+    return tuple(ops)
+
+
 def ffn_splits(inner: int, chunk: int = 64) -> int:
     """How many chunks the few-token layer splits its FFN into: the most that divide the intermediate width evenly
     without going under `chunk` columns (24 for MiniLM's 1536, 48 for BERT-base's 3072): one SM each."""

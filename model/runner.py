@@ -18,7 +18,7 @@ from torch import Tensor
 
 import kernels
 from model.config import PRESETS, EncoderConfig
-from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool, resolve_attention
+from model.encoder import Encoder, Packed, kernel_ops, mean_pool, packed_mean_pool, resolve_attention
 from model.tokenizer import TextTokenizer
 from model.weights import CheckpointError, default_model_dir, load_encoder
 
@@ -137,11 +137,18 @@ class Embedder:
             raise CheckpointError(f"{tokenizer_dir} has no tokenizer.json")
         tokenizer = TextTokenizer(tokenizer_dir, encoder.config.max_seq_length)
         embedder = cls(encoder, tokenizer, name, dev, dt, **options)
-        # under CUDA graphs only the kernels' device time counts; launched eagerly, host cost counts too
-        selection = kernels.configure(dev, (dt,), backend=backend, overrides=backend_overrides, fused=fused,
-                                      hidden_sizes=(encoder.config.hidden_size,),
-                                      race_timing="device" if embedder.graphs is not None else "eager")
+        selection = embedder.configure_kernels(backend=backend, overrides=backend_overrides, fused=fused)
         return embedder, LoadReport(name, dev, dt, embedder.config, selection, time.perf_counter() - started)
+
+    def configure_kernels(self, *, backend: str = "auto", overrides: dict[str, str] | None = None,
+                          fused: bool = True) -> kernels.Selection:
+        """Choose the kernel backend per op (kernels.configure) for the ops this model's forward calls, at its
+        device, dtype and width. Under CUDA graphs only the kernels' device time counts in the race; launched
+        eagerly, host cost counts too. Called at load and by the server's fused-path switch."""
+        return kernels.configure(self.device, (self.dtype,), backend=backend, overrides=overrides, fused=fused,
+                                 hidden_sizes=(self.config.hidden_size,),
+                                 race_timing="device" if self.graphs is not None else "eager",
+                                 ops=kernel_ops(self.layout, self.attention))
 
     @torch.inference_mode()
     def embed_ids(self, batch: list[list[int]], normalize: bool | None = None, *, graphs: bool = True) -> Tensor:

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from starlette.requests import Request
 
-import kernels
 from kernels import reference, registry
 from model.runner import Embedder, LoadReport
 from model.tokenizer import InputTooLong
@@ -237,8 +236,7 @@ class Service:
         def apply():
             self.faults.clear()
             self.fallback_reason = None
-            kernels.configure(e.device, (e.dtype,), backend=s.backend, overrides=dict(s.backend_overrides),
-                              fused=enabled, hidden_sizes=(e.config.hidden_size,))
+            e.configure_kernels(backend=s.backend, overrides=dict(s.backend_overrides), fused=enabled)
             self._publish_backends()
             return registry.current().as_dict()
 

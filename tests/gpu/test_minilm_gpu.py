@@ -37,7 +37,7 @@ def reference() -> torch.Tensor:
 @pytest.mark.parametrize("dtype", list(MIN_COSINE))
 def test_fused_encoder_matches_sentence_transformers(dtype, backend, reference, record_property):
     embedder, report = Embedder.load(str(_model_dir()), device="cuda", dtype=dtype, backend=backend)
-    assert {c.backend for c in report.kernels.choices.values()} == {backend}
+    assert {c.backend for c in report.kernels.choices.values() if c.used} == {backend}
     ours = torch.cat([embedder.embed(SENTENCES[i : i + 16]) for i in range(0, len(SENTENCES), 16)])
     cosine = torch.nn.functional.cosine_similarity(ours.double(), reference.double(), dim=1)
     max_abs = float((ours - reference).abs().max())

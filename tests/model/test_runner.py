@@ -30,7 +30,7 @@ def test_tiny_preset_runs_and_reports():
 
 def test_fused_triton_on_interpreter_matches_reference_path():
     fused, report = Embedder.load("tiny", device="cpu", backend="triton")
-    assert {c.backend for c in report.kernels.choices.values()} == {"triton"}
+    assert {c.backend for c in report.kernels.choices.values() if c.used} == {"triton"}
     a = fused.embed(["same input", "and a second, longer input"])
     plain, report = Embedder.load("tiny", device="cpu", fused=False)
     assert "fused path off" in report.kernels.report()
