@@ -211,7 +211,8 @@ class Service:
     # ---- runtime switches (run on the batcher thread, between batches) ---------------------------
     def _publish_backends(self) -> None:
         selection = registry.current()
-        choices = {op: c.backend for op, c in selection.choices.items()} if selection else {}
+        # ops the model does not call are left out: a dashboard row saying "torch" for them would read as a fallback
+        choices = {op: c.backend for op, c in selection.choices.items() if c.used} if selection else {}
         if self.fallback_reason:
             choices = {op: registry.REFERENCE_BACKEND for op in choices}
         self.metrics.set_backends(choices, selection.fused and not self.fallback_reason if selection else False)

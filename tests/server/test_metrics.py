@@ -67,7 +67,8 @@ def test_every_family_with_sensible_values(busy_server):
     assert s['fusedserve_reference_checks_total{result="match"}'] >= 1
     assert s['fusedserve_reference_checks_total{result="mismatch"}'] == 0
     assert 0 <= s["fusedserve_reference_max_abs_error"] < 1e-5
-    assert s['fusedserve_backend_info{backend="torch",op="bias_gelu"}'] == 1
+    assert s['fusedserve_backend_info{backend="torch",op="linear_bias_gelu"}'] == 1
+    assert not any('op="bias_gelu"' in k for k in s if k.startswith("fusedserve_backend_info"))  # not called
     assert s["fusedserve_fused_enabled"] == 1
     assert s["fusedserve_queue_depth"] == 0
     # CUDA-graph families exist on the CPU too (no graphs here: all zero), so dashboards see the series
