@@ -13,6 +13,7 @@ dispatches through `active`.
 from __future__ import annotations
 
 import logging
+import textwrap
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -112,7 +113,8 @@ class Selection:
                     lines.append(f"  {'':<{width}}    rejected {name}: {why}")
         unused = [c.op for c in self.choices.values() if not c.used]
         if unused:
-            lines.append(f"  not called by this model (reference, not tested): {', '.join(unused)}")
+            lines += textwrap.wrap(f"not called by this model (reference, not tested): {', '.join(unused)}", 112,
+                                   initial_indent="  ", subsequent_indent="    ")
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
