@@ -123,6 +123,8 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
 
     print(f"{name}: {sum(lengths)} real tokens of {batch * longest} padded; GEMM floor {floor:.3f} ms",
           file=sys.stderr, flush=True)
+    from kernels.triton._common import set_pdl
+
     with torch.inference_mode():
         # --- Hugging Face transformers -----------------------------------------------------------
         if "hf" in args.providers:
@@ -145,11 +147,18 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
             attentions += ["pad"] if backend == backends[0] and attentions[0] != "pad" else []
             # the Triton backend's one-kernel QKV projection + attention (kernels.qkv_attention; opt-in until measured)
             attentions += ["fused"] if backend == "triton" and args.fused_attention else []
-            for attention in attentions:
-                graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256,
-                                    attention=attention)
-                suffix = "" if attention == attentions[0] else f" {attention}-attn"
-                record(f"ours {backend} packed graphs{suffix}", lambda: graphs.run(rows))
+            variants = [(attention, False) for attention in attentions]
+            if backend == "triton" and args.pdl:  # programmatic dependent launch between the Triton kernels
+                variants += [(attention, True) for attention in (attentions[0], "fused") if attention in attentions]
+            for attention, pdl in variants:
+                previous = set_pdl(pdl)  # the graphs are captured with it or without; replays keep that
+                try:
+                    graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256,
+                                        attention=attention)
+                    suffix = ("" if attention == attentions[0] else f" {attention}-attn") + (" pdl" if pdl else "")
+                    record(f"ours {backend} packed graphs{suffix}", lambda: graphs.run(rows))
+                finally:
+                    set_pdl(previous)
                 stats = graphs.stats()
                 out[-1]["graphs"] = {k: stats[k] for k in ("graphs", "captures", "eager_fallbacks", "pool_bytes",
                                                            "attention")}
@@ -181,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fused-attention", dest="fused_attention", action="store_false",
                         help="skip the Triton backend's graphs row with attention=fused (QKV projection + attention as "
                              "one kernel per sequence x head)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="the Triton backend's graphs rows again with programmatic dependent launch between its "
+                             "kernels (FUSEDSERVE_TRITON_PDL; Hopper): the serving attention and, with it, fused")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     results = []

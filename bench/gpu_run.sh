@@ -25,6 +25,7 @@
 #   bash bench/gpu_run.sh next2     # six MPS replicas at 64 clients: kernel choices across replicas, served / raw
 #   bash bench/gpu_run.sh next3     # BERT-base b32 fixed and b128 varlen with torch.compile + CUDA graphs in the same run
 #   bash bench/gpu_run.sh next4     # one server's single-request latency, default attention then attention=fused
+#   bash bench/gpu_run.sh next5     # the fused model tests, MiniLM rows and b1 profile (FFN chunks), each also with PDL
 #   bash bench/gpu_run.sh lnrows    # MiniLM rows without / with the few-row LayerNorm candidates (Triton), b1 profile
 #   bash bench/gpu_run.sh replicas  # one server, then eight replicas on the GPU at 64 clients (token ids), with the
 #                                   # servers' CPU time per request (~8 min)
@@ -265,13 +266,15 @@ case "$mode" in
     # the model-level fused tests (MiniLM through fused graphs vs padded, graph replays; a cold Triton cache compiles
     # and tunes the unrolled kernels first) and the MiniLM rows with fused-attn beside varlen: if b1 s16 confirms the
     # profile (158 vs 210 us), auto takes fused for buckets of <= 64 tokens
-    gpu_tests fused-model 260 -n 4 tests/kernels/test_qkv_attention.py tests/gpu/test_graphs_gpu.py \
-      -k "qkv or partial or fused or few_token"
-    timeout 180 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --out "$OUT/encoder-minilm.json" 2>&1 \
-      | tee "$OUT/encoder-minilm.log" | grep graphs
+    # and programmatic dependent launch (FUSEDSERVE_TRITON_PDL, session 12): bitwise the same results (GPU test), the
+    # MiniLM graphs rows and the b1 profile again with it
+    gpu_tests fused-model 240 -n 4 tests/kernels/test_qkv_attention.py tests/gpu/test_graphs_gpu.py \
+      -k "qkv or partial or fused or few_token or programmatic"
+    timeout 200 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --pdl --out "$OUT/encoder-minilm.json" \
+      2>&1 | tee "$OUT/encoder-minilm.log" | grep graphs
     # 24 FFN partial sums (64-column chunks) against 12 (128): the partial-sum norm reads half as much
     timeout 120 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends triton --attention fused \
-      --ffn-chunks 64 128 --out "$OUT/profile-minilm-b1-fused-chunks.json" 2>&1 \
+      --ffn-chunks 64 128 --pdl --out "$OUT/profile-minilm-b1-fused-chunks.json" 2>&1 \
       | tee "$OUT/profile-minilm-b1-fused-chunks.log" | grep -E "us/forward"
     ;;
   next4)

@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ffn-chunks", type=int, nargs="+", default=[64],
                         help="with --attention fused: profile the few-token layer once per FFN chunk width (columns "
                              "of the intermediate per ffn_partials program; wider: fewer partial sums to add up)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="the Triton backend's graphs a second time with programmatic dependent launch between "
+                             "its kernels (FUSEDSERVE_TRITON_PDL; Hopper)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     cfg = EncoderConfig.from_name(args.preset)
@@ -85,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.batch)]
     packed = Packed.from_rows(rows, "cuda")
     results = {}
+    from kernels.triton._common import set_pdl
+
     with torch.inference_mode():
         chunks = args.ffn_chunks if args.attention == "fused" else [None]
         for name, backend, fused, chunk in [("reference (unfused torch)", "torch", False, None),
@@ -96,12 +101,16 @@ def main(argv: list[str] | None = None) -> int:
                 layer.ffn_splits = ffn_splits(cfg.intermediate_size, chunk or 64)
             results[f"{name} eager"] = breakdown(
                 lambda: packed_mean_pool(encoder.forward_packed(packed, attention), packed, False))
-            if fused:
-                graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=args.batch * args.seq,
-                                    max_batch=args.batch, attention=attention)
-                results[f"{name} graphs"] = breakdown(lambda: graphs.run(rows))
-                del graphs
-            for mode in ("eager", "graphs"):
+            for pdl in ([False, True] if args.pdl and backend == "triton" else [False]) if fused else []:
+                previous = set_pdl(pdl)  # captured with it or without; replays keep what was captured
+                try:
+                    graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=args.batch * args.seq,
+                                        max_batch=args.batch, attention=attention)
+                    results[f"{name} graphs{' pdl' if pdl else ''}"] = breakdown(lambda: graphs.run(rows))
+                    graphs = None
+                finally:
+                    set_pdl(previous)
+            for mode in ("eager", "graphs", "graphs pdl"):
                 if (r := results.get(f"{name} {mode}")) is not None:
                     print(f"{name}: {r['wall_us']:.0f} us/forward {mode}, {r['kernels_per_forward']:.0f} kernels: "
                           f"{r['us']}", file=sys.stderr, flush=True)

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 # as_rows/as_vector/output_like are shared with the CUDA backend; re-exported for the launchers here.
@@ -21,6 +23,49 @@ AUTOTUNE = os.environ.get("FUSEDSERVE_TRITON_AUTOTUNE", "1") != "0"
 
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# Programmatic dependent launch (PDL, Hopper and later), FUSEDSERVE_TRITON_PDL=1, off by default until the H200 says
+# it pays. Launched with it, a kernel's programs may be scheduled while the kernel before it in the stream is still
+# finishing, so the gap between two dependent kernels (1.6 us a boundary in the b1 s16 graph, session 11) can shrink.
+# Safe only because every kernel launched with it runs `pdl_sync` before it reads or writes any activation: that waits
+# for the previous kernel to complete with its writes visible (and that kernel, if it was launched with PDL too, had
+# waited for its own predecessor, so every earlier kernel is complete as well). Kernels launched without it (cuBLAS,
+# torch's) start after their predecessor completes, as always. Covered: the few-token layer's kernels (the LayerNorm
+# kernel, qkv_attention / attention_partials, ffn_partials), the embedding + LayerNorm and segment_mean kernels.
+_pdl = os.environ.get("FUSEDSERVE_TRITON_PDL", "0") == "1"
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Turn programmatic dependent launch on or off for later launches (CUDA graphs keep how they were captured);
+    returns the previous setting."""
+    global _pdl
+    previous, _pdl = _pdl, bool(enabled)
+    return previous
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_args(x: Tensor) -> dict:
+    """Launch keywords for a kernel with a USE_PDL constexpr: PDL where it is on and x's device has it."""
+    if _pdl and not INTERPRET and x.device.type == "cuda":
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if _pdl_capable(index):
+            return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_sync(USE_PDL: tl.constexpr):
+    """First thing in a kernel launched with PDL: wait until the previous kernel has completed and its writes are
+    visible (griddepcontrol.wait), then let the next kernel's programs be scheduled (launch_dependents: they start
+    once every program here has said so or exited, and wait in their own pdl_sync). Nothing without USE_PDL."""
+    if USE_PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 def _cpu_do_bench(fn, quantiles=None, reps: int = 1):

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton._common import autotune, block_cols, needs_wide, row_bucket, tile_configs
+from kernels.triton._common import autotune, block_cols, needs_wide, pdl_args, pdl_sync, row_bucket, tile_configs
 from kernels.triton._gelu import gelu
 
 
@@ -61,6 +61,7 @@ def _norm_kernel(
     WIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_common.pdl_args)
 ):
     pid = tl.program_id(0)
     if WIDE:  # offsets past 2^31 elements need 64-bit arithmetic; otherwise 32-bit is cheaper per element
@@ -69,6 +70,7 @@ def _norm_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
     mask = (rows < M)[:, None] & col_ok[None, :]
+    pdl_sync(USE_PDL)
 
     h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     h = h.to(tl.float64) if F64 else h.to(tl.float32)
@@ -118,6 +120,6 @@ def launch_norm(x: Tensor, residual: Tensor | None, bias: Tensor | None, weight:
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, STORE_SUM=pre_norm_sum is not None,
         GELU=gelu_mode, F64=x.dtype == torch.float64,
         WIDE=needs_wide(x, residual, y, pre_norm_sum) or (parts is not None and parts.numel() >= 2**31),
-        BLOCK_N=block_cols(cols),
+        BLOCK_N=block_cols(cols), **pdl_args(x),
     )
 

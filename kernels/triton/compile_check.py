@@ -7,7 +7,9 @@ the H200 and ran fine on the interpreter (session 11, qkv_attention). triton.com
 TTGIR, LLVM IR and PTX to a cubin with the ptxas that ships in Triton's wheel; none of that needs a driver.
 
 Covered: the kernels of the few-token layer (qkv_attention and attention_partials, ffn_partials, the LayerNorm
-kernel summing partials) at the model's shapes, in fp16, bf16 and fp32. Must run without TRITON_INTERPRET (under it
+kernel summing partials) at the model's shapes, in fp16, bf16 and fp32; and in fp16 every kernel that can be
+launched with programmatic dependent launch (those, embedding + LayerNorm, segment_mean) with it, whose PTX must
+then hold the grid-dependency wait and release (kernels/triton/_common.py, pdl_sync). Must run without TRITON_INTERPRET (under it
 `triton.jit` builds interpreter objects the compiler cannot take); tests/kernels/test_triton_compile.py runs it in a
 subprocess.
 """
@@ -29,8 +31,36 @@ def _signature(fn, types: dict, constexprs: dict) -> dict:
     return {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
 
 
+PDL_PTX = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+
+
 def cases():
-    """(name, jit function, argument types, constexprs, num_warps) for every kernel configuration checked."""
+    """(name, jit function, argument types, constexprs, num_warps) for every kernel configuration checked; a case
+    whose constexprs set USE_PDL is compiled with launch_pdl."""
+    for name, fn, types, constexprs, warps in _few_token_cases():
+        yield name, fn, types, {**constexprs, "USE_PDL": False}, warps
+    for name, fn, types, constexprs, warps in _few_token_cases():
+        if name.split()[1] == "fp16" and ("seq=16" in name or "chunk=64" in name or "parts=12" in name):
+            yield f"{name} pdl", fn, types, {**constexprs, "USE_PDL": True}, warps
+    yield from _pdl_cases()
+
+
+def _pdl_cases():
+    from kernels.triton.embedding_layer_norm import _embedding_layer_norm_kernel
+    from kernels.triton.segment_mean import _segment_mean_kernel
+
+    i32, f32, ptr = "i32", "fp32", "*fp16"
+    types = {"IDS": "*i64", "POS": "*i64", "TYPES": "*i64", "WORD": ptr, "POSITION": ptr, "TOKEN_TYPE": ptr, "W": ptr,
+             "B": ptr, "Y": ptr, "stride_word": i32, "stride_pos": i32, "stride_type": i32, "stride_y": i32,
+             "M": i32, "N": i32, "eps": f32, "M_BUCKET": i32}
+    yield ("embedding_layer_norm fp16 pdl", _embedding_layer_norm_kernel.fn, types,
+           {"F64": False, "WIDE": False, "BLOCK_N": 512, "BLOCK_M": 1, "USE_PDL": True}, 2)
+    types = {"x_ptr": ptr, "cu_ptr": "*i32", "y_ptr": "*fp32", "T": i32, "H": i32, "stride_x": i32, "stride_y": i32}
+    yield ("segment_mean fp16 pdl", _segment_mean_kernel, types,
+           {"BLOCK_T": 32, "BLOCK_H": 128, "OUT_F64": False, "USE_PDL": True}, 4)
+
+
+def _few_token_cases():
     from kernels.triton._norm import _norm_kernel
     from kernels.triton.ffn_partials import _ffn_partials_kernel
     from kernels.triton.qkv_attention import _qkv_attention_kernel, launch_shape
@@ -80,9 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.k not in name:
             continue
         start = time.perf_counter()
+        pdl = constexprs.get("USE_PDL", False)
         try:
             source = ASTSource(fn=fn, signature=_signature(fn, types, constexprs), constexprs=constexprs)
-            kernel = triton.compile(source, target=target, options={"num_warps": warps})
+            kernel = triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": pdl})
+            missing = [op for op in PDL_PTX if pdl and op not in kernel.asm["ptx"]]
+            if missing:
+                raise AssertionError(f"compiled with PDL but its PTX lacks {', '.join(missing)}")
         except Exception as exc:  # a compile error names the kernel line; report every case, then fail
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)

@@ -9,7 +9,8 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels._layout import embedding_inputs
-from kernels.triton._common import as_vector, autotune, block_cols, check_device, needs_wide, row_bucket
+from kernels.triton._common import (as_vector, autotune, block_cols, check_device, needs_wide, pdl_args, pdl_sync,
+                                    row_bucket)
 from kernels.triton._norm import _CONFIGS, _prune
 
 
@@ -32,6 +33,7 @@ def _embedding_layer_norm_kernel(
     WIDE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_common.pdl_args)
 ):
     pid = tl.program_id(0)
     if WIDE:  # offsets past 2^31 elements need 64-bit arithmetic; otherwise 32-bit is cheaper per element
@@ -41,6 +43,7 @@ def _embedding_layer_norm_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
     mask = row_ok[:, None] & col_ok[None, :]
+    pdl_sync(USE_PDL)
 
     word = tl.load(IDS + rows, mask=row_ok, other=0).to(tl.int64)
     pos = tl.load(POS + rows, mask=row_ok, other=0).to(tl.int64)
@@ -78,6 +81,6 @@ def embedding_layer_norm(input_ids: Tensor, position_ids: Tensor, token_type_ids
             as_vector(bias, cols, f"{name} bias"), y,
             word.stride(0), position.stride(0), token_type.stride(0), y.stride(0),
             rows, cols, eps, row_bucket(rows),
-            F64=word.dtype == torch.float64, WIDE=needs_wide(y), BLOCK_N=block_cols(cols),
+            F64=word.dtype == torch.float64, WIDE=needs_wide(y), BLOCK_N=block_cols(cols), **pdl_args(y),
         )
     return out if out is not None else y.view(shape)

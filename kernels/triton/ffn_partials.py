@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import reference
-from kernels.triton._common import INTERPRET, check_device
+from kernels.triton._common import INTERPRET, check_device, pdl_args, pdl_sync
 from kernels.triton._gelu import GELU_MODES, gelu
 from kernels.triton.qkv_attention import _dot, _operand, _project
 
@@ -33,8 +33,9 @@ MAX_CHUNK = 128  # intermediate columns one program holds ([rows, chunk] fp32 in
 @triton.jit
 def _ffn_partials_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, p_ptr, T, H, CHUNK, stride_x, stride_w1, stride_w2,
                          MODE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):
     chunk = tl.program_id(1)
+    pdl_sync(USE_PDL)
     first = tl.program_id(0) * BLOCK_M
     rows = first + tl.arange(0, BLOCK_M)
     inner = tl.arange(0, BLOCK_I)
@@ -89,6 +90,6 @@ def ffn_partials(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, splits: int, app
             x, w1, b1, w2, y, t, hidden, chunk, x.stride(0), w1.stride(0), w2.stride(0),
             MODE=GELU_MODES[approximate], IEEE=x.dtype == torch.float32 or (INTERPRET and x.dtype == torch.bfloat16),
             BLOCK_M=block_m, BLOCK_I=max(triton.next_power_of_2(chunk), 16),
-            BLOCK_K=step, BLOCK_N=step, num_warps=4)
+            BLOCK_K=step, BLOCK_N=step, num_warps=4, **pdl_args(x))
     return y
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from kernels import reference
 from kernels._layout import offsets, segment_arguments
-from kernels.triton._common import INTERPRET, check_device
+from kernels.triton._common import INTERPRET, check_device, pdl_args, pdl_sync
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # one head's [BLOCK, head_dim] q, k, v and accumulator stay in registers; wider: torch
@@ -150,12 +150,13 @@ def _store_out_projection(ctx, wo_ptr, p_ptr, rows, end, head, H, D, stride_wo,
 def _qkv_attention_kernel(x_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, wo_ptr, T, H, D, qk_scale, stride_x, stride_w,
                           stride_y, stride_wo,
                           BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                          OUT_PROJ: tl.constexpr, IEEE: tl.constexpr):
+                          OUT_PROJ: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr = False):
     # OUT_PROJ: y is the [heads, T, H] fp32 partial sums of the output projection (head h's slice at h * T * H), not
     # the [T, H] context
     seq = tl.program_id(0)
     head = tl.program_id(1)
     part = tl.program_id(2)
+    pdl_sync(USE_PDL)
     parts = tl.num_programs(2)
     filler = tl.num_programs(0) - 1  # the last grid row: zeros for the rows past the last offset
     dims = tl.arange(0, BLOCK_D)
@@ -246,7 +247,8 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, y: Tens
     wo = out_weight if out_weight is not None else weight
     _qkv_attention_kernel[(cu_seqlens.numel(), num_heads, parts)](
         x, weight, bias, cu_seqlens, y, wo, t, hidden, d, d**-0.5 * LOG2E, x.stride(0), weight.stride(0),
-        y.stride(0) if out_weight is None else 0, wo.stride(0), OUT_PROJ=out_weight is not None, IEEE=ieee, **shape)
+        y.stride(0) if out_weight is None else 0, wo.stride(0), OUT_PROJ=out_weight is not None, IEEE=ieee, **shape,
+        **pdl_args(x))
 
 
 def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, *,

@@ -17,12 +17,14 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels._layout import segment_arguments
-from kernels.triton._common import check_device
+from kernels.triton._common import check_device, pdl_args, pdl_sync
 
 @triton.jit
 def _segment_mean_kernel(x_ptr, cu_ptr, y_ptr, T, H, stride_x, stride_y,
-                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, OUT_F64: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, OUT_F64: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     seg = tl.program_id(0)
+    pdl_sync(USE_PDL)  # the offsets too may be written by an earlier kernel
     start = tl.load(cu_ptr + seg).to(tl.int64)
     end = tl.load(cu_ptr + seg + 1).to(tl.int64)
     start = tl.minimum(tl.maximum(start, 0), T)
@@ -49,5 +51,6 @@ def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) ->
         block_h = min(triton.next_power_of_2(hidden), 128)
         _segment_mean_kernel[(segments, triton.cdiv(hidden, block_h))](
             x, cu_seqlens, y, x.shape[0], hidden, x.stride(0), y.stride(0),
-            BLOCK_T=32 if block_h >= 64 else 64, BLOCK_H=block_h, OUT_F64=out_dtype == torch.float64, num_warps=4)
+            BLOCK_T=32 if block_h >= 64 else 64, BLOCK_H=block_h, OUT_F64=out_dtype == torch.float64, num_warps=4,
+            **pdl_args(x))
     return y

@@ -149,3 +149,40 @@ def test_capture_all_covers_the_traffic():
         a, b = e.embed_ids(ids), e.embed_ids(ids, graphs=False)
         assert _agree(a, b, "float16")
     assert e.graphs.stats()["captures"] == captured  # nothing captured under traffic
+
+
+@pytest.mark.parametrize("attention", ["fused", "varlen"])
+def test_programmatic_dependent_launch_changes_no_bit(attention):
+    """FUSEDSERVE_TRITON_PDL: the same kernels in the same order with the same configs, only allowed to start while
+    their predecessor finishes, so results must be bitwise those without it: graphs (captured with it) and eager
+    launches, over many batches of new inputs, each compared with the same batch without PDL. A kernel that read
+    (or wrote) before the one before it had finished would show as a difference."""
+    from kernels.triton._common import set_pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    options = dict(device="cuda", dtype="float16", backend="triton", attention=attention, max_batch_tokens=1024,
+                   max_batch=16)
+    previous = set_pdl(False)
+    try:
+        plain, _ = Embedder.load(str(_model_dir()), **options)
+        with_pdl, _ = Embedder.load(str(_model_dir()), **options)
+
+        def embed(e, pdl: bool, ids, graphs: bool = True):
+            set_pdl(pdl)  # graphs are captured on a bucket's first batch, with the setting of that moment
+            return e.embed_ids(ids, graphs=graphs)
+
+        gen = torch.Generator().manual_seed(11)
+        for step in range(40):
+            n = int(torch.randint(1, 17, (1,), generator=gen))
+            texts = [SENTENCES[int(i)] for i in torch.randint(0, len(SENTENCES), (n,), generator=gen)]
+            ids = plain.tokenizer.encode(texts)
+            while sum(map(len, ids)) > 1024:
+                ids.pop()
+            graphs = step % 4 != 3  # every fourth batch eagerly
+            a, b = embed(with_pdl, True, ids, graphs), embed(plain, False, ids, graphs)
+            assert torch.isfinite(a).all()
+            assert torch.equal(a, b), (step, n, float((a - b).abs().max()))
+        assert with_pdl.graphs.stats()["replays"] == 30 and with_pdl.graphs.stats()["eager_fallbacks"] == 0
+    finally:
+        set_pdl(previous)

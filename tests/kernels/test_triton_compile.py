@@ -1,6 +1,7 @@
 """The few-token layer's Triton kernels compile for Hopper (sm_90) with Triton's own compiler and ptxas, on a
 machine without a GPU (kernels/triton/compile_check.py): the interpreter that runs the kernels in CI never compiles
-them, and one compile-only error (a variable of two types across a runtime branch) reached the H200 that way."""
+them, and one compile-only error (a variable of two types across a runtime branch) reached the H200 that way. So do
+the kernels that can be launched with programmatic dependent launch, with it."""
 
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ def test_few_token_kernels_compile_for_sm90(tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     compiled = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
-    assert len(compiled) >= 24 and "all compiled" in result.stdout, result.stdout
+    assert len(compiled) >= 30 and "all compiled" in result.stdout, result.stdout
+    # with programmatic dependent launch: every kernel it covers, each PTX checked for the wait and the release
+    pdl = {line.split()[1] for line in compiled if " pdl:" in line}
+    assert pdl == {"qkv_attention", "ffn_partials", "partial_add_layer_norm", "embedding_layer_norm",
+                   "segment_mean"}, result.stdout
 
 
 def test_the_check_refuses_the_interpreter():

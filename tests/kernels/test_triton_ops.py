@@ -197,3 +197,25 @@ def test_norm_candidates_spread_few_rows_over_programs():
     assert {c.kwargs["BLOCK_M"] for c in few} == {1, 2, 4, 8, 16, 32}
     assert {c.kwargs["BLOCK_M"] for c in many} == {8, 16, 32}
     assert {c.num_warps for c in few if c.kwargs["BLOCK_M"] == 1} == {1, 2}  # 16 or 8 elements per thread
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_programmatic_dependent_launch_only_where_the_device_has_it(device):
+    """FUSEDSERVE_TRITON_PDL asks for PDL; a launcher adds it only on a CUDA device of sm_90 or later (never under
+    the interpreter), and the few-token ops give the same results with the setting on (the GPU test checks every bit
+    with it actually in use, tests/gpu/test_graphs_gpu.py)."""
+    from kernels.triton._common import INTERPRET, pdl_args, set_pdl
+
+    x = torch.randn(16, 32, device=device)
+    previous = set_pdl(False)
+    try:
+        assert pdl_args(x) == {"USE_PDL": False}
+        set_pdl(True)
+        expected = (not INTERPRET and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
+        assert pdl_args(x) == ({"USE_PDL": True, "launch_pdl": True} if expected else {"USE_PDL": False})
+        assert pdl_args(x.cpu()) == {"USE_PDL": False}
+        for op in ("partial_add_layer_norm", "ffn_partials", "attention_partials", "segment_mean"):
+            report = check_op(triton_launchers[op], op, 7, 64, torch.float32, x.device, seed=_seed("pdl", op))
+            assert report.ok, (op, report)
+    finally:
+        set_pdl(previous)
