@@ -9,7 +9,8 @@ TTGIR, LLVM IR and PTX to a cubin with the ptxas that ships in Triton's wheel; n
 Covered: the kernels of the few-token layer (qkv_attention and attention_partials, ffn_partials, the LayerNorm
 kernel summing partials) at the model's shapes, in fp16, bf16 and fp32; and in fp16 every kernel that can be
 launched with programmatic dependent launch (those, embedding + LayerNorm, segment_mean) with it, whose PTX must
-then hold the grid-dependency wait and release (kernels/triton/_common.py, pdl_sync). Must run without TRITON_INTERPRET (under it
+then hold the grid-dependency wait and release (kernels/triton/_common.py, pdl_sync), the wait before any load or
+store. Must run without TRITON_INTERPRET (under it
 `triton.jit` builds interpreter objects the compiler cannot take); tests/kernels/test_triton_compile.py runs it in a
 subprocess.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -93,6 +95,16 @@ def _few_token_cases():
                     "F64": False, "WIDE": False, "BLOCK_N": 512, "BLOCK_M": 1}, 2)
 
 
+def _check_pdl_ptx(ptx: str) -> None:
+    """A kernel compiled with PDL holds the wait and the release, and no memory access comes before the wait."""
+    missing = [op for op in PDL_PTX if op not in ptx]
+    if missing:
+        raise AssertionError(f"compiled with PDL but its PTX lacks {', '.join(missing)}")
+    first = re.search(r"\b(ld|st|cp\.async|atom|red)\.(global|shared)", ptx)
+    if first and first.start() < ptx.index(PDL_PTX[0]):
+        raise AssertionError(f"a memory access precedes {PDL_PTX[0]} in the PTX: {first.group(0)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: Hopper)")
@@ -114,9 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             source = ASTSource(fn=fn, signature=_signature(fn, types, constexprs), constexprs=constexprs)
             kernel = triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": pdl})
-            missing = [op for op in PDL_PTX if pdl and op not in kernel.asm["ptx"]]
-            if missing:
-                raise AssertionError(f"compiled with PDL but its PTX lacks {', '.join(missing)}")
+            if pdl:
+                _check_pdl_ptx(kernel.asm["ptx"])
         except Exception as exc:  # a compile error names the kernel line; report every case, then fail
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)

@@ -36,3 +36,13 @@ def test_the_check_refuses_the_interpreter():
     result = subprocess.run([sys.executable, "-m", "kernels.triton.compile_check"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "unset TRITON_INTERPRET" in result.stderr
+
+
+def test_the_pdl_check_rejects_a_load_before_the_wait():
+    from kernels.triton.compile_check import _check_pdl_ptx
+
+    _check_pdl_ptx("mov.u32 %r1, %ctaid.x;\ngriddepcontrol.wait;\ngriddepcontrol.launch_dependents;\nld.global.b32 x;")
+    with pytest.raises(AssertionError, match="precedes"):
+        _check_pdl_ptx("ld.global.b32 x;\ngriddepcontrol.wait;\ngriddepcontrol.launch_dependents;")
+    with pytest.raises(AssertionError, match="lacks griddepcontrol.launch_dependents"):
+        _check_pdl_ptx("griddepcontrol.wait;\nld.global.b32 x;")
