@@ -1,13 +1,12 @@
-"""Per-op backend choice. Each backend (triton, cuda, torch) is probed once (importable? usable on this
-device?), then self-tested op by op against the float64 reference on fresh random inputs of a few
-shapes and every dtype in use. Auto mode self-tests every fused backend; when more than one passes it
-races them at the model's shape (RACE_ROWS x hidden size, serving dtype) and takes the fastest, else the one
-that passed; the reference is the fallback. Ops the model will not call (`ops=`: say, the few-token layer's ops when attention is
-not fused) stay on the reference untested, so a server start compiles no kernel it will never launch. Why every
-other backend was rejected is recorded; an explicitly
-forced backend that fails raises (one forced for every op that does not implement some op leaves that op on the
-reference; forced for that op alone, it raises). The model never sees any of this: it calls `kernels.<op>`, which
-dispatches through `active`.
+"""Per-op backend choice. Each backend (triton, cuda, torch) is probed once (importable? usable on this device?),
+then self-tested op by op against the float64 reference on fresh random inputs of a few shapes and every dtype in
+use. Auto mode self-tests every fused backend; when more than one passes it races them at the model's shape
+(RACE_ROWS x hidden size, serving dtype) and takes the fastest, else the one that passed; the reference is the
+fallback. Ops the model will not call (`ops=`: say, the few-token layer's ops when attention is not fused) stay on
+the reference untested, so a server start compiles no kernel it will never launch. Why every other backend was
+rejected is recorded; an explicitly forced backend that fails raises (one forced for every op that does not
+implement some op leaves that op on the reference; forced for that op alone, it raises). The model never sees any of
+this: it calls `kernels.<op>`, which dispatches through `active`.
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ Covered: the kernels of the few-token layer (qkv_attention and attention_partial
 kernel summing partials) at the model's shapes, in fp16, bf16 and fp32; and in fp16 every kernel that can be
 launched with programmatic dependent launch (those, embedding + LayerNorm, segment_mean) with it, whose PTX must
 then hold the grid-dependency wait and release (kernels/triton/_common.py, pdl_sync), the wait before any load or
-store. Must run without TRITON_INTERPRET (under it
-`triton.jit` builds interpreter objects the compiler cannot take); tests/kernels/test_triton_compile.py runs it in a
-subprocess.
+store. Must run without TRITON_INTERPRET (under it `triton.jit` builds interpreter objects the compiler cannot
+take); tests/kernels/test_triton_compile.py runs it in a subprocess.
 """
 
 from __future__ import annotations
