@@ -93,7 +93,7 @@ case "$mode" in
     fi
     if [ "${TESTS_PART:-all}" != kernels ]; then
       FUSEDSERVE_TRITON_AUTOTUNE=${AUTOTUNE_MODEL_TESTS:-1} FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm \
-        timeout ${MODEL_TESTS_S:-330} python3 -m pytest -m gpu -q -s -rs -p no:cacheprovider -n ${MODEL_TESTS_WORKERS:-1} \
+        timeout ${MODEL_TESTS_S:-330} python3 -m pytest -m gpu -q -s -rs -p no:cacheprovider ${MODEL_TESTS_WORKERS:+-n $MODEL_TESTS_WORKERS} \
         tests/gpu 2>&1 | tee "$OUT/gpu-tests-model.log" | tail -12
     fi
     ;;
