@@ -302,7 +302,10 @@ case "$mode" in
   next3)
     # the BERT-base rows with torch.compile + CUDA graphs in the same run, the b128 varlen row included (issue #6's
     # acceptance compares every row with it; session 6 ran it for the fixed rows only), and the fused-attn rows
-    timeout 560 python3 -m bench.encoder --cases "bert-base b32 s128 fixed" "bert-base b128 s128 varlen" \
+    # first, 20 s: what the varlen graphs' fixed max_seqlen (512 for BERT-base at 9216 tokens) costs the attention
+    # against the batch's own longest row (eager varlen beat the graph replay at b128 by 4% in session 6)
+    timeout 40 python3 -m bench.varlen_grid --out "$OUT/varlen-grid.json" 2>&1 | tee "$OUT/varlen-grid.log"
+    timeout 540 python3 -m bench.encoder --cases "bert-base b32 s128 fixed" "bert-base b128 s128 varlen" \
       --compile-cases "bert-base b32 s128 fixed" "bert-base b128 s128 varlen" --no-ffn-epilogue \
       --out "$OUT/encoder-bert.json" 2>&1 | tee "$OUT/encoder-bert.log" | grep -E "ms "
     ;;
