@@ -369,6 +369,10 @@ def configure(
                                    f"{choice.rejected.get(forced)}")
             raise BackendError(f"no backend passed for op {op!r}: {choice.rejected}")
         choices[op] = choice
+        # progress: on a GPU with a cold Triton cache each op's self-tests and race compile kernels (seconds each)
+        done = sum(c.used for c in choices.values())
+        log.info("kernel backends: %s -> %s (%d of %d ops, %.1fs)", op, choice.backend, done,
+                 len(wanted), time.perf_counter() - started)
 
     impls = {op: implementation(c.backend, op) for op, c in choices.items()}
     active.update(impls)
