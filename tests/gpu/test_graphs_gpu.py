@@ -18,6 +18,17 @@ pytestmark = pytest.mark.gpu
 MIN_COSINE = {"float16": 0.9999, "bfloat16": 0.999}  # bf16 keeps 3 fewer mantissa bits than fp16
 
 
+def _random_batches(tokenizer, seed: int, count: int, max_tokens: int = 1024):
+    """`count` batches of 1-16 test sentences drawn at random, as token ids of at most max_tokens in all."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        n = int(torch.randint(1, 17, (1,), generator=gen))
+        ids = tokenizer.encode([SENTENCES[int(i)] for i in torch.randint(0, len(SENTENCES), (n,), generator=gen)])
+        while sum(map(len, ids)) > max_tokens:
+            ids.pop()
+        yield ids
+
+
 def _agree(a: torch.Tensor, b: torch.Tensor, dtype: str) -> bool:
     if dtype == "float32":
         return float((a - b).abs().max()) <= 1e-5
@@ -139,13 +150,7 @@ def test_capture_all_covers_the_traffic():
     assert e.attention == "varlen"
     captured = e.graphs.capture_all()
     assert captured == len(e.graphs.reachable_keys()) == e.graphs.stats()["captures"] > 0
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(12):
-        n = int(torch.randint(1, 17, (1,), generator=gen))
-        texts = [SENTENCES[int(i)] for i in torch.randint(0, len(SENTENCES), (n,), generator=gen)]
-        ids = e.tokenizer.encode(texts)
-        while sum(map(len, ids)) > 1024:
-            ids.pop()
+    for ids in _random_batches(e.tokenizer, seed=3, count=12):
         a, b = e.embed_ids(ids), e.embed_ids(ids, graphs=False)
         assert _agree(a, b, "float16")
     assert e.graphs.stats()["captures"] == captured  # nothing captured under traffic
@@ -172,17 +177,11 @@ def test_programmatic_dependent_launch_changes_no_bit(attention):
             set_pdl(pdl)  # graphs are captured on a bucket's first batch, with the setting of that moment
             return e.embed_ids(ids, graphs=graphs)
 
-        gen = torch.Generator().manual_seed(11)
-        for step in range(40):
-            n = int(torch.randint(1, 17, (1,), generator=gen))
-            texts = [SENTENCES[int(i)] for i in torch.randint(0, len(SENTENCES), (n,), generator=gen)]
-            ids = plain.tokenizer.encode(texts)
-            while sum(map(len, ids)) > 1024:
-                ids.pop()
+        for step, ids in enumerate(_random_batches(plain.tokenizer, seed=11, count=40)):
             graphs = step % 4 != 3  # every fourth batch eagerly
             a, b = embed(with_pdl, True, ids, graphs), embed(plain, False, ids, graphs)
             assert torch.isfinite(a).all()
-            assert torch.equal(a, b), (step, n, float((a - b).abs().max()))
+            assert torch.equal(a, b), (step, len(ids), float((a - b).abs().max()))
         assert with_pdl.graphs.stats()["replays"] == 30 and with_pdl.graphs.stats()["eager_fallbacks"] == 0
     finally:
         set_pdl(previous)
