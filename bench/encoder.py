@@ -123,7 +123,7 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
 
     print(f"{name}: {sum(lengths)} real tokens of {batch * longest} padded; GEMM floor {floor:.3f} ms",
           file=sys.stderr, flush=True)
-    from kernels.triton._common import set_pdl
+    from kernels.triton._common import pdl_launches
 
     with torch.inference_mode():
         # --- Hugging Face transformers -----------------------------------------------------------
@@ -151,14 +151,11 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
             if backend == "triton" and args.pdl:  # programmatic dependent launch between the Triton kernels
                 variants += [(attention, True) for attention in (attentions[0], "fused") if attention in attentions]
             for attention, pdl in variants:
-                previous = set_pdl(pdl)  # the graphs are captured with it or without; replays keep that
-                try:
+                with pdl_launches(pdl):  # the graphs are captured with it or without; replays keep that
                     graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256,
                                         attention=attention)
                     suffix = ("" if attention == attentions[0] else f" {attention}-attn") + (" pdl" if pdl else "")
                     record(f"ours {backend} packed graphs{suffix}", lambda: graphs.run(rows))
-                finally:
-                    set_pdl(previous)
                 stats = graphs.stats()
                 out[-1]["graphs"] = {k: stats[k] for k in ("graphs", "captures", "eager_fallbacks", "pool_bytes",
                                                            "attention")}

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.batch)]
     packed = Packed.from_rows(rows, "cuda")
     results = {}
-    from kernels.triton._common import set_pdl
+    from kernels.triton._common import pdl_launches
 
     with torch.inference_mode():
         chunks = args.ffn_chunks if args.attention == "fused" else [None]
@@ -101,15 +101,13 @@ def main(argv: list[str] | None = None) -> int:
                 layer.ffn_splits = ffn_splits(cfg.intermediate_size, chunk or 64)
             results[f"{name} eager"] = breakdown(
                 lambda: packed_mean_pool(encoder.forward_packed(packed, attention), packed, False))
-            for pdl in ([False, True] if args.pdl and backend == "triton" else [False]) if fused else []:
-                previous = set_pdl(pdl)  # captured with it or without; replays keep what was captured
-                try:
+            pdl_variants = [False, True] if args.pdl and backend == "triton" else [False]
+            for pdl in pdl_variants if fused else []:
+                with pdl_launches(pdl):  # captured with it or without; replays keep what was captured
                     graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=args.batch * args.seq,
                                         max_batch=args.batch, attention=attention)
                     results[f"{name} graphs{' pdl' if pdl else ''}"] = breakdown(lambda: graphs.run(rows))
                     graphs = None
-                finally:
-                    set_pdl(previous)
             for mode in ("eager", "graphs", "graphs pdl"):
                 if (r := results.get(f"{name} {mode}")) is not None:
                     print(f"{name}: {r['wall_us']:.0f} us/forward {mode}, {r['kernels_per_forward']:.0f} kernels: "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import statistics
@@ -35,12 +36,16 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _pdl = os.environ.get("FUSEDSERVE_TRITON_PDL", "0") == "1"
 
 
-def set_pdl(enabled: bool) -> bool:
-    """Turn programmatic dependent launch on or off for later launches (CUDA graphs keep how they were captured);
-    returns the previous setting."""
+@contextlib.contextmanager
+def pdl_launches(enabled: bool):
+    """Programmatic dependent launch on or off for the launches inside (CUDA graphs captured inside keep it when
+    replayed later); the previous setting comes back on exit."""
     global _pdl
     previous, _pdl = _pdl, bool(enabled)
-    return previous
+    try:
+        yield
+    finally:
+        _pdl = previous
 
 
 @functools.cache

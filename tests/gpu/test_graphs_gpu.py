@@ -162,26 +162,23 @@ def test_programmatic_dependent_launch_changes_no_bit(attention):
     their predecessor finishes, so results must be bitwise those without it: graphs (captured with it) and eager
     launches, over many batches of new inputs, each compared with the same batch without PDL. A kernel that read
     (or wrote) before the one before it had finished would show as a difference."""
-    from kernels.triton._common import set_pdl
+    from kernels.triton._common import pdl_launches
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90 or later")
     options = dict(device="cuda", dtype="float16", backend="triton", attention=attention, max_batch_tokens=1024,
                    max_batch=16)
-    previous = set_pdl(False)
-    try:
+    with pdl_launches(False):
         plain, _ = Embedder.load(str(_model_dir()), **options)
         with_pdl, _ = Embedder.load(str(_model_dir()), **options)
 
-        def embed(e, pdl: bool, ids, graphs: bool = True):
-            set_pdl(pdl)  # graphs are captured on a bucket's first batch, with the setting of that moment
+    def embed(e, pdl: bool, ids, graphs: bool):
+        with pdl_launches(pdl):  # graphs are captured on a bucket's first batch, with the setting of that moment
             return e.embed_ids(ids, graphs=graphs)
 
-        for step, ids in enumerate(_random_batches(plain.tokenizer, seed=11, count=40)):
-            graphs = step % 4 != 3  # every fourth batch eagerly
-            a, b = embed(with_pdl, True, ids, graphs), embed(plain, False, ids, graphs)
-            assert torch.isfinite(a).all()
-            assert torch.equal(a, b), (step, len(ids), float((a - b).abs().max()))
-        assert with_pdl.graphs.stats()["replays"] == 30 and with_pdl.graphs.stats()["eager_fallbacks"] == 0
-    finally:
-        set_pdl(previous)
+    for step, ids in enumerate(_random_batches(plain.tokenizer, seed=11, count=40)):
+        graphs = step % 4 != 3  # every fourth batch eagerly
+        a, b = embed(with_pdl, True, ids, graphs), embed(plain, False, ids, graphs)
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b), (step, len(ids), float((a - b).abs().max()))
+    assert with_pdl.graphs.stats()["replays"] == 30 and with_pdl.graphs.stats()["eager_fallbacks"] == 0

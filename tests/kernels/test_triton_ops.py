@@ -204,18 +204,17 @@ def test_programmatic_dependent_launch_only_where_the_device_has_it(device):
     """FUSEDSERVE_TRITON_PDL asks for PDL; a launcher adds it only on a CUDA device of sm_90 or later (never under
     the interpreter), and the few-token ops give the same results with the setting on (the GPU test checks every bit
     with it actually in use, tests/gpu/test_graphs_gpu.py)."""
-    from kernels.triton._common import INTERPRET, pdl_args, set_pdl
+    from kernels.triton._common import INTERPRET, pdl_args, pdl_launches
 
     x = torch.randn(16, 32, device=device)
-    previous = set_pdl(False)
-    try:
+    before = pdl_args(x)
+    with pdl_launches(False):
         assert pdl_args(x) == {"USE_PDL": False}
-        set_pdl(True)
+    with pdl_launches(True):
         expected = (not INTERPRET and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
         assert pdl_args(x) == ({"USE_PDL": True, "launch_pdl": True} if expected else {"USE_PDL": False})
         assert pdl_args(x.cpu()) == {"USE_PDL": False}
         for op in ("partial_add_layer_norm", "ffn_partials", "attention_partials", "segment_mean"):
             report = check_op(triton_launchers[op], op, 7, 64, torch.float32, x.device, seed=_seed("pdl", op))
             assert report.ok, (op, report)
-    finally:
-        set_pdl(previous)
+    assert pdl_args(x) == before  # the setting from before the test is back
