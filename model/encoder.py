@@ -172,14 +172,16 @@ def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) 
     return attention
 
 
-def kernel_ops(layout: str, attention: str) -> tuple[str, ...]:
+def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """The `kernels.*` ops a forward calls in this layout ("packed" or "padded") and attention mode (resolved: pad,
-    varlen or fused). The registry self-tests and races these only; the rest stay on the reference, untested."""
+    varlen or fused) on this device and dtype. The registry self-tests and races these only; the rest stay on the
+    reference, untested."""
     ops = ["embedding_layer_norm", "linear_add_layer_norm", "linear_bias_gelu"]
     if layout == "packed":
         ops.append("segment_mean")  # pooling over cu_seqlens
-        if attention == "fused":  # the few-token layer, and qkv_attention above FUSED_LAYER_TOKENS
-            ops += ["qkv_attention", "attention_partials", "ffn_partials", "partial_add_layer_norm"]
+        if attention == "fused":  # the few-token layer; above FUSED_LAYER_TOKENS varlen, or qkv_attention where
+            ops += ["attention_partials", "ffn_partials", "partial_add_layer_norm"]  # varlen does not run
+            ops += [] if _varlen_runs(device, dtype) else ["qkv_attention"]
     return tuple(ops)
 
 

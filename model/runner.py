@@ -148,7 +148,7 @@ class Embedder:
         return kernels.configure(self.device, (self.dtype,), backend=backend, overrides=overrides, fused=fused,
                                  hidden_sizes=(self.config.hidden_size,),
                                  race_timing="device" if self.graphs is not None else "eager",
-                                 ops=kernel_ops(self.layout, self.attention))
+                                 ops=kernel_ops(self.layout, self.attention, self.device, self.dtype))
 
     @torch.inference_mode()
     def embed_ids(self, batch: list[list[int]], normalize: bool | None = None, *, graphs: bool = True) -> Tensor:

@@ -104,12 +104,13 @@ def test_fused_attention_equals_padded(encoder, backend):
 
 @torch.no_grad()
 def test_kernel_ops_name_exactly_the_ops_each_path_calls(encoder, monkeypatch):
-    """The registry tests and races only kernel_ops(layout, attention): an op missing there would run on the
+    """The registry tests and races only kernel_ops(layout, attention, ...): an op missing there would run on the
     reference unnoticed, one too many costs start-up compiles. Each path's calls, over batches above and below
     FUSED_LAYER_TOKENS, must be exactly that set."""
     from kernels import registry
-    from model.encoder import kernel_ops
+    from model.encoder import _varlen_runs, kernel_ops
 
+    cpu = torch.device("cpu")
     called: set[str] = set()
     for op, fn in list(registry.active.items()):
         monkeypatch.setitem(registry.active, op, lambda *a, _op=op, _fn=fn, **k: called.add(_op) or _fn(*a, **k))
@@ -119,12 +120,17 @@ def test_kernel_ops_name_exactly_the_ops_each_path_calls(encoder, monkeypatch):
         for r in rows:
             packed = Packed.from_rows(r, "cpu")
             packed_mean_pool(encoder.forward_packed(packed, attention), packed, normalize=False)
-        assert called == set(kernel_ops("packed", attention)), attention
+        assert called == set(kernel_ops("packed", attention, cpu, torch.float32)), attention
     called.clear()
     for r in rows:
         _padded(encoder, r)
-    assert called == set(kernel_ops("padded", "pad"))
-    assert set(kernel_ops("packed", "varlen")) == set(kernel_ops("packed", "pad"))  # same ops, other attention
+    assert called == set(kernel_ops("padded", "pad", cpu, torch.float32))
+    cuda = torch.device("cuda")  # where varlen runs, fused mode runs it above FUSED_LAYER_TOKENS: no qkv_attention
+    assert set(kernel_ops("packed", "varlen", cuda, torch.float16)) == \
+        set(kernel_ops("packed", "pad", cpu, torch.float32))
+    if _varlen_runs(cuda, torch.float16):
+        assert set(kernel_ops("packed", "fused", cuda, torch.float16)) == \
+            set(kernel_ops("packed", "fused", cpu, torch.float32)) - {"qkv_attention"}
 
 
 def test_runner_configures_only_the_ops_it_calls():
@@ -135,14 +141,16 @@ def test_runner_configures_only_the_ops_it_calls():
     embedder, report = Embedder.load("tiny", device="cpu", backend="torch")
     try:
         used = {op for op, c in report.kernels.choices.items() if c.used}
-        assert used == set(kernel_ops("packed", embedder.attention)) and "qkv_attention" not in used
+        assert used == set(kernel_ops("packed", embedder.attention, embedder.device, embedder.dtype))
+        assert "qkv_attention" not in used
         assert "not called by this model" in report.kernels.report()
         assert report.kernels.as_dict()["ops"]["ffn_partials"]["used"] is False
         selection = embedder.configure_kernels(backend="torch", overrides={"ffn_partials": "torch"})
         assert selection.choices["ffn_partials"].used  # asked for by name: chosen as asked
         fused, _ = Embedder.load("tiny", device="cpu", backend="torch", attention="fused")
         assert fused.attention == "fused"
-        assert {op for op, c in registry.current().choices.items() if c.used} == set(kernel_ops("packed", "fused"))
+        assert {op for op, c in registry.current().choices.items() if c.used} == \
+            set(kernel_ops("packed", "fused", fused.device, fused.dtype))
     finally:
         registry.configure("cpu", fused=False)
 
