@@ -38,9 +38,10 @@ PDL_PTX = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
 def cases():
     """(name, jit function, argument types, constexprs, num_warps) for every kernel configuration checked; a case
     whose constexprs set USE_PDL is compiled with launch_pdl."""
-    for name, fn, types, constexprs, warps in _few_token_cases():
+    few_token = list(_few_token_cases())
+    for name, fn, types, constexprs, warps in few_token:
         yield name, fn, types, {**constexprs, "USE_PDL": False}, warps
-    for name, fn, types, constexprs, warps in _few_token_cases():
+    for name, fn, types, constexprs, warps in few_token:
         if name.split()[1] == "fp16" and ("seq=16" in name or "chunk=64" in name or "parts=12" in name):
             yield f"{name} pdl", fn, types, {**constexprs, "USE_PDL": True}, warps
     yield from _pdl_cases()
