@@ -22,7 +22,7 @@ import torch
 from bench import command, save
 import kernels
 from model.config import EncoderConfig
-from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool, resolve_attention
+from model.encoder import OFFSET_ATTENTIONS, Encoder, Packed, mean_pool, packed_mean_pool, resolve_attention
 from model.graphs import CudaGraphs
 
 PEAK_FLOPS = 716e12
@@ -123,7 +123,7 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
 
     print(f"{name}: {sum(lengths)} real tokens of {batch * longest} padded; GEMM floor {floor:.3f} ms",
           file=sys.stderr, flush=True)
-    from kernels.triton._common import pdl_launches
+    from kernels.triton._common import pdl_enabled, pdl_launches
 
     with torch.inference_mode():
         # --- Hugging Face transformers -----------------------------------------------------------
@@ -142,19 +142,25 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
             if backend == backends[0]:
                 record(f"ours {backend} packed varlen-attn eager",
                        lambda: packed_mean_pool(encoder.forward_packed(packed, "varlen"), packed, False))
-            # the serving default (varlen attention in fp16), and for the first backend pad attention as well
-            attentions = [resolve_attention("auto", torch.device("cuda"), torch.float16)]
-            attentions += ["pad"] if backend == backends[0] and attentions[0] != "pad" else []
-            # the Triton backend's one-kernel QKV projection + attention (kernels.qkv_attention; opt-in until measured)
-            attentions += ["fused"] if backend == "triton" and args.fused_attention else []
-            variants = [(attention, False) for attention in attentions]
-            if backend == "triton" and args.pdl:  # programmatic dependent launch between the Triton kernels
-                variants += [(attention, True) for attention in (attentions[0], "fused") if attention in attentions]
+            # the serving default (auto: the few-token layer up to 64 tokens + varlen above, where the backend has
+            # the few-token ops, else varlen; model.runner.Embedder.configure_kernels), then the others for comparison
+            default = resolve_attention("auto", torch.device("cuda"), torch.float16)
+            default = "varlen" if default == "fused" and backend != "triton" else default
+            attentions = [default]
+            attentions += ["varlen"] if default == "fused" else []
+            attentions += ["pad"] if backend == backends[0] and default != "pad" else []
+            # the Triton backend's few-token layer / one-kernel QKV projection + attention where auto does not take it
+            attentions += ["fused"] if backend == "triton" and args.fused_attention and "fused" not in attentions else []
+            pdl_on = pdl_enabled()
+            variants = [(attention, pdl_on) for attention in attentions]
+            if backend == "triton" and args.without_pdl and pdl_on:  # programmatic dependent launch off, to compare
+                variants += [(attention, False) for attention in attentions if attention in OFFSET_ATTENTIONS]
             for attention, pdl in variants:
                 with pdl_launches(pdl):  # the graphs are captured with it or without; replays keep that
                     graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256,
                                         attention=attention)
-                    suffix = ("" if attention == attentions[0] else f" {attention}-attn") + (" pdl" if pdl else "")
+                    suffix = ("" if attention == default else f" {attention}-attn") + ("" if pdl == pdl_on else
+                                                                                        " no-pdl")
                     record(f"ours {backend} packed graphs{suffix}", lambda: graphs.run(rows))
                 stats = graphs.stats()
                 out[-1]["graphs"] = {k: stats[k] for k in ("graphs", "captures", "eager_fallbacks", "pool_bytes",
@@ -187,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fused-attention", dest="fused_attention", action="store_false",
                         help="skip the Triton backend's graphs row with attention=fused (QKV projection + attention as "
                              "one kernel per sequence x head)")
-    parser.add_argument("--pdl", action="store_true",
-                        help="the Triton backend's graphs rows again with programmatic dependent launch between its "
-                             "kernels (FUSEDSERVE_TRITON_PDL; Hopper): the serving attention and, with it, fused")
+    parser.add_argument("--without-pdl", action="store_true",
+                        help="the Triton backend's varlen / fused graphs rows again with programmatic dependent launch "
+                             "off (FUSEDSERVE_TRITON_PDL=0; on by default on Hopper)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     results = []

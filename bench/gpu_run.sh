@@ -27,6 +27,8 @@
 #   bash bench/gpu_run.sh next3     # BERT-base b32 fixed and b128 varlen with torch.compile + CUDA graphs in the same run
 #   bash bench/gpu_run.sh next4     # one server's single-request latency, default attention then attention=fused
 #   bash bench/gpu_run.sh next5     # the fused model tests, MiniLM rows and b1 profile (FFN chunks), each also with PDL
+#   bash bench/gpu_run.sh next6     # session 13's defaults (auto = few-token layer + varlen, PDL on): server, parity,
+#                                   # fallback tests; MiniLM rows with and without PDL
 #   bash bench/gpu_run.sh lnrows    # MiniLM rows without / with the few-row LayerNorm candidates (Triton), b1 profile
 #   bash bench/gpu_run.sh replicas  # one server, then eight replicas on the GPU at 64 clients (token ids), with the
 #                                   # servers' CPU time per request (~8 min)
@@ -278,12 +280,23 @@ case "$mode" in
     # MiniLM graphs rows and the b1 profile again with it
     gpu_tests fused-model 240 -n 4 tests/kernels/test_qkv_attention.py tests/gpu/test_graphs_gpu.py \
       -k "qkv or partial or fused or few_token or programmatic"
-    timeout 200 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --pdl --out "$OUT/encoder-minilm.json" \
+    timeout 200 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --without-pdl --out "$OUT/encoder-minilm.json" \
       2>&1 | tee "$OUT/encoder-minilm.log" | grep graphs
     # 24 FFN partial sums (64-column chunks) against 12 (128): the partial-sum norm reads half as much
     timeout 120 python3 -m bench.profile --preset minilm-l6 --batch 1 --seq 16 --backends triton --attention fused \
-      --ffn-chunks 64 128 --pdl --out "$OUT/profile-minilm-b1-fused-chunks.json" 2>&1 \
+      --ffn-chunks 64 128 --without-pdl --out "$OUT/profile-minilm-b1-fused-chunks.json" 2>&1 \
       | tee "$OUT/profile-minilm-b1-fused-chunks.log" | grep -E "us/forward"
+    ;;
+  next6)
+    # session 13's defaults (auto attention: the few-token layer for <= 64 tokens, varlen above; programmatic
+    # dependent launch on): the server on them (start-up report, warm-up captures, verifier), MiniLM parity, the
+    # graphs' auto fallback to varlen with backend=cuda, then the MiniLM rows (default, varlen, and without PDL)
+    build_cached
+    gpu_tests defaults 300 -n 3 tests/gpu/test_server_gpu.py tests/gpu/test_minilm_gpu.py tests/gpu/test_graphs_gpu.py \
+      -k "server or matches_sentence or capture_all or programmatic"
+    grep -hE "attention|programmatic" "$OUT/gpu-tests-defaults.log" | grep -v "^tests" | head -5
+    timeout 200 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --without-pdl \
+      --out "$OUT/encoder-minilm-defaults.json" 2>&1 | tee "$OUT/encoder-minilm-defaults.log" | grep graphs
     ;;
   next4)
     # one server's single-request latency with the default attention (varlen), then with attention=fused (the

@@ -76,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ffn-chunks", type=int, nargs="+", default=[64],
                         help="with --attention fused: profile the few-token layer once per FFN chunk width (columns "
                              "of the intermediate per ffn_partials program; wider: fewer partial sums to add up)")
-    parser.add_argument("--pdl", action="store_true",
-                        help="the Triton backend's graphs a second time with programmatic dependent launch between "
-                             "its kernels (FUSEDSERVE_TRITON_PDL; Hopper)")
+    parser.add_argument("--without-pdl", action="store_true",
+                        help="the Triton backend's graphs a second time with programmatic dependent launch off "
+                             "(FUSEDSERVE_TRITON_PDL=0; on by default on Hopper). Under the profiler a kernel launched "
+                             "with it counts its wait for the previous one: compare walls, not categories")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     cfg = EncoderConfig.from_name(args.preset)
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.batch)]
     packed = Packed.from_rows(rows, "cuda")
     results = {}
-    from kernels.triton._common import pdl_launches
+    from kernels.triton._common import pdl_enabled, pdl_launches
 
     with torch.inference_mode():
         chunks = args.ffn_chunks if args.attention == "fused" else [None]
@@ -101,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
                 layer.ffn_splits = ffn_splits(cfg.intermediate_size, chunk or 64)
             results[f"{name} eager"] = breakdown(
                 lambda: packed_mean_pool(encoder.forward_packed(packed, attention), packed, False))
-            pdl_variants = [False, True] if args.pdl and backend == "triton" else [False]
+            pdl_variants = [True, False] if args.without_pdl and backend == "triton" and pdl_enabled() else [None]
             for pdl in pdl_variants if fused else []:
-                with pdl_launches(pdl):  # captured with it or without; replays keep what was captured
+                with pdl_launches(pdl_enabled() if pdl is None else pdl):  # replays keep what was captured
                     graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=args.batch * args.seq,
                                         max_batch=args.batch, attention=attention)
-                    results[f"{name} graphs{' pdl' if pdl else ''}"] = breakdown(lambda: graphs.run(rows))
+                    results[f"{name} graphs{' no-pdl' if pdl is False else ''}"] = breakdown(lambda: graphs.run(rows))
                     graphs = None
-            for mode in ("eager", "graphs", "graphs pdl"):
+            for mode in ("eager", "graphs", "graphs no-pdl"):
                 if (r := results.get(f"{name} {mode}")) is not None:
                     print(f"{name}: {r['wall_us']:.0f} us/forward {mode}, {r['kernels_per_forward']:.0f} kernels: "
                           f"{r['us']}", file=sys.stderr, flush=True)

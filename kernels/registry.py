@@ -316,7 +316,7 @@ def configure(
     choices: dict[str, OpChoice] = {}
     for op in OPS:
         if not fused:
-            choices[op] = OpChoice(op, REFERENCE_BACKEND, "fused path disabled by configuration")
+            choices[op] = OpChoice(op, REFERENCE_BACKEND, "fused path disabled by configuration", used=op in wanted)
             continue
         if op not in wanted:
             choices[op] = OpChoice(op, REFERENCE_BACKEND, "not called by this model", used=False)

@@ -147,6 +147,8 @@ ATTENTIONS = ("auto", "pad", "varlen", "fused")
 # few) run each layer as four kernels (Layer._few_token_layer); larger ones run the varlen path where it runs (faster
 # on the H200 than qkv_attention at 128-token sequences), else qkv_attention + the usual blocks.
 FUSED_LAYER_TOKENS = 64
+# the few-token layer's ops (FUSED_LAYER_TOKENS): auto attention keeps "fused" only where all run on a fused backend
+FEW_TOKEN_OPS = ("attention_partials", "ffn_partials", "partial_add_layer_norm")
 OFFSET_ATTENTIONS = ("varlen", "fused")  # attend within cu_seqlens: no padded block, filler sequences of length 0
 
 
@@ -156,14 +158,16 @@ def _varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto -> "varlen" (torch's variable-length flash attention: no padded block, no mask) where it runs, that is
-    fp16/bf16 on CUDA with torch.nn.attention.varlen; "pad" otherwise. "fused" (the QKV projection and attention of
-    each sequence as one op, `kernels.qkv_attention`, and for at most FUSED_LAYER_TOKENS tokens the whole layer in
-    four kernels; Triton where the registry chose it, else the torch reference; above that many tokens the varlen
-    path where it runs) runs anywhere; auto does not pick it yet (docs/performance.md, session 11)."""
+    """The attention mode to start from. auto -> "fused" where torch's variable-length flash attention runs (fp16/bf16
+    on CUDA with torch.nn.attention.varlen): the few-token layer for batches of at most FUSED_LAYER_TOKENS tokens, the
+    varlen path above them (MiniLM b1 s16 on the H200: 0.144 ms a forward against varlen's 0.193, session 13);
+    "pad" elsewhere. The runner takes auto's "fused" back to "varlen" when the few-token ops did not land on a fused
+    backend (FEW_TOKEN_OPS; model.runner.Embedder.configure_kernels), since their reference path is slower than
+    varlen. "varlen" (no padded block, no mask) and "fused" (the QKV projection and attention of each sequence as one
+    op, `kernels.qkv_attention`, where varlen does not run) are taken as asked."""
     usable = _varlen_runs(device, dtype)
     if attention == "auto":
-        return "varlen" if usable else "pad"
+        return "fused" if usable else "pad"
     if attention == "varlen" and not usable:
         raise ValueError(f"varlen attention needs fp16/bf16 on CUDA and torch.nn.attention.varlen "
                          f"(device {device}, dtype {dtype}, torch {torch.__version__})")
@@ -180,7 +184,7 @@ def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.d
     if layout == "packed":
         ops.append("segment_mean")  # pooling over cu_seqlens
         if attention == "fused":  # the few-token layer; above FUSED_LAYER_TOKENS varlen, or qkv_attention where
-            ops += ["attention_partials", "ffn_partials", "partial_add_layer_norm"]  # varlen does not run
+            ops += list(FEW_TOKEN_OPS)  # varlen does not run
             ops += [] if _varlen_runs(device, dtype) else ["qkv_attention"]
     return tuple(ops)
 

@@ -178,10 +178,10 @@ class CudaGraphs:
         return entry.pooled[: len(rows)]
 
     def _check_fingerprint(self) -> None:
-        current = tuple(id(fn) for fn in registry.active.values())
+        current = (self.attention, tuple(id(fn) for fn in registry.active.values()))
         if current != self.fingerprint:
             if self.graphs:
-                log.info("kernel selection changed: dropping %d CUDA graphs", len(self.graphs))
+                log.info("kernel selection or attention changed: dropping %d CUDA graphs", len(self.graphs))
             self.graphs.clear()
             self.fingerprint = current
 

@@ -18,7 +18,8 @@ from torch import Tensor
 
 import kernels
 from model.config import PRESETS, EncoderConfig
-from model.encoder import Encoder, Packed, kernel_ops, mean_pool, packed_mean_pool, resolve_attention
+from model.encoder import (FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Encoder, Packed, kernel_ops, mean_pool, packed_mean_pool,
+                           resolve_attention)
 from model.tokenizer import TextTokenizer
 from model.weights import CheckpointError, default_model_dir, load_encoder
 
@@ -95,8 +96,11 @@ class Embedder:
         self.tokenizer = tokenizer
         self.name, self.device, self.dtype = name, device, dtype
         self.layout = layout
-        # packed batches only: auto = varlen flash attention in fp16/bf16 on CUDA, pad-for-SDPA otherwise
+        # packed batches only: auto = the few-token layer + varlen flash attention in fp16/bf16 on CUDA (varlen alone
+        # if the few-token ops land on the reference: configure_kernels), pad-for-SDPA otherwise
+        self.requested_attention = attention if layout == "packed" else "pad"
         self.attention = resolve_attention(attention, device, dtype) if layout == "packed" else "pad"
+        self.attention_reason = self._attention_reason(self.attention)
         self.graphs = None
         if cuda_graphs and layout == "packed" and device.type == "cuda":
             from model.graphs import CudaGraphs
@@ -144,11 +148,38 @@ class Embedder:
                           fused: bool = True) -> kernels.Selection:
         """Choose the kernel backend per op (kernels.configure) for the ops this model's forward calls, at its
         device, dtype and width. Under CUDA graphs only the kernels' device time counts in the race; launched
-        eagerly, host cost counts too. Called at load and by the server's fused-path switch."""
-        return kernels.configure(self.device, (self.dtype,), backend=backend, overrides=overrides, fused=fused,
-                                 hidden_sizes=(self.config.hidden_size,),
-                                 race_timing="device" if self.graphs is not None else "eager",
-                                 ops=kernel_ops(self.layout, self.attention, self.device, self.dtype))
+        eagerly, host cost counts too. Called at load and by the server's fused-path switch.
+        With auto attention on a GPU the few-token layer is used only while its ops run on a fused backend: if any
+        lands on the reference (fused path off, Triton missing or failing its self-test, backend=cuda), attention
+        is varlen until the next call here finds them fused again."""
+        def configure(attention: str) -> kernels.Selection:
+            return kernels.configure(self.device, (self.dtype,), backend=backend, overrides=overrides, fused=fused,
+                                     hidden_sizes=(self.config.hidden_size,),
+                                     race_timing="device" if self.graphs is not None else "eager",
+                                     ops=kernel_ops(self.layout, attention, self.device, self.dtype))
+
+        attention = resolve_attention(self.requested_attention, self.device, self.dtype) \
+            if self.layout == "packed" else "pad"
+        selection = configure(attention)
+        reason = self._attention_reason(attention)
+        if self.requested_attention == "auto" and attention == "fused":
+            on_reference = [op for op in FEW_TOKEN_OPS if selection.backend_of(op) == "torch"]
+            if on_reference:
+                attention, reason = "varlen", (f"auto: varlen, since the few-token layer's {', '.join(on_reference)} "
+                                               f"would run on the reference (slower than varlen)")
+                selection = configure(attention)
+        self.attention, self.attention_reason = attention, reason
+        if self.graphs is not None:
+            self.graphs.attention = attention  # part of the graphs' fingerprint: a change drops them
+        log.info("attention %s (%s)", attention, reason)
+        return selection
+
+    def _attention_reason(self, attention: str) -> str:
+        if self.requested_attention != "auto":
+            return "as configured" if self.layout == "packed" else "padded layout"
+        if attention == "fused":
+            return f"auto: the few-token layer for batches of <= {FUSED_LAYER_TOKENS} tokens, varlen above"
+        return "auto: varlen attention needs fp16/bf16 on CUDA"
 
     @torch.inference_mode()
     def embed_ids(self, batch: list[list[int]], normalize: bool | None = None, *, graphs: bool = True) -> Tensor:

@@ -32,6 +32,13 @@ DISCONNECT_POLL_S = 0.05
 INLINE_TOKENIZE_CHARS = 512
 
 
+def _pdl_enabled() -> bool:
+    """Triton kernels launched with programmatic dependent launch here (FUSEDSERVE_TRITON_PDL, sm_90+)."""
+    from kernels.triton._common import pdl_enabled
+
+    return pdl_enabled()
+
+
 @dataclass
 class EmbedResult:
     embeddings: np.ndarray  # [n, dim] float32
@@ -113,7 +120,9 @@ class Service:
                       f"{self.graph_warmup[1]:.1f}s (up to {s.max_cuda_graphs} held)")
         else:
             graphs = f"CUDA graphs on (up to {s.max_cuda_graphs}, captured per shape bucket on first use)"
-        return (f"{self.report}\nlayout {e.layout} (attention {e.attention}), {graphs}\n"
+        if e.device.type == "cuda" and any(c.backend == "triton" for c in registry.current().choices.values()):
+            graphs += f", Triton programmatic dependent launch {'on' if _pdl_enabled() else 'off'}"
+        return (f"{self.report}\nlayout {e.layout}, attention {e.attention} ({e.attention_reason}), {graphs}\n"
                 f"batching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
                 f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}"
                 f"{f', idle_poll_ms {s.idle_poll_ms:g}' if s.idle_poll_ms else ''}; "
@@ -305,6 +314,7 @@ class Service:
                        "tolerance": s.verify_tolerance},
             "layout": self.embedder.layout if self.embedder else s.layout,
             "attention": self.embedder.attention if self.embedder else s.attention,
+            "attention_reason": self.embedder.attention_reason if self.embedder else None,
             "cuda_graphs": (self.embedder.graphs.stats() if self.embedder and self.embedder.graphs
                             else {"enabled": False}),
             "cuda_launch_configs": self._cuda_launch_configs(selection),

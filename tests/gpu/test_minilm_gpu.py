@@ -38,6 +38,12 @@ def reference() -> torch.Tensor:
 def test_fused_encoder_matches_sentence_transformers(dtype, backend, reference, record_property):
     embedder, report = Embedder.load(str(_model_dir()), device="cuda", dtype=dtype, backend=backend)
     assert {c.backend for c in report.kernels.choices.values() if c.used} == {backend}
+    if backend == "triton" and dtype != "float32":  # auto: the few-token layer for batches of <= 64 tokens
+        assert embedder.attention == "fused", embedder.attention_reason
+    # one sentence at a time as well (a single request: with the few-token layer where it is on), then batches of 16
+    alone = torch.cat([embedder.embed([text]) for text in SENTENCES[:16]])
+    alone_cosine = torch.nn.functional.cosine_similarity(alone.double(), reference[:16].double(), dim=1)
+    assert float(alone_cosine.min()) >= MIN_COSINE[dtype], float(alone_cosine.min())
     ours = torch.cat([embedder.embed(SENTENCES[i : i + 16]) for i in range(0, len(SENTENCES), 16)])
     cosine = torch.nn.functional.cosine_similarity(ours.double(), reference.double(), dim=1)
     max_abs = float((ours - reference).abs().max())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.config import EncoderConfig
-from model.encoder import Encoder, Packed, mean_pool, packed_mean_pool, resolve_attention
+from model.encoder import Encoder, Packed, _varlen_runs, mean_pool, packed_mean_pool, resolve_attention
 from model.graphs import SEQ_BUCKETS, CudaGraphs, token_buckets
 
 
@@ -108,7 +108,7 @@ def test_kernel_ops_name_exactly_the_ops_each_path_calls(encoder, monkeypatch):
     reference unnoticed, one too many costs start-up compiles. Each path's calls, over batches above and below
     FUSED_LAYER_TOKENS, must be exactly that set."""
     from kernels import registry
-    from model.encoder import _varlen_runs, kernel_ops
+    from model.encoder import kernel_ops
 
     cpu = torch.device("cpu")
     called: set[str] = set()
@@ -248,6 +248,8 @@ def test_varlen_graph_buckets_drop_the_sequence_length():
     assert varlen.reachable_keys() and pad.reachable_keys() == []
     assert resolve_attention("auto", torch.device("cpu"), torch.float32) == "pad"
     assert resolve_attention("auto", torch.device("cuda"), torch.float32) == "pad"
+    assert resolve_attention("auto", torch.device("cuda"), torch.float16) == (
+        "fused" if _varlen_runs(torch.device("cuda"), torch.float16) else "pad")
     with pytest.raises(ValueError, match="varlen attention needs"):
         resolve_attention("varlen", torch.device("cpu"), torch.float16)
     assert resolve_attention("fused", torch.device("cpu"), torch.float32) == "fused"

@@ -47,6 +47,35 @@ def test_fused_attention_on_the_interpreter_matches_the_reference_path():
     torch.testing.assert_close(fused.embed(texts), plain.embed(texts), rtol=0, atol=1e-5)
 
 
+def test_auto_attention_takes_the_few_token_layer_only_while_its_ops_are_fused(monkeypatch):
+    """Where varlen runs, auto attention is "fused" (the few-token layer up to 64 tokens, varlen above) as long as
+    the registry puts the few-token ops on a fused backend, and varlen, saying why, when any is on the reference.
+    The CPU stands in for a GPU here (varlen declared runnable; no forward runs): only the decision is tested."""
+    import model.encoder as encoder_module
+    from kernels import registry
+    from model.encoder import FEW_TOKEN_OPS, kernel_ops
+
+    monkeypatch.setattr(encoder_module, "_varlen_runs", lambda device, dtype: True)
+    try:
+        e, report = Embedder.load("tiny", device="cpu", backend="triton")
+        assert e.attention == "fused" and "few-token layer" in e.attention_reason, e.attention_reason
+        assert all(report.kernels.backend_of(op) == "triton" for op in FEW_TOKEN_OPS)
+        assert {op for op, c in report.kernels.choices.items() if c.used} == \
+            set(kernel_ops("packed", "fused", e.device, e.dtype))
+        for switch in [{"fused": False}, {"backend": "triton", "overrides": {"ffn_partials": "torch"}}]:
+            selection = e.configure_kernels(**switch)
+            assert e.attention == "varlen", switch
+            assert "ffn_partials" in e.attention_reason and "reference" in e.attention_reason
+            assert {op for op, c in selection.choices.items() if c.used} == \
+                {*kernel_ops("packed", "varlen", e.device, e.dtype), *switch.get("overrides", {})}, switch
+        e.configure_kernels(backend="triton")  # fused again: back to the few-token layer
+        assert e.attention == "fused"
+        asked, _ = Embedder.load("tiny", device="cpu", fused=False, attention="fused")
+        assert asked.attention == "fused" and asked.attention_reason == "as configured"  # asked for: kept
+    finally:
+        registry.configure("cpu", fused=False)
+
+
 def test_bfloat16_on_cpu_is_close_to_float32():
     f32, _ = Embedder.load("default", device="cpu", dtype="float32", backend="torch")
     bf16, _ = Embedder.load("default", device="cpu", dtype="bfloat16", backend="torch")
