@@ -47,12 +47,14 @@ build_cached() {  # the CUDA extension into a cache the tests and benches share
   export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
   python3 -m kernels.cuda.build 2>&1 | tail -1
 }
-gpu_tests() {  # name, time limit, pytest args...: one pytest per call, its log kept whole, a summary printed
+gpu_tests() {  # name, time limit, pytest args...: one pytest per call, its log kept whole, a summary printed.
+  # -v names each test as it ends; at the limit pytest gets SIGINT, so it still prints its failures so far
   local name=$1 limit=$2; shift 2
-  FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout "$limit" python3 -m pytest -m gpu -q -s -rs --tb=short \
+  FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout --signal=INT --kill-after=30 "$limit" \
+    python3 -m pytest -m gpu -v -s -rfs --tb=short \
     -p no:cacheprovider "$@" > "$OUT/gpu-tests-$name.log" 2>&1
   echo "== $name exit $?"
-  grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$name.log" | grep -E "cosine|passed|failed|Error|^E " | tail -12
+  grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$name.log" | grep -E "cosine|passed|failed|FAILED|Error|^E " | tail -16
 }
 lnorm_tests() {  # time limit, -k selection: the linear_add_layer_norm GPU tests (the split kernel, both backends' ops)
   FUSEDSERVE_TRITON_AUTOTUNE=0 gpu_tests lnorm "$1" -n 8 tests/kernels/test_linear_layer_norm.py \
@@ -90,12 +92,12 @@ case "$mode" in
     # Both halves need more than one 600 s device call on a cold cache: TESTS_PART=kernels or model runs one
     if [ "${TESTS_PART:-all}" != model ]; then
       FUSEDSERVE_TRITON_AUTOTUNE=0 FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm \
-        timeout ${KERNEL_TESTS_S:-420} python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 8 tests/kernels 2>&1 \
+        timeout --signal=INT --kill-after=30 ${KERNEL_TESTS_S:-420} python3 -m pytest -m gpu -q -rfs -p no:cacheprovider -n 8 tests/kernels 2>&1 \
         | tee "$OUT/gpu-tests-kernels.log" | tail -5
     fi
     if [ "${TESTS_PART:-all}" != kernels ]; then
       FUSEDSERVE_TRITON_AUTOTUNE=${AUTOTUNE_MODEL_TESTS:-1} FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm \
-        timeout ${MODEL_TESTS_S:-330} python3 -m pytest -m gpu -q -s -rs -p no:cacheprovider ${MODEL_TESTS_WORKERS:+-n $MODEL_TESTS_WORKERS} \
+        timeout --signal=INT --kill-after=30 ${MODEL_TESTS_S:-330} python3 -m pytest -m gpu -v -s -rfs -p no:cacheprovider ${MODEL_TESTS_WORKERS:+-n $MODEL_TESTS_WORKERS} \
         tests/gpu 2>&1 | tee "$OUT/gpu-tests-model.log" | tail -12
     fi
     ;;
@@ -293,7 +295,7 @@ case "$mode" in
     # graphs' auto fallback to varlen with backend=cuda, then the MiniLM rows (default, varlen, and without PDL)
     build_cached
     gpu_tests defaults 300 -n 3 tests/gpu/test_server_gpu.py tests/gpu/test_minilm_gpu.py tests/gpu/test_graphs_gpu.py \
-      -k "server or matches_sentence or capture_all or programmatic"
+      -k "server or matches_sentence or capture_all or programmatic or follows_the_fused_switch"
     grep -hE "attention|programmatic" "$OUT/gpu-tests-defaults.log" | grep -v "^tests" | head -5
     timeout 200 python3 -m bench.encoder "${MINILM_ROWS[@]}" --backends triton --without-pdl \
       --out "$OUT/encoder-minilm-defaults.json" 2>&1 | tee "$OUT/encoder-minilm-defaults.log" | grep graphs

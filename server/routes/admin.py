@@ -36,7 +36,9 @@ class FusedSwitch(BaseModel):
 @router.post("/fused", dependencies=[Admin])
 async def set_fused(body: FusedSwitch, service: ServiceDep) -> dict:
     kernels = await asyncio.to_thread(service.set_fused, body.enabled)
-    return {"fused": body.enabled, "kernels": kernels["ops"]}
+    embedder = service.embedder  # auto attention follows the switch (the few-token layer only while it is fused)
+    return {"fused": body.enabled, "attention": embedder.attention, "attention_reason": embedder.attention_reason,
+            "kernels": kernels["ops"]}
 
 
 class Fault(BaseModel):

@@ -183,3 +183,23 @@ def test_programmatic_dependent_launch_changes_no_bit(attention):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b), (step, len(ids), float((a - b).abs().max()))
     assert with_pdl.graphs.stats()["replays"] == 30 and with_pdl.graphs.stats()["eager_fallbacks"] == 0
+
+
+def test_auto_attention_follows_the_fused_switch():
+    """ATTENTION=auto on the GPU: the few-token layer while its ops are fused (Triton), varlen while the fused path is
+    off (the server's /admin/fused), the few-token layer again when it is back; graphs are recaptured on each change
+    and every result agrees with the eager padded path."""
+    e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="triton", max_batch_tokens=1024,
+                         max_batch=16)
+    padded, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="triton", layout="padded")
+    # a single request and three short ones (the few-token layer), sixteen (varlen in either mode)
+    batches = [e.tokenizer.encode(texts) for texts in (SENTENCES[:1], SENTENCES[1:4], SENTENCES[:16])]
+    expected = [padded.embed_ids(ids) for ids in batches]
+    for fused, attention in ((True, "fused"), (False, "varlen"), (True, "fused")):
+        e.configure_kernels(backend="triton", fused=fused)
+        assert e.attention == e.graphs.attention == attention, e.attention_reason
+        for ids, want in zip(batches, expected):
+            got = e.embed_ids(ids)
+            assert torch.isfinite(got).all() and _agree(got, want, "float16"), (attention, len(ids))
+    stats = e.graphs.stats()  # each change dropped the graphs: every pass captured its three buckets anew
+    assert stats["captures"] == stats["replays"] == 9 and stats["eager_fallbacks"] == 0, stats

@@ -137,8 +137,9 @@ def test_admin_routes_need_the_token_and_flip_the_fused_path(make_server):
     assert httpx.post(server.url + "/admin/fused", json={"enabled": False}, headers=wrong).status_code == 401
     r = httpx.post(server.url + "/admin/fused", json={"enabled": False}, headers=admin_headers(), timeout=60)
     assert r.status_code == 200, r.text
+    assert r.json()["fused"] is False and r.json()["attention"] == "pad"  # CPU: auto attention is pad
     info = httpx.get(server.url + "/info").json()
-    assert info["fused"] is False
+    assert info["fused"] is False and info["attention_reason"] == r.json()["attention_reason"]
     assert info["kernels"]["bias_gelu"]["reason"] == "fused path disabled by configuration"
     assert metric(server, "fusedserve_fused_enabled") == 0
     # fault injection is off unless configured
