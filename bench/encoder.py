@@ -150,7 +150,8 @@ def run_case(name: str, backends: list[str], args) -> list[dict]:
             attentions += ["varlen"] if default == "fused" else []
             attentions += ["pad"] if backend == backends[0] and default != "pad" else []
             # the Triton backend's few-token layer / one-kernel QKV projection + attention where auto does not take it
-            attentions += ["fused"] if backend == "triton" and args.fused_attention and "fused" not in attentions else []
+            if backend == "triton" and args.fused_attention and "fused" not in attentions:
+                attentions.append("fused")
             pdl_on = pdl_enabled()
             variants = [(attention, pdl_on) for attention in attentions]
             if backend == "triton" and args.without_pdl and pdl_on:  # programmatic dependent launch off, to compare

@@ -163,7 +163,8 @@ class Embedder:
         selection = configure(attention)
         reason = self._attention_reason(attention)
         if self.requested_attention == "auto" and attention == "fused":
-            on_reference = [op for op in FEW_TOKEN_OPS if selection.backend_of(op) == "torch"]
+            reference = kernels.registry.REFERENCE_BACKEND
+            on_reference = [op for op in FEW_TOKEN_OPS if selection.backend_of(op) == reference]
             if on_reference:
                 attention, reason = "varlen", (f"auto: varlen, since the few-token layer's {', '.join(on_reference)} "
                                                f"would run on the reference (slower than varlen)")

@@ -31,8 +31,9 @@ class Settings(BaseSettings):
     max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's)")
     layout: Literal["packed", "padded"] = Field("packed", description="packed: real tokens only, no padding")
     attention: Literal["auto", "pad", "varlen", "fused"] = Field(
-        "auto", description="packed attention: varlen flash (fp16/bf16 on CUDA; auto picks it there), pad-for-SDPA, "
-                            "or fused (QKV projection + attention in one kernels.qkv_attention op)")
+        "auto", description="packed attention: varlen flash (fp16/bf16 on CUDA), pad-for-SDPA, or fused (batches of "
+                            "<= 64 tokens as four kernels per layer, varlen above); auto: fused on CUDA fp16/bf16 "
+                            "while the few-token ops are on a fused backend, else varlen, pad on the CPU")
     cuda_graphs: bool = Field(True, description="replay the packed forward from CUDA graphs per shape bucket (GPU)")
     cuda_graph_warmup: bool = Field(True, description="capture every reachable graph bucket before ready (varlen)")
     max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)")
