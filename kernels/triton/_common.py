@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import statistics
 import time
@@ -105,8 +106,16 @@ def autotune(configs: list[triton.Config], key: list[str], prune=None):
             kept = kept[:1]
         return kept
 
-    extra = {"do_bench": _cpu_do_bench} if INTERPRET else {}
+    extra = {"do_bench": _cpu_do_bench} if INTERPRET else dict(_AUTOTUNE_CACHE)
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": early_prune}, **extra)
+
+
+# Autotune timings are kept on disk (Triton 3.4+: `cache_results`, in TRITON_CACHE_DIR beside the compiled kernels),
+# so a restarted pod, the next replica on the node or the next test process takes each shape's tuned config instead
+# of benchmarking its candidates again: a server start on the H200 spent 83 s choosing kernels with the compiled
+# kernels already cached (session 13), mostly self-tests and races over shapes that each autotune. The key holds the
+# kernel's source, the GPU, Triton's version, the shape key and the candidate list, so any change re-tunes.
+_AUTOTUNE_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def tile_configs(block_n: int, tiles: tuple[int, ...], per_thread: tuple[int, ...],

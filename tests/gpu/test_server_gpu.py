@@ -17,11 +17,16 @@ from tests.model.sentences import SENTENCES
 from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.gpu
+# a GPU server's start on a cold Triton cache: self-tests, races and autotuning of every op it calls, then the
+# warm-up's ~200 graph captures (105 s on the H200 with the compiled kernels cached, session 13; more beside other
+# test processes compiling)
+GPU_READY_S = 480
 
 
 def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
-    server = start_server(tmp_path, model=str(_model_dir().resolve()), device="cuda", dtype="float16", kernel_timing_sample_rate="1",
-                          verify_sample_rate="1", verify_action="fallback", max_batch_tokens="8192")
+    server = start_server(tmp_path, ready_timeout_s=GPU_READY_S, model=str(_model_dir().resolve()), device="cuda",
+                          dtype="float16", kernel_timing_sample_rate="1", verify_sample_rate="1",
+                          verify_action="fallback", max_batch_tokens="8192")
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             single = [client.post("/infer", json={"inputs": [t]}).json()["embeddings"][0] for t in SENTENCES[:8]]
@@ -65,8 +70,8 @@ def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
 def test_gpu_server_overlapped_batches_answer_their_own_requests(tmp_path):
     # the serving defaults (no timing, no verification: every batch replays a graph and overlap_batches holds one
     # in flight); small batches so that many follow each other while 48 requests of distinct texts are in flight
-    server = start_server(tmp_path, model=str(_model_dir().resolve()), device="cuda", dtype="float16",
-                          kernel_timing_sample_rate="0", max_batch_requests="4")
+    server = start_server(tmp_path, ready_timeout_s=GPU_READY_S, model=str(_model_dir().resolve()), device="cuda",
+                          dtype="float16", kernel_timing_sample_rate="0", max_batch_requests="4")
     requests = [[SENTENCES[i % len(SENTENCES)], SENTENCES[(7 * i + 3) % len(SENTENCES)]] for i in range(48)]
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:

@@ -34,7 +34,7 @@ class Server:
         return self.process.wait(timeout=timeout)
 
 
-def start_server(tmp_path, **settings) -> Server:
+def start_server(tmp_path, ready_timeout_s: float = 180, **settings) -> Server:
     port = free_port()
     # the server's settings come only from here; the CUDA extension's build cache is not a setting and is kept
     env = {k: v for k, v in os.environ.items()
@@ -50,7 +50,7 @@ def start_server(tmp_path, **settings) -> Server:
     process = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"],
                                stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
