@@ -15,6 +15,7 @@ import httpx
 import pytest
 import torch
 
+from model.encoder import kernel_ops
 from tests.server.conftest import admin_headers
 
 SLOW_OP = "embedding_layer_norm"
@@ -144,6 +145,22 @@ def test_admin_routes_need_the_token_and_flip_the_fused_path(make_server):
     assert metric(server, "fusedserve_fused_enabled") == 0
     # fault injection is off unless configured
     assert httpx.post(server.url + "/admin/faults", json={"op": "bias_gelu"}, headers=admin_headers()).status_code == 404
+
+
+def test_startup_ends_with_one_report_of_model_device_kernels_and_attention(make_server):
+    """The report an operator reads at start: model, device and dtype, per op the backend and why, the attention
+    mode and why (on the CPU: pad, since varlen needs fp16/bf16 on CUDA), CUDA graphs, batching."""
+    server = make_server()
+    log = server.log()
+    report = log[log.index("ready\n"):]
+    for line in ("model all-MiniLM-L6-v2: 6 layers, hidden 384", "device cpu, dtype float32",
+                 "kernel backends (device cpu, dtypes float32, fused path on",
+                 "not called by this model (reference, not tested)",
+                 "layout packed, attention pad (auto: varlen attention needs fp16/bf16 on CUDA), CUDA graphs off",
+                 "batching: max_batch_tokens 2048"):
+        assert line in report, (line, report)
+    for op in kernel_ops("packed", "pad", torch.device("cpu"), torch.float32):
+        assert f"  {op} " in report, (op, report)  # each op the model calls on its own line, with its backend
 
 
 def test_admin_routes_are_off_without_a_token(make_server):
