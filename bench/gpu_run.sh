@@ -52,7 +52,7 @@ gpu_tests() {  # name, time limit, pytest args...: one pytest per call, its log 
   # -v names each test as it ends; at the limit pytest gets SIGINT, so it still prints its failures so far
   local name=$1 limit=$2; shift 2
   FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm timeout --signal=INT --kill-after=30 "$limit" \
-    python3 -m pytest -m gpu -v -s -rfs --tb=short \
+    python3 -m pytest -m gpu -v -s -rfs --tb=short --durations=15 \
     -p no:cacheprovider "$@" > "$OUT/gpu-tests-$name.log" 2>&1
   echo "== $name exit $?"
   grep -vE "^(INFO|Loading weights)" "$OUT/gpu-tests-$name.log" | grep -E "cosine|passed|failed|FAILED|Error|^E " | tail -16
