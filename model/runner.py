@@ -99,7 +99,7 @@ class Embedder:
         # packed batches only: auto = the few-token layer + varlen flash attention in fp16/bf16 on CUDA (varlen alone
         # if the few-token ops land on the reference: configure_kernels), pad-for-SDPA otherwise
         self.requested_attention = attention if layout == "packed" else "pad"
-        self.attention = resolve_attention(attention, device, dtype) if layout == "packed" else "pad"
+        self.attention = resolve_attention(self.requested_attention, device, dtype)
         self.attention_reason = self._attention_reason(self.attention)
         self.graphs = None
         if cuda_graphs and layout == "packed" and device.type == "cuda":
@@ -152,23 +152,22 @@ class Embedder:
         With auto attention on a GPU the few-token layer is used only while its ops run on a fused backend: if any
         lands on the reference (fused path off, Triton missing or failing its self-test, backend=cuda), attention
         is varlen until the next call here finds them fused again."""
-        def configure(attention: str) -> kernels.Selection:
+        def configure(ops) -> kernels.Selection:
             return kernels.configure(self.device, (self.dtype,), backend=backend, overrides=overrides, fused=fused,
                                      hidden_sizes=(self.config.hidden_size,),
-                                     race_timing="device" if self.graphs is not None else "eager",
-                                     ops=kernel_ops(self.layout, attention, self.device, self.dtype))
+                                     race_timing="device" if self.graphs is not None else "eager", ops=ops)
 
-        attention = resolve_attention(self.requested_attention, self.device, self.dtype) \
-            if self.layout == "packed" else "pad"
-        selection = configure(attention)
+        attention = resolve_attention(self.requested_attention, self.device, self.dtype)
         reason = self._attention_reason(attention)
         if self.requested_attention == "auto" and attention == "fused":
-            reference = kernels.registry.REFERENCE_BACKEND
-            on_reference = [op for op in FEW_TOKEN_OPS if selection.backend_of(op) == reference]
+            # the few-token ops first, alone (Triton-only: no race; their self-test verdicts are cached for the
+            # configure below), so a fallback to varlen does not race the other ops twice
+            probe = configure(FEW_TOKEN_OPS)
+            on_reference = [op for op in FEW_TOKEN_OPS if probe.backend_of(op) == kernels.registry.REFERENCE_BACKEND]
             if on_reference:
                 attention, reason = "varlen", (f"auto: varlen, since the few-token layer's {', '.join(on_reference)} "
                                                f"would run on the reference (slower than varlen)")
-                selection = configure(attention)
+        selection = configure(kernel_ops(self.layout, attention, self.device, self.dtype))
         self.attention, self.attention_reason = attention, reason
         if self.graphs is not None:
             self.graphs.attention = attention  # part of the graphs' fingerprint: a change drops them

@@ -56,18 +56,21 @@ def _pdl_capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_enabled() -> bool:
-    """Whether launches on the current CUDA device get PDL now (on, not the interpreter, sm_90+)."""
-    return _pdl and not INTERPRET and torch.cuda.is_available() and _pdl_capable(torch.cuda.current_device())
+def pdl_enabled(device: torch.device | None = None) -> bool:
+    """Whether launches on `device` (default: the current CUDA device) get PDL now: on, not the interpreter, sm_90+."""
+    if not _pdl or INTERPRET:
+        return False
+    if device is None:
+        if not torch.cuda.is_available():
+            return False
+        return _pdl_capable(torch.cuda.current_device())
+    return device.type == "cuda" and _pdl_capable(device.index if device.index is not None
+                                                  else torch.cuda.current_device())
 
 
 def pdl_args(x: Tensor) -> dict:
     """Launch keywords for a kernel with a USE_PDL constexpr: PDL where it is on and x's device has it."""
-    if _pdl and not INTERPRET and x.device.type == "cuda":
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        if _pdl_capable(index):
-            return {"USE_PDL": True, "launch_pdl": True}
-    return {"USE_PDL": False}
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(x.device) else {"USE_PDL": False}
 
 
 @triton.jit

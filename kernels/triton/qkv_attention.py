@@ -11,14 +11,15 @@ Per program (sequence b, head h, query block): q = x[block] Wq_h^T + bq_h, then 
 same sequence: k, v = x[keys] Wk_h^T + bk_h, x[keys] Wv_h^T + bv_h, online softmax (running max and sum in fp32),
 acc += p v. A sequence within one block (a short request) has its queries as its keys: q, k and v are projected in
 one pass over x (each step one x tile and three weight tiles in flight: 7.3 -> 5.6 us a layer for MiniLM b1 s16 on
-the H200, docs/performance.md session 11). The projections accumulate in fp32 and are rounded to the input dtype before the attention products,
-as the unfused path stores them (fp32 inputs use IEEE products); p goes into the p v product as two halves in the
-input dtype, so it is not rounded (one rounding of p put single elements past the fp16 tolerance). With
-`attention_partials` the context (rounded the same way) is multiplied by the head's slice of the output projection
-in the same program, giving that head's fp32 partial sum of the projected output. A sequence longer than one block re-projects its
-keys for every query block (work grows with length / BLOCK): this is for short sequences, and the encoder uses it
-only when asked (`attention="fused"`). The weights a program reads are its head's 3 x head_dim rows, so the grid
-spreads the projection's weight traffic over heads x sequences SMs.
+the H200, docs/performance.md session 11). The projections accumulate in fp32 and are rounded to the input dtype
+before the attention products, as the unfused path stores them (fp32 inputs use IEEE products); p goes into the p v
+product as two halves in the input dtype, so it is not rounded (one rounding of p put single elements past the fp16
+tolerance). With `attention_partials` the context (rounded the same way) is multiplied by the head's slice of the
+output projection in the same program, giving that head's fp32 partial sum of the projected output. A sequence
+longer than one block re-projects its keys for every query block (work grows with length / BLOCK): this is for short
+sequences: the encoder's few-token layer (batches of <= 64 tokens, the GPU default) and, with `attention="fused"`
+where varlen attention does not run, every layer. The weights a program reads are its head's 3 x head_dim rows, so
+the grid spreads the projection's weight traffic over heads x sequences SMs.
 
 The last grid row writes zeros into the rows past cu_seqlens[-1] (a graph bucket's filler tokens), so the output
 is fully defined.
