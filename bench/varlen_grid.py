@@ -8,7 +8,7 @@ Why: at BERT-base b128 s128 varlen the eager varlen forward (4.024 ms) beat the 
 The bucket's 2.5% filler tokens explain part of it; the other suspect is the attention grid, which flash attention
 sizes by max_seqlen (query blocks per sequence), so a 512 bound launches four times the query blocks of a 128 one for
 128-token rows, the extra ones exiting at once. This measures that alone, per layer call (device time of the call
-captured in a CUDA graph, median of triton.testing.do_bench), for each case's lengths and bounds.
+captured in a CUDA graph, bench.kernels.graph_ms), for each case's lengths and bounds.
 """
 
 from __future__ import annotations
@@ -21,33 +21,22 @@ import torch
 
 from bench import command, save
 from bench.encoder import lengths_for
+from bench.kernels import graph_ms
 from model.config import EncoderConfig
 from model.encoder import _varlen_attention
 
-CASES = {  # name: (preset, batch, seq, varlen lengths)
-    "bert-base b128 s128 varlen": ("bert-base", 128, 128, True),
-    "bert-base b8 s512 varlen": ("bert-base", 8, 512, True),
-    "minilm-l6 b32 s128 varlen": ("minilm-l6", 32, 128, True),
+CASES = {  # name: (preset, batch, seq); the rows get bench.encoder's varlen lengths
+    "bert-base b128 s128 varlen": ("bert-base", 128, 128),
+    "bert-base b8 s512 varlen": ("bert-base", 8, 512),
+    "minilm-l6 b32 s128 varlen": ("minilm-l6", 32, 128),
 }
 BOUNDS = (128, 256, 512)
 
 
-def graph_us(fn) -> float:
-    """Median device time of one fn() call, replayed from a CUDA graph (no host launch cost)."""
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=50, rep=300) * 1e3
-
-
 def run_case(name: str) -> list[dict]:
-    preset, batch, seq, varlen = CASES[name]
+    preset, batch, seq = CASES[name]
     cfg = EncoderConfig.from_name(preset)
-    lengths = lengths_for(batch, seq, varlen)
+    lengths = lengths_for(batch, seq, True)
     tokens, longest = sum(lengths), max(lengths)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(tokens, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.float16, generator=gen)
@@ -57,7 +46,7 @@ def run_case(name: str) -> list[dict]:
     attn = _varlen_attention()
     out = []
     for bound in sorted({longest, *(b for b in BOUNDS if b >= longest)}):
-        us = graph_us(lambda: attn(q, k, v, cu, cu, bound, bound))
+        us = graph_ms(lambda: attn(q, k, v, cu, cu, bound, bound)) * 1e3
         row = {"case": name, "tokens": tokens, "longest": longest, "max_seqlen": bound, "us_per_call": us,
                "us_per_forward": us * cfg.num_layers}
         out.append(row)
