@@ -182,18 +182,28 @@ class CudaGraphs:
         if current != self.fingerprint:
             if self.graphs:
                 log.info("kernel selection or attention changed: dropping %d CUDA graphs", len(self.graphs))
-            self.graphs.clear()
+                self._drop_all()
             self.fingerprint = current
+
+    def _drop_all(self) -> None:
+        """Drop every graph and their memory pool. The next capture takes a fresh pool: torch's allocator keeps a
+        pool whose last graph is gone (use count 0) until its memory is released, and capturing into it again
+        fails an internal assert in CUDACachingAllocator (seen on torch 2.11 after a fused-path toggle)."""
+        self.graphs.clear()
+        self.pool = None
+        self.pool_bytes = 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # hands the dropped pool's segments back (they are freeable only once empty)
 
     def _capture(self, key: tuple[int, int, int, bool]) -> _Graph:
         started = time.perf_counter()
         reserved = torch.cuda.memory_reserved(self.device)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         tokens, batch, seq, dense = key
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
             self.evictions += 1
+        if not self.graphs:  # no graph lives in the pool (first capture, or max_graphs=1 evicted the last)
+            self.pool = torch.cuda.graph_pool_handle()
         host = torch.empty(len(Packed.FIELDS) * tokens + batch, dtype=torch.long, pin_memory=True)
         # until the first real fill: one filler token (valid indices, lengths >= 1)
         Packed.host_buffers([[self.pad_token_id]], tokens, batch, seq, out=_split(host, tokens))

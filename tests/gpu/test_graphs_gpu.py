@@ -4,6 +4,8 @@ changes, skipped on the reference path, and batches outside the buckets run eage
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -85,10 +87,34 @@ def test_selection_change_drops_graphs_and_reference_path_skips_them():
         ref = e.embed_ids(ids)
     assert e.graphs.stats()["replays"] == 1  # the reference path ran eagerly
     kernels.configure("cuda", (torch.float16,), fused=False)
-    off = e.embed_ids(ids)  # new fingerprint: the fused graph must not be replayed
-    assert e.graphs.stats()["captures"] == 2
+    gc.collect()  # nothing but the holder keeps a dropped graph alive, so its pool's use count reaches 0
+    off = e.embed_ids(ids)  # new fingerprint: the fused graph must not be replayed (and capture needs a fresh pool)
+    assert e.graphs.stats()["captures"] == 2 and e.graphs.stats()["graphs"] == 1
+    for _ in range(3):  # toggled back and forth: every drop is followed by a capture into a new pool
+        kernels.configure("cuda", (torch.float16,), backend="cuda")
+        gc.collect()
+        again = e.embed_ids(ids)
+        kernels.configure("cuda", (torch.float16,), fused=False)
+        gc.collect()
+        assert torch.nn.functional.cosine_similarity(e.embed_ids(ids), off).min() >= 0.99999
+    assert e.graphs.stats()["captures"] == 8
+    assert torch.nn.functional.cosine_similarity(again, fused).min() >= 0.99999
     assert torch.nn.functional.cosine_similarity(off, ref).min() >= 0.99999
     assert torch.nn.functional.cosine_similarity(fused, ref).min() >= 0.999
+
+
+def test_one_graph_held_evicts_and_recaptures():
+    """max_graphs=1: each new bucket evicts the only graph, so the pool is empty at every capture."""
+    e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="cuda", max_batch_tokens=4096,
+                         max_batch=64, max_graphs=1)
+    batches = [e.tokenizer.encode(SENTENCES[:n]) for n in (3, 20, 3, 20)]
+    eager = [e.embed_ids(ids, graphs=False) for ids in batches]
+    for ids, ref in zip(batches, eager):
+        out = e.embed_ids(ids)
+        gc.collect()
+        assert torch.isfinite(out).all() and _agree(out, ref, "float16")
+    stats = e.graphs.stats()
+    assert stats["graphs"] == 1 and stats["captures"] == 4 and stats["evictions"] == 3
 
 
 def test_outside_buckets_runs_eagerly():
