@@ -44,6 +44,15 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/nvidia-smi-$mode.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+# the server's packages the image lacks travel as wheels (../shared/tools/gpu-wheels.sh orjson httptools): say
+# up front what is missing (session 14's first call lost its two server tests to a missing orjson)
+python3 - <<'PY'
+import importlib.util
+need = ("fastapi", "uvicorn", "pydantic_settings", "orjson", "httptools", "prometheus_client", "tokenizers")
+missing = [name for name in need if importlib.util.find_spec(name) is None]
+print("server packages: all present" if not missing else
+      f"server packages MISSING: {' '.join(missing)} (server tests fail, serving numbers change without httptools)")
+PY
 build_cached() {  # the CUDA extension into a cache the tests and benches share
   export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache
   python3 -m kernels.cuda.build 2>&1 | tail -1
