@@ -186,9 +186,10 @@ class CudaGraphs:
             self.fingerprint = current
 
     def _drop_all(self) -> None:
-        """Drop every graph and their memory pool. The next capture takes a fresh pool: torch's allocator keeps a
-        pool whose last graph is gone (use count 0) until its memory is released, and capturing into it again
-        fails an internal assert in CUDACachingAllocator (seen on torch 2.11 after a fused-path toggle)."""
+        """Drop every graph and their memory pool; self.pool is None exactly while no graph is held. The next
+        capture takes a fresh pool: torch's allocator keeps a pool whose last graph is gone (use count 0) until its
+        memory is released, and capturing into it again fails an internal assert in CUDACachingAllocator (seen on
+        torch 2.11 after a fused-path toggle, once the collector had freed the dropped graphs)."""
         self.graphs.clear()
         self.pool = None
         self.pool_bytes = 0
@@ -197,13 +198,15 @@ class CudaGraphs:
 
     def _capture(self, key: tuple[int, int, int, bool]) -> _Graph:
         started = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(self.device)
         tokens, batch, seq, dense = key
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
             self.evictions += 1
-        if not self.graphs:  # no graph lives in the pool (first capture, or max_graphs=1 evicted the last)
+            if not self.graphs:  # max_graphs=1: the pool lost its last graph
+                self._drop_all()
+        if self.pool is None:  # the first capture, or none held since the last drop: a pool no graph lives in
             self.pool = torch.cuda.graph_pool_handle()
+        reserved = torch.cuda.memory_reserved(self.device)
         host = torch.empty(len(Packed.FIELDS) * tokens + batch, dtype=torch.long, pin_memory=True)
         # until the first real fill: one filler token (valid indices, lengths >= 1)
         Packed.host_buffers([[self.pad_token_id]], tokens, batch, seq, out=_split(host, tokens))
