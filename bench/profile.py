@@ -102,12 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                 layer.ffn_splits = ffn_splits(cfg.intermediate_size, chunk or 64)
             results[f"{name} eager"] = breakdown(
                 lambda: packed_mean_pool(encoder.forward_packed(packed, attention), packed, False))
-            pdl_variants = [True, False] if args.without_pdl and backend == "triton" and pdl_enabled() else [None]
-            for pdl in pdl_variants if fused else []:
-                with pdl_launches(pdl_enabled() if pdl is None else pdl):  # replays keep what was captured
+            pdl_on = pdl_enabled()  # the process's setting; --without-pdl adds the Triton graphs without it
+            for pdl in ([pdl_on, False] if args.without_pdl and backend == "triton" and pdl_on else [pdl_on]) \
+                    if fused else []:
+                with pdl_launches(pdl):  # replays keep what was captured
                     graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=args.batch * args.seq,
                                         max_batch=args.batch, attention=attention)
-                    results[f"{name} graphs{' no-pdl' if pdl is False else ''}"] = breakdown(lambda: graphs.run(rows))
+                    results[f"{name} graphs{'' if pdl == pdl_on else ' no-pdl'}"] = breakdown(lambda: graphs.run(rows))
                     graphs = None
             for mode in ("eager", "graphs", "graphs no-pdl"):
                 if (r := results.get(f"{name} {mode}")) is not None:

@@ -32,13 +32,6 @@ DISCONNECT_POLL_S = 0.05
 INLINE_TOKENIZE_CHARS = 512
 
 
-def _pdl_enabled() -> bool:
-    """Triton kernels launched with programmatic dependent launch here (FUSEDSERVE_TRITON_PDL, sm_90+)."""
-    from kernels.triton._common import pdl_enabled
-
-    return pdl_enabled()
-
-
 @dataclass
 class EmbedResult:
     embeddings: np.ndarray  # [n, dim] float32
@@ -121,7 +114,9 @@ class Service:
         else:
             graphs = f"CUDA graphs on (up to {s.max_cuda_graphs}, captured per shape bucket on first use)"
         if e.device.type == "cuda" and any(c.backend == "triton" for c in registry.current().choices.values()):
-            graphs += f", Triton programmatic dependent launch {'on' if _pdl_enabled() else 'off'}"
+            from kernels.triton._common import pdl_enabled  # importable: Triton runs an op here
+
+            graphs += f", Triton programmatic dependent launch {'on' if pdl_enabled(e.device) else 'off'}"
         return (f"{self.report}\nlayout {e.layout}, attention {e.attention} ({e.attention_reason}), {graphs}\n"
                 f"batching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
                 f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}"
