@@ -1,4 +1,5 @@
-"""The one LayerNorm-family kernel behind layer_norm, layer_norm_gelu and add_layer_norm.
+"""The one LayerNorm-family kernel behind layer_norm, layer_norm_gelu and add_layer_norm, and the row statistics
+(`layer_norm_stats`) every Triton LayerNorm computes with, embedding + LayerNorm's included.
 
 Each program normalizes BLOCK_M whole rows held in registers (one read of every input, one write of
 every output); constexpr flags switch the residual/bias add, the pre-norm-sum store and the GELU, so each
@@ -29,6 +30,20 @@ def _prune(configs, named_args, **kwargs):
     wanted = tile_configs(kwargs["BLOCK_N"], tiles=tiles, per_thread=(16, 8))
     return [c for w in wanted for c in configs
             if c.kwargs["BLOCK_M"] == w.kwargs["BLOCK_M"] and c.num_warps == w.num_warps]
+
+
+@triton.jit
+def layer_norm_stats(h, mask, N, eps):
+    """Mean and 1/std of each row of the [BLOCK_M, BLOCK_N] tile `h`, in h's dtype (fp32 statistics; fp64 for fp64
+    inputs). `mask` marks the tile's real elements, and h must be 0 outside it (loads with other=0.0): the mean's sum
+    then needs no mask, the variance's does. Two passes over registers, no re-read of the input: the centered pass
+    is the exact one (no E[h^2] - mean^2 cancellation)."""
+    # mean = sum(h) / N; var = sum((h - mean)^2) / N; rstd = 1 / sqrt(var + eps)
+    mean = tl.sum(h, axis=1) / N
+    centered = tl.where(mask, h - mean[:, None], 0.0)
+    var = tl.sum(centered * centered, axis=1) / N
+    rstd = 1.0 / tl.sqrt(var + eps)
+    return mean, rstd
 
 
 _CONFIGS = [
@@ -75,8 +90,8 @@ def _norm_kernel(
     h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     h = h.to(tl.float64) if F64 else h.to(tl.float32)
     # the other partial products of a split GEMM, in a fixed order (deterministic). Unrolled: the loads are
-    # independent and in flight together (a runtime loop waited out one memory latency per part: 4.8 us for 12-24
-    # parts of a 16-row batch on the H200, bench/results/2026-12-01-h200-s11/run1-next/profile-minilm-b1-fused.json)
+    # independent and in flight together (a runtime loop waits out one memory latency per part, which dominates a
+    # few-token batch's LayerNorm)
     for part in tl.static_range(1, PARTS):
         h += tl.load(X + part * stride_p + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(h.dtype)
     if HAS_RESIDUAL:
@@ -86,15 +101,12 @@ def _norm_kernel(
     if STORE_SUM:
         tl.store(S + rows[:, None] * stride_s + cols[None, :], h.to(S.dtype.element_ty), mask=mask)
 
-    # mean = sum(h) / N; var = sum((h - mean)^2) / N  (two passes over registers, no re-read)
-    mean = tl.sum(h, axis=1) / N
-    centered = tl.where(mask, h - mean[:, None], 0.0)
-    var = tl.sum(centered * centered, axis=1) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
-
+    mean, rstd = layer_norm_stats(h, mask, N, eps)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(h.dtype)
     b = tl.load(B + cols, mask=col_ok, other=0.0).to(h.dtype)
-    y = centered * rstd[:, None] * w[None, :] + b[None, :]
+    # y = (h - mean) * rstd * w + b, from the same masked (h - mean) the variance was summed over: the compiler
+    # computes it once, so this kernel compiles to the code it had with the statistics written inline
+    y = tl.where(mask, h - mean[:, None], 0.0) * rstd[:, None] * w[None, :] + b[None, :]
     y = gelu(y, GELU)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 

@@ -11,7 +11,7 @@ from torch import Tensor
 from kernels._layout import embedding_inputs
 from kernels.triton._common import (as_vector, autotune, block_cols, check_device, needs_wide, pdl_args, pdl_sync,
                                     row_bucket)
-from kernels.triton._norm import _CONFIGS, _prune
+from kernels.triton._norm import _CONFIGS, _prune, layer_norm_stats
 
 
 @autotune(_CONFIGS, key=["N", "M_BUCKET"], prune=_prune)
@@ -54,13 +54,12 @@ def _embedding_layer_norm_kernel(
     h += tl.load(POSITION + pos[:, None] * stride_pos + cols[None, :], mask=mask, other=0.0).to(h.dtype)
     h += tl.load(TOKEN_TYPE + ttype[:, None] * stride_type + cols[None, :], mask=mask, other=0.0).to(h.dtype)
 
-    mean = tl.sum(h, axis=1) / N
-    centered = tl.where(mask, h - mean[:, None], 0.0)
-    var = tl.sum(centered * centered, axis=1) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
+    mean, rstd = layer_norm_stats(h, mask, N, eps)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(h.dtype)
     b = tl.load(B + cols, mask=col_ok, other=0.0).to(h.dtype)
-    y = centered * rstd[:, None] * w[None, :] + b[None, :]
+    # y = (h - mean) * rstd * w + b, from the same masked (h - mean) the variance was summed over: the compiler
+    # computes it once, so this kernel compiles to the code it had with the statistics written inline
+    y = tl.where(mask, h - mean[:, None], 0.0) * rstd[:, None] * w[None, :] + b[None, :]
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
