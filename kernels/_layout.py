@@ -1,6 +1,6 @@
 """Tensor-layout helpers shared by the fused backends' launchers (torch only, no Triton or CUDA code):
-every launcher views its input as [rows, cols] with unit column stride and writes a fresh or caller-given
-contiguous output."""
+every launcher views its input as [rows, cols] with unit column stride, writes a fresh or caller-given
+contiguous output, and keys its tuned launch configuration on the row count's bucket."""
 
 from __future__ import annotations
 
@@ -9,6 +9,13 @@ from torch import Tensor
 
 # Widest row the fused LayerNorm kernels keep in registers (both backends).
 MAX_COLS = 16384
+
+
+def row_bucket(rows: int) -> int:
+    """The row count's power-of-two bucket (bit length, capped at 24): the key under which both backends keep a
+    tuned launch configuration (Triton's autotune key, the CUDA tuner's table), so serving's ever-changing token
+    counts reuse a tuned config instead of re-tuning per batch."""
+    return min(max(rows, 1).bit_length(), 24)
 
 
 def common_device(name: str, tensors: tuple[Tensor | None, ...], dtypes: tuple[torch.dtype, ...]) -> torch.device:

@@ -1,7 +1,8 @@
 """Launch-configuration choice for the CUDA kernels: the first call of a kernel at a new shape class times
-every candidate configuration (CUDA-graph replays, so it is device time, not Python overhead) and keeps the
-fastest; results are cached in memory and in a JSON file per GPU model, so later processes on the same kind
-of GPU start tuned. `table()` is what was chosen (the bench JSON and /info record it).
+every candidate configuration (kernels.timing.device_us: CUDA-graph replays, so it is device time, not Python
+overhead) and keeps the fastest; results are cached in memory and in a JSON file per GPU model, so later processes
+on the same kind of GPU start tuned. A cache file that cannot be read is reported once and rebuilt by the next
+save. `table()` is what was chosen (the bench JSON and /info record it).
 
 Shape class: (kernel, dtype, cols, power-of-two bucket of the row count). Below TUNE_MIN_ROWS rows every
 configuration is a single wave bound by launch latency, so the heuristic is taken without a sweep (this also
@@ -11,16 +12,19 @@ so does a call made while a CUDA graph is being captured.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
-import statistics
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+from kernels._layout import row_bucket
+from kernels.timing import device_us
 
 log = logging.getLogger("fusedserve.kernels.cuda")
 
@@ -50,42 +54,22 @@ def norm_candidates(cols: int) -> list[Config]:
 def pointwise_candidates(cols: int, rows: int | None = None) -> list[Config]:
     """Configs for bias(+residual)+GELU over rows of `cols`; the first is the heuristic default: 4 rows per thread,
     but 1 below TUNE_MIN_ROWS rows (those take the default untuned). There the grid is one partial wave, and every
-    extra row a thread walks is one more memory round trip in series: at 16 x 1536 fp16 (MiniLM's FFN-in at b1 s16)
-    the 4-row default gave 4 blocks of threads walking 4 rows each, and cuBLAS + this kernel took 11.1 us where
-    cuBLAS + Triton's bias_gelu took 8.8 (bench/results/2026-11-30-h200-linear-gelu-tma.json)."""
+    extra row a thread walks is one more memory round trip in series: on a few-token batch (MiniLM's FFN-in at b1
+    s16) the 4-row default left a handful of blocks each walking 4 rows, slower than Triton's one-row tiles."""
     default = (256, 1) if rows is not None and rows < TUNE_MIN_ROWS else (256, 4)
     return [default] + [c for c in POINTWISE_CONFIGS if c != default]
-
-
-def row_bucket(rows: int) -> int:
-    return min(max(rows, 1).bit_length(), 24)
 
 
 def _enabled() -> bool:
     return os.environ.get("FUSEDSERVE_CUDA_TUNE", "1") != "0"
 
 
-def _time_device(run: Callable[[], None], launches: int = 10, repeats: int = 5) -> float:
-    """Median device time of one launch in microseconds, from CUDA-graph replays of `launches` launches."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # warm: first launch of this instantiation
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            run()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return statistics.median(times)
+def _valid_table(table: object) -> bool:
+    """A loaded cache is used only whole: a JSON object of entries each holding a two-int config."""
+    return isinstance(table, dict) and all(
+        isinstance(entry, dict) and isinstance(entry.get("config"), list) and len(entry["config"]) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in entry["config"])
+        for entry in table.values())
 
 
 class Tuner:
@@ -94,27 +78,45 @@ class Tuner:
         self._table: dict[str, dict] = {}  # "kernel|dtype|cols|bucket" -> config and timings (the JSON file)
         self._chosen: dict[tuple, Config] = {}  # the same choices by tuple key: the per-launch lookup
         self._file: Path | None = None
+        self._save_failed = False  # warned once already
 
     def _cache_file(self) -> Path:
+        """The GPU model's cache file, its table loaded on first use. A missing file is a first start; one that
+        cannot be read or parsed is reported and replaced by the next save (its entries would be re-tuned anyway,
+        and silently ignoring it would leave every later start re-tuning with nobody told why)."""
         if self._file is None:
             from kernels.cuda.build import cache_root
 
             gpu = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
             self._file = cache_root() / f"tuning-{gpu}.json"
             try:
-                self._table.update(json.loads(self._file.read_text()))
-            except (OSError, ValueError):
+                table = json.loads(self._file.read_text())
+                if not _valid_table(table):
+                    raise ValueError("not a table of {key: {config: [int, int], ...}}")
+            except FileNotFoundError:
                 pass
+            except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                log.warning("CUDA tuning cache %s is unreadable (%s: %s); starting from an empty table, the next "
+                            "tuned shape overwrites it", self._file, type(exc).__name__, exc)
+            else:
+                self._table.update(table)
         return self._file
 
     def _save(self) -> None:
+        # Written to a per-process temporary file, then renamed over the cache: a reader never sees half a file,
+        # and replicas sharing the cache directory never write into each other's temporary file.
+        tmp = self._file.with_name(f"{self._file.name}.{os.getpid()}.tmp")
         try:
             self._file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._file.with_suffix(".tmp")
             tmp.write_text(json.dumps(self._table, indent=1, sort_keys=True))
             tmp.replace(self._file)
-        except OSError as exc:  # a read-only cache only costs a re-tune next start
-            log.debug("cannot save CUDA tuning cache %s: %s", self._file, exc)
+        except OSError as exc:  # a read-only cache only costs a re-tune next start: say so once, not per shape
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            if not self._save_failed:
+                log.warning("cannot save the CUDA tuning cache %s (%s: %s); tuned configs last only this process",
+                            self._file, type(exc).__name__, exc)
+            self._save_failed = True
 
     def choose(self, kernel: str, dtype: torch.dtype, cols: int, rows: int, candidates: Sequence[Config],
                run: Callable[[Config], None]) -> Config:
@@ -138,7 +140,7 @@ class Tuner:
             timings = {}
             for config in candidates:
                 try:
-                    timings[config] = _time_device(lambda: run(config))
+                    timings[config] = device_us(lambda: run(config), calls=10, rounds=5, reduce="median")
                 except RuntimeError as exc:  # a config this shape cannot take is skipped, not fatal
                     log.debug("cuda tune %s %s: skipped (%s)", key, config, exc)
             if not timings:

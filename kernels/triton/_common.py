@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# as_rows/as_vector/output_like are shared with the CUDA backend; re-exported for the launchers here.
-from kernels._layout import MAX_COLS, as_rows, as_vector, common_device, output_like  # noqa: F401
+# as_rows/as_vector/output_like/row_bucket are shared with the CUDA backend; re-exported for the launchers here.
+from kernels._layout import MAX_COLS, as_rows, as_vector, common_device, output_like, row_bucket  # noqa: F401
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # FUSEDSERVE_TRITON_AUTOTUNE=0 skips benchmarking and takes each kernel's heuristic config (the first
@@ -28,9 +28,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # Programmatic dependent launch (PDL, Hopper and later): on by default on sm_90+, FUSEDSERVE_TRITON_PDL=0 turns it
 # off. Launched with it, a kernel's programs may be scheduled while the kernel before it in the stream is still
-# finishing, so the gap between two dependent kernels (1.6 us a boundary in the b1 s16 graph, session 11) shrinks:
-# MiniLM b1 s16 through the few-token layer's graph 0.163 -> 0.144 ms on the H200, b32 0.436 -> 0.434, every output
-# bit the same (session 13).
+# finishing, so the gap between two dependent kernels shrinks: it counts most for a few-token batch, whose forward is
+# a chain of short latency-bound kernels, and changes no output bit (the measurements are in bench/results).
 # Safe only because every kernel launched with it runs `pdl_sync` before it reads or writes any activation: that waits
 # for the previous kernel to complete with its writes visible (and that kernel, if it was launched with PDL too, had
 # waited for its own predecessor, so every earlier kernel is complete as well). Kernels launched without it (cuBLAS,
@@ -115,9 +114,9 @@ def autotune(configs: list[triton.Config], key: list[str], prune=None):
 
 # Autotune timings are kept on disk (Triton 3.4+: `cache_results`, in TRITON_CACHE_DIR beside the compiled kernels),
 # so a restarted pod, the next replica on the node or the next test process takes each shape's tuned config instead
-# of benchmarking its candidates again: a server start on the H200 spent 83 s choosing kernels with the compiled
-# kernels already cached (session 13), mostly self-tests and races over shapes that each autotune. The key holds the
-# kernel's source, the GPU, Triton's version, the shape key and the candidate list, so any change re-tunes.
+# of benchmarking its candidates again: with the compiled kernels already cached, choosing kernels (self-tests and
+# races over shapes that each autotune) was most of a server's start. The key holds the kernel's source, the GPU,
+# Triton's version, the shape key and the candidate list, so any change re-tunes.
 _AUTOTUNE_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
@@ -141,12 +140,6 @@ def tile_configs(block_n: int, tiles: tuple[int, ...], per_thread: tuple[int, ..
 def _tile(config: triton.Config, kwargs: dict) -> int:
     meta = {**kwargs, **config.kwargs}
     return meta.get("BLOCK_M", 1) * meta.get("BLOCK_N", 1)
-
-
-def row_bucket(rows: int) -> int:
-    """Autotune key for the row count: its power-of-two bucket, so serving's ever-changing token counts
-    reuse a tuned config instead of re-tuning per batch."""
-    return min(max(rows, 1).bit_length(), 24)
 
 
 def check_device(name: str, *tensors: Tensor | None) -> None:
