@@ -1,152 +1,85 @@
 """Fused transformer ops with interchangeable backends (Triton, CUDA, torch reference).
 
-Call the ops below; `kernels.registry.configure()` decides, per op, which backend runs them.
-Until it is called every op runs on the torch reference.
+`select(...)` decides, per op, which backend runs it and returns an immutable `Selection`; the ops below run the
+implementations of the selection installed by `use(selection)` in the current context (thread or task), and the
+torch reference outside any. The owner of a model keeps its selection and installs it around each forward, so two
+threads (the serving worker and a background reference check) run different paths without sharing a table.
+
+A `contextvars.ContextVar` rather than a thread-local: it is per thread as well, and also per asyncio task, and
+`use()` restores the outer value on exit however the block ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib.util
 import os
-import threading
+from collections.abc import Callable, Iterator
 
 import torch
-from torch import Tensor
 
 from kernels import registry
-from kernels.registry import BackendError, BackendUnavailable, Selection, configure
+from kernels.library import signature
+from kernels.registry import REFERENCE, BackendError, BackendUnavailable, Selection, reference_selection, select
+from kernels.spec import OP_SPECS, OPS
 
-__all__ = [
-    "BackendError", "Selection", "configure", "registry", "reference_path",
-    "layer_norm", "layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "add_layer_norm", "embedding_layer_norm",
-    "linear_bias_gelu", "linear_add_layer_norm", "segment_mean", "qkv_attention", "attention_partials",
-    "ffn_partials", "partial_add_layer_norm",
-]
+# An observer gets every op call: (op, backend, implementation, args, kwargs) -> the call's result.
+Observer = Callable[[str, str, Callable, tuple, dict], object]
 
-_active = registry.active
-_local = threading.local()
-
-
-def _ops():
-    """The op table for this thread: the registry's choice, or the reference inside reference_path()."""
-    return getattr(_local, "ops", None) or _active
-
-
-def on_reference_path() -> bool:
-    """True inside reference_path() in this thread."""
-    return getattr(_local, "ops", None) is not None
+_active: contextvars.ContextVar[tuple[Selection, Observer | None]] = contextvars.ContextVar(
+    "fusedserve_kernels", default=(REFERENCE, None))
 
 
 @contextlib.contextmanager
-def reference_path():
-    """Run every op on the torch reference in this thread only (the server's background verifier uses
-    this while the serving thread keeps the fused path)."""
-    from kernels import reference
-
-    previous = getattr(_local, "ops", None)
-    _local.ops = reference.OPS
+def use(selection: Selection, observer: Observer | None = None) -> Iterator[Selection]:
+    """Run kernels.<op> on `selection` inside the block (this thread or task only); with `observer`, every op
+    call goes through it (kernels.timing.OpTimer.call times them)."""
+    token = _active.set((selection, observer))
     try:
-        yield
+        yield selection
     finally:
-        _local.ops = previous
+        _active.reset(token)
 
 
-def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12) -> Tensor:
-    """LayerNorm over the last dimension."""
-    return _ops()["layer_norm"](x, weight, bias, eps)
+def current() -> Selection:
+    """The selection kernels.<op> runs on here and now."""
+    return _active.get()[0]
 
 
-def layer_norm_gelu(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12, approximate: str = "none") -> Tensor:
-    """GELU(LayerNorm(x)); exact erf GELU unless approximate="tanh"."""
-    return _ops()["layer_norm_gelu"](x, weight, bias, eps, approximate)
+def _public(op: str) -> Callable:
+    def call(*args, **kwargs):
+        selection, observer = _active.get()
+        if observer is None:
+            return selection.impls[op](*args, **kwargs)
+        return observer(op, selection.choices[op].backend, selection.impls[op], args, kwargs)
+
+    call.__name__ = call.__qualname__ = op
+    call.__doc__ = OP_SPECS[op].doc
+    call.__signature__ = signature(OP_SPECS[op])
+    call.__module__ = __name__
+    return call
 
 
-def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
-    """GELU(x + bias), bias broadcast over rows."""
-    return _ops()["bias_gelu"](x, bias, approximate)
+layer_norm = _public("layer_norm")
+layer_norm_gelu = _public("layer_norm_gelu")
+bias_gelu = _public("bias_gelu")
+bias_residual_gelu = _public("bias_residual_gelu")
+add_layer_norm = _public("add_layer_norm")
+embedding_layer_norm = _public("embedding_layer_norm")
+linear_bias_gelu = _public("linear_bias_gelu")
+linear_add_layer_norm = _public("linear_add_layer_norm")
+segment_mean = _public("segment_mean")
+qkv_attention = _public("qkv_attention")
+attention_partials = _public("attention_partials")
+ffn_partials = _public("ffn_partials")
+partial_add_layer_norm = _public("partial_add_layer_norm")
+# the op list lives in kernels.spec: a public name per op, nothing more
+assert {name for name, value in globals().items() if getattr(value, "__module__", None) == __name__
+        and getattr(value, "__signature__", None) is not None} == set(OPS), "kernels/__init__.py and kernels.spec differ"
 
-
-def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
-    """GELU(x @ weight^T + bias), weight in nn.Linear's [out, in] layout: the FFN-in of an encoder layer."""
-    return _ops()["linear_bias_gelu"](x, weight, bias, approximate)
-
-
-def linear_add_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, residual: Tensor, ln_weight: Tensor,
-                          ln_bias: Tensor, eps: float = 1e-12) -> Tensor:
-    """LayerNorm(x @ weight^T + bias + residual), weight in nn.Linear's [out, in] layout: the attention-out and
-    FFN-out blocks of a post-LN encoder layer."""
-    return _ops()["linear_add_layer_norm"](x, weight, bias, residual, ln_weight, ln_bias, eps)
-
-
-def bias_residual_gelu(x: Tensor, bias: Tensor, residual: Tensor, approximate: str = "none") -> Tensor:
-    """GELU(x + bias + residual)."""
-    return _ops()["bias_residual_gelu"](x, bias, residual, approximate)
-
-
-def add_layer_norm(
-    x: Tensor,
-    residual: Tensor,
-    bias: Tensor | None,
-    weight: Tensor,
-    ln_bias: Tensor,
-    eps: float = 1e-12,
-    *,
-    return_sum: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """LayerNorm(x + bias + residual); with return_sum=True also the pre-norm sum."""
-    return _ops()["add_layer_norm"](x, residual, bias, weight, ln_bias, eps, return_sum=return_sum)
-
-
-def embedding_layer_norm(
-    input_ids: Tensor,
-    position_ids: Tensor,
-    token_type_ids: Tensor,
-    word_embeddings: Tensor,
-    position_embeddings: Tensor,
-    token_type_embeddings: Tensor,
-    weight: Tensor,
-    bias: Tensor,
-    eps: float = 1e-12,
-) -> Tensor:
-    """LayerNorm(word[ids] + position[pos] + token_type[types]) for flat id vectors: [tokens] -> [tokens, hidden]."""
-    return _ops()["embedding_layer_norm"](
-        input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
-        weight, bias, eps,
-    )
-
-
-def segment_mean(x: Tensor, cu_seqlens: Tensor) -> Tensor:
-    """Mean of each segment of rows, x [T, H] and offsets cu_seqlens [B + 1] -> [B, H] float32 (empty segment: 0;
-    rows past the last offset unread): the mean pooling of a packed batch."""
-    return _ops()["segment_mean"](x, cu_seqlens)
-
-
-def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                  num_heads: int) -> Tensor:
-    """A layer's attention block before its output projection: q, k, v = x @ weight^T + bias (weight [3H, H], nn.Linear's
-    layout, query/key/value stacked), softmax(q k^T / sqrt(d)) v per head within each packed sequence of x [T, H]
-    (offsets cu_seqlens [B + 1], each at most max_seqlen long) -> [T, H]; rows past the last offset are zeros."""
-    return _ops()["qkv_attention"](x, weight, bias, cu_seqlens, max_seqlen, num_heads)
-
-
-def attention_partials(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int,
-                       out_weight: Tensor) -> Tensor:
-    """qkv_attention's context times each head's slice of the output projection out_weight [H, H]: [num_heads, T, H]
-    float32 partial sums (summed: ctx @ out_weight^T), for partial_add_layer_norm."""
-    return _ops()["attention_partials"](x, weight, bias, cu_seqlens, max_seqlen, num_heads, out_weight)
-
-
-def ffn_partials(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, splits: int, approximate: str = "none") -> Tensor:
-    """GELU(x @ w1^T + b1) @ w2^T as `splits` float32 partial sums over chunks of the intermediate width: [splits,
-    T, H], for partial_add_layer_norm."""
-    return _ops()["ffn_partials"](x, w1, b1, w2, splits, approximate)
-
-
-def partial_add_layer_norm(parts: Tensor, bias: Tensor | None, residual: Tensor, weight: Tensor, ln_bias: Tensor,
-                           eps: float = 1e-12) -> Tensor:
-    """LayerNorm(parts.sum(0) + bias + residual): parts [P, T, H] float32 -> [T, H] in residual's dtype."""
-    return _ops()["partial_add_layer_norm"](parts, bias, residual, weight, ln_bias, eps)
+__all__ = ["OPS", "REFERENCE", "BackendError", "Selection", "current", "reference_selection", "registry", "select",
+           "use", *OPS]
 
 
 def _load_triton(device: torch.device):
@@ -156,10 +89,10 @@ def _load_triton(device: torch.device):
         raise BackendUnavailable(f"needs a CUDA device, got {device} (TRITON_INTERPRET=1 runs it on the CPU, for tests)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailable("CUDA is not available")
-    from kernels import ops
+    from kernels import library
     from kernels.triton import LAUNCHERS
 
-    return ops.custom_ops("triton", LAUNCHERS)
+    return library.custom_ops("triton", LAUNCHERS)
 
 
 registry.register_backend("triton", _load_triton)
@@ -170,13 +103,13 @@ def _load_cuda(device: torch.device):
         raise BackendUnavailable(f"needs a CUDA device, got {device}")
     if not torch.cuda.is_available():
         raise BackendUnavailable("CUDA is not available")
-    from kernels import cuda, ops
+    from kernels import cuda, library
 
     try:
         launchers = cuda.load()
     except cuda.BuildUnavailable as exc:
         raise BackendUnavailable(str(exc)) from exc
-    return ops.custom_ops("cuda", launchers)
+    return library.custom_ops("cuda", launchers)
 
 
 registry.register_backend("cuda", _load_cuda)

@@ -217,19 +217,3 @@ def partial_add_layer_norm(parts: Tensor, bias: Tensor | None, residual: Tensor,
         s = s + bias.to(compute)
     return _store(_layer_norm(s, weight, ln_bias, eps), residual.dtype, out)
 
-
-OPS = {
-    "layer_norm": layer_norm,
-    "layer_norm_gelu": layer_norm_gelu,
-    "bias_gelu": bias_gelu,
-    "bias_residual_gelu": bias_residual_gelu,
-    "add_layer_norm": add_layer_norm,
-    "embedding_layer_norm": embedding_layer_norm,
-    "linear_bias_gelu": linear_bias_gelu,
-    "linear_add_layer_norm": linear_add_layer_norm,
-    "segment_mean": segment_mean,
-    "qkv_attention": qkv_attention,
-    "attention_partials": attention_partials,
-    "ffn_partials": ffn_partials,
-    "partial_add_layer_norm": partial_add_layer_norm,
-}

@@ -1,31 +1,34 @@
-"""Per-op backend choice. Each backend (triton, cuda, torch) is probed once (importable? usable on this device?),
-then self-tested op by op against the float64 reference on fresh random inputs of a few shapes and every dtype in
-use. Auto mode self-tests every fused backend; when more than one passes it races them at the model's shape
-(RACE_ROWS x hidden size, serving dtype) and takes the fastest, else the one that passed; the reference is the
-fallback. Ops the model will not call (`ops=`: say, the few-token layer's ops when attention is not fused) stay on
-the reference untested, so a server start compiles no kernel it will never launch. Why every other backend was
-rejected is recorded; an explicitly forced backend that fails raises (one forced for every op that does not
-implement some op leaves that op on the reference; forced for that op alone, it raises). The model never sees any of
-this: it calls `kernels.<op>`, which dispatches through `active`.
+"""Per-op backend choice, returned as an immutable `Selection` that its owner (the model's Embedder) keeps and
+installs around its forwards (`kernels.use`): there is no process-wide op table to write.
+
+Each backend (triton, cuda, torch) is probed once (importable? usable on this device?), then self-tested op by op
+against the float64 reference on fresh random inputs of a few shapes and every dtype in use. Auto mode self-tests
+every fused backend; when more than one passes it races them at the model's shape (RACE_ROWS x hidden size,
+serving dtype) and takes the fastest, else the one that passed; the reference is the fallback. Ops the model will
+not call (`ops=`) stay on the reference untested, so a server start compiles no kernel it will never launch. Why
+every other backend was rejected is recorded; an explicitly forced backend that fails raises (one forced for every
+op that does not implement some op leaves that op on the reference; forced for that op alone, it raises).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import textwrap
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from kernels import reference
-from kernels.testing import OP_SPECS, check_op
+from kernels import timing as timing_
+from kernels.spec import OP_SPECS, OPS, REFERENCE_OPS
+from kernels.testing import check_op
 
 log = logging.getLogger("fusedserve.kernels")
 
-OPS: tuple[str, ...] = tuple(reference.OPS)
 REFERENCE_BACKEND = "torch"
 
 
@@ -48,7 +51,7 @@ class Backend:
 
 
 def _load_reference(device: torch.device) -> Mapping[str, Callable]:
-    return reference.OPS
+    return REFERENCE_OPS
 
 
 # Preference order for auto mode; fused backends register themselves ahead of the reference.
@@ -72,26 +75,67 @@ def backend_names() -> list[str]:
     return [b.name for b in _BACKENDS]
 
 
-@dataclass
+@dataclass(frozen=True)
 class OpChoice:
     op: str
     backend: str
     reason: str
-    rejected: dict[str, str] = field(default_factory=dict)
-    timings_us: dict[str, float] = field(default_factory=dict)  # the auto-mode race, when there was one
+    rejected: Mapping[str, str] = field(default_factory=dict)
+    timings_us: Mapping[str, float] = field(default_factory=dict)  # the auto-mode race, when there was one
     used: bool = True  # False: the model does not call this op; it stays on the reference, untested
 
+    def __post_init__(self) -> None:  # read-only views: a Selection never changes once made
+        object.__setattr__(self, "rejected", types.MappingProxyType(dict(self.rejected)))
+        object.__setattr__(self, "timings_us", types.MappingProxyType(dict(self.timings_us)))
 
-@dataclass
+
+_versions = itertools.count(1)  # 0 is the reference selection every thread starts with
+
+
+@dataclass(frozen=True)
 class Selection:
+    """Which implementation runs each op, on which backend and why. Immutable: a change of path (the fused
+    switch, a fallback) makes a new Selection with a higher `version`, which is what CUDA graphs are keyed on."""
+
     device: torch.device
     dtypes: tuple[torch.dtype, ...]
-    fused: bool
-    choices: dict[str, OpChoice]
-    seconds: float
+    fused: bool  # the fused path was asked for (False: every op on the reference by configuration)
+    choices: Mapping[str, OpChoice]
+    impls: Mapping[str, Callable]
+    seconds: float = 0.0
+    version: int = field(default_factory=lambda: next(_versions))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choices", types.MappingProxyType(dict(self.choices)))
+        object.__setattr__(self, "impls", types.MappingProxyType(dict(self.impls)))
 
     def backend_of(self, op: str) -> str:
         return self.choices[op].backend
+
+    @property
+    def used(self) -> dict[str, str]:
+        """{op: backend} for the ops the model calls."""
+        return {op: c.backend for op, c in self.choices.items() if c.used}
+
+    @property
+    def any_fused(self) -> bool:
+        """Some op the model calls runs something other than its torch reference."""
+        return any(self.impls[op] is not REFERENCE_OPS[op] for op in self.used)
+
+    def on_reference(self, ops: Iterable[str], reason: str) -> Selection:
+        """A new selection with `ops` on the torch reference, each choice's reason saying why."""
+        ops = set(ops)
+        if unknown := ops - set(OPS):
+            raise ValueError(f"unknown op(s) {sorted(unknown)}; ops are {', '.join(OPS)}")
+        choices = {op: (replace(c, backend=REFERENCE_BACKEND, reason=reason, timings_us={}) if op in ops else c)
+                   for op, c in self.choices.items()}
+        impls = {op: (REFERENCE_OPS[op] if op in ops else fn) for op, fn in self.impls.items()}
+        return Selection(self.device, self.dtypes, self.fused, choices, impls, self.seconds)
+
+    def with_impl(self, op: str, impl: Callable, reason: str) -> Selection:
+        """A new selection running `impl` for `op` on the same backend (tests wrap an op with a fault this way)."""
+        choices = {**self.choices, op: replace(self.choices[op], reason=reason)}
+        return Selection(self.device, self.dtypes, self.fused, choices, {**self.impls, op: impl}, self.seconds)
 
     def report(self) -> str:
         """The human-readable table logged at startup and shown by the CLI."""
@@ -121,6 +165,7 @@ class Selection:
             "device": str(self.device),
             "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
             "fused": self.fused,
+            "version": self.version,
             "ops": {c.op: {"backend": c.backend, "reason": c.reason, "rejected": dict(c.rejected),
                            **({"timings_us": dict(c.timings_us)} if c.timings_us else {}),
                            **({} if c.used else {"used": False})}
@@ -128,9 +173,16 @@ class Selection:
         }
 
 
-# What kernels.<op> calls right now; starts on the reference so the package works before configure().
-active: dict[str, Callable] = dict(reference.OPS)
-_current: Selection | None = None
+def reference_selection(device: torch.device | str = "cpu", dtypes: Iterable[torch.dtype] = (torch.float32,),
+                        reason: str = "reference path", *, version: int | None = None) -> Selection:
+    """Every op on the torch reference."""
+    choices = {op: OpChoice(op, REFERENCE_BACKEND, reason) for op in OPS}
+    extra = {} if version is None else {"version": version}
+    return Selection(torch.device(device), tuple(dtypes), False, choices, REFERENCE_OPS, **extra)
+
+
+# What kernels.<op> runs outside any kernels.use(...): the reference, so the package works unconfigured.
+REFERENCE = reference_selection(version=0)
 
 _NOT_IMPLEMENTED = "does not implement this op"
 
@@ -179,50 +231,12 @@ def _run_self_test(fn: Callable, op: str, device: torch.device, dtypes: tuple, c
 # as the eager serving path makes them (host launch cost included); timing="device": RACE_CALLS calls captured
 # in a CUDA graph and replayed, the device time that counts when the model runs from CUDA graphs.
 # Best, not median: interference only ever adds time, and replicas starting together on one GPU time their
-# kernels beside each other's self-tests (on the H200, ten servers started in groups of six and four under MPS
-# split 6:4 on the FFN-in GEMM's backend where every one-server start picked the same, session 9).
+# kernels beside each other's self-tests.
 RACE_ROWS = 4096
 RACE_CALLS = 20
 RACE_ROUNDS = 9
 RACE_TIMINGS = ("eager", "device")
 _race_cache: dict[tuple, tuple[dict[str, float], str]] = {}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _eager_rounds(impls: Mapping[str, Callable], args: tuple, kwargs: dict, device: torch.device) -> dict:
-    samples: dict[str, list[float]] = {n: [] for n in impls}
-    for _ in range(RACE_ROUNDS):  # interleaved rounds, so clock or thermal drift hits every backend alike
-        for n, fn in impls.items():
-            started = time.perf_counter()
-            for _ in range(RACE_CALLS):
-                fn(*args, **kwargs)
-            _sync(device)
-            samples[n].append((time.perf_counter() - started) * 1e6 / RACE_CALLS)
-    return {n: min(v) for n, v in samples.items()}
-
-
-def _graph_rounds(impls: Mapping[str, Callable], args: tuple, kwargs: dict, device: torch.device) -> dict:
-    graphs = {}
-    for n, fn in impls.items():
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(RACE_CALLS):
-                fn(*args, **kwargs)
-        graphs[n] = graph
-    samples: dict[str, list[float]] = {n: [] for n in impls}
-    for _ in range(RACE_ROUNDS):
-        for n, graph in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples[n].append(start.elapsed_time(end) * 1e3 / RACE_CALLS)
-    return {n: min(v) for n, v in samples.items()}
 
 
 def _race(op: str, impls: Mapping[str, Callable], device: torch.device, dtype: torch.dtype,
@@ -234,27 +248,26 @@ def _race(op: str, impls: Mapping[str, Callable], device: torch.device, dtype: t
     if key in _race_cache:
         return _race_cache[key]
     args, kwargs = OP_SPECS[op].make_inputs(RACE_ROWS, cols, dtype, device, torch.Generator().manual_seed(7))
-    for fn in impls.values():  # warm-up: compilation, autotuning and launch-config sweeps happen here
-        for _ in range(3):
-            fn(*args, **kwargs)
-    _sync(device)
+    calls = {n: (lambda fn=fn: fn(*args, **kwargs)) for n, fn in impls.items()}
+    for call in calls.values():  # warm-up: compilation, autotuning and launch-config sweeps happen here
+        timing_.eager_us(call, device, calls=1, rounds=1, warmup=3)
     how = timing
-    if timing == "device":
-        try:
-            if device.type != "cuda":
-                raise RuntimeError(f"no CUDA graphs on {device}")
-            timings = _graph_rounds(impls, args, kwargs, device)
-        except Exception as exc:  # a backend that cannot be captured still gets a fair (eager) race
-            log.warning("race for %s: device timing failed (%s: %s); timing eager calls", op, type(exc).__name__, exc)
-            how = f"eager (device timing failed: {type(exc).__name__})"
-            timings = _eager_rounds(impls, args, kwargs, device)
-    else:
-        timings = _eager_rounds(impls, args, kwargs, device)
+    if timing == "device" and device.type != "cuda":
+        how, timing = "eager (no CUDA graphs on this device)", "eager"
+    try:
+        timings = timing_.interleaved_us(calls, device, timing=timing, calls=RACE_CALLS, rounds=RACE_ROUNDS)
+    except Exception as exc:  # a backend that cannot be captured still gets a fair (eager) race
+        if timing != "device":
+            raise
+        log.warning("race for %s: device timing failed (%s: %s); timing eager calls", op, type(exc).__name__, exc,
+                    exc_info=True)
+        how = f"eager (device timing failed: {type(exc).__name__})"
+        timings = timing_.interleaved_us(calls, device, timing="eager", calls=RACE_CALLS, rounds=RACE_ROUNDS)
     _race_cache[key] = (timings, how)
     return _race_cache[key]
 
 
-def configure(
+def select(
     device: torch.device | str = "cpu",
     dtypes: Iterable[torch.dtype] = (torch.float32,),
     *,
@@ -266,7 +279,7 @@ def configure(
     race_timing: str = "eager",
     ops: Iterable[str] | None = None,
 ) -> Selection:
-    """Choose a backend per op, make it active, and return what was chosen and why.
+    """Choose a backend per op and return the choice (implementations, backends, why) as a new Selection.
 
     backend: "auto" or a backend name forced for every op; overrides: {op: backend} per op, winning over
     `backend`; fused=False puts every op on the reference path without probing anything. race: time the
@@ -276,7 +289,6 @@ def configure(
     the caller will call (default: all); the others stay on the reference without a self-test, except those named
     in `overrides` (asked for by name, so chosen as asked).
     """
-    global _current
     started = time.perf_counter()
     device = torch.device(device)
     dtypes = tuple(dict.fromkeys(dtypes))
@@ -324,7 +336,7 @@ def configure(
         forced = overrides.get(op, "auto")
         forced = backend if forced == "auto" else forced
         candidates = [b for b in _BACKENDS if forced in ("auto", b.name)]
-        choice = OpChoice(op, "", "")
+        backend_, reason, rejected, timings_us = "", "", {}, {}
         passed: list[str] = []
         for b in candidates:
             if passed and b.name == REFERENCE_BACKEND:
@@ -341,45 +353,40 @@ def configure(
                     if forced != "auto" or b.name == REFERENCE_BACKEND or not race:
                         break
                     continue
-            choice.rejected[b.name] = why
+            rejected[b.name] = why
         if len(passed) > 1:
             cols = OP_SPECS[op].race_cols(hidden_sizes[0] if hidden_sizes else 768)
             impls = {n: implementation(n, op) for n in passed}
-            choice.timings_us, how = _race(op, impls, device, dtypes[0], cols, race_timing)
-            choice.backend = min(choice.timings_us, key=choice.timings_us.get)
-            times = ", ".join(f"{n} {t:.1f}" for n, t in sorted(choice.timings_us.items(), key=lambda kv: kv[1]))
-            choice.reason = (f"fastest of {len(passed)} that passed their self-tests (us/call, {how} timing, at "
+            timings_us, how = _race(op, impls, device, dtypes[0], cols, race_timing)
+            backend_ = min(timings_us, key=timings_us.get)
+            times = ", ".join(f"{n} {t:.1f}" for n, t in sorted(timings_us.items(), key=lambda kv: kv[1]))
+            reason = (f"fastest of {len(passed)} that passed their self-tests (us/call, {how} timing, at "
                              f"{RACE_ROWS}x{cols} {str(dtypes[0]).removeprefix('torch.')}: {times})")
         elif passed:
-            choice.backend = passed[0]
+            backend_ = passed[0]
             if forced != "auto":
-                choice.reason = "forced by configuration; passed its self-test"
+                reason = "forced by configuration; passed its self-test"
             elif passed[0] == REFERENCE_BACKEND:
-                choice.reason = "reference path: no fused backend passed"
+                reason = "reference path: no fused backend passed"
             else:
-                choice.reason = "the only fused backend that passed its self-test"
-        if (not choice.backend and forced != "auto" and overrides.get(op, "auto") == "auto"
-                and choice.rejected.get(forced) == _NOT_IMPLEMENTED):
+                reason = "the only fused backend that passed its self-test"
+        if (not backend_ and forced != "auto" and overrides.get(op, "auto") == "auto"
+                and rejected.get(forced) == _NOT_IMPLEMENTED):
             # a backend forced for every op lacks this one (the CUDA backend has no qkv_attention): the reference
-            choice.backend = REFERENCE_BACKEND
-            choice.reason = f"reference path: {forced} (forced) does not implement this op"
-        if not choice.backend:
+            backend_ = REFERENCE_BACKEND
+            reason = f"reference path: {forced} (forced) does not implement this op"
+        if not backend_:
             if forced != "auto":
                 raise BackendError(f"backend {forced!r} was forced for op {op!r} but cannot be used: "
-                                   f"{choice.rejected.get(forced)}")
-            raise BackendError(f"no backend passed for op {op!r}: {choice.rejected}")
-        choices[op] = choice
+                                   f"{rejected.get(forced)}")
+            raise BackendError(f"no backend passed for op {op!r}: {rejected}")
+        choices[op] = OpChoice(op, backend_, reason, rejected, timings_us)
         # progress: on a GPU with a cold Triton cache each op's self-tests and race compile kernels (seconds each)
         done = sum(c.used for c in choices.values())
-        log.info("kernel backends: %s -> %s (%d of %d ops, %.1fs)", op, choice.backend, done,
+        log.info("kernel backends: %s -> %s (%d of %d ops, %.1fs)", op, backend_, done,
                  len(wanted), time.perf_counter() - started)
 
     impls = {op: implementation(c.backend, op) for op, c in choices.items()}
-    active.update(impls)
-    _current = Selection(device, dtypes, fused, choices, time.perf_counter() - started)
-    log.debug("%s", _current.report())  # the caller's startup report shows it
-    return _current
-
-
-def current() -> Selection | None:
-    return _current
+    selection = Selection(device, dtypes, fused, choices, impls, time.perf_counter() - started)
+    log.debug("%s", selection.report())  # the caller's startup report shows it
+    return selection

@@ -16,9 +16,9 @@ evicted). All graphs share one memory pool: they never run concurrently (one wor
 graph's only live outputs are its static buffers, so the pool costs about as much as the largest graph's
 activations; `stats()` reports it.
 
-The kernels a graph replays are the ones active when it was captured: a change of backend (fused toggle,
-verification fallback, a fault hook) changes the fingerprint and drops every graph. Kernel-timed batches
-never reach here: they run eagerly (Embedder.embed_ids(graphs=False)).
+The kernels a graph replays are the ones of the selection it was captured under: the owner (model.runner.Embedder)
+sets the fingerprint (selection version, attention) whenever it installs a selection, and a new one drops every
+graph. Kernel-timed batches never reach here: they run eagerly (Embedder.timed).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels import registry
 from model.encoder import OFFSET_ATTENTIONS, Encoder, Packed, packed_mean_pool
 
 log = logging.getLogger("fusedserve.model")
@@ -146,7 +145,6 @@ class CudaGraphs:
         waits for a capture: a capture runs the forward twice first, and a first-seen row count autotunes the
         Triton kernels and sweeps the CUDA launch configs. At most max_graphs (smallest token counts first).
         Returns the number captured."""
-        self._check_fingerprint()
         keys = [k for k in self.reachable_keys() if k not in self.graphs][: self.max_graphs - len(self.graphs)]
         for i, key in enumerate(keys):
             self._capture(key)
@@ -161,7 +159,6 @@ class CudaGraphs:
         if key is None:
             self.eager_fallbacks += 1
             return None
-        self._check_fingerprint()
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(key)
@@ -177,13 +174,13 @@ class CudaGraphs:
         self.replays += 1
         return entry.pooled[: len(rows)]
 
-    def _check_fingerprint(self) -> None:
-        current = (self.attention, tuple(id(fn) for fn in registry.active.values()))
-        if current != self.fingerprint:
+    def set_fingerprint(self, fingerprint: tuple) -> None:
+        """What the graphs' kernels depend on (the owner's selection version and attention); a change drops them."""
+        if fingerprint != self.fingerprint:
             if self.graphs:
                 log.info("kernel selection or attention changed: dropping %d CUDA graphs", len(self.graphs))
                 self._drop_all()
-            self.fingerprint = current
+            self.fingerprint = fingerprint
 
     def _drop_all(self) -> None:
         """Drop every graph and their memory pool; self.pool is None exactly while no graph is held. The next

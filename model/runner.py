@@ -1,15 +1,20 @@
 """Turns texts or token ids into pooled embeddings: tokenize, pack (or pad) the batch, forward, pool.
-Device, dtype, layout, CUDA graphs and the kernel backend choice are decided here, once, at load.
+Device, dtype, layout, CUDA graphs and the kernel selection are decided here, at load; the Embedder owns its
+kernel Selection and is the only way anything outside changes the path (set_fused, fall_back, use), always
+between forwards.
 
-Layouts: "packed" (default) runs the real tokens of the batch back to back, no padding (model.encoder.Packed);
-"padded" pads every row to the longest, the classic layout, kept for comparison. On a CUDA device the packed
+Layouts: "packed" (serving) runs the real tokens of the batch back to back, no padding (model.encoder.Packed);
+"padded" pads every row to the longest, the classic layout, kept as the tests' oracle. On a CUDA device the packed
 forward is replayed from CUDA graphs per shape bucket (model.graphs) unless graphs are off; batches outside the
-buckets, and batches on the reference path or under the kernel timer, run eagerly."""
+buckets, reference re-runs and timed batches run eagerly."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +22,8 @@ import torch
 from torch import Tensor
 
 import kernels
+from kernels.registry import REFERENCE_BACKEND
+from kernels.timing import OpTimer
 from model.config import PRESETS, EncoderConfig
 from model.encoder import (FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Encoder, Packed, kernel_ops, mean_pool, packed_mean_pool,
                            resolve_attention)
@@ -24,6 +31,9 @@ from model.tokenizer import TextTokenizer
 from model.weights import CheckpointError, default_model_dir, load_encoder
 
 log = logging.getLogger("fusedserve.model")
+
+# every op a forward can call (settings validate per-op backend overrides against it)
+KERNEL_OPS: tuple[str, ...] = kernels.OPS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -83,12 +93,13 @@ class Pending:
 
 
 class Embedder:
-    """Owns one encoder on one device. Not thread-safe: one worker calls it (the server's batcher)."""
+    """Owns one encoder on one device and its kernel selection. Not thread-safe: one worker calls it (the server's
+    batcher); a second thread gets its own copy (reference_copy)."""
 
     def __init__(self, encoder: Encoder, tokenizer: TextTokenizer, name: str,
                  device: torch.device, dtype: torch.dtype, *, layout: str = "packed", attention: str = "auto",
                  cuda_graphs: bool = True, max_batch_tokens: int = 8192, max_batch: int = 256,
-                 max_graphs: int = 256) -> None:
+                 max_graphs: int = 256, backend: str = "auto", backend_overrides: dict[str, str] | None = None) -> None:
         if layout not in ("packed", "padded"):
             raise ValueError(f"layout must be packed or padded, got {layout!r}")
         self.encoder = encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -96,11 +107,17 @@ class Embedder:
         self.tokenizer = tokenizer
         self.name, self.device, self.dtype = name, device, dtype
         self.layout = layout
+        self.max_batch_tokens, self.max_batch = max_batch_tokens, max_batch
+        self.backend, self.backend_overrides = backend, dict(backend_overrides or {})
         # packed batches only: auto = the few-token layer + varlen flash attention in fp16/bf16 on CUDA (varlen alone
-        # if the few-token ops land on the reference: configure_kernels), pad-for-SDPA otherwise
+        # while the few-token ops are on the reference: _attention_for), pad-for-SDPA otherwise
         self.requested_attention = attention if layout == "packed" else "pad"
         self.attention = resolve_attention(self.requested_attention, device, dtype)
         self.attention_reason = self._attention_reason(self.attention)
+        self.selection = kernels.reference_selection(device, (dtype,), "not selected yet")
+        self.fallback: str | None = None  # why the path fell back to the reference (fall_back), until set_fused
+        self._reference = kernels.reference_selection(device, (dtype,), "reference re-run")
+        self._observer: kernels.Observer | None = None  # set inside timed()
         self.graphs = None
         if cuda_graphs and layout == "packed" and device.type == "cuda":
             from model.graphs import CudaGraphs
@@ -117,14 +134,12 @@ class Embedder:
         device: str = "auto",
         dtype: str = "auto",
         fused: bool = True,
-        backend: str = "auto",
-        backend_overrides: dict[str, str] | None = None,
         max_seq_length: int | None = None,
         **options,
     ) -> tuple[Embedder, LoadReport]:
         """model: "default" (the packaged all-MiniLM-L6-v2), a preset name (random init, default tokenizer),
         or a checkpoint directory. options: layout, attention, cuda_graphs, max_batch_tokens, max_batch,
-        max_graphs (see __init__)."""
+        max_graphs, backend, backend_overrides (see __init__)."""
         started = time.perf_counter()
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
@@ -141,38 +156,60 @@ class Embedder:
             raise CheckpointError(f"{tokenizer_dir} has no tokenizer.json")
         tokenizer = TextTokenizer(tokenizer_dir, encoder.config.max_seq_length)
         embedder = cls(encoder, tokenizer, name, dev, dt, **options)
-        selection = embedder.configure_kernels(backend=backend, overrides=backend_overrides, fused=fused)
+        selection = embedder.set_fused(fused)
         return embedder, LoadReport(name, dev, dt, embedder.config, selection, time.perf_counter() - started)
 
-    def configure_kernels(self, *, backend: str = "auto", overrides: dict[str, str] | None = None,
-                          fused: bool = True) -> kernels.Selection:
-        """Choose the kernel backend per op (kernels.configure) for the ops this model's forward calls, at its
-        device, dtype and width. Under CUDA graphs only the kernels' device time counts in the race; launched
-        eagerly, host cost counts too. Called at load and by the server's fused-path switch.
-        With auto attention on a GPU the few-token layer is used only while its ops run on a fused backend: if any
-        lands on the reference (fused path off, Triton missing or failing its self-test, backend=cuda), attention
-        is varlen until the next call here finds them fused again."""
-        def configure(ops) -> kernels.Selection:
-            return kernels.configure(self.device, (self.dtype,), backend=backend, overrides=overrides, fused=fused,
-                                     hidden_sizes=(self.config.hidden_size,),
-                                     race_timing="device" if self.graphs is not None else "eager", ops=ops)
+    # ---- the path: changed only through these, between forwards ------------------------------------------------
+    def set_fused(self, enabled: bool) -> kernels.Selection:
+        """Select a backend per op (kernels.select) for the ops this model's forward calls, at its device, dtype and
+        width, and use it; enabled=False puts every op on the reference. Clears a fallback. Under CUDA graphs only
+        the kernels' device time counts in the race; launched eagerly, host cost counts too. With auto attention on
+        a GPU the few-token layer is kept only while its ops run on a fused backend (see _attention_for)."""
+        def select(ops) -> kernels.Selection:
+            return kernels.select(self.device, (self.dtype,), backend=self.backend, overrides=self.backend_overrides,
+                                  fused=enabled, hidden_sizes=(self.config.hidden_size,),
+                                  race_timing="device" if self.graphs is not None else "eager", ops=ops)
 
         attention = resolve_attention(self.requested_attention, self.device, self.dtype)
-        reason = self._attention_reason(attention)
         if self.requested_attention == "auto" and attention == "fused":
             # the few-token ops first, alone (Triton-only: no race; their self-test verdicts are cached for the
-            # configure below), so a fallback to varlen does not race the other ops twice
-            probe = configure(FEW_TOKEN_OPS)
-            on_reference = [op for op in FEW_TOKEN_OPS if probe.backend_of(op) == kernels.registry.REFERENCE_BACKEND]
-            if on_reference:
-                attention, reason = "varlen", (f"auto: varlen, since the few-token layer's {', '.join(on_reference)} "
-                                               f"would run on the reference (slower than varlen)")
-        selection = configure(kernel_ops(self.layout, attention, self.device, self.dtype))
-        self.attention, self.attention_reason = attention, reason
-        if self.graphs is not None:
-            self.graphs.attention = attention  # part of the graphs' fingerprint: a change drops them
-        log.info("attention %s (%s)", attention, reason)
+            # select below), so a fallback to varlen does not race the other ops twice
+            attention, _ = self._attention_for(select(FEW_TOKEN_OPS))
+        self.fallback = None
+        return self._install(select(kernel_ops(self.layout, attention, self.device, self.dtype)))
+
+    def fall_back(self, op: str, reason: str) -> kernels.Selection:
+        """Run `op` ("all": every op the model calls) on the torch reference from the next forward on, the same
+        way the fused switch does: attention follows (_attention_for), CUDA graphs are re-captured, and the
+        selection (so /info and the kernel-timing labels) says so with the reason."""
+        ops = list(self.selection.used) if op == "all" else [op]
+        self.fallback = reason
+        return self._install(self.selection.on_reference(ops, f"fallback: {reason}"))
+
+    def use(self, selection: kernels.Selection) -> kernels.Selection:
+        """Run on `selection` from the next forward on: one derived from this Embedder's own (Selection.on_reference,
+        Selection.with_impl: how the tests inject faults)."""
+        return self._install(selection)
+
+    def _install(self, selection: kernels.Selection) -> kernels.Selection:
+        self.selection = selection
+        self.attention, self.attention_reason = self._attention_for(selection)
+        if self.graphs is not None:  # the graphs replay what was captured: a new selection or attention drops them
+            self.graphs.attention = self.attention
+            self.graphs.set_fingerprint((selection.version, self.attention))
+        log.info("kernel selection %d, attention %s (%s)", selection.version, self.attention, self.attention_reason)
         return selection
+
+    def _attention_for(self, selection: kernels.Selection) -> tuple[str, str]:
+        """The attention mode and why, for the ops as `selection` runs them: auto's few-token layer only while its
+        ops are on a fused backend (on the reference they are slower than varlen)."""
+        attention = resolve_attention(self.requested_attention, self.device, self.dtype)
+        if self.requested_attention == "auto" and attention == "fused":
+            on_reference = [op for op in FEW_TOKEN_OPS if selection.backend_of(op) == REFERENCE_BACKEND]
+            if on_reference:
+                return "varlen", (f"auto: varlen, since the few-token layer's {', '.join(on_reference)} would run on "
+                                  f"the reference (slower than varlen)")
+        return attention, self._attention_reason(attention)
 
     def _attention_reason(self, attention: str) -> str:
         if self.requested_attention != "auto":
@@ -181,31 +218,122 @@ class Embedder:
             return f"auto: the few-token layer for batches of <= {FUSED_LAYER_TOKENS} tokens, varlen above"
         return "auto: varlen attention needs fp16/bf16 on CUDA"
 
+    @contextlib.contextmanager
+    def timed(self, callback: Callable[[str, str, float], None]) -> Iterator[None]:
+        """Forwards inside the block run eagerly with every op call timed (device events on a GPU, read once after
+        the block); callback(op, backend, seconds) gets each call's time, labelled with the backend that ran it."""
+        timer = OpTimer(self.device)
+        self._observer = timer.call
+        try:
+            yield
+        finally:
+            self._observer = None
+        for op, backend, seconds in timer.results():
+            callback(op, backend, seconds)
+
+    def reference_copy(self) -> Embedder:
+        """An fp32 copy of this model on the same device, every op on the torch reference, no CUDA graphs: for a
+        background thread's checks (the copy is that thread's own; this Embedder stays the worker's)."""
+        encoder = copy.deepcopy(self.encoder).float()
+        return Embedder(encoder, self.tokenizer, self.name, self.device, torch.float32, layout=self.layout,
+                        cuda_graphs=False)
+
+    def warmup_batches(self) -> list[list[list[int]]]:
+        """Token-id batches that make a first forward pay its one-time costs before traffic: the largest batch of
+        full-length inputs the batch limits allow, and a single short input."""
+        seq = self.config.max_seq_length
+        longest = self.tokenizer.encode(["warm up " * seq])[0]  # truncated to seq, special tokens included
+        rows = max(1, min(self.max_batch, self.max_batch_tokens // len(longest)))
+        return [[longest] * rows, self.tokenizer.encode(["warm up"])]
+
+    # ---- what it runs on -------------------------------------------------------------------------------------
+    @property
+    def fused(self) -> bool:
+        """The fused path is on and has not fallen back."""
+        return self.selection.fused and self.fallback is None
+
+    @property
+    def path(self) -> str:
+        """"fused" while any op the model calls runs on a fused backend, else "reference"."""
+        return "fused" if self.selection.any_fused else "reference"
+
+    def describe(self) -> dict:
+        """The model's kernel state for /info and the fused switch's answer."""
+        return {
+            "fused": self.fused,
+            "fallback": self.fallback,
+            "selection_version": self.selection.version,
+            "kernels": self.selection.as_dict()["ops"],
+            "layout": self.layout,
+            "attention": self.attention,
+            "attention_reason": self.attention_reason,
+            "cuda_graphs": self.graphs.stats() if self.graphs is not None else {"enabled": False},
+            "cuda_launch_configs": self._cuda_launch_configs(),
+        }
+
+    def _cuda_launch_configs(self) -> dict:
+        """The CUDA backend's tuned launch configurations so far (kernel|dtype|width|row bucket -> config)."""
+        if "cuda" not in self.selection.used.values():
+            return {}
+        from kernels.cuda.tuning import TUNER
+
+        return TUNER.table()
+
+    def report(self) -> str:
+        """One line on the forward's shape: layout, attention and why, CUDA graphs (and Triton PDL on a GPU)."""
+        if self.graphs is None:
+            graphs = "CUDA graphs off"
+        else:
+            graphs = f"CUDA graphs on (up to {self.graphs.max_graphs} held, {len(self.graphs.graphs)} captured)"
+        if self.device.type == "cuda" and "triton" in self.selection.used.values():
+            from kernels.triton._common import pdl_enabled  # importable: Triton runs an op here
+
+            graphs += f", Triton programmatic dependent launch {'on' if pdl_enabled(self.device) else 'off'}"
+        return f"layout {self.layout}, attention {self.attention} ({self.attention_reason}), {graphs}"
+
+    # ---- forwards ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def embed_ids(self, batch: list[list[int]], normalize: bool | None = None, *, graphs: bool = True) -> Tensor:
+    def embed_ids(self, batch: list[list[int]], normalize: bool | None = None, *, graphs: bool = True,
+                  reference: bool = False) -> Tensor:
         """Pooled embeddings [len(batch), hidden] (float32, on the CPU) for token-id rows of any lengths.
-        graphs=False forces the eager path (the kernel timer needs per-op launches)."""
-        pooled = self.launch_ids(batch, graphs=graphs).wait()
+        graphs=False runs the eager forward (the graphs' oracle in tests and benchmarks). reference=True runs this
+        one batch eagerly on the torch reference (the worker's re-run of a batch whose fused forward failed); the
+        path stays as it is."""
+        if reference:
+            with kernels.use(self._reference):
+                pooled = self._forward_eager(batch).cpu()
+        else:
+            pooled = self.launch_ids(batch, graphs=graphs).wait()
         normalize = self.config.normalize if normalize is None else normalize
         return torch.nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled
+
+    def capture_graphs(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Capture every reachable CUDA-graph bucket now (model.graphs.CudaGraphs.capture_all) on this selection;
+        returns how many were captured (0 without graphs)."""
+        if self.graphs is None:
+            return 0
+        with kernels.use(self.selection):
+            return self.graphs.capture_all(progress)
 
     @torch.inference_mode()
     def launch_ids(self, batch: list[list[int]], *, graphs: bool = True) -> Pending:
         """Start the forward of `batch` and return at once where the CUDA-graph path can (the replay and the copy
         of its result to pinned host memory are queued on the stream); `Pending.wait()` gives the unnormalized
-        pooled embeddings [len(batch), hidden], float32 on the CPU. The eager paths compute before returning.
-        The server's worker launches its next batch before it waits for this one (server.batcher)."""
+        pooled embeddings [len(batch), hidden], float32 on the CPU. The eager paths (no bucket fits, inside
+        timed()) compute before returning. The server's worker launches its next batch before it waits for this
+        one (server.batcher)."""
         if not batch:
             return Pending(torch.empty(0, self.config.hidden_size))
-        if self.graphs is not None and graphs and not kernels.on_reference_path():
-            pooled = self.graphs.run(batch)  # a view of the graph's output: valid until the bucket's next replay
-            if pooled is not None:
-                host = torch.empty(pooled.shape, dtype=pooled.dtype, pin_memory=True)
-                host.copy_(pooled, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-                return Pending(host, done)
-        return Pending(self._forward_eager(batch).cpu())
+        with kernels.use(self.selection, self._observer):
+            if self.graphs is not None and graphs and self._observer is None:
+                pooled = self.graphs.run(batch)  # a view of the graph's output: valid until the bucket's next replay
+                if pooled is not None:
+                    host = torch.empty(pooled.shape, dtype=pooled.dtype, pin_memory=True)
+                    host.copy_(pooled, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record()
+                    return Pending(host, done)
+            return Pending(self._forward_eager(batch).cpu())
 
     def _forward_eager(self, batch: list[list[int]]) -> Tensor:
         if self.layout == "packed":

@@ -22,9 +22,9 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if self.service.draining or self.drain_delay_s <= 0:
-            self.service.draining = True
+            self.service.start_draining()
             return super().handle_exit(sig, frame)
-        self.service.draining = True
+        self.service.start_draining()
         logging.getLogger("fusedserve").warning(
             "signal %s: reporting not-ready, closing the listener in %.1fs", sig, self.drain_delay_s)
         timer = threading.Timer(self.drain_delay_s, super().handle_exit, (sig, frame))
@@ -32,10 +32,11 @@ class DrainingServer(uvicorn.Server):
         timer.start()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, app_factory=None) -> int:
+    """app_factory: Settings -> app (default server.app.create_app; the tests mount their hooks through it)."""
     parser = argparse.ArgumentParser(prog="python -m server", description="fusedserve embedding service. Settings "
                                      "come from FUSEDSERVE_* environment variables or a YAML/TOML file (--config); "
-                                     "see README.md for every setting.")
+                                     "see docs/configuration.md for every setting.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--config", help="YAML or TOML settings file (same keys as FUSEDSERVE_*, lower-case)")
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, ValueError) as exc:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    app = create_app(settings)
+    app = (app_factory or create_app)(settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
     DrainingServer(config, app.state.service, settings.drain_delay_s).run()

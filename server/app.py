@@ -105,7 +105,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await asyncio.to_thread(service.load)
         if settings.warmup:
             await asyncio.to_thread(service.warm_up)
-        service.ready = True
+        service.mark_ready()
         log.warning("ready\n%s", service.startup_report())
         yield
         log.warning("shutting down: draining accepted requests")

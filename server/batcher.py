@@ -28,17 +28,12 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-import kernels
-from kernels import reference, registry
 from model.runner import Embedder, Pending
 from server.config import Settings
 from server.errors import Overloaded, ServiceError, Timeout, Unavailable
 from server.metrics import Metrics
 
 log = logging.getLogger("fusedserve.batcher")
-
-IDLE_POLL_US = 50  # the worker's wake-up period within idle_poll_ms (about the kernel's default timer slack)
-
 
 def l2_normalize(matrix: np.ndarray) -> np.ndarray:
     """Rows scaled to unit L2 norm, as torch.nn.functional.normalize (norms floored at 1e-12)."""
@@ -47,7 +42,11 @@ def l2_normalize(matrix: np.ndarray) -> np.ndarray:
 
 @dataclass(eq=False)
 class Job:
-    """One client request: its inputs' token ids and where their embeddings go."""
+    """One client request: its inputs' token ids and where their embeddings go.
+
+    One writer per field: `cancelled` is written by the event loop (Batcher.cancel) under the batcher's lock;
+    `results`, `remaining` and `finished` by the worker thread alone (deliver, fail); the future is resolved on
+    the job's event loop (call_soon_threadsafe)."""
 
     ids: list[list[int]]
     normalize: bool
@@ -107,7 +106,6 @@ class Batcher:
         self._stopping = False
         self._draining = False
         self._busy = False
-        self._poll_until = 0.0  # idle_poll_ms: the worker polls for work instead of sleeping until then
         self._thread = threading.Thread(target=self._run, name="fusedserve-batcher", daemon=True)
         self.batches = 0
         self.overlapped = 0  # batches launched while the one before was still in flight (overlap_batches)
@@ -200,8 +198,6 @@ class Batcher:
                 self._finish(inflight)
             inflight = launched
             with self._cond:
-                if self.settings.idle_poll_ms:
-                    self._poll_until = time.monotonic() + self.settings.idle_poll_ms / 1e3
                 self._busy = inflight is not None
                 self._cond.notify_all()
         if inflight is not None:
@@ -220,9 +216,7 @@ class Batcher:
                     return None
                 if not block:
                     return []
-                # idle_poll_ms: short timed waits (the GIL is free during each) keep the core from idling deeply
-                poll = self._poll_until - time.monotonic()
-                self._cond.wait(timeout=min(poll, IDLE_POLL_US / 1e6) if poll > 0 else None)
+                self._cond.wait()
                 continue
             oldest = self._pending[0]  # arrival order
             waited = time.monotonic() - oldest.enqueued
@@ -298,10 +292,11 @@ class Batcher:
             started = time.perf_counter()
             try:
                 pending = self.embedder.launch_ids(ids)
-            except Exception:  # OOM or a failing kernel: the synchronous path below deals with it
-                pass
+            except Exception as exc:  # OOM or a failing kernel: the synchronous path below retries, falls back
+                log.warning("launching a batch of %d inputs failed (%s: %s); running it on the synchronous path",
+                            len(ids), type(exc).__name__, exc)
             else:
-                inflight = InFlight(batch, ids, pending, started, self._path())
+                inflight = InFlight(batch, ids, pending, started, self.embedder.path)
                 if not pending.ready():
                     return inflight
                 self._finish(inflight)  # computed already (the eager paths): deliver now, do not hold it
@@ -351,10 +346,6 @@ class Batcher:
         if self.on_batch is not None and random.random() < self.settings.verify_sample_rate:
             self.on_batch(ids, pooled)
 
-    @staticmethod
-    def _path() -> str:
-        return "fused" if any(fn is not reference.OPS[op] for op, fn in registry.active.items()) else "reference"
-
     def _forward(self, ids: list[list[int]], timed: bool = False) -> torch.Tensor:
         """Pooled, unnormalized embeddings. A batch that runs out of device memory is split in halves and
         retried (a single input that still does not fit fails)."""
@@ -373,12 +364,12 @@ class Batcher:
     def _forward_once(self, ids: list[list[int]], timed: bool) -> torch.Tensor:
         """One forward on the current path. A fused forward that raises or yields NaN/Inf is re-run on the
         reference path (counted); non-finite output from the reference itself is an error, never an answer."""
-        path = self._path()
+        path = self.embedder.path
         started = time.perf_counter()
         try:
             if timed:
-                with KernelTimer(self.embedder.device, self.metrics):  # per-op launches: no graph replay
-                    pooled = self.embedder.embed_ids(ids, normalize=False, graphs=False)
+                with self.embedder.timed(self._record_kernel):  # per-op launches: no graph replay
+                    pooled = self.embedder.embed_ids(ids, normalize=False)
             else:
                 pooled = self.embedder.embed_ids(ids, normalize=False)
             if not np.isfinite(pooled.numpy()).all():
@@ -394,12 +385,15 @@ class Batcher:
             self.metrics.fallbacks.labels("all", reason).inc()
             path = "reference"
             started = time.perf_counter()
-            with kernels.reference_path():
-                pooled = self.embedder.embed_ids(ids, normalize=False)
+            pooled = self.embedder.embed_ids(ids, normalize=False, reference=True)
             if not np.isfinite(pooled.numpy()).all():
                 raise NonFiniteOutput("reference forward produced NaN/Inf") from exc
         self.metrics.forward_duration.labels(path).observe(time.perf_counter() - started)
         return pooled
+
+
+    def _record_kernel(self, op: str, backend: str, seconds: float) -> None:
+        self.metrics.kernel_duration.labels(op, backend).observe(seconds)
 
 
 class NonFiniteOutput(RuntimeError):
@@ -415,48 +409,3 @@ class InFlight:
     pending: Pending
     started: float
     path: str
-
-
-class KernelTimer:
-    """For one sampled batch: wraps every active op to time it (CUDA events on a GPU, so unsampled batches
-    never synchronize; host clock on the CPU) and records fusedserve_kernel_duration_seconds."""
-
-    def __init__(self, device: torch.device, metrics: Metrics) -> None:
-        self.device, self.metrics = device, metrics
-        self.samples: list[tuple[str, object, object]] = []
-
-    def __enter__(self) -> KernelTimer:
-        self.saved = dict(registry.active)
-        selection = registry.current()
-        backends = {op: c.backend for op, c in selection.choices.items()} if selection else {}
-        for op, fn in self.saved.items():
-            registry.active[op] = self._wrap(op, backends.get(op, "torch"), fn)
-        return self
-
-    def _wrap(self, op: str, backend: str, fn):
-        cuda = self.device.type == "cuda"
-
-        def timed(*args, **kwargs):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = fn(*args, **kwargs)
-                end.record()
-                self.samples.append((op, backend, (start, end)))
-            else:
-                t = time.perf_counter()
-                out = fn(*args, **kwargs)
-                self.samples.append((op, backend, time.perf_counter() - t))
-            return out
-
-        return timed
-
-    def __exit__(self, *exc) -> None:
-        registry.active.update(self.saved)
-        if exc[0] is not None:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for op, backend, sample in self.samples:
-            seconds = sample[0].elapsed_time(sample[1]) / 1e3 if isinstance(sample, tuple) else sample
-            self.metrics.kernel_duration.labels(op, backend).observe(seconds)

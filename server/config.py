@@ -1,9 +1,11 @@
 """Service settings: environment variables FUSEDSERVE_*, or the same keys (lower-case) in a YAML/TOML
 file given by --config / FUSEDSERVE_CONFIG. Environment wins over the file. Invalid values fail at
-startup with a message naming the setting."""
+startup with a message naming the setting. A setting removed in this release still starts, with a warning that
+names it (REMOVED_SETTINGS), so an old config file or manifest keeps working for one release."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -12,8 +14,17 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
                                TomlConfigSettingsSource, YamlConfigSettingsSource)
 
-from kernels.registry import OPS
+from model.runner import KERNEL_OPS
 
+log = logging.getLogger("fusedserve")
+
+# removed setting -> why, for the start-up warning (drop an entry one release after its removal)
+REMOVED_SETTINGS = {
+    "layout": "the packed layout is the only one served (docs/decisions/0006-padded-layout-not-a-setting.md)",
+    "idle_poll_ms": "measured without a client-visible effect (docs/decisions/0003-idle-poll.md)",
+    "gil_switch_interval_ms": "measured without a client-visible effect (docs/decisions/0004-gil-switch-interval.md)",
+    "fault_injection": "fault hooks are test-only now (docs/decisions/0005-fault-injection-out-of-the-product.md)",
+}
 
 
 class Settings(BaseSettings):
@@ -29,7 +40,6 @@ class Settings(BaseSettings):
     backend_overrides: Annotated[dict[str, Literal["auto", "triton", "cuda", "torch"]], NoDecode] = Field(
         default_factory=dict, description="per-op backend, e.g. 'add_layer_norm=cuda,bias_gelu=triton'")
     max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's)")
-    layout: Literal["packed", "padded"] = Field("packed", description="packed: real tokens only, no padding")
     attention: Literal["auto", "pad", "varlen", "fused"] = Field(
         "auto", description="packed attention: varlen flash (fp16/bf16 on CUDA), pad-for-SDPA, or fused (batches of "
                             "<= 64 tokens as four kernels per layer, varlen above); auto: fused on CUDA fp16/bf16 "
@@ -38,9 +48,6 @@ class Settings(BaseSettings):
     cuda_graph_warmup: bool = Field(True, description="capture every reachable graph bucket before ready (varlen)")
     max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)")
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default)")
-    gil_switch_interval_ms: float = Field(
-        0.0, ge=0, description="Python's thread switch interval (0: keep the interpreter's 5 ms); the GPU worker "
-        "waits up to this long for the GIL each time it comes back from the device while the event loop is busy")
 
     # batching and limits
     max_batch_tokens: int = Field(16384, ge=1, description="tokens per batch: real tokens (packed layout) or rows x longest row (padded)")
@@ -50,11 +57,6 @@ class Settings(BaseSettings):
     overlap_batches: bool = Field(
         True, description="launch the next batch before waiting for the last one's result (CUDA graphs): the GPU "
         "runs while the worker delivers and waits for the GIL")
-    idle_poll_ms: float = Field(
-        0.0, ge=0, description="after each batch the worker wakes every 50 us for this long before it sleeps "
-        "until the next request (0: off): keeps its core from sleeping deeply between a lone client's requests, "
-        "whose host work otherwise runs up to 3x slower after ~1 ms idle on VM guests; costs CPU while traffic is "
-        "sparse")
     max_queue: int = Field(4096, ge=1, description="queued inputs beyond which requests get 429")
     max_client_batch: int = Field(256, ge=1, description="inputs per request")
     request_timeout_s: float = Field(30.0, gt=0)
@@ -70,7 +72,19 @@ class Settings(BaseSettings):
     verify_queue: int = Field(8, ge=1)
     kernel_timing_sample_rate: float = Field(0.01, ge=0, le=1)
     admin_token: str = ""
-    fault_injection: bool = Field(False, description="test-only fault hooks under /admin/faults; never in production")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_removed(cls, data):
+        """Removed settings from the file or the environment: a warning each, then ignored."""
+        if isinstance(data, dict):
+            for key, why in REMOVED_SETTINGS.items():
+                given = key in data or f"FUSEDSERVE_{key.upper()}" in os.environ
+                data.pop(key, None)
+                if given:
+                    log.warning("setting %s (FUSEDSERVE_%s) was removed and is ignored: %s; it will be an error in "
+                                "the next release", key, key.upper(), why)
+        return data
 
     @field_validator("backend_overrides", mode="before")
     @classmethod
@@ -82,9 +96,9 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError("expected op=backend pairs separated by commas") from None
             value = {k.strip(): v.strip() for k, v in value.items()}
-        unknown = set(value) - set(OPS)
+        unknown = set(value) - set(KERNEL_OPS)
         if unknown:
-            raise ValueError(f"unknown op(s) {sorted(unknown)}; ops are {', '.join(OPS)}")
+            raise ValueError(f"unknown op(s) {sorted(unknown)}; ops are {', '.join(KERNEL_OPS)}")
         return value
 
     @model_validator(mode="after")

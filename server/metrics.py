@@ -7,7 +7,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kernels.registry import OPS
+from model.runner import KERNEL_OPS
 
 PREFIX = "fusedserve_"
 
@@ -61,7 +61,7 @@ class Metrics:
         # every known fallback series exists from the start, so dashboards and alerts see 0, not nothing
         self.fallbacks.labels("all", "exception")
         self.fallbacks.labels("all", "non_finite")
-        for op in OPS:
+        for op in KERNEL_OPS:
             self.fallbacks.labels(op, "verify_mismatch")
 
     def watch_device_memory(self, device: torch.device) -> None:

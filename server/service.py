@@ -1,12 +1,13 @@
 """The serving core the routes share: model load and warm-up, the batcher and verifier, the embed path
 (validate -> tokenize off the event loop -> enqueue -> await, watching for client disconnects) and the
-runtime switches (fused path on/off, fallback, test-only faults)."""
+runtime switches (fused path on/off, fallback). The model is a black box here: every kernel decision is the
+Embedder's, asked for between batches on the batcher's thread."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -14,7 +15,6 @@ import numpy as np
 import torch
 from starlette.requests import Request
 
-from kernels import reference, registry
 from model.runner import Embedder, LoadReport
 from model.tokenizer import InputTooLong
 from server.batcher import Batcher
@@ -42,32 +42,44 @@ class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        self.ready = False
-        self.draining = False
+        # set once each (loaded, then draining) and read from the event loop, the signal handler and the drain
+        # timer: Events, so no reader depends on when another thread's write becomes visible
+        self._ready = threading.Event()
+        self._draining = threading.Event()
         self.embedder: Embedder | None = None
         self.report: LoadReport | None = None
         self.batcher: Batcher | None = None
         self.verifier: Verifier | None = None
-        self.fallback_reason: str | None = None
-        self.faults: dict[str, dict] = {}
         self.graph_warmup: tuple[int, float] | None = None  # (graphs captured at start-up, seconds)
 
     # ---- lifecycle --------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def mark_ready(self) -> None:
+        self._ready.set()
+
+    def start_draining(self) -> None:
+        """Readiness and new requests answer 503 from now on (safe from a signal handler or a timer)."""
+        self._draining.set()
+
     def load(self) -> None:
         s = self.settings
         if s.torch_threads:
             torch.set_num_threads(s.torch_threads)
-        if s.gil_switch_interval_ms:
-            sys.setswitchinterval(s.gil_switch_interval_ms / 1e3)
         log.info("loading model %s on device %s (dtype %s) ...", s.model, s.device, s.dtype)
         self.embedder, self.report = Embedder.load(
             s.model, device=s.device, dtype=s.dtype, fused=s.fused, backend=s.backend,
-            backend_overrides=dict(s.backend_overrides), max_seq_length=s.max_seq_length, layout=s.layout,
-            attention=s.attention,
+            backend_overrides=dict(s.backend_overrides), max_seq_length=s.max_seq_length, attention=s.attention,
             cuda_graphs=s.cuda_graphs, max_batch_tokens=s.max_batch_tokens, max_batch=s.max_batch_requests,
             max_graphs=s.max_cuda_graphs)
         if s.verify_sample_rate > 0:
-            self.verifier = Verifier(self.embedder, s, self.metrics, self._on_mismatch)
+            self.verifier = Verifier(self.embedder.reference_copy(), s, self.metrics, self._on_mismatch)
             self.verifier.start()
         self.batcher = Batcher(self.embedder, s, self.metrics,
                                on_batch=self.verifier.submit if self.verifier else None)
@@ -77,15 +89,13 @@ class Service:
         self.metrics.watch_cuda_graphs(self.embedder.graphs)
 
     def warm_up(self) -> None:
-        """Run the largest batch shape (and a small one) so autotuning and allocation happen before ready."""
+        """The model's warm-up batches (the largest shape, and a small one), so autotuning and allocation happen
+        before ready, then the CUDA graphs."""
         s, e = self.settings, self.embedder
-        seq = e.config.max_seq_length
-        rows = max(1, min(s.max_batch_requests, s.max_batch_tokens // seq))
         started = time.perf_counter()
-        for shape in ((rows, seq), (1, 8)):
-            log.info("warm-up: batch of %d x %d tokens", *shape)
-            ids = [[101] + [1000 + i % 5000 for i in range(shape[1] - 2)] + [102]] * shape[0]
-            self.batcher.call_between_batches(lambda ids=ids: e.embed_ids(ids)).result()
+        for batch in e.warmup_batches():
+            log.info("warm-up: batch of %d x %d tokens", len(batch), max(map(len, batch)))
+            self.batcher.call_between_batches(lambda batch=batch: e.embed_ids(batch)).result()
         if e.graphs is not None and s.cuda_graph_warmup:
             self._capture_graphs()
         log.info("warm-up done in %.1fs", time.perf_counter() - started)
@@ -93,40 +103,28 @@ class Service:
     def _capture_graphs(self) -> None:
         """Every reachable CUDA-graph bucket, on the worker thread, before ready: under traffic a capture would
         stall its batch for the capture (and the autotuning of a first-seen row count)."""
-        graphs, started = self.embedder.graphs, time.perf_counter()
+        started = time.perf_counter()
 
         def progress(done: int, todo: int) -> None:
             if done % max(todo // 10, 1) == 0 or done == todo:
                 log.warning("capturing CUDA graphs: %d/%d (%.1fs)", done, todo, time.perf_counter() - started)
 
-        captured = self.batcher.call_between_batches(lambda: graphs.capture_all(progress)).result()
+        captured = self.batcher.call_between_batches(lambda: self.embedder.capture_graphs(progress)).result()
         if captured:
             self.graph_warmup = (captured, time.perf_counter() - started)
 
     def startup_report(self) -> str:
         s = self.settings
-        e = self.embedder
-        if e.graphs is None:
-            graphs = "CUDA graphs off"
-        elif self.graph_warmup is not None:
-            graphs = (f"CUDA graphs on: {self.graph_warmup[0]} buckets captured at start-up in "
-                      f"{self.graph_warmup[1]:.1f}s (up to {s.max_cuda_graphs} held)")
-        else:
-            graphs = f"CUDA graphs on (up to {s.max_cuda_graphs}, captured per shape bucket on first use)"
-        if e.device.type == "cuda" and any(c.backend == "triton" for c in registry.current().choices.values()):
-            from kernels.triton._common import pdl_enabled  # importable: Triton runs an op here
-
-            graphs += f", Triton programmatic dependent launch {'on' if pdl_enabled(e.device) else 'off'}"
-        return (f"{self.report}\nlayout {e.layout}, attention {e.attention} ({e.attention_reason}), {graphs}\n"
+        warmup = (f"\nCUDA graphs: {self.graph_warmup[0]} buckets captured at start-up in {self.graph_warmup[1]:.1f}s"
+                  if self.graph_warmup is not None else "")
+        return (f"{self.report}\n{self.embedder.report()}{warmup}\n"
                 f"batching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
-                f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}"
-                f"{f', idle_poll_ms {s.idle_poll_ms:g}' if s.idle_poll_ms else ''}; "
+                f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}; "
                 f"verify_sample_rate {s.verify_sample_rate:g} ({s.verify_action}), "
                 f"kernel_timing_sample_rate {s.kernel_timing_sample_rate:g}")
 
     def shutdown(self) -> None:
-        self.draining = True
-        self.ready = False
+        self.start_draining()
         if self.batcher:
             drained = self.batcher.drain(timeout_s=self.settings.request_timeout_s)
             log.warning("batcher drained: %s", "all accepted requests answered" if drained else "timed out")
@@ -214,21 +212,19 @@ class Service:
 
     # ---- runtime switches (run on the batcher thread, between batches) ---------------------------
     def _publish_backends(self) -> None:
-        selection = registry.current()
         # ops the model does not call are left out: a dashboard row saying "torch" for them would read as a fallback
-        choices = {op: c.backend for op, c in selection.choices.items() if c.used} if selection else {}
-        if self.fallback_reason:
-            choices = {op: registry.REFERENCE_BACKEND for op in choices}
-        self.metrics.set_backends(choices, selection.fused and not self.fallback_reason if selection else False)
+        self.metrics.set_backends(self.embedder.selection.used, self.embedder.fused)
 
     def _on_mismatch(self, reason: str) -> None:
+        """The verifier saw fused outputs differ from the reference (verify_action=fallback): every op the model
+        calls falls back to the reference, through the Embedder, as the fused switch would."""
         def apply() -> None:
-            if self.fallback_reason:
+            e = self.embedder
+            if e.fallback:
                 return
-            self.fallback_reason = reason
-            registry.active.update(reference.OPS)
-            self.faults.clear()
-            for op in registry.OPS:
+            ops = list(e.selection.used)
+            e.fall_back("all", reason)
+            for op in ops:
                 self.metrics.fallbacks.labels(op, reason).inc()
             self._publish_backends()
             log.error("fallback: every op now runs on the reference path (%s)", reason)
@@ -236,90 +232,30 @@ class Service:
         self.batcher.call_between_batches(apply)
 
     def set_fused(self, enabled: bool) -> dict:
-        s, e = self.settings, self.embedder
-
-        def apply():
-            self.faults.clear()
-            self.fallback_reason = None
-            e.configure_kernels(backend=s.backend, overrides=dict(s.backend_overrides), fused=enabled)
+        """The admin switch: select again with the fused path on or off (clears a fallback)."""
+        def apply() -> dict:
+            self.embedder.set_fused(enabled)
             self._publish_backends()
-            return registry.current().as_dict()
+            return self.embedder.describe()
 
         return self.batcher.call_between_batches(apply).result(timeout=120)
 
-    def set_fault(self, op: str, mode: str, factor: float) -> None:
-        """Test-only: make one active op raise, drift by `factor`, emit NaN, stall `factor` seconds, or run
-        out of memory on inputs of more than `factor` rows."""
-
-        def apply():
-            original = self.faults.get(op, {}).get("original", registry.active[op])
-
-            def faulty(*args, **kwargs):
-                if mode == "raise":
-                    raise RuntimeError(f"injected fault in {op}")
-                if mode == "delay":
-                    time.sleep(factor)
-                    return original(*args, **kwargs)
-                if mode == "oom" and args[0].shape[0] > factor:
-                    raise torch.cuda.OutOfMemoryError(f"injected out-of-memory in {op} ({args[0].shape[0]} rows)")
-                out = original(*args, **kwargs)
-                if mode == "oom":
-                    return out
-                first = out[0] if isinstance(out, tuple) else out
-                if mode == "nan":
-                    first.fill_(float("nan"))
-                else:
-                    first.mul_(factor)
-                return out
-
-            registry.active[op] = faulty
-            self.faults[op] = {"mode": mode, "factor": factor, "original": original}
-
-        self.batcher.call_between_batches(apply).result(timeout=10)
-
-    def clear_faults(self) -> None:
-        def apply():
-            for op, fault in self.faults.items():
-                registry.active[op] = fault["original"]
-            self.faults.clear()
-
-        self.batcher.call_between_batches(apply).result(timeout=10)
-
     def info(self) -> dict:
-        s = self.settings
-        selection = registry.current()
+        s, e = self.settings, self.embedder
         return {
             "model": self.model_name,
-            "dim": self.dim if self.embedder else None,
-            "max_seq_length": self.embedder.config.max_seq_length if self.embedder else None,
-            "device": str(self.embedder.device) if self.embedder else None,
-            "dtype": str(self.embedder.dtype).removeprefix("torch.") if self.embedder else None,
+            "dim": self.dim if e else None,
+            "max_seq_length": e.config.max_seq_length if e else None,
+            "device": str(e.device) if e else None,
+            "dtype": str(e.dtype).removeprefix("torch.") if e else None,
             "ready": self.ready,
-            "fused": bool(selection and selection.fused and not self.fallback_reason),
-            "fallback": self.fallback_reason,
-            "kernels": selection.as_dict()["ops"] if selection else {},
-            "faults": {op: {k: v for k, v in f.items() if k != "original"} for op, f in self.faults.items()},
+            **(e.describe() if e else {"fused": False, "fallback": None, "kernels": {}}),
             "batching": {"max_batch_tokens": s.max_batch_tokens, "max_batch_requests": s.max_batch_requests,
                          "max_wait_ms": s.max_wait_ms, "max_queue": s.max_queue,
                          "max_client_batch": s.max_client_batch, "request_timeout_s": s.request_timeout_s,
-                         "overlap_batches": s.overlap_batches, "idle_poll_ms": s.idle_poll_ms,
+                         "overlap_batches": s.overlap_batches,
                          "batches": self.batcher.batches if self.batcher else 0,
                          "overlapped": self.batcher.overlapped if self.batcher else 0},
             "verify": {"sample_rate": s.verify_sample_rate, "action": s.verify_action,
                        "tolerance": s.verify_tolerance},
-            "layout": self.embedder.layout if self.embedder else s.layout,
-            "attention": self.embedder.attention if self.embedder else s.attention,
-            "attention_reason": self.embedder.attention_reason if self.embedder else None,
-            "cuda_graphs": (self.embedder.graphs.stats() if self.embedder and self.embedder.graphs
-                            else {"enabled": False}),
-            "cuda_launch_configs": self._cuda_launch_configs(selection),
         }
-
-    @staticmethod
-    def _cuda_launch_configs(selection) -> dict:
-        """The CUDA backend's tuned launch configurations so far (kernel|dtype|width|row bucket -> config)."""
-        if not selection or not any(c.backend == "cuda" for c in selection.choices.values()):
-            return {}
-        from kernels.cuda.tuning import TUNER
-
-        return TUNER.table()

@@ -1,11 +1,11 @@
 """Sampled shadow checks: a copy of a sampled batch's token ids and served (fused) embeddings goes to a
-background thread that recomputes them on the reference path (torch ops, fp32) and compares. Responses are
-never delayed: the queue is bounded and a full queue drops the sample (counted). With verify_action=fallback
-a mismatch switches every op to the reference (per-op attribution is not possible from pooled outputs)."""
+background thread that recomputes them with its own fp32 reference copy of the model (Embedder.reference_copy:
+torch ops, no state shared with the serving worker) and compares. Responses are never delayed: the queue is bounded
+and a full queue drops the sample (counted). With verify_action=fallback a mismatch switches every op to the
+reference (per-op attribution is not possible from pooled outputs)."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import queue
 import threading
@@ -14,7 +14,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import kernels
 from model.runner import Embedder
 from server.config import Settings
 from server.metrics import Metrics
@@ -23,15 +22,11 @@ log = logging.getLogger("fusedserve.verify")
 
 
 class Verifier:
-    def __init__(self, embedder: Embedder, settings: Settings, metrics: Metrics,
+    def __init__(self, reference: Embedder, settings: Settings, metrics: Metrics,
                  on_mismatch: Callable[[str], None]) -> None:
+        """reference: this thread's own model on the reference path (Embedder.reference_copy())."""
         self.settings, self.metrics, self.on_mismatch = settings, metrics, on_mismatch
-        if embedder.dtype == torch.float32:
-            self.reference = embedder  # same weights, same device: only the ops differ
-        else:
-            encoder = copy.deepcopy(embedder.encoder).float()
-            self.reference = Embedder(encoder, embedder.tokenizer, embedder.name, embedder.device, torch.float32,
-                                      cuda_graphs=False)
+        self.reference = reference
         self._queue: queue.Queue = queue.Queue(maxsize=settings.verify_queue)
         self._thread = threading.Thread(target=self._run, name="fusedserve-verify", daemon=True)
         self.checked = 0
@@ -53,8 +48,7 @@ class Verifier:
         while (sample := self._queue.get()) is not None:
             ids, served = sample
             try:
-                with kernels.reference_path():
-                    expected = self.reference.embed_ids(ids, normalize=False)
+                expected = self.reference.embed_ids(ids, normalize=False)
                 a, b = F.normalize(served.float(), dim=1), F.normalize(expected.float(), dim=1)
                 max_abs = float((a - b).abs().max())
                 distance = float((1 - (a * b).sum(dim=1)).max())

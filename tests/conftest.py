@@ -38,13 +38,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _reset_kernel_selection():
-    """Every test starts with the kernel registry on the reference path, whatever the last one chose."""
-    from kernels import reference, registry
-
-    registry.active.update(reference.OPS)
-    yield
-    registry.active.update(reference.OPS)

@@ -10,6 +10,7 @@ from torch import Tensor
 from kernels._layout import (as_rows, as_vector, common_device, embedding_inputs, output_like, same_shape,
                              segment_arguments)
 from kernels.cuda.tuning import TUNER, norm_candidates, pointwise_candidates
+from kernels.spec import ops_of
 
 _ops = torch.ops.fusedserve_cuda
 _GELU = {"none": 1, "tanh": 2}
@@ -133,14 +134,5 @@ def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) ->
     return y
 
 
-LAUNCHERS = {
-    "layer_norm": layer_norm,
-    "layer_norm_gelu": layer_norm_gelu,
-    "bias_gelu": bias_gelu,
-    "bias_residual_gelu": bias_residual_gelu,
-    "add_layer_norm": add_layer_norm,
-    "embedding_layer_norm": embedding_layer_norm,
-    "linear_bias_gelu": linear_bias_gelu,
-    "linear_add_layer_norm": linear_add_layer_norm,
-    "segment_mean": segment_mean,
-}
+# {op: launcher} for the ops kernels.spec lists as implemented in CUDA
+LAUNCHERS = {op: globals()[op] for op in ops_of("cuda")}

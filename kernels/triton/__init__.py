@@ -13,20 +13,7 @@ from kernels.triton.linear_layer_norm import linear_add_layer_norm
 from kernels.triton.qkv_attention import attention_partials, qkv_attention
 from kernels.triton.segment_mean import segment_mean
 
-LAUNCHERS = {
-    "layer_norm": layer_norm,
-    "layer_norm_gelu": layer_norm_gelu,
-    "bias_gelu": bias_gelu,
-    "bias_residual_gelu": bias_residual_gelu,
-    "add_layer_norm": add_layer_norm,
-    "embedding_layer_norm": embedding_layer_norm,
-    "linear_bias_gelu": linear_bias_gelu,  # one GEMM with the bias + GELU epilogue
-    "linear_add_layer_norm": linear_add_layer_norm,  # cuBLAS + add_layer_norm (the split kernel: opt-in)
-    "segment_mean": segment_mean,  # mean pooling of a packed batch
-    "qkv_attention": qkv_attention,  # QKV projection + attention per packed sequence (Triton only)
-    # a few tokens' layer in four kernels (Triton only): attention + output projection and the FFN as partial sums,
-    # each finished by a LayerNorm over the sum
-    "attention_partials": attention_partials,
-    "ffn_partials": ffn_partials,
-    "partial_add_layer_norm": partial_add_layer_norm,
-}
+from kernels.spec import ops_of
+
+# {op: launcher} for the ops kernels.spec lists as implemented in Triton
+LAUNCHERS = {op: globals()[op] for op in ops_of("triton")}

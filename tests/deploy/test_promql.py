@@ -61,7 +61,7 @@ def prometheus_with_traffic(tmp_path_factory):
             pytest.fail("prometheus is required in CI but not installed")
         pytest.skip("prometheus not installed (Debian package prometheus)")
     tmp = tmp_path_factory.mktemp("promql")
-    server = start_server(tmp, verify_sample_rate=1.0, kernel_timing_sample_rate=1.0, fault_injection="true",
+    server = start_server(tmp, verify_sample_rate=1.0, kernel_timing_sample_rate=1.0, faults=True,
                           max_queue=2, max_batch_requests=1, max_wait_ms=0)
     target = server.url.removeprefix("http://")
     (tmp / "prometheus.yml").write_text(

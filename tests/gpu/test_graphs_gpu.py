@@ -9,7 +9,6 @@ import gc
 import pytest
 import torch
 
-import kernels
 from model.runner import Embedder
 from tests.gpu.test_minilm_gpu import _model_dir
 from tests.model.sentences import SENTENCES
@@ -78,26 +77,36 @@ def test_replays_survive_reuse_of_freed_memory():
 
 
 def test_selection_change_drops_graphs_and_reference_path_skips_them():
+    """Graphs are keyed on the Embedder's selection version: the fused switch (set_fused) and a fallback drop them
+    and the next batch captures into a fresh pool; a reference re-run never replays a graph."""
     e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="cuda", max_batch_tokens=4096,
                          max_batch=64)
     ids = e.tokenizer.encode(SENTENCES[:5])
     fused = e.embed_ids(ids)
     assert e.graphs.stats()["captures"] == 1
-    with kernels.reference_path():
-        ref = e.embed_ids(ids)
-    assert e.graphs.stats()["replays"] == 1  # the reference path ran eagerly
-    kernels.configure("cuda", (torch.float16,), fused=False)
+    ref = e.embed_ids(ids, reference=True)
+    assert e.graphs.stats()["replays"] == 1  # the reference re-run ran eagerly
+    version = e.selection.version
+    e.set_fused(False)
+    assert e.selection.version > version
     gc.collect()  # nothing but the holder keeps a dropped graph alive, so its pool's use count reaches 0
     off = e.embed_ids(ids)  # new fingerprint: the fused graph must not be replayed (and capture needs a fresh pool)
     assert e.graphs.stats()["captures"] == 2 and e.graphs.stats()["graphs"] == 1
     for _ in range(3):  # toggled back and forth: every drop is followed by a capture into a new pool
-        kernels.configure("cuda", (torch.float16,), backend="cuda")
+        e.set_fused(True)
         gc.collect()
         again = e.embed_ids(ids)
-        kernels.configure("cuda", (torch.float16,), fused=False)
+        e.set_fused(False)
         gc.collect()
         assert torch.nn.functional.cosine_similarity(e.embed_ids(ids), off).min() >= 0.99999
     assert e.graphs.stats()["captures"] == 8
+    e.set_fused(True)
+    e.embed_ids(ids)
+    e.fall_back("all", "test")  # a fallback drops them too
+    gc.collect()
+    fallen = e.embed_ids(ids)
+    assert e.graphs.stats()["captures"] == 10 and e.path == "reference"
+    assert torch.nn.functional.cosine_similarity(fallen, off).min() >= 0.99999
     assert torch.nn.functional.cosine_similarity(again, fused).min() >= 0.99999
     assert torch.nn.functional.cosine_similarity(off, ref).min() >= 0.99999
     assert torch.nn.functional.cosine_similarity(fused, ref).min() >= 0.999
@@ -222,7 +231,7 @@ def test_auto_attention_follows_the_fused_switch():
     batches = [e.tokenizer.encode(texts) for texts in (SENTENCES[:1], SENTENCES[1:4], SENTENCES[:16])]
     expected = [padded.embed_ids(ids) for ids in batches]
     for fused, attention in ((True, "fused"), (False, "varlen"), (True, "fused")):
-        e.configure_kernels(backend="triton", fused=fused)
+        e.set_fused(fused)
         assert e.attention == e.graphs.attention == attention, e.attention_reason
         for ids, want in zip(batches, expected):
             got = e.embed_ids(ids)

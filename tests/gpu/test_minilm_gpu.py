@@ -67,7 +67,7 @@ def test_fused_and_reference_paths_agree_on_gpu():
 def test_auto_mode_on_gpu_takes_the_faster_fused_backend_per_op():
     import kernels
 
-    selection = kernels.configure("cuda", (torch.float16, torch.bfloat16), hidden_sizes=(384, 1536))
+    selection = kernels.select("cuda", (torch.float16, torch.bfloat16), hidden_sizes=(384, 1536))
     print("\n" + selection.report())
     for choice in selection.choices.values():
         if choice.rejected.get("cuda") == "does not implement this op":  # the Triton-only attention / few-token ops

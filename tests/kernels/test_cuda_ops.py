@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from kernels import ops, reference
+from kernels import library, reference
 from kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, compare, float64_reference
 from tests.kernels._shared import check_offsets_past_two_to_the_31, opcheck_custom_ops
 from tests.conftest import DTYPES, ODD_COLS, ROWS
@@ -178,14 +178,14 @@ def test_opcheck_and_compile(launchers):
     from model.config import EncoderConfig
     from model.encoder import Encoder
 
-    ops.custom_ops("cuda", launchers)
+    library.custom_ops("cuda", launchers)
     opcheck_custom_ops("cuda", "cuda")
-    kernels.configure("cuda", (torch.float32,), backend="cuda", hidden_sizes=(64,))
+    selection = kernels.select("cuda", (torch.float32,), backend="cuda", hidden_sizes=(64,))
     encoder = Encoder(EncoderConfig.from_name("tiny").replace(num_layers=1)).cuda().eval()
     ids = torch.randint(1000, 2000, (3, 9), device="cuda")
     mask = torch.ones(3, 9, dtype=torch.bool, device="cuda")
     mask[1, 5:] = False
-    with torch.no_grad():
+    with torch.no_grad(), kernels.use(selection):
         eager = encoder(ids, mask)
         compiled = torch.compile(encoder, fullgraph=True)
         torch.testing.assert_close(compiled(ids, mask), eager, rtol=1e-4, atol=1e-4)
@@ -195,8 +195,8 @@ def test_auto_mode_races_triton_and_cuda_on_the_gpu(launchers):
     import kernels
 
     for timing in ("eager", "device"):  # the ops both backends implement (the CUDA one lacks the attention ops)
-        selection = kernels.configure("cuda", (torch.float16,), hidden_sizes=(384,), race_timing=timing,
-                                      ops=list(launchers))
+        selection = kernels.select("cuda", (torch.float16,), hidden_sizes=(384,), race_timing=timing,
+                                   ops=list(launchers))
         assert sum(c.used for c in selection.choices.values()) == len(launchers) >= 9
         for choice in (c for c in selection.choices.values() if c.used):
             assert choice.backend in ("triton", "cuda"), selection.report()

@@ -97,7 +97,6 @@ def test_packed_pooling_through_segment_mean_equals_the_torch_path():
     import dataclasses
 
     import kernels
-    from kernels import registry
     from model.encoder import Packed, packed_mean_pool
 
     rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
@@ -105,14 +104,13 @@ def test_packed_pooling_through_segment_mean_equals_the_torch_path():
     hidden = torch.randn(12, 16, generator=torch.Generator().manual_seed(2)) * 3 + 1
     hidden[9:] = NAN  # filler tokens: no path may read them into a real sequence
     torch_path = packed_mean_pool(hidden, dataclasses.replace(p, cu_seqlens=None), normalize=False)
-    assert registry.active["segment_mean"] is reference.segment_mean
+    assert kernels.current().impls["segment_mean"] is reference.segment_mean
     on_reference = packed_mean_pool(hidden, p, normalize=False)
     _triton()
-    kernels.configure("cpu", (torch.float32,), backend="triton")
-    assert registry.current().backend_of("segment_mean") == "triton"
-    with kernels.reference_path():
-        torch.testing.assert_close(packed_mean_pool(hidden, p, normalize=False), on_reference, rtol=0, atol=0)
-    fused = packed_mean_pool(hidden, p, normalize=False)
+    selection = kernels.select("cpu", (torch.float32,), backend="triton")
+    assert selection.backend_of("segment_mean") == "triton"
+    with kernels.use(selection):
+        fused = packed_mean_pool(hidden, p, normalize=False)
     for pooled in (on_reference, fused):
         torch.testing.assert_close(pooled[:3], torch_path[:3], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(pooled[1], hidden[3])

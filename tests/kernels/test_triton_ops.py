@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import ops, reference
+from kernels import library, reference
 from kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, compare, float64_reference
 from tests.kernels._shared import check_offsets_past_two_to_the_31, opcheck_custom_ops
 from tests.conftest import DEVICES, DTYPES, ODD_COLS, ROWS
@@ -117,7 +117,7 @@ def test_empty_input(device):
 
 @pytest.fixture
 def triton_ops():
-    return ops.custom_ops("triton", triton_launchers)
+    return library.custom_ops("triton", triton_launchers)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -168,12 +168,12 @@ def test_torch_compile_fullgraph_on_fused_encoder(device):
     from model.config import EncoderConfig
     from model.encoder import Encoder
 
-    kernels.configure(device, (torch.float32,), backend="triton", hidden_sizes=(64,))
+    selection = kernels.select(device, (torch.float32,), backend="triton", hidden_sizes=(64,))
     encoder = Encoder(EncoderConfig.from_name("tiny").replace(num_layers=1)).to(device).eval()
     ids = torch.randint(1000, 2000, (3, 9), device=device)
     mask = torch.ones(3, 9, dtype=torch.bool, device=device)
     mask[1, 5:] = False
-    with torch.no_grad():
+    with torch.no_grad(), kernels.use(selection):
         eager = encoder(ids, mask)
         # fullgraph=True fails on any graph break; aot_eager keeps CPU CI fast, inductor runs on the GPU
         compiled = torch.compile(encoder, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")

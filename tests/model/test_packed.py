@@ -85,8 +85,7 @@ def test_fused_attention_equals_padded(encoder, backend):
     import kernels
     from model.encoder import FUSED_LAYER_TOKENS
 
-    kernels.configure("cpu", (torch.float32,), backend=backend)
-    try:
+    with kernels.use(kernels.select("cpu", (torch.float32,), backend=backend)):
         for lengths, tokens in (([7, 40, 3, 33, 2], 128), ([7, 20, 3, 2], 48)):
             rows = _rows(lengths)
             packed = Packed.from_rows(rows, "cpu", tokens=tokens, batch=8, seq=64)
@@ -98,8 +97,6 @@ def test_fused_attention_equals_padded(encoder, backend):
         packed = Packed.from_rows(dense, "cpu")
         pooled = packed_mean_pool(encoder.forward_packed(packed, "fused"), packed, normalize=False)
         assert (pooled - _padded(encoder, dense)).abs().max() <= 1e-5
-    finally:
-        kernels.configure("cpu", fused=False)
 
 
 @torch.no_grad()
@@ -107,23 +104,28 @@ def test_kernel_ops_name_exactly_the_ops_each_path_calls(encoder, monkeypatch):
     """The registry tests and races only kernel_ops(layout, attention, ...): an op missing there would run on the
     reference unnoticed, one too many costs start-up compiles. Each path's calls, over batches above and below
     FUSED_LAYER_TOKENS, must be exactly that set."""
-    from kernels import registry
+    import kernels
     from model.encoder import kernel_ops
 
     cpu = torch.device("cpu")
     called: set[str] = set()
-    for op, fn in list(registry.active.items()):
-        monkeypatch.setitem(registry.active, op, lambda *a, _op=op, _fn=fn, **k: called.add(_op) or _fn(*a, **k))
+
+    def observer(op, backend, fn, args, kwargs):
+        called.add(op)
+        return fn(*args, **kwargs)
+
     rows = [_rows([7, 40, 3, 33, 2]), _rows([7, 20, 3, 2])]
     for attention in ("pad", "fused"):
         called.clear()
         for r in rows:
             packed = Packed.from_rows(r, "cpu")
-            packed_mean_pool(encoder.forward_packed(packed, attention), packed, normalize=False)
+            with kernels.use(kernels.REFERENCE, observer):
+                packed_mean_pool(encoder.forward_packed(packed, attention), packed, normalize=False)
         assert called == set(kernel_ops("packed", attention, cpu, torch.float32)), attention
     called.clear()
     for r in rows:
-        _padded(encoder, r)
+        with kernels.use(kernels.REFERENCE, observer):
+            _padded(encoder, r)
     assert called == set(kernel_ops("padded", "pad", cpu, torch.float32))
     cuda = torch.device("cuda")  # where varlen runs, fused mode runs it above FUSED_LAYER_TOKENS: no qkv_attention
     assert set(kernel_ops("packed", "varlen", cuda, torch.float16)) == \
@@ -134,25 +136,20 @@ def test_kernel_ops_name_exactly_the_ops_each_path_calls(encoder, monkeypatch):
 
 
 def test_runner_configures_only_the_ops_it_calls():
-    from kernels import registry
     from model.encoder import kernel_ops
     from model.runner import Embedder
 
     embedder, report = Embedder.load("tiny", device="cpu", backend="torch")
-    try:
-        used = {op for op, c in report.kernels.choices.items() if c.used}
-        assert used == set(kernel_ops("packed", embedder.attention, embedder.device, embedder.dtype))
-        assert "qkv_attention" not in used
-        assert "not called by this model" in report.kernels.report()
-        assert report.kernels.as_dict()["ops"]["ffn_partials"]["used"] is False
-        selection = embedder.configure_kernels(backend="torch", overrides={"ffn_partials": "torch"})
-        assert selection.choices["ffn_partials"].used  # asked for by name: chosen as asked
-        fused, _ = Embedder.load("tiny", device="cpu", backend="torch", attention="fused")
-        assert fused.attention == "fused"
-        assert {op for op, c in registry.current().choices.items() if c.used} == \
-            set(kernel_ops("packed", "fused", fused.device, fused.dtype))
-    finally:
-        registry.configure("cpu", fused=False)
+    used = {op for op, c in report.kernels.choices.items() if c.used}
+    assert used == set(kernel_ops("packed", embedder.attention, embedder.device, embedder.dtype))
+    assert "qkv_attention" not in used
+    assert "not called by this model" in report.kernels.report()
+    assert report.kernels.as_dict()["ops"]["ffn_partials"]["used"] is False
+    overridden, _ = Embedder.load("tiny", device="cpu", backend="torch", backend_overrides={"ffn_partials": "torch"})
+    assert overridden.selection.choices["ffn_partials"].used  # asked for by name: chosen as asked
+    fused, _ = Embedder.load("tiny", device="cpu", backend="torch", attention="fused")
+    assert fused.attention == "fused"
+    assert set(fused.selection.used) == set(kernel_ops("packed", "fused", fused.device, fused.dtype))
 
 
 def test_packed_indices():

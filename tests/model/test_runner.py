@@ -49,31 +49,63 @@ def test_fused_attention_on_the_interpreter_matches_the_reference_path():
 
 def test_auto_attention_takes_the_few_token_layer_only_while_its_ops_are_fused(monkeypatch):
     """Where varlen runs, auto attention is "fused" (the few-token layer up to 64 tokens, varlen above) as long as
-    the registry puts the few-token ops on a fused backend, and varlen, saying why, when any is on the reference.
-    The CPU stands in for a GPU here (varlen declared runnable; no forward runs): only the decision is tested."""
+    the selection puts the few-token ops on a fused backend, and varlen, saying why, when any is on the reference:
+    after the fused switch, a fallback of one of them, or an override. The CPU stands in for a GPU here (varlen
+    declared runnable; no forward runs): only the decision is tested."""
     import model.encoder as encoder_module
-    from kernels import registry
     from model.encoder import FEW_TOKEN_OPS, kernel_ops
 
     monkeypatch.setattr(encoder_module, "_varlen_runs", lambda device, dtype: True)
-    try:
-        e, report = Embedder.load("tiny", device="cpu", backend="triton")
-        assert e.attention == "fused" and "few-token layer" in e.attention_reason, e.attention_reason
-        assert all(report.kernels.backend_of(op) == "triton" for op in FEW_TOKEN_OPS)
-        assert {op for op, c in report.kernels.choices.items() if c.used} == \
-            set(kernel_ops("packed", "fused", e.device, e.dtype))
-        for switch in [{"fused": False}, {"backend": "triton", "overrides": {"ffn_partials": "torch"}}]:
-            selection = e.configure_kernels(**switch)
-            assert e.attention == "varlen", switch
-            assert "ffn_partials" in e.attention_reason and "reference" in e.attention_reason
-            assert {op for op, c in selection.choices.items() if c.used} == \
-                {*kernel_ops("packed", "varlen", e.device, e.dtype), *switch.get("overrides", {})}, switch
-        e.configure_kernels(backend="triton")  # fused again: back to the few-token layer
-        assert e.attention == "fused"
-        asked, _ = Embedder.load("tiny", device="cpu", fused=False, attention="fused")
-        assert asked.attention == "fused" and asked.attention_reason == "as configured"  # asked for: kept
-    finally:
-        registry.configure("cpu", fused=False)
+    e, report = Embedder.load("tiny", device="cpu", backend="triton")
+    assert e.attention == "fused" and "few-token layer" in e.attention_reason, e.attention_reason
+    assert all(report.kernels.backend_of(op) == "triton" for op in FEW_TOKEN_OPS)
+    assert set(e.selection.used) == set(kernel_ops("packed", "fused", e.device, e.dtype))
+    selection = e.set_fused(False)
+    assert e.attention == "varlen" and "reference" in e.attention_reason
+    assert set(selection.used) == set(kernel_ops("packed", "varlen", e.device, e.dtype))
+    e.set_fused(True)  # fused again: back to the few-token layer
+    assert e.attention == "fused"
+    before = e.selection
+    fallen = e.fall_back("ffn_partials", "verify_mismatch")
+    assert fallen.version > before.version and e.fallback == "verify_mismatch" and not e.fused
+    assert e.attention == "varlen" and "ffn_partials" in e.attention_reason
+    assert fallen.choices["ffn_partials"].reason == "fallback: verify_mismatch"
+    e.set_fused(True)
+    assert e.attention == "fused" and e.fallback is None and e.fused
+    overridden, _ = Embedder.load("tiny", device="cpu", backend="triton", backend_overrides={"ffn_partials": "torch"})
+    assert overridden.attention == "varlen" and "ffn_partials" in overridden.attention_reason
+    asked, _ = Embedder.load("tiny", device="cpu", fused=False, attention="fused")
+    assert asked.attention == "fused" and asked.attention_reason == "as configured"  # asked for: kept
+
+
+def test_the_path_changes_only_between_forwards_through_the_embedder():
+    """set_fused / fall_back / use install a new selection (a new version, so CUDA graphs are re-captured); the
+    forward runs on the Embedder's selection, whatever is installed around the call; timed() labels each op's time
+    with the backend that ran it; reference_copy() is an fp32 model of its own on the reference."""
+    import kernels
+
+    e, _ = Embedder.load("tiny", device="cpu", backend="triton")
+    texts = ["same input", "and a second, longer input"]
+    fused = e.embed(texts)
+    with kernels.use(kernels.REFERENCE):  # the caller's context does not change the model's path
+        assert torch.equal(e.embed(texts), fused)
+    seen = []
+    with e.timed(lambda op, backend, seconds: seen.append((op, backend, seconds))):
+        torch.testing.assert_close(e.embed(texts), fused, rtol=0, atol=0)
+    assert {(op, backend) for op, backend, _ in seen} == set(e.selection.used.items())
+    assert all(seconds > 0 for *_, seconds in seen)
+    e.fall_back("all", "test")
+    seen.clear()
+    with e.timed(lambda op, backend, seconds: seen.append((op, backend))):
+        on_reference = e.embed(texts)
+    assert {backend for _, backend in seen} == {"torch"} and e.path == "reference"
+    torch.testing.assert_close(on_reference, fused, rtol=0, atol=1e-5)
+    copy = e.reference_copy()
+    assert copy.dtype == torch.float32 and copy.path == "reference" and copy.encoder is not e.encoder
+    torch.testing.assert_close(copy.embed(texts), fused, rtol=0, atol=1e-5)
+    big, small = e.warmup_batches()
+    assert len(big[0]) == e.config.max_seq_length and len(small) == 1
+    assert big[0][0] == small[0][0] == 101 and big[0][-1] == small[0][-1] == 102  # the tokenizer's [CLS], [SEP]
 
 
 def test_bfloat16_on_cpu_is_close_to_float32():

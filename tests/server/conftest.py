@@ -34,7 +34,8 @@ class Server:
         return self.process.wait(timeout=timeout)
 
 
-def start_server(tmp_path, ready_timeout_s: float = 180, **settings) -> Server:
+def start_server(tmp_path, ready_timeout_s: float = 180, *, faults: bool = False, **settings) -> Server:
+    """faults=True: the test-only app with fault hooks under /admin/faults (tests.support.server)."""
     port = free_port()
     # the server's settings come only from here; the CUDA extension's build cache is not a setting and is kept
     env = {k: v for k, v in os.environ.items()
@@ -47,7 +48,8 @@ def start_server(tmp_path, ready_timeout_s: float = 180, **settings) -> Server:
     env.update({f"FUSEDSERVE_{k.upper()}": str(v) for k, v in settings.items()})
     log_path = str(tmp_path / f"server-{port}.log")
     log = open(log_path, "w")
-    process = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"],
+    module = "tests.support.server" if faults else "server"
+    process = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--log-level", "warning"],
                                stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + ready_timeout_s

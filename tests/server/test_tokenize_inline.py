@@ -28,7 +28,7 @@ def test_short_inputs_skip_the_thread_hop(monkeypatch):
     monkeypatch.setattr(service_module.asyncio, "to_thread", counting_to_thread)
     svc = Service(Settings(model="tiny", device="cpu", max_wait_ms=0))
     svc.load()
-    svc.ready = True
+    svc.mark_ready()
     short = ["a short sentence"]
     long_ = ["word " * (INLINE_TOKENIZE_CHARS // 5 + 1)]
 
@@ -44,20 +44,3 @@ def test_short_inputs_skip_the_thread_hop(monkeypatch):
         assert torch.allclose(torch.from_numpy(b.embeddings), svc.embedder.embed(long_), atol=1e-6)
     finally:
         svc.shutdown()
-
-
-def test_gil_switch_interval_setting_applies_and_zero_keeps_the_default():
-    import sys
-
-    before = sys.getswitchinterval()
-    try:
-        kept = Service(Settings(model="tiny", device="cpu"))
-        kept.load()
-        assert sys.getswitchinterval() == before  # 0: the interpreter's own
-        kept.shutdown()
-        svc = Service(Settings(model="tiny", device="cpu", gil_switch_interval_ms=0.5))
-        svc.load()
-        assert abs(sys.getswitchinterval() - 0.0005) < 1e-9
-        svc.shutdown()
-    finally:
-        sys.setswitchinterval(before)

@@ -1,0 +1,260 @@
+"""The op list, once. Each fused op's entry names its torch reference (whose signature is the op's signature:
+the public wrappers in kernels/__init__.py, the torch.library schema in kernels/library.py and the launchers of
+every backend follow it), its documentation, its fake (meta) implementation, the backends that implement it, and
+how the registry's self-test and the test suite build fresh random inputs for it. Adding an op touches this file,
+kernels/reference.py and the backends' launchers, nothing else.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels import reference
+
+
+def _randn(shape, dtype, device, gen, scale=1.0, shift=0.0) -> Tensor:
+    return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale + shift).to(device=device, dtype=dtype)
+
+
+# Each generator returns (args, kwargs) for the op on fresh random, non-zero inputs of [rows, cols].
+# LayerNorm inputs get a non-zero mean and spread so that centring and variance are exercised.
+def _ln_inputs(rows, cols, dtype, device, gen):
+    x = _randn((rows, cols), dtype, device, gen, scale=2.0, shift=0.5)
+    w = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (x, w, b, 1e-5), {}
+
+
+def _bias_gelu_inputs(rows, cols, dtype, device, gen):
+    return (_randn((rows, cols), dtype, device, gen, scale=2.0), _randn((cols,), dtype, device, gen)), {}
+
+
+def _bias_residual_gelu_inputs(rows, cols, dtype, device, gen):
+    x = _randn((rows, cols), dtype, device, gen, scale=2.0)
+    return (x, _randn((cols,), dtype, device, gen), _randn((rows, cols), dtype, device, gen)), {}
+
+
+def _add_ln_inputs(rows, cols, dtype, device, gen):
+    x = _randn((rows, cols), dtype, device, gen, scale=2.0, shift=0.5)
+    residual = _randn((rows, cols), dtype, device, gen)
+    bias = _randn((cols,), dtype, device, gen, scale=0.5)
+    w = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (x, residual, bias, w, b, 1e-5), {}
+
+
+def _embedding_ln_inputs(rows, cols, dtype, device, gen):
+    vocab, positions, types = 97, 64, 2
+    ids = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+    pos = torch.randint(0, positions, (rows,), generator=gen).to(device)
+    tt = torch.randint(0, types, (rows,), generator=gen).to(device)
+    tables = [_randn((n, cols), dtype, device, gen) for n in (vocab, positions, types)]
+    w = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (ids, pos, tt, *tables, w, b, 1e-5), {}
+
+
+def _linear_gelu_inputs(rows, cols, dtype, device, gen):
+    # output [rows, cols] from x [rows, K] and weight [cols, K], K = cols / 4 (the FFN-in: hidden -> 4 x hidden);
+    # weights at 1/sqrt(K) keep the outputs of order 1, where GELU is not linear
+    k = max(cols // 4, 1)
+    x = _randn((rows, k), dtype, device, gen)
+    w = _randn((cols, k), dtype, device, gen, scale=k**-0.5)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (x, w, b), {}
+
+
+def _linear_ln_inputs(rows, cols, dtype, device, gen):
+    # output [rows, cols] = LayerNorm(x [rows, K] @ weight^T + bias + residual), K = cols / 2 (deep enough that the
+    # split kernel splits K); weights at 1/sqrt(K), a residual and LayerNorm parameters away from 0 and 1
+    k = max(cols // 2, 1)
+    x = _randn((rows, k), dtype, device, gen)
+    w = _randn((cols, k), dtype, device, gen, scale=k**-0.5)
+    bias = _randn((cols,), dtype, device, gen, scale=0.5, shift=0.25)
+    residual = _randn((rows, cols), dtype, device, gen, scale=2.0)
+    g = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (x, w, bias, residual, g, b, 1e-5), {}
+
+
+def _segment_inputs(rows, cols, dtype, device, gen):
+    # `rows` packed tokens: segments of 1..2*avg-1 tokens back to back, then an empty one (a CUDA-graph bucket's
+    # filler sequence), then ~1/8 of the rows as filler tokens past the last offset, set to NaN: never to be read
+    real = rows - rows // 8
+    avg = max(1, min(128, real // 4))
+    lengths: list[int] = []
+    while sum(lengths) < real:
+        lengths.append(min(int(torch.randint(1, 2 * avg, (1,), generator=gen)), real - sum(lengths)))
+    offsets = torch.tensor([0, *itertools.accumulate([*lengths, 0])], dtype=torch.int32, device=device)
+    x = _randn((rows, cols), dtype, device, gen, scale=2.0, shift=0.5)
+    x[real:] = float("nan")
+    return (x, offsets), {}
+
+
+def attention_heads(cols: int) -> int:
+    """A head count for a [*, cols] attention test: the fewest heads, at most 16, of at most 128 columns that split
+    the width (384 -> 3 heads of 128, 300 -> 3 of 100, 1023 -> 11 of 93, 7 -> 1 of 7), else one head (769, 4097: the
+    kernels then take the torch path). Few heads keep the interpreter quick (its cost is per program, and programs
+    are sequences x heads); the model's own head widths (32 and 64) are the GPU tests' shapes."""
+    return next((h for h in range(1, 17) if cols % h == 0 and cols // h <= 128), 1)
+
+
+def _qkv_attention_inputs(rows, cols, dtype, device, gen):
+    # `rows` packed tokens: sequences of 1..2*avg-1 tokens, an empty one (a graph bucket's filler sequence), then
+    # ~1/8 of the rows as filler tokens past the last offset (zeros out). Weights at 1/sqrt(cols) give q k^T / sqrt(d)
+    # of order 1: softmax neither uniform nor one-hot. max_seqlen is a loose bound (a graph bucket's), not the longest.
+    real = rows - rows // 8
+    avg = max(1, min(64, real // 3))
+    lengths: list[int] = []
+    while sum(lengths) < real:
+        lengths.append(min(int(torch.randint(1, 2 * avg, (1,), generator=gen)), real - sum(lengths)))
+    offsets = torch.tensor([0, *itertools.accumulate([*lengths, 0])], dtype=torch.int32, device=device)
+    x = _randn((rows, cols), dtype, device, gen)
+    w = _randn((3 * cols, cols), dtype, device, gen, scale=cols**-0.5)
+    b = _randn((3 * cols,), dtype, device, gen, scale=0.5)
+    max_seqlen = -(-max(lengths) // 16) * 16
+    return (x, w, b, offsets, max_seqlen, attention_heads(cols)), {}
+
+
+def _attention_partials_inputs(rows, cols, dtype, device, gen):
+    (x, w, b, offsets, max_seqlen, heads), _ = _qkv_attention_inputs(rows, cols, dtype, device, gen)
+    out_weight = _randn((cols, cols), dtype, device, gen, scale=cols**-0.5)
+    return (x, w, b, offsets, max_seqlen, heads, out_weight), {}
+
+
+def _ffn_partials_inputs(rows, cols, dtype, device, gen):
+    # the FFN at 4 x width, at most 300 (a 4097-wide row still tests the kernel's column loops, without a 67M-element
+    # weight; and the interpreter's self-test stays quick), split into chunks of odd sizes (300 -> 12 of 25 columns)
+    inner = min(4 * cols, 300)
+    x = _randn((rows, cols), dtype, device, gen)
+    w1 = _randn((inner, cols), dtype, device, gen, scale=cols**-0.5)
+    b1 = _randn((inner,), dtype, device, gen, scale=0.5)
+    w2 = _randn((cols, inner), dtype, device, gen, scale=inner**-0.5)
+    splits = next(s for s in (16, 12, 8, 4, 2, 1) if inner % s == 0)
+    return (x, w1, b1, w2, splits), {}
+
+
+def _partial_ln_inputs(rows, cols, dtype, device, gen):
+    # 3 fp32 partial sums (float64 stays float64) that add up to a non-zero mean and spread
+    parts = _randn((3, rows, cols), torch.float64 if dtype == torch.float64 else torch.float32, device, gen,
+                   scale=0.7, shift=0.1)
+    residual = _randn((rows, cols), dtype, device, gen)
+    bias = _randn((cols,), dtype, device, gen, scale=0.5)
+    w = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    b = _randn((cols,), dtype, device, gen, scale=0.5)
+    return (parts, bias, residual, w, b, 1e-5), {}
+
+
+def _fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _per_head(args, rows, cols, dtype):
+    return (args[5], rows, cols), _fp32(dtype)
+
+
+def _per_split(args, rows, cols, dtype):
+    return (args[4], rows, cols), _fp32(dtype)
+
+
+def _same_as_input(args, rows, cols, dtype):
+    return (rows, cols), dtype
+
+
+def _per_segment(args, rows, cols, dtype):
+    return (args[1].numel() - 1, cols), _fp32(dtype)
+
+
+def _like_first(x, *args, **kwargs) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _add_layer_norm_fake(x, residual, bias, weight, ln_bias, eps, return_sum):
+    return torch.empty_like(x), (torch.empty_like(x) if return_sum else x.new_empty(0))
+
+
+def _gemm_fake(x, weight, *args) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    reference: Callable[..., Tensor]  # its signature (less `out=`) is the op's
+    doc: str
+    fake: Callable[..., Tensor | tuple[Tensor, Tensor]]  # output(s) of the schema's arguments, for torch.compile
+    make_inputs: Callable[..., tuple[tuple, dict]]  # (rows, cols, dtype, device, generator) -> (args, kwargs)
+    rowwise: bool = True  # the first argument is [rows, cols] like the output (not so for a GEMM)
+    race_cols: Callable[[int], int] = lambda hidden: hidden  # output width at a model's hidden size
+    # (args, rows, cols, dtype) -> the output's (shape, dtype): [rows, cols] in the input dtype unless said
+    output: Callable[..., tuple[tuple[int, ...], torch.dtype]] = _same_as_input
+    fused_in: tuple[str, ...] = ("triton", "cuda")  # the fused backends that implement it
+    differentiable: bool = False  # torch.library autograd (recomputed through the fp32 reference)
+
+
+def ops_of(backend: str) -> list[str]:
+    """The ops a fused backend implements (the registry runs the rest on the reference when it is forced)."""
+    return [op for op, spec in OP_SPECS.items() if backend in spec.fused_in]
+
+
+_SPECS = (
+    OpSpec("layer_norm", reference.layer_norm, "LayerNorm over the last dimension.", _like_first, _ln_inputs),
+    OpSpec("layer_norm_gelu", reference.layer_norm_gelu,
+           'GELU(LayerNorm(x)); exact erf GELU unless approximate="tanh".', _like_first, _ln_inputs,
+           differentiable=True),
+    OpSpec("bias_gelu", reference.bias_gelu, "GELU(x + bias), bias broadcast over rows.", _like_first,
+           _bias_gelu_inputs),
+    OpSpec("bias_residual_gelu", reference.bias_residual_gelu, "GELU(x + bias + residual).", _like_first,
+           _bias_residual_gelu_inputs),
+    OpSpec("add_layer_norm", reference.add_layer_norm,
+           "LayerNorm(x + bias + residual); with return_sum=True also the pre-norm sum.", _add_layer_norm_fake,
+           _add_ln_inputs, differentiable=True),
+    OpSpec("embedding_layer_norm", reference.embedding_layer_norm,
+           "LayerNorm(word[ids] + position[pos] + token_type[types]) for flat id vectors: [tokens] -> "
+           "[tokens, hidden].",
+           lambda ids, pos, types, word, *rest: word.new_empty((*ids.shape, word.shape[1])), _embedding_ln_inputs),
+    OpSpec("linear_bias_gelu", reference.linear_bias_gelu,
+           "GELU(x @ weight^T + bias), weight in nn.Linear's [out, in] layout: the FFN-in of an encoder layer.",
+           _gemm_fake, _linear_gelu_inputs, rowwise=False, race_cols=lambda hidden: 4 * hidden),
+    OpSpec("linear_add_layer_norm", reference.linear_add_layer_norm,
+           "LayerNorm(x @ weight^T + bias + residual), weight in nn.Linear's [out, in] layout: the attention-out "
+           "and FFN-out blocks of a post-LN encoder layer.", _gemm_fake, _linear_ln_inputs, rowwise=False),
+    # mean pooling of a packed batch: [rows tokens, cols] -> [segments, cols] float32
+    OpSpec("segment_mean", reference.segment_mean,
+           "Mean of each segment of rows, x [T, H] and offsets cu_seqlens [B + 1] -> [B, H] float32 (empty "
+           "segment: 0; rows past the last offset unread): the mean pooling of a packed batch.",
+           lambda x, cu: x.new_empty((cu.shape[0] - 1, x.shape[1]), dtype=_fp32(x.dtype)), _segment_inputs,
+           rowwise=False, output=_per_segment),
+    # a layer's QKV projection + attention over each packed sequence: [rows tokens, cols] -> [rows, cols]
+    OpSpec("qkv_attention", reference.qkv_attention,
+           "A layer's attention block before its output projection: q, k, v = x @ weight^T + bias (weight [3H, H], "
+           "query/key/value stacked), softmax(q k^T / sqrt(d)) v per head within each packed sequence of x [T, H] "
+           "(offsets cu_seqlens [B + 1], each at most max_seqlen long) -> [T, H]; rows past the last offset are "
+           "zeros.", _like_first, _qkv_attention_inputs, rowwise=False, fused_in=("triton",)),
+    # the few-token layer's pieces: attention + each head's share of the output projection -> [heads, rows, cols]
+    # fp32; the FFN split over its intermediate width -> [splits, rows, cols] fp32; their LayerNorm over the sum
+    OpSpec("attention_partials", reference.attention_partials,
+           "qkv_attention's context times each head's slice of the output projection out_weight [H, H]: "
+           "[num_heads, T, H] float32 partial sums (summed: ctx @ out_weight^T), for partial_add_layer_norm.",
+           lambda x, w, b, cu, max_seqlen, num_heads, out_weight: x.new_empty((num_heads, *x.shape),
+                                                                              dtype=torch.float32),
+           _attention_partials_inputs, rowwise=False, output=_per_head, fused_in=("triton",)),
+    OpSpec("ffn_partials", reference.ffn_partials,
+           "GELU(x @ w1^T + b1) @ w2^T as `splits` float32 partial sums over chunks of the intermediate width: "
+           "[splits, T, H], for partial_add_layer_norm.",
+           lambda x, w1, b1, w2, splits, approximate: x.new_empty((splits, *x.shape), dtype=torch.float32),
+           _ffn_partials_inputs, rowwise=False, output=_per_split, fused_in=("triton",)),
+    OpSpec("partial_add_layer_norm", reference.partial_add_layer_norm,
+           "LayerNorm(parts.sum(0) + bias + residual): parts [P, T, H] float32 -> [T, H] in residual's dtype.",
+           lambda parts, bias, residual, *rest: torch.empty_like(residual), _partial_ln_inputs, rowwise=False,
+           fused_in=("triton",)),
+)
+OP_SPECS: dict[str, OpSpec] = {spec.name: spec for spec in _SPECS}
+OPS: tuple[str, ...] = tuple(OP_SPECS)
+ROWWISE_OPS = tuple(op for op, spec in OP_SPECS.items() if spec.rowwise)
+REFERENCE_OPS: dict[str, Callable[..., Tensor]] = {op: spec.reference for op, spec in OP_SPECS.items()}

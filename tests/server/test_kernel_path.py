@@ -1,0 +1,155 @@
+"""The server treats the model as a black box: it changes the kernel path only through the Embedder, so the
+verifier's fallback behaves exactly like the admin switch (attention follows, metrics and /info say the truth),
+and it never imports the kernels package. In-process services on the tiny preset, the Triton kernels on the
+interpreter standing in for a GPU's fused backend."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import pathlib
+import time
+
+import pytest
+import torch
+
+from server.config import Settings
+from server.service import Service
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _serve(settings: Settings) -> Service:
+    service = Service(settings)
+    service.load()
+    service.mark_ready()
+    return service
+
+
+def _embed(service: Service, rows: list[list[int]]):
+    async def run():
+        job = service.batcher.submit(rows, True, 60)
+        return await job.future
+
+    return asyncio.run(run())
+
+
+def _fall_back_by_verifier(service: Service, op: str = "linear_add_layer_norm") -> None:
+    """Make the served path drift (one op's output tilted, as tests.support.server's faults do), send a batch, and
+    wait for the verifier to see the mismatch and fall back."""
+    e = service.embedder
+    original = e.selection.impls[op]
+
+    def drifting(*args, **kwargs):
+        out = original(*args, **kwargs)
+        return out.add_(torch.linspace(-0.5, 0.5, out.shape[-1], dtype=out.dtype))
+
+    service.batcher.call_between_batches(
+        lambda: e.use(e.selection.with_impl(op, drifting, "test drift"))).result(10)
+    _embed(service, [[101, 2023, 2003, 102]])
+    deadline = time.monotonic() + 60
+    while e.fallback is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert e.fallback == "verify_mismatch"
+
+
+def _kernel_samples(service: Service) -> dict[tuple[str, str], float]:
+    out = {}
+    for family in service.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == "fusedserve_kernel_duration_seconds_count":
+                out[(sample.labels["op"], sample.labels["backend"])] = sample.value
+    return out
+
+
+def test_kernel_timings_after_a_verify_fallback_are_labelled_with_the_reference():
+    """Regression: the verifier's fallback used to swap the ops to the reference behind the registry's back, so
+    sampled kernel timings kept the fused backend's label, and /info still showed the fused choices."""
+    service = _serve(Settings(model="tiny", device="cpu", backend="triton", warmup=False, kernel_timing_sample_rate=1,
+                              verify_sample_rate=1, verify_action="fallback", verify_tolerance=1e-4))
+    try:
+        _embed(service, [[101, 2023, 102]])
+        assert {backend for _, backend in _kernel_samples(service)} == {"triton"}
+        _fall_back_by_verifier(service)
+        before = _kernel_samples(service)
+        _embed(service, [[101, 2023, 2003, 1037, 102]])
+        after = _kernel_samples(service)
+        grew = {key for key, count in after.items() if count > before.get(key, 0)}
+        assert grew and {backend for _, backend in grew} == {"torch"}, grew
+        info = service.info()
+        assert info["fused"] is False and info["fallback"] == "verify_mismatch"
+        assert {v["backend"] for v in info["kernels"].values() if v.get("used", True)} == {"torch"}
+        assert all(v["reason"] == "fallback: verify_mismatch" for v in info["kernels"].values() if v.get("used", True))
+    finally:
+        service.shutdown()
+
+
+def _cpu_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
+    """torch's varlen attention's contract on the CPU ([tokens, heads, dim] packed by cu_seqlens)."""
+    out = torch.zeros_like(q)
+    cu = cu_q.tolist()
+    for start, end in zip(cu, cu[1:]):
+        if end > start:
+            sl = slice(start, end)
+            ctx = torch.nn.functional.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1),
+                                                                   v[sl].transpose(0, 1))
+            out[sl] = ctx.transpose(0, 1)
+    return out
+
+
+def test_a_verify_fallback_takes_auto_attention_off_the_few_token_layer(monkeypatch):
+    """Regression: the fused switch moved auto attention to varlen when the few-token ops landed on the reference,
+    but the verifier's fallback bypassed it, so every batch of <= 64 tokens ran attention_partials, ffn_partials
+    and partial_add_layer_norm on their slow torch references. The CPU stands in for a GPU where varlen runs."""
+    import model.encoder as encoder_module
+
+    monkeypatch.setattr(encoder_module, "_varlen_runs", lambda device, dtype: True)
+    monkeypatch.setattr(encoder_module, "_varlen_attention", lambda: _cpu_varlen)
+    service = _serve(Settings(model="tiny", device="cpu", backend="triton", warmup=False, kernel_timing_sample_rate=1,
+                              verify_sample_rate=1, verify_action="fallback", verify_tolerance=1e-4))
+    try:
+        assert service.info()["attention"] == "fused"
+        _embed(service, [[101, 2023, 102]])
+        assert ("attention_partials", "triton") in _kernel_samples(service)
+        _fall_back_by_verifier(service, "partial_add_layer_norm")  # an op of the few-token layer
+        info = service.info()
+        assert info["attention"] == "varlen" and "reference" in info["attention_reason"], info["attention_reason"]
+        before = _kernel_samples(service)
+        _embed(service, [[101, 2023, 2003, 102]])  # a few tokens: the few-token layer's batch size
+        grew = {op for (op, _), count in _kernel_samples(service).items() if count > before.get((op, _), 0)}
+        assert grew and not grew & {"attention_partials", "ffn_partials", "partial_add_layer_norm"}, grew
+    finally:
+        service.shutdown()
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_server_never_imports_the_kernels_package():
+    """The model owns the kernel path; the server reaches it only through model.runner.Embedder."""
+    files = sorted((ROOT / "server").rglob("*.py"))
+    assert len(files) > 5
+    offenders = {str(f.relative_to(ROOT)): sorted(n for n in _imports(f) if n == "kernels" or n.startswith("kernels."))
+                 for f in files}
+    assert {f: names for f, names in offenders.items() if names} == {}
+
+
+def test_no_op_table_is_written_outside_the_registry_and_the_embedder():
+    """No module-level mutable op table: the registry returns immutable selections and the Embedder keeps its own."""
+    import kernels
+    from kernels import registry
+
+    assert not hasattr(registry, "active") and not hasattr(kernels, "reference_path")
+    selection = kernels.select("cpu", (torch.float32,), fused=False)
+    with pytest.raises(TypeError):
+        selection.impls["layer_norm"] = None
+    for path in [*(ROOT / "server").rglob("*.py"), *(ROOT / "model").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]:
+        text = path.read_text()
+        assert ".impls[" not in text.replace(".impls[op]", "").replace('.impls["', ""), path

@@ -1,0 +1,92 @@
+"""`python -m tests.support.server`: the real server with test-only hooks mounted. The product has no fault
+injection; these routes wrap one op of the running model's selection (Embedder.use with Selection.with_impl), on
+the batcher's thread between batches, exactly as the product changes its path.
+
+POST /admin/faults {"op", "mode", "factor"}: make the op raise, scale its output by `factor`, emit NaN, stall
+`factor` seconds per call, or run out of memory on inputs of more than `factor` rows. DELETE /admin/faults: back to
+the selection from before the first fault."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from typing import Literal
+
+import torch
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, Field
+
+from server.__main__ import main
+from server.app import create_app
+from server.deps import ServiceDep
+from server.errors import Unprocessable
+from server.routes.admin import require_admin
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+
+
+class Fault(BaseModel):
+    op: str
+    mode: Literal["scale", "raise", "nan", "delay", "oom"] = "scale"
+    factor: float = Field(1.05, description="scale: output multiplier; delay: seconds per call; oom: max rows")
+
+
+def faulty(op: str, mode: str, factor: float, original):
+    def call(*args, **kwargs):
+        if mode == "raise":
+            raise RuntimeError(f"injected fault in {op}")
+        if mode == "delay":
+            time.sleep(factor)
+            return original(*args, **kwargs)
+        if mode == "oom" and args[0].shape[0] > factor:
+            raise torch.cuda.OutOfMemoryError(f"injected out-of-memory in {op} ({args[0].shape[0]} rows)")
+        out = original(*args, **kwargs)
+        if mode == "oom":
+            return out
+        first = out[0] if isinstance(out, tuple) else out
+        if mode == "nan":
+            first.fill_(float("nan"))
+        else:
+            first.mul_(factor)
+        return out
+
+    return call
+
+
+@router.post("/faults")
+async def add_fault(body: Fault, service: ServiceDep) -> dict:
+    embedder = service.embedder
+    if body.op not in embedder.selection.impls:
+        raise Unprocessable(f"unknown op {body.op!r}")
+    faults = service.test_faults = getattr(service, "test_faults", {"before": None, "ops": {}})
+
+    def apply() -> None:
+        selection = embedder.selection
+        faults["before"] = faults["before"] or selection
+        wrapped = faulty(body.op, body.mode, body.factor, selection.impls[body.op])
+        embedder.use(selection.with_impl(body.op, wrapped, f"test fault: {body.mode} x{body.factor:g}"))
+        faults["ops"][body.op] = {"mode": body.mode, "factor": body.factor}
+
+    await asyncio.to_thread(lambda: service.batcher.call_between_batches(apply).result(timeout=10))
+    return {"faults": faults["ops"]}
+
+
+@router.delete("/faults")
+async def clear_faults(service: ServiceDep) -> dict:
+    faults = getattr(service, "test_faults", None)
+    if faults and faults["before"] is not None:
+        before, embedder = faults["before"], service.embedder
+        await asyncio.to_thread(lambda: service.batcher.call_between_batches(lambda: embedder.use(before)).result(10))
+        faults["before"], faults["ops"] = None, {}
+    return {"faults": {}}
+
+
+def create_test_app(settings):
+    app = create_app(settings)
+    app.include_router(router)
+    return app
+
+
+if __name__ == "__main__":
+    sys.exit(main(app_factory=create_test_app))
