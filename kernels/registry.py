@@ -220,6 +220,7 @@ def _run_self_test(fn: Callable, op: str, device: torch.device, dtypes: tuple, c
                 try:
                     report = check_op(fn, op, rows, n, dtype, device, seed=seed)
                 except Exception as exc:  # a crash in a candidate is a rejection, not a startup failure
+                    log.warning("self-test of %s on %s raised; rejecting it", op, device, exc_info=True)
                     return f"self-test raised {type(exc).__name__}: {exc}"
                 if not report.ok:
                     return f"self-test failed at {rows}x{n} {str(dtype).removeprefix('torch.')}: {report}"
@@ -318,7 +319,8 @@ def select(
                 loaded[b.name] = b.loader(device)
             except BackendUnavailable as exc:
                 loaded[b.name] = f"unavailable: {exc}"
-            except Exception as exc:
+            except Exception as exc:  # a broken backend is skipped (auto) or named (forced), never fatal here
+                log.warning("backend %s failed to load on %s", b.name, device, exc_info=True)
                 loaded[b.name] = f"unavailable: failed to load ({type(exc).__name__}: {exc})"
         return loaded[b.name]
 

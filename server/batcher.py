@@ -294,7 +294,7 @@ class Batcher:
                 pending = self.embedder.launch_ids(ids)
             except Exception as exc:  # OOM or a failing kernel: the synchronous path below retries, falls back
                 log.warning("launching a batch of %d inputs failed (%s: %s); running it on the synchronous path",
-                            len(ids), type(exc).__name__, exc)
+                            len(ids), type(exc).__name__, exc, exc_info=True)
             else:
                 inflight = InFlight(batch, ids, pending, started, self.embedder.path)
                 if not pending.ready():
@@ -316,7 +316,7 @@ class Batcher:
                 raise NonFiniteOutput(f"{inflight.path} forward produced NaN/Inf")
         except Exception as exc:
             log.warning("launched batch failed (%s: %s); running it again on the synchronous path",
-                        type(exc).__name__, exc)
+                        type(exc).__name__, exc, exc_info=not isinstance(exc, NonFiniteOutput))
             return self._forward(inflight.ids)
         self.metrics.forward_duration.labels(inflight.path).observe(time.perf_counter() - inflight.started)
         return pooled
@@ -381,7 +381,7 @@ class Batcher:
                 raise
             reason = "non_finite" if isinstance(exc, NonFiniteOutput) else "exception"
             log.warning("fused forward failed (%s: %s); re-running the batch on the reference path",
-                        type(exc).__name__, exc)
+                        type(exc).__name__, exc, exc_info=not isinstance(exc, NonFiniteOutput))
             self.metrics.fallbacks.labels("all", reason).inc()
             path = "reference"
             started = time.perf_counter()
