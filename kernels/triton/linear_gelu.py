@@ -11,7 +11,8 @@ measures it alone against cuBLAS + bias_gelu, eager torch, torch.compile and cuB
 
 Tiles: the grouped ordering of Triton's matmul tutorial (GROUP_M row tiles share their weight tiles in L2);
 configurations are the tutorial's Hopper/Ampere set, autotuned per (row class, N, K). fp32 inputs use IEEE fp32
-products (no TF32: the fp32 tolerance is 1e-5), fp16/bf16 use tensor cores with fp32 accumulation.
+products (no TF32: the fp32 tolerance is 1e-5), fp16/bf16 use tensor cores with fp32 accumulation. Tiles load
+through pointers: a persistent TMA variant was no faster (docs/decisions/0002-tma-gemm-variant.md).
 """
 
 from __future__ import annotations
@@ -40,33 +41,25 @@ CONFIGS = [_config(*c) for c in (  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
 )]
 
 
-def configs_within(configs, element_size: int, limit: int, output_tile: bool = False) -> list[triton.Config]:
-    """The configurations whose pipelined A and B tiles (num_stages copies of each), plus the output tile when the
-    kernel stores through a tensor descriptor (staged in shared memory), fit `limit` bytes."""
+def configs_within(configs, element_size: int, limit: int) -> list[triton.Config]:
+    """The configurations whose pipelined A and B tiles (num_stages copies of each) fit `limit` bytes."""
     def need(c):
         m, n, k = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-        return ((m * k + k * n) * c.num_stages + (m * n if output_tile else 0)) * element_size
+        return (m * k + k * n) * c.num_stages * element_size
 
     return [c for c in configs if need(c) <= limit]
 
 
-def _shared_memory_prune(output_tile: bool):
-    def prune(configs, named_args, **kwargs):
-        """Drop what does not fit the device's shared memory (fp32 with the largest tiles on any GPU; more of them
-        on GPUs smaller than Hopper). The first survivor is the heuristic default, all that runs with
-        FUSEDSERVE_TRITON_AUTOTUNE=0."""
-        x = named_args["x_ptr"]
-        if INTERPRET or x.device.type != "cuda":
-            return list(configs)
-        props = torch.cuda.get_device_properties(x.device)
-        limit = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
-        # with a staged output tile, keep 8 KB for the epilogue's layout conversion and the pipeline's barriers
-        return configs_within(configs, x.element_size(), limit - (8192 if output_tile else 0), output_tile)
-
-    return prune
-
-
-_fits_shared_memory = _shared_memory_prune(output_tile=False)
+def _fits_shared_memory(configs, named_args, **kwargs):
+    """Drop what does not fit the device's shared memory (fp32 with the largest tiles on any GPU; more of them on
+    GPUs smaller than Hopper). The first survivor is the heuristic default, all that runs with
+    FUSEDSERVE_TRITON_AUTOTUNE=0."""
+    x = named_args["x_ptr"]
+    if INTERPRET or x.device.type != "cuda":
+        return list(configs)
+    props = torch.cuda.get_device_properties(x.device)
+    limit = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    return configs_within(configs, x.element_size(), limit)
 
 
 def row_class(m: int) -> int:
@@ -118,7 +111,7 @@ def _linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_CLASS,
 
 
 def _prepare(x: Tensor, weight: Tensor, bias: Tensor, approximate: str, out: Tensor | None):
-    """Check the arguments (both launchers raise the same errors) and give x as [M, K] rows and the [M, N] output."""
+    """Check the arguments and give x as [M, K] rows and the [M, N] output."""
     check_device("linear_bias_gelu", x, weight, bias)
     if x.dtype not in DTYPES or weight.dtype != x.dtype or bias.dtype != x.dtype:
         raise TypeError(f"linear_bias_gelu: x, weight and bias must share one of {DTYPES}, got "
@@ -170,82 +163,4 @@ def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str =
     x2, y = _prepare(x, weight, bias, approximate, out)
     if y.numel():
         _launch_pointer(x2, weight, bias, y, approximate)
-    return out if out is not None else y.view(*x.shape[:-1], weight.shape[0])
-
-
-# ---- a persistent TMA variant (Hopper) -------------------------------------------------------------------------
-# The kernel above loads its tiles through pointers; on the H200 it reached ~325 TFLOP/s where cuBLAS reaches
-# 360-395, so the registry keeps cuBLAS + bias_gelu. This one loads them with the Tensor Memory Accelerator (tensor
-# descriptors: out-of-bounds rows and columns come back as zeros, stores are clipped) and runs one program per SM
-# that walks the tiles (a persistent grid: no tail wave, the next tile's loads overlap this one's epilogue). It is
-# measured by `python -m bench.linear_gelu` only, next to the kernel above, before it may join the registry.
-
-TMA_CONFIGS = [_config(*c) for c in (
-    (128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 3, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
-    (64, 64, 64, 4, 4),
-)]
-
-_allocator_ready = False
-TMA_AVAILABLE = hasattr(tl, "make_tensor_descriptor")  # device-side tensor descriptors (Triton >= 3.3 or so)
-
-
-def tma_eligible(x2: Tensor, weight: Tensor, out: Tensor) -> bool:
-    """What TMA descriptors need: contiguous rows and 16-byte-aligned bases and row strides."""
-    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0
-               for t in (x2, weight, out))
-
-
-@autotune(TMA_CONFIGS, key=["M_CLASS", "N", "K", "IEEE"], prune=_shared_memory_prune(output_tile=True))
-@triton.jit
-def _linear_gelu_tma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_CLASS, PROGRAMS: tl.constexpr,
-                            MODE: tl.constexpr, IEEE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr):
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
-    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    steps = tl.cdiv(K, BLOCK_K)
-    for tile in range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS):
-        pid_m, pid_n = _tile_position(tile, tiles_m, tiles_n, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in range(steps):
-            a = x_desc.load([pid_m * BLOCK_M, step * BLOCK_K])
-            b = w_desc.load([pid_n * BLOCK_N, step * BLOCK_K])  # a [BLOCK_N, BLOCK_K] tile of W: W^T is b.T
-            if IEEE:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b.T, acc)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        h = gelu(acc + bias[None, :], MODE)
-        y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h.to(y_ptr.dtype.element_ty))
-
-
-def _launch_tma(x2: Tensor, weight: Tensor, bias: Tensor, y: Tensor, approximate: str) -> None:
-    global _allocator_ready
-    if INTERPRET or x2.device.type != "cuda":
-        programs = 4
-    else:
-        if not _allocator_ready:  # device-side descriptors live in a small global scratch buffer per launch
-            triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-            _allocator_ready = True
-        programs = torch.cuda.get_device_properties(x2.device).multi_processor_count
-    (m, k), n = x2.shape, weight.shape[0]
-    tiles = lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])  # noqa: E731
-    _linear_gelu_tma_kernel[lambda meta: (min(programs, tiles(meta)),)](
-        x2, weight, bias, y, m, n, k, row_class(m), PROGRAMS=programs, MODE=GELU_MODES[approximate],
-        IEEE=_ieee(x2.dtype))
-
-
-def linear_bias_gelu_tma(x: Tensor, weight: Tensor, bias: Tensor, approximate: str = "none", *,
-                         out: Tensor | None = None) -> Tensor:
-    """linear_bias_gelu through the persistent TMA kernel: same arguments, same errors. Inputs TMA cannot address
-    (strided rows, rows not a multiple of 16 bytes; or a Triton without tensor descriptors) run the pointer kernel,
-    so any input gets the right answer."""
-    x2, y = _prepare(x, weight, bias, approximate, out)
-    if y.numel():
-        tma = TMA_AVAILABLE and tma_eligible(x2, weight, y)
-        (_launch_tma if tma else _launch_pointer)(x2, weight, bias, y, approximate)
     return out if out is not None else y.view(*x.shape[:-1], weight.shape[0])

@@ -8,7 +8,6 @@ import zlib
 
 import pytest
 import torch
-import triton
 
 from kernels import reference
 from kernels.testing import compare
@@ -108,45 +107,4 @@ def test_configs_that_overflow_shared_memory_are_pruned():
     assert fp16[0] is linear_gelu.CONFIGS[0]  # the 128x256x64 default fits in half precision
     assert linear_gelu.CONFIGS[0] not in fp32 and fp32  # but not in fp32, where a smaller one leads
     assert len(linear_gelu.configs_within(linear_gelu.CONFIGS, 4, 48 * 1024)) < len(fp32)
-    # the TMA kernel also stages its output tile: its 128x256 default still fits in fp16, fp32 keeps small tiles
-    tma16 = linear_gelu.configs_within(linear_gelu.TMA_CONFIGS, 2, h200 - 8192, output_tile=True)
-    tma32 = linear_gelu.configs_within(linear_gelu.TMA_CONFIGS, 4, h200 - 8192, output_tile=True)
-    assert tma16[0] is linear_gelu.TMA_CONFIGS[0] and tma32 and len(tma32) < len(tma16)
-    assert all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 for c in tma32)
 
-
-# the persistent TMA variant (bench-only until it beats cuBLAS on the H200): K and N multiples of 16 bytes
-TMA_SHAPES = ((16, 8), (776, 776))  # (K, N): one step and one tile; ragged last K step and last N tile
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("m,kn,dtype", list(itertools.product(ROWS, TMA_SHAPES, DTYPES)),
-                         ids=lambda v: str(v).removeprefix("torch."))
-def test_tma_variant_matches_float64_reference(device, m, kn, dtype):
-    if not linear_gelu.TMA_AVAILABLE:
-        pytest.skip(f"this Triton ({triton.__version__}) has no tl.make_tensor_descriptor")
-    k, n = kn
-    x, weight, bias = _inputs(m, k, n, dtype, device, zlib.crc32(f"tma-{m}-{k}-{n}-{dtype}".encode()))
-    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-    assert linear_gelu.tma_eligible(x, weight, out)
-    result = linear_gelu.linear_bias_gelu_tma(x, weight, bias, out=out)
-    assert result.data_ptr() == out.data_ptr()
-    report = compare(result, _reference(x, weight, bias), dtype)
-    assert report.ok, report
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_tma_variant_hands_what_tma_cannot_address_to_the_pointer_kernel(device, monkeypatch):
-    dtype = torch.float16
-    x, weight, bias = _inputs(5, 7, 300, dtype, device, seed=21)  # rows of 7 halves: not 16-byte multiples
-    wide = torch.randn(5, 40, generator=torch.Generator().manual_seed(22)).to(device, dtype)
-    calls = []
-    original = linear_gelu._launch_pointer
-    monkeypatch.setattr(linear_gelu, "_launch_pointer", lambda *a, **kw: calls.append(1) or original(*a, **kw))
-    for inputs, w in ((x, weight), (wide[:, 8:24], _inputs(5, 16, 300, dtype, device, seed=23)[1])):
-        assert not linear_gelu.tma_eligible(inputs.reshape(-1, inputs.shape[-1]), w, w)
-        report = compare(linear_gelu.linear_bias_gelu_tma(inputs, w, bias), _reference(inputs, w, bias), dtype)
-        assert report.ok, report
-    assert len(calls) == 2
-    with pytest.raises(ValueError, match="do not fit"):  # bad arguments get the pointer kernel's errors
-        linear_gelu.linear_bias_gelu_tma(x, weight, bias[:7])
