@@ -1,38 +1,57 @@
-"""Encoder benchmark on the GPU: our encoder (each fused backend; padded vs packed; eager vs CUDA graphs) side by
-side with Hugging Face transformers' BertModel (eager attention, SDPA, torch.compile, torch.compile with
-mode="reduce-overhead", i.e. CUDA graphs), same configs, same token ids, same run. Random-init weights, fp16.
+"""Encoder suite: our encoder's forward beside the same model in eager PyTorch (Hugging Face transformers'
+BertModel, SDPA attention), under torch.compile, and under torch.compile + CUDA graphs (mode="reduce-overhead"),
+same config, same token ids, same run. Random-init weights; fp16 on a GPU, fp32 on the CPU.
 
-    python -m bench.encoder --out bench/results/$(date +%F)-h200-encoder.json
+Scenarios (one batch shape each, plus a profile):
+  minilm-b1-s16          all-MiniLM-L6-v2's shape, one 16-token sequence (a lone request)
+  minilm-b32-s128        32 sequences of 128 tokens
+  bert-base-b32-s128     BERT-base, 32 x 128
+  bert-base-b128-varlen  BERT-base, 128 sequences of 8..128 tokens (seeded): what padding costs the others
+  tiny-b3-varlen         the tiny preset, 3 sequences of 4..12 tokens (the CPU test's; not in the default set)
+  profile                where a forward's time goes (torch.profiler: kernel time by category, GPU idle) for
+                         --profile-cases, our default path with CUDA graphs and eager (GPU only)
 
-Time per forward is the median of triton.testing.do_bench (events around each call, so launch overhead and
-host work are included). Ours: "packed-graphs" is the serving path from token-id rows (host packing, one H2D
-copy, one graph replay, mean pooling included); the eager variants start from device tensors, as HF does.
-GEMM floor: the forward's matmul + attention FLOPs on real tokens only, at 716 TFLOP/s dense fp16.
+Ours is model.runner.Embedder from token-id rows, as the server runs it: host packing, the copy to the device, the
+CUDA-graph replay (or the eager forward), mean pooling and the copy of the result back. "ours" takes the
+registry's auto choice per op; "ours triton" / "ours cuda" force one backend. Time: median over rounds of
+back-to-back calls (kernels.timing.eager_us: the host's work for one call overlaps the device's for the previous,
+as in serving). GEMM floor: the forward's matmul + attention FLOPs on the real tokens at the GEMM rate measured in
+the same run (an fp16 8192^3 matmul).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
+import gc
+import re
 import sys
 from collections.abc import Callable
 
 import torch
 
-from bench import command, save
-import kernels
-from model.config import EncoderConfig
-from model.encoder import OFFSET_ATTENTIONS, Encoder, Packed, mean_pool, packed_mean_pool, resolve_attention
-from model.graphs import CudaGraphs
+from bench import results as store
+from kernels import timing
 
-PEAK_FLOPS = 716e12
-CASES = {  # name: (preset, batch, seq, varlen)
-    "bert-base b32 s128 fixed": ("bert-base", 32, 128, False),
-    "bert-base b128 s128 varlen": ("bert-base", 128, 128, True),
-    "minilm-l6 b32 s128 fixed": ("minilm-l6", 32, 128, False),
-    "minilm-l6 b1 s16": ("minilm-l6", 1, 16, False),
-    "bert-base b8 s512 varlen": ("bert-base", 8, 512, True),
+# name: (preset, batch, longest sequence, varlen)
+CASES = {
+    "minilm-b1-s16": ("minilm-l6", 1, 16, False),
+    "minilm-b32-s128": ("minilm-l6", 32, 128, False),
+    "bert-base-b32-s128": ("bert-base", 32, 128, False),
+    "bert-base-b128-varlen": ("bert-base", 128, 128, True),
+    "tiny-b3-varlen": ("tiny", 3, 12, True),
 }
+SCENARIOS = (*CASES, "profile")
+DEFAULT_SCENARIOS = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128", "bert-base-b128-varlen")
+PROVIDERS = ("torch eager", "torch.compile", "torch.compile + CUDA graphs", "ours")
+PROFILE_CASES = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128")
+# first match wins: attention before GEMM (fmha kernels would match both)
+CATEGORIES = (
+    ("attention", r"flash|fmha|attention|efficient_attention|softmax|attn"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|linear_gelu|ffn_partials"),
+    ("norm", r"layer_norm|layernorm|norm_kernel|_norm"),
+    ("activation", r"gelu|erf"),
+    ("elementwise", r"elementwise|vectorized|index|copy|fill|cat|scatter|gather|reduce|arange|compare|segment|mean"),
+)
 
 
 def lengths_for(batch: int, seq: int, varlen: bool, seed: int = 0) -> list[int]:
@@ -42,186 +61,245 @@ def lengths_for(batch: int, seq: int, varlen: bool, seed: int = 0) -> list[int]:
     return torch.randint(max(4, seq // 16), seq + 1, (batch,), generator=gen).tolist()
 
 
-def gemm_floor_ms(cfg: EncoderConfig, lengths: list[int]) -> float:
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    tokens = sum(lengths)
-    linear = 2 * tokens * (4 * h * h + 2 * h * i)
+def token_rows(lengths: list[int], vocab_size: int, seed: int = 1) -> list[list[int]]:
+    """[CLS] random ids [SEP] per length (ids past the tokenizer's special tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    top = min(vocab_size, 30000)
+    return [[101] + torch.randint(1000, top, (n - 2,), generator=gen).tolist() + [102] for n in lengths]
+
+
+def gemm_flops(config, lengths: list[int]) -> float:
+    """Matmul + attention FLOPs of one forward on the real tokens."""
+    h, inner = config.hidden_size, config.intermediate_size
+    linear = 2 * sum(lengths) * (4 * h * h + 2 * h * inner)
     attention = sum(4 * n * n * h for n in lengths)
-    return (linear + attention) * cfg.num_layers / PEAK_FLOPS * 1e3
+    return float((linear + attention) * config.num_layers)
 
 
-def timed(fn: Callable[[], object]) -> float:
-    import triton.testing
+def gemm_tflops(device: str) -> float | None:
+    """The GEMM ceiling: an fp16 8192^3 matmul's TFLOP/s (device time), measured in this run; None on the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.float16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.float16)
+    us = timing.device_us(lambda: a @ b, calls=5, rounds=10)
+    return 2 * 8192**3 / us / 1e6
 
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+def forward_ms(fn: Callable[[], object], device: str) -> float:
+    """Median time per call over rounds of back-to-back calls (about 20 ms of calls a round, at least 3 calls)."""
+    dev = torch.device(device)
+    one_ms = timing.eager_us(fn, dev, calls=1, rounds=3, warmup=3) / 1e3
+    calls = max(3, min(200, int(20 / max(one_ms, 1e-3))))
+    return timing.eager_us(fn, dev, calls=calls, rounds=15 if device.startswith("cuda") else 5, warmup=1) / 1e3
 
 
-def hf_model(cfg: EncoderConfig, attn: str):
+def hf_model(config, device: str, dtype: torch.dtype):
     from transformers import BertConfig, BertModel
 
-    hf_cfg = BertConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-                        num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
-                        max_position_embeddings=cfg.max_position_embeddings, attn_implementation=attn)
-    return BertModel(hf_cfg, add_pooling_layer=False).cuda().half().eval()
+    hf_config = BertConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                           num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+                           intermediate_size=config.intermediate_size,
+                           max_position_embeddings=config.max_position_embeddings, attn_implementation="sdpa")
+    return BertModel(hf_config, add_pooling_layer=False).to(device=device, dtype=dtype).eval()
 
 
-def run_hf(name, cfg, ids, mask, record, args) -> None:
-    try:
-        eager = hf_model(cfg, "eager")
-    except Exception as exc:  # transformers missing or an incompatible version: reported, the rest still runs
-        print(f"  hf: unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
-        return
-    record("hf eager", lambda: eager(input_ids=ids, attention_mask=mask))
-    eager = None
-    sdpa = hf_model(cfg, "sdpa")
-    record("hf sdpa", lambda: sdpa(input_ids=ids, attention_mask=mask))
-    if name in args.compile_cases:
-        torch._dynamo.reset()
-        compiled = torch.compile(sdpa)
-        record("hf torch.compile", lambda: compiled(input_ids=ids, attention_mask=mask))
-        torch._dynamo.reset()
-        graphed = torch.compile(sdpa, mode="reduce-overhead")
-        record("hf compile+cudagraphs", lambda: graphed(input_ids=ids, attention_mask=mask))
-        torch._dynamo.reset()
-        compiled = graphed = None  # noqa: F841
-    sdpa = None  # noqa: F841
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def run_case(name: str, backends: list[str], args) -> list[dict]:
+def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Callable[[list[dict], bool], None]
+             ) -> list[dict]:
+    from model.config import EncoderConfig
+    from model.runner import Embedder
+
     preset, batch, seq, varlen = CASES[name]
-    cfg = EncoderConfig.from_name(preset)
+    config = EncoderConfig.from_name(preset)
+    device, cuda = args.device, args.device.startswith("cuda")
+    dtype = torch.float16 if cuda else torch.float32
     lengths = lengths_for(batch, seq, varlen)
-    gen = torch.Generator().manual_seed(1)
-    rows = [[101] + torch.randint(1000, cfg.vocab_size, (n - 2,), generator=gen).tolist() + [102] for n in lengths]
-    longest = max(lengths)
+    rows = token_rows(lengths, config.vocab_size)
+    longest, tokens = max(lengths), sum(lengths)
     ids = torch.zeros(batch, longest, dtype=torch.long)
     mask = torch.zeros(batch, longest, dtype=torch.long)
     for r, row in enumerate(rows):
         ids[r, : len(row)] = torch.tensor(row)
         mask[r, : len(row)] = 1
-    ids, mask = ids.cuda(), mask.cuda()
-    floor = gemm_floor_ms(cfg, lengths)
+    ids, mask = ids.to(device), mask.to(device)
+    floor_ms = gemm_flops(config, lengths) / tflops / 1e9 if tflops else None
     out: list[dict] = []
+    print(f"{name}: {tokens} real tokens of {batch * longest} padded" +
+          (f"; GEMM floor {floor_ms:.3f} ms" if floor_ms else ""), file=sys.stderr, flush=True)
 
-    def record(provider: str, fn: Callable[[], object]) -> None:
+    def record(provider: str, fn: Callable[[], object], **extra) -> None:
+        label = " ".join([provider, *(f"{k}={v}" for k, v in extra.items() if k in ("backend", "mode"))])
         try:
-            fn()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            ms = timed(fn)
-            peak = torch.cuda.max_memory_allocated()
-        except Exception as exc:  # one provider failing (e.g. an API missing on this torch) is reported, not fatal
-            print(f"  {provider}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
-            out.append({"case": name, "provider": provider, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            with torch.inference_mode():
+                fn()
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                ms = forward_ms(fn, device)
+            peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+        except Exception as exc:  # one provider failing (an API missing on this torch, say) is reported, not fatal
+            print(f"  {label}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr, flush=True)
+            out.append({"provider": provider, **extra, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            save(out, False)
             return
-        tokens = sum(lengths)
-        out.append({"case": name, "provider": provider, "ms": ms, "tokens": tokens, "padded_tokens": batch * longest,
-                    "tokens_per_s": tokens / ms * 1e3, "gemm_floor_ms": floor, "pct_floor": 100 * floor / ms,
-                    "peak_mem_mb": peak / 2**20})
-        print(f"  {provider:28s} {ms:8.3f} ms  {tokens / ms * 1e3 / 1e6:7.2f} M tok/s  {100 * floor / ms:5.1f}% of "
-              f"floor  peak {peak / 2**20:7.0f} MB", file=sys.stderr, flush=True)
+        out.append({"provider": provider, **extra, "ms": ms, "tokens": tokens, "padded_tokens": batch * longest,
+                    "tokens_per_s": tokens / ms * 1e3, "gemm_floor_ms": floor_ms,
+                    "pct_floor": 100 * floor_ms / ms if floor_ms else None, "peak_mem_mib": peak})
+        print(f"  {label:44s} {ms:8.3f} ms  {tokens / ms * 1e3 / 1e6:7.3f} M tokens/s" +
+              (f"  {100 * floor_ms / ms:5.1f}% of the GEMM floor" if floor_ms else ""), file=sys.stderr, flush=True)
+        save(out, False)
 
-    print(f"{name}: {sum(lengths)} real tokens of {batch * longest} padded; GEMM floor {floor:.3f} ms",
-          file=sys.stderr, flush=True)
-    from kernels.triton._common import pdl_enabled, pdl_launches
+    providers = [p for p in args.providers if cuda or p != "torch.compile + CUDA graphs"]
+    if any(p.startswith("torch") for p in providers):
+        try:
+            model = hf_model(config, device, dtype)
+        except Exception as exc:  # transformers missing or an incompatible version: said, the rest still runs
+            print(f"  transformers BertModel unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
+            model = None
+        if model is not None:
+            def call(m):
+                return lambda: m(input_ids=ids, attention_mask=mask)
 
-    with torch.inference_mode():
-        # --- Hugging Face transformers -----------------------------------------------------------
-        if "hf" in args.providers:
-            run_hf(name, cfg, ids, mask, record, args)
+            if "torch eager" in providers:
+                record("torch eager", call(model))
+            for provider, mode in (("torch.compile", None), ("torch.compile + CUDA graphs", "reduce-overhead")):
+                if provider in providers:
+                    torch._dynamo.reset()
+                    record(provider, call(torch.compile(model, mode=mode)))
+            torch._dynamo.reset()
+            model = None
+            _release()
 
-        # --- ours --------------------------------------------------------------------------------
-        encoder = Encoder(cfg).cuda().half().eval()
-        for backend in backends:
-            kernels.configure("cuda", (torch.float16,), backend=backend, hidden_sizes=(cfg.hidden_size,))
-            bmask = mask.bool()
-            record(f"ours {backend} padded eager", lambda: mean_pool(encoder(ids, bmask), bmask, False))
-            packed = Packed.from_rows(rows, "cuda")
-            record(f"ours {backend} packed eager",
-                   lambda: packed_mean_pool(encoder.forward_packed(packed), packed, False))
-            if backend == backends[0]:
-                record(f"ours {backend} packed varlen-attn eager",
-                       lambda: packed_mean_pool(encoder.forward_packed(packed, "varlen"), packed, False))
-            # the serving default (auto: the few-token layer up to 64 tokens + varlen above, where the backend has
-            # the few-token ops, else varlen; model.runner.Embedder.configure_kernels), then the others for comparison
-            default = resolve_attention("auto", torch.device("cuda"), torch.float16)
-            default = "varlen" if default == "fused" and backend != "triton" else default
-            attentions = [default]
-            attentions += ["varlen"] if default == "fused" else []
-            attentions += ["pad"] if backend == backends[0] and default != "pad" else []
-            # the Triton backend's few-token layer / one-kernel QKV projection + attention where auto does not take it
-            if backend == "triton" and args.fused_attention and "fused" not in attentions:
-                attentions.append("fused")
-            pdl_on = pdl_enabled()
-            variants = [(attention, pdl_on) for attention in attentions]
-            if backend == "triton" and args.without_pdl and pdl_on:  # programmatic dependent launch off, to compare
-                variants += [(attention, False) for attention in attentions if attention in OFFSET_ATTENTIONS]
-            for attention, pdl in variants:
-                with pdl_launches(pdl):  # the graphs are captured with it or without; replays keep that
-                    graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256,
-                                        attention=attention)
-                    suffix = ("" if attention == default else f" {attention}-attn") + ("" if pdl == pdl_on else
-                                                                                        " no-pdl")
-                    record(f"ours {backend} packed graphs{suffix}", lambda: graphs.run(rows))
-                stats = graphs.stats()
-                out[-1]["graphs"] = {k: stats[k] for k in ("graphs", "captures", "eager_fallbacks", "pool_bytes",
-                                                           "attention")}
-                graphs = None
-                torch.cuda.empty_cache()
-            if backend == backends[0] and backend != "triton" and args.ffn_epilogue:
-                # what-if: this backend for every op but the FFN-in, which runs the Triton GEMM with the bias +
-                # GELU epilogue (with the CUDA norms: what auto mode runs when that GEMM wins its race)
-                kernels.configure("cuda", (torch.float16,), backend=backend, hidden_sizes=(cfg.hidden_size,),
-                                  overrides={"linear_bias_gelu": "triton"})
-                graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=16384, max_batch=256,
-                                    attention=attentions[0])
-                record(f"ours {backend} packed graphs + triton FFN-in epilogue", lambda: graphs.run(rows))
-                graphs = None
-                torch.cuda.empty_cache()
+    if "ours" in providers:
+        backends = args.backends or (["auto", "triton", "cuda"] if cuda else ["auto"])
+        for i, backend in enumerate(backends):
+            modes = (["graphs"] if cuda else []) + (["eager"] if i == 0 or not cuda else [])
+            for mode in modes:
+                try:
+                    embedder, _ = Embedder.load(preset, device=device, dtype=str(dtype).removeprefix("torch."),
+                                                backend=backend, cuda_graphs=mode == "graphs",
+                                                max_batch_tokens=max(16384, tokens), max_batch=max(256, batch))
+                except Exception as exc:  # a forced backend that cannot run here (no CUDA build, say)
+                    print(f"  ours backend={backend}: unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
+                    out.append({"provider": "ours", "backend": backend, "mode": mode,
+                                "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                    break
+                record("ours", lambda e=embedder: e.launch_ids(rows), backend=backend, mode=mode,
+                       attention=embedder.attention, kernels=dict(embedder.selection.used))
+                embedder = None
+                _release()
+    save(out, True)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.encoder", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
-    parser.add_argument("--backends", nargs="+", default=["cuda", "triton"])
-    parser.add_argument("--providers", nargs="+", default=["hf", "ours"])
-    parser.add_argument("--compile-cases", nargs="*", choices=list(CASES), default=list(CASES),
-                        help="cases that also run torch.compile (compilation takes ~a minute per case)")
-    parser.add_argument("--no-ffn-epilogue", dest="ffn_epilogue", action="store_false",
-                        help="skip the what-if row with the Triton GEMM + bias + GELU epilogue as the FFN-in")
-    parser.add_argument("--no-fused-attention", dest="fused_attention", action="store_false",
-                        help="skip the Triton backend's graphs row with attention=fused (QKV projection + attention as "
-                             "one kernel per sequence x head)")
-    parser.add_argument("--without-pdl", action="store_true",
-                        help="the Triton backend's varlen / fused graphs rows again with programmatic dependent launch "
-                             "off (FUSEDSERVE_TRITON_PDL=0; on by default on Hopper)")
-    parser.add_argument("--out")
-    args = parser.parse_args(argv)
-    results = []
-    for case in args.cases:
-        results += run_case(case, args.backends, args)
-        save({"date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "command": command("encoder", argv),
-              "peak_tflops": PEAK_FLOPS / 1e12, "results": results}, args.out)  # after every case
-    print(markdown(results))
+def category(kernel_name: str) -> str:
+    lowered = kernel_name.lower()
+    return next((c for c, pattern in CATEGORIES if re.search(pattern, lowered)), "other")
+
+
+def breakdown(fn: Callable[[], object], iters: int = 20) -> dict:
+    """Kernel time per forward by category, the GPU's idle time between kernels, the kernel count and the top
+    kernels, from a torch.profiler trace of `iters` forwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+    wall_us = start.elapsed_time(end) * 1e3 / iters
+    totals: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
+    seen = 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            seen += 1
+            totals[category(event.name)] = totals.get(category(event.name), 0.0) + event.device_time / iters
+            by_kernel[event.name] = by_kernel.get(event.name, 0.0) + event.device_time / iters
+    busy = sum(totals.values())
+    return {"wall_us": wall_us, "kernels_per_forward": seen / iters, "gpu_idle_us": max(wall_us - busy, 0.0),
+            "kernel_us": {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+            "top_kernels_us": {k[:120]: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]}}
+
+
+def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], None]) -> None:
+    from model.runner import Embedder
+
+    if not args.device.startswith("cuda"):
+        raise SystemExit("encoder profile: needs a GPU (it reads the kernels' device time from torch.profiler)")
+    out: list[dict] = []
+    for name in args.profile_cases:
+        preset, batch, seq, varlen = CASES[name]
+        rows = None
+        for mode in ("graphs", "eager"):
+            embedder, _ = Embedder.load(preset, device=args.device, dtype="float16", cuda_graphs=mode == "graphs",
+                                        max_batch_tokens=16384, max_batch=256)
+            rows = rows or token_rows(lengths_for(batch, seq, varlen), embedder.config.vocab_size)
+            with torch.inference_mode():
+                result = breakdown(lambda e=embedder: e.launch_ids(rows).wait())
+            out.append({"provider": "ours", "case": name, "mode": mode, "backend": "auto",
+                        "attention": embedder.attention, "kernels": dict(embedder.selection.used),
+                        "ms": result["wall_us"] / 1e3, **result})
+            print(f"{name} {mode}: {result['wall_us']:.0f} us/forward, {result['kernels_per_forward']:.0f} kernels, "
+                  f"GPU idle {result['gpu_idle_us']:.0f} us: {result['kernel_us']}", file=sys.stderr, flush=True)
+            save(out, False)
+            embedder = None
+            _release()
+    save(out, True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenarios", nargs="*", metavar="SCENARIO",
+                        help=f"any of {', '.join(SCENARIOS)} (default: {' '.join(DEFAULT_SCENARIOS)})")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
+                        help="(torch.compile + CUDA graphs runs on a GPU only)")
+    parser.add_argument("--backends", nargs="+", choices=("auto", "triton", "cuda", "torch"),
+                        help="ours: one row per backend, CUDA graphs; the first also eager (default on a GPU: auto "
+                             "triton cuda; on the CPU: auto, eager)")
+    parser.add_argument("--profile-cases", nargs="+", choices=list(CASES), default=list(PROFILE_CASES))
+    parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/encoder.json)")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    out = args.out or store.default_path("encoder", args.device)
+    cuda = args.device.startswith("cuda")
+    gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device)) if cuda else None)
+    tflops = None
+    for scenario in args.scenarios or DEFAULT_SCENARIOS:
+        head = store.header(args.device, argv)
+        if scenario == "profile":
+            settings = {"device": args.device, "dtype": "float16", "cases": args.profile_cases, "iters": 20}
+            summary: dict = {}
+        else:
+            if tflops is None and cuda:
+                tflops = gemm_tflops(args.device)
+                print(f"GEMM ceiling: {tflops:.0f} TFLOP/s (fp16 8192^3)", file=sys.stderr, flush=True)
+            preset, batch, seq, varlen = CASES[scenario]
+            settings = {"device": args.device, "dtype": "float16" if cuda else "float32", "preset": preset,
+                        "batch": batch, "seq": seq, "varlen": varlen,
+                        "lengths": lengths_for(batch, seq, varlen), "providers": args.providers,
+                        "backends": args.backends}
+            summary = {"gemm_tflops": tflops}
+
+        def save(rows: list[dict], complete: bool, scenario: str = scenario, head: dict = head,
+                 settings: dict = settings, summary: dict = summary) -> None:
+            store.write(out, "encoder", gpu, scenario, store.block(head, settings, rows, summary, complete=complete))
+
+        if scenario == "profile":
+            profile_cases(args, save)
+        else:
+            run_case(scenario, args, tflops, save)
+        print(f"{scenario}: {out}", file=sys.stderr)
     return 0
-
-
-def markdown(results: list[dict]) -> str:
-    cases = list(dict.fromkeys(r["case"] for r in results))
-    providers = list(dict.fromkeys(r["provider"] for r in results))
-    lines = ["| provider | " + " | ".join(cases) + " |", "|---|" + "---|" * len(cases)]
-    by = {(r["case"], r["provider"]): r for r in results}
-    for p in providers:
-        cells = []
-        for c in cases:
-            r = by.get((c, p))
-            cells.append("-" if r is None else ("failed" if "error" in r else f"{r['ms']:.3f} ms ({r['pct_floor']:.0f}%)"))
-        lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

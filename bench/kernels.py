@@ -1,293 +1,286 @@
-"""Kernel benchmark: every fused op x dtype x shape, our backends side by side with the same unfused
-computation in eager PyTorch and under torch.compile, in one run, against the device's measured copy
-bandwidth. Median of many timed runs after warm-up (triton.testing.do_bench, L2 flushed between runs).
+"""Kernel suite: each fused op beside the same computation written as plain PyTorch, eager and under torch.compile,
+and per fused backend (triton, cuda), in one run, against the device's measured copy bandwidth.
 
-    python -m bench.kernels --out bench/results/$(date +%F)-h200-kernels.json --markdown docs/kernels-table.md
+Scenarios:
+  fused-ops       the row-wise memory-bound ops (LayerNorm, GELU, their fusions, embedding + LayerNorm) x dtype x
+                  shape: device time, GB/s of the fewest bytes the op must move, % of the copy ceiling, the error
+                  against a float64 reference; on a GPU with both backends also what the registry's auto mode picks
+  gemm-epilogues  the encoder's GEMM blocks (FFN-in GEMM + bias + GELU, FFN-out GEMM + bias + residual + LayerNorm)
+                  at few and many tokens: device time and TFLOP/s per backend against eager and torch.compile
 
-GB/s counts the fewest bytes the op must move: every input element read once, every output written once
-(embedding_layer_norm: the gathered word rows, the id vectors and the output; the small position and
-token-type tables are treated as cache-resident).
+Time ("us"): on a GPU the device time of one call captured in a CUDA graph and replayed with the L2 flushed before
+each replay (kernels.timing.device_us, median); "launch_us" is the same call launched from Python back to back
+(kernels.timing.eager_us), host overhead included. On the CPU (Triton interpreter) both are host time.
+GB/s counts every input element read once and every output element written once (embedding_layer_norm: the
+gathered word rows, the id vectors and the output; its small position and token-type tables stay in cache).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench import command, save
-from kernels.testing import OP_SPECS, ROWWISE_OPS, compare, float64_reference
-from model.runner import DTYPES
+from bench import results as store
+from kernels import timing
+from kernels.spec import OP_SPECS, ROWWISE_OPS
+from kernels.testing import compare, float64_reference
 
-SHAPES = [(4096, 768), (32768, 384), (32768, 768), (16384, 1024), (8192, 4096)]
+SCENARIOS = ("fused-ops", "gemm-epilogues")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SHAPES = ("4096x768", "32768x384", "32768x768", "16384x1024", "8192x4096")
+# name: (op, tokens M, in features K, out features N) at MiniLM-L6 (hidden 384) and BERT-base (768) widths
+GEMM_SHAPES = {
+    "minilm ffn-in 16 tokens": ("linear_bias_gelu", 16, 384, 1536),
+    "minilm ffn-in 4096 tokens": ("linear_bias_gelu", 4096, 384, 1536),
+    "bert-base ffn-in 4096 tokens": ("linear_bias_gelu", 4096, 768, 3072),
+    "minilm ffn-out 16 tokens": ("linear_add_layer_norm", 16, 1536, 384),
+    "minilm ffn-out 4096 tokens": ("linear_add_layer_norm", 4096, 1536, 384),
+    "bert-base ffn-out 4096 tokens": ("linear_add_layer_norm", 4096, 3072, 768),
+    # the CPU test's (the interpreter runs every program of a grid one after another): not in the default set
+    "tiny ffn-in 8 tokens": ("linear_bias_gelu", 8, 16, 64),
+    "tiny ffn-out 8 tokens": ("linear_add_layer_norm", 8, 64, 16),
+}
+DEFAULT_GEMM_SHAPES = tuple(name for name in GEMM_SHAPES if not name.startswith("tiny"))
+PROVIDERS = ("triton", "cuda", "eager", "compile")
 EPS = 1e-5
+DEVICE_ROUNDS = 100  # graph replays per cell (each with the L2 flushed): the median of these is the cell's time
 
 
 # The unfused PyTorch a user would write, in the input dtype: the eager and torch.compile providers.
-def _unfused(op: str) -> Callable:
-    return {
-        "layer_norm": lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
-        "layer_norm_gelu": lambda x, w, b, eps: F.gelu(F.layer_norm(x, x.shape[-1:], w, b, eps)),
-        "bias_gelu": lambda x, bias: F.gelu(x + bias),
-        "bias_residual_gelu": lambda x, bias, r: F.gelu(x + bias + r),
-        "add_layer_norm": lambda x, r, bias, w, b, eps: F.layer_norm(x + bias + r, x.shape[-1:], w, b, eps),
-        "embedding_layer_norm": lambda ids, pos, tt, word, position, ttype, w, b, eps: F.layer_norm(
-            word[ids] + position[pos] + ttype[tt], word.shape[-1:], w, b, eps),
-    }[op]
+UNFUSED: dict[str, Callable] = {
+    "layer_norm": lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
+    "layer_norm_gelu": lambda x, w, b, eps: F.gelu(F.layer_norm(x, x.shape[-1:], w, b, eps)),
+    "bias_gelu": lambda x, bias: F.gelu(x + bias),
+    "bias_residual_gelu": lambda x, bias, r: F.gelu(x + bias + r),
+    "add_layer_norm": lambda x, r, bias, w, b, eps: F.layer_norm(x + bias + r, x.shape[-1:], w, b, eps),
+    "embedding_layer_norm": lambda ids, pos, tt, word, position, ttype, w, b, eps: F.layer_norm(
+        word[ids] + position[pos] + ttype[tt], word.shape[-1:], w, b, eps),
+    "linear_bias_gelu": lambda x, w, b: F.gelu(F.linear(x, w, b)),
+    "linear_add_layer_norm": lambda x, w, bias, r, g, b, eps: F.layer_norm(F.linear(x, w, bias) + r, r.shape[-1:],
+                                                                           g, b, eps),
+}
 
 
-def _inputs(op: str, rows: int, cols: int, dtype: torch.dtype, device: str, seed: int):
+def rowwise_inputs(op: str, rows: int, cols: int, dtype: torch.dtype, device: str, seed: int) -> tuple:
     gen = torch.Generator().manual_seed(seed)
-    if op == "embedding_layer_norm":  # real-sized tables: BERT vocabulary, 512 positions, 2 types
+    if op == "embedding_layer_norm":  # real-sized tables: BERT's vocabulary, 512 positions, 2 token types
         ids = torch.randint(0, 30522, (rows,), generator=gen).to(device)
         pos = torch.randint(0, 512, (rows,), generator=gen).to(device)
-        tt = torch.randint(0, 2, (rows,), generator=gen).to(device)
+        types = torch.randint(0, 2, (rows,), generator=gen).to(device)
         tables = [torch.randn(n, cols, generator=gen).to(device, dtype) for n in (30522, 512, 2)]
         w, b = (torch.randn(cols, generator=gen).to(device, dtype) for _ in range(2))
-        return (ids, pos, tt, *tables, w, b, EPS)
+        return (ids, pos, types, *tables, w, b, EPS)
     args, _ = OP_SPECS[op].make_inputs(rows, cols, dtype, device, gen)
     return args
 
 
+def gemm_inputs(op: str, m: int, k: int, n: int, dtype: torch.dtype, device: str, seed: int) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(device, dtype)
+
+    x, w, bias = randn(m, k), randn(n, k, scale=k**-0.5), randn(n, scale=0.5)
+    if op == "linear_bias_gelu":
+        return (x, w, bias)
+    return (x, w, bias, randn(m, n, scale=2.0), randn(n, scale=0.5, shift=1.0), randn(n, scale=0.5), EPS)
+
+
 def min_bytes(op: str, rows: int, cols: int, dtype: torch.dtype) -> int:
-    e = torch.finfo(dtype).bits // 8
+    """Bytes a row-wise op must move at least: each input matrix read once, the output written once."""
+    size = torch.finfo(dtype).bits // 8
     matrices = {"layer_norm": 2, "layer_norm_gelu": 2, "bias_gelu": 2, "bias_residual_gelu": 3,
                 "add_layer_norm": 3, "embedding_layer_norm": 2}[op]
-    extra = 3 * 8 * rows if op == "embedding_layer_norm" else 0
-    return matrices * rows * cols * e + extra
+    ids = 3 * 8 * rows if op == "embedding_layer_norm" else 0
+    return matrices * rows * cols * size + ids
 
 
-def graph_ms(fn: Callable[[], object], reps: int = 100) -> float:
-    """Device time of one call: `fn` captured in a CUDA graph (no Python or launch overhead), replayed
-    `reps` times with the L2 flushed before each replay; median of event timings."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flush.zero_()
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+def gemm_flops(m: int, k: int, n: int) -> int:
+    return 2 * m * k * n
 
 
-def bench_ms(fn: Callable[[], object], device: str) -> float:
-    """Time of one call as a caller sees it: launched from Python, back to back (do_bench, L2 flushed)."""
-    if device == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+def time_us(fn: Callable[[], object], device: str) -> tuple[float, float]:
+    """(time, launch time) of one call in microseconds (see the module's docstring)."""
+    if device.startswith("cuda"):
+        return (timing.device_us(fn, calls=1, rounds=DEVICE_ROUNDS, flush_l2=True),
+                timing.eager_us(fn, torch.device(device), calls=10, rounds=5))
+    host = timing.eager_us(fn, torch.device(device), calls=1, rounds=3, warmup=1)
+    return host, host
 
 
-def copy_bandwidth(device: str) -> float:
-    """Device-to-device copy, bytes read + written per second (GB/s)."""
-    n = (1 << 30) if device == "cuda" else (1 << 24)
+def copy_gbps(device: str) -> float:
+    """The ceiling: a device-to-device copy's bytes read + written per second (1 GiB on a GPU)."""
+    n = (1 << 30) if device.startswith("cuda") else (1 << 22)
     src = torch.randn(n // 4, device=device)
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), device)
-    return 2 * src.numel() * 4 / ms / 1e6
+    us, _ = time_us(lambda: dst.copy_(src), device)
+    return 2 * src.numel() * 4 / us / 1e3
 
 
-def providers(names: list[str], device: str) -> dict[str, Callable[[str], Callable]]:
+def providers(names: list[str]) -> tuple[dict[str, Callable[[str], Callable]], dict[str, str]]:
+    """({provider: op -> callable}, {provider: why it is unavailable})."""
     available: dict[str, Callable[[str], Callable]] = {}
+    missing: dict[str, str] = {}
     if "eager" in names:
-        available["eager"] = _unfused
+        available["eager"] = UNFUSED.__getitem__
     if "compile" in names:
         import torch._dynamo
 
-        torch._dynamo.config.cache_size_limit = 1024  # one compile per op x dtype x shape, no fallback
+        torch._dynamo.config.cache_size_limit = 1024  # one compile per op x dtype x shape, never a fallback
         compiled: dict[str, Callable] = {}
 
         def get_compiled(op: str) -> Callable:
             if op not in compiled:
-                compiled[op] = torch.compile(_unfused(op), dynamic=False)
+                compiled[op] = torch.compile(UNFUSED[op], dynamic=False)
             return compiled[op]
 
         available["compile"] = get_compiled
     if "triton" in names:
         try:
-            from kernels.triton import LAUNCHERS
+            from kernels.triton import LAUNCHERS as TRITON
         except ImportError as exc:
-            print(f"provider triton: unavailable ({exc})", file=sys.stderr)
+            missing["triton"] = f"{type(exc).__name__}: {exc}"
         else:
-            available["triton"] = LAUNCHERS.__getitem__
+            available["triton"] = TRITON.__getitem__
     if "cuda" in names:
         from kernels import cuda
 
         try:
             available["cuda"] = cuda.load().__getitem__
-        except cuda.BuildUnavailable as exc:
-            print(f"provider cuda: unavailable ({exc})", file=sys.stderr)
-    return available
+        except (cuda.BuildUnavailable, OSError, RuntimeError) as exc:
+            missing["cuda"] = f"{type(exc).__name__}: {exc}"
+    for name, why in missing.items():
+        print(f"provider {name}: unavailable ({why})", file=sys.stderr)
+    return available, missing
 
 
-def run(args: argparse.Namespace) -> dict:
+def _measure(fn: Callable, inputs: tuple, ref, dtype: torch.dtype, device: str) -> dict:
+    out = fn(*inputs)  # warm-up: compilation, autotuning and launch-configuration sweeps happen here
+    out = out[0] if isinstance(out, tuple) else out
+    err = compare(out, ref, dtype) if ref is not None else None
+    us, launch_us = time_us(lambda: fn(*inputs), device)
+    return {"us": us, "launch_us": launch_us, "rel_l2": err.rel_l2 if err else None,
+            "max_abs": err.max_abs if err else None, "accurate": err.ok if err else None}
+
+
+def fused_ops(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], None]) -> None:
     device = args.device
-    ops = args.ops or list(ROWWISE_OPS)  # the memory-bound ops; the FFN-in GEMM has bench/linear_gelu.py
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
-    dtypes = [DTYPES[d] for d in (args.dtypes or DTYPES)]
-    copy_gbps = copy_bandwidth(device)
-    print(f"device copy bandwidth: {copy_gbps:.0f} GB/s", file=sys.stderr)
-    provs = providers(args.providers, device)
-    results = []
-    total = len(ops) * len(shapes) * len(dtypes)
-    done = 0
-    for op in ops:
-        for dtype in dtypes:
-            for rows, cols in shapes:
-                done += 1
-                inputs = _inputs(op, rows, cols, dtype, device, seed=done)
-                nbytes = min_bytes(op, rows, cols, dtype)
-                ref = float64_reference(op, inputs, {}) if args.check else None
-                line = []
-                for name, get in provs.items():
-                    fn = get(op)
-                    out = fn(*inputs)  # warm-up: compile / autotune outside the timing
-                    if isinstance(out, tuple):
-                        out = out[0]
-                    err = compare(out, ref, dtype) if ref is not None else None
-                    launch = bench_ms(lambda: fn(*inputs), device)
-                    ms = graph_ms(lambda: fn(*inputs)) if device == "cuda" else launch
-                    gbps = nbytes / ms / 1e6
-                    results.append({
-                        "op": op, "dtype": str(dtype).removeprefix("torch."), "rows": rows, "cols": cols,
-                        "provider": name, "ms": ms, "launch_ms": launch, "gbps": gbps,
-                        "pct_copy": 100 * gbps / copy_gbps,
-                        "bytes": nbytes, "rel_l2": err.rel_l2 if err else None, "max_abs": err.max_abs if err else None,
-                        "accurate": err.ok if err else None,
-                    })
-                    line.append(f"{name} {ms * 1e3:7.1f}us ({launch * 1e3:6.1f} launched) {gbps:5.0f}GB/s")
-                print(f"[{done}/{total}] {op} {str(dtype).removeprefix('torch.')} {rows}x{cols}: " + " | ".join(line),
-                      file=sys.stderr, flush=True)
-                save(_report(copy_gbps, results), args.out)  # incremental: a run cut short keeps its numbers
-    report = _report(copy_gbps, results)
-    if device == "cuda" and {"triton", "cuda"} <= set(provs):
-        report["auto_mode"] = auto_mode_choices(dtypes, sorted({c for _, c in shapes}))
-    if "cuda" in provs:
-        from kernels.cuda.tuning import TUNER
-
-        report["cuda_tuning"] = TUNER.table()
-    return report
+    ops = args.ops or list(ROWWISE_OPS)
+    shapes = args.shapes or list(SHAPES)
+    dtypes = args.dtypes or list(DTYPES)
+    ceiling = copy_gbps(device)
+    print(f"copy ceiling: {ceiling:.0f} GB/s", file=sys.stderr, flush=True)
+    provs, missing = providers(args.providers)
+    summary = {"copy_gbps": ceiling, "unavailable": missing}
+    rows: list[dict] = []
+    cells = [(op, d, s) for op in ops for d in dtypes for s in shapes]
+    for i, (op, dtype_name, shape) in enumerate(cells, 1):
+        dtype = DTYPES[dtype_name]
+        n_rows, cols = map(int, shape.split("x"))
+        inputs = rowwise_inputs(op, n_rows, cols, dtype, device, seed=i)
+        ref = float64_reference(op, inputs, {}) if args.check else None
+        nbytes = min_bytes(op, n_rows, cols, dtype)
+        line = []
+        for name, get in provs.items():
+            try:
+                cell = _measure(get(op), inputs, ref, dtype, device)
+            except Exception as exc:  # one provider failing a cell is reported in the row, the run goes on
+                rows.append({"op": op, "dtype": dtype_name, "shape": shape, "provider": name,
+                             "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                line.append(f"{name} FAILED")
+                continue
+            gbps = nbytes / cell["us"] / 1e3
+            rows.append({"op": op, "dtype": dtype_name, "shape": shape, "provider": name, **cell, "bytes": nbytes,
+                         "gbps": gbps, "pct_copy": 100 * gbps / ceiling})
+            line.append(f"{name} {cell['us']:7.1f} us {gbps:5.0f} GB/s")
+        print(f"[{i}/{len(cells)}] {op} {dtype_name} {shape}: " + " | ".join(line), file=sys.stderr, flush=True)
+        save(rows, summary, False)
+    if device.startswith("cuda") and {"triton", "cuda"} <= set(provs):
+        summary["auto_choices"] = auto_choices(device, [DTYPES[d] for d in dtypes if d != "float32"] or
+                                               [torch.float16], sorted({int(s.split("x")[1]) for s in shapes}))
+    save(rows, summary, True)
 
 
-def auto_mode_choices(dtypes: list[torch.dtype], widths: list[int]) -> dict:
-    """What the registry's auto mode picks per op (its startup race) for each dtype and hidden width."""
+def auto_choices(device: str, dtypes: list[torch.dtype], widths: list[int]) -> dict:
+    """What the registry's auto mode picks for each row-wise op (its start-up race, device-timed as under CUDA
+    graphs) per dtype and hidden width."""
     import kernels
 
-    choices = {}
+    out = {}
     for dtype in dtypes:
         for cols in widths:
-            selection = kernels.configure("cuda", (dtype,), hidden_sizes=(cols,))
+            selection = kernels.select(device, (dtype,), hidden_sizes=(cols,), race_timing="device",
+                                       ops=ROWWISE_OPS)
             key = f"{str(dtype).removeprefix('torch.')} {cols}"
-            choices[key] = {op: {"backend": c["backend"], "timings_us": c.get("timings_us")}
-                            for op, c in selection.as_dict()["ops"].items()}
-            print(f"auto mode {key}: " + ", ".join(f"{op}={c['backend']}" for op, c in choices[key].items()),
-                  file=sys.stderr)
-    return choices
+            out[key] = {op: {"backend": selection.backend_of(op),
+                             "timings_us": dict(selection.choices[op].timings_us) or None} for op in ROWWISE_OPS}
+            print(f"auto mode {key}: " + ", ".join(f"{op}={c['backend']}" for op, c in out[key].items()),
+                  file=sys.stderr, flush=True)
+    return out
 
 
-def _report(copy_gbps: float, results: list[dict]) -> dict:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return {
-        "date": dt.date.today().isoformat(),
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "copy_gbps": copy_gbps,
-        "command": command("kernels"),
-        "results": results,
-    }
+def gemm_epilogues(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], None]) -> None:
+    device = args.device
+    names = args.gemm_shapes or list(DEFAULT_GEMM_SHAPES)
+    dtypes = args.dtypes or (["float16"] if device.startswith("cuda") else ["float32"])
+    provs, missing = providers(args.providers)
+    rows: list[dict] = []
+    summary = {"unavailable": missing}
+    for i, (name, dtype_name) in enumerate([(n, d) for n in names for d in dtypes], 1):
+        op, m, k, n = GEMM_SHAPES[name]
+        dtype = DTYPES[dtype_name]
+        inputs = gemm_inputs(op, m, k, n, dtype, device, seed=i)
+        ref = float64_reference(op, inputs, {}) if args.check else None
+        line = []
+        for provider, get in provs.items():
+            try:
+                cell = _measure(get(op), inputs, ref, dtype, device)
+            except Exception as exc:
+                rows.append({"op": op, "case": name, "dtype": dtype_name, "shape": f"{m}x{k}x{n}",
+                             "provider": provider, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                line.append(f"{provider} FAILED")
+                continue
+            tflops = gemm_flops(m, k, n) / cell["us"] / 1e6
+            rows.append({"op": op, "case": name, "dtype": dtype_name, "shape": f"{m}x{k}x{n}", "provider": provider,
+                         **cell, "tflops": tflops})
+            line.append(f"{provider} {cell['us']:7.1f} us {tflops:6.1f} TFLOP/s")
+        print(f"{name} {dtype_name}: " + " | ".join(line), file=sys.stderr, flush=True)
+        save(rows, summary, False)
+    save(rows, summary, True)
 
 
-def _version(pkg: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(pkg)
-    except Exception:
-        return None
-
-
-def markdown(report: dict, fused: str = "triton") -> str:
-    """One row per op x dtype x shape: the fused provider's time, GB/s and % of copy, eager and compile
-    side by side, and the speed-up over torch.compile."""
-    by_cell: dict[tuple, dict[str, dict]] = {}
-    for r in report["results"]:
-        by_cell.setdefault((r["op"], r["dtype"], r["rows"], r["cols"]), {})[r["provider"]] = r
-    fused_providers = [p for p in ("triton", "cuda") if any(p in c for c in by_cell.values())]
-    head = ["op", "dtype", "shape", "MB"]
-    for p in fused_providers:
-        head += [f"{p} us", f"{p} GB/s", f"{p} % copy"]
-    head += ["eager us", "eager GB/s", "compile us", "compile GB/s"] + [f"{p} vs compile" for p in fused_providers]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (op, dtype, rows, cols), cell in by_cell.items():
-        any_row = next(iter(cell.values()))
-        row = [op, dtype, f"{rows}x{cols}", f"{any_row['bytes'] / 1e6:.0f}"]
-        for p in fused_providers:
-            r = cell.get(p)
-            row += [f"{r['ms'] * 1e3:.1f}", f"{r['gbps']:.0f}", f"{r['pct_copy']:.0f}%"] if r else ["-"] * 3
-        for p in ("eager", "compile"):
-            r = cell.get(p)
-            row += [f"{r['ms'] * 1e3:.1f}", f"{r['gbps']:.0f}"] if r else ["-", "-"]
-        for p in fused_providers:
-            r, c = cell.get(p), cell.get("compile")
-            row.append(f"{c['ms'] / r['ms']:.2f}x" if r and c else "-")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"any of {', '.join(SCENARIOS)} (default: all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--providers", nargs="+", default=["triton", "cuda", "eager", "compile"])
-    parser.add_argument("--ops", nargs="+", choices=list(ROWWISE_OPS))
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
-    parser.add_argument("--shapes", nargs="+", help="ROWSxCOLS, e.g. 4096x768")
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    parser.add_argument("--ops", nargs="+", choices=list(ROWWISE_OPS), help="fused-ops: the ops (default: all)")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
+                        help="default: all three for fused-ops; float16 (cpu: float32) for gemm-epilogues")
+    parser.add_argument("--shapes", nargs="+", help=f"fused-ops: ROWSxCOLS (default: {' '.join(SHAPES)})")
+    parser.add_argument("--gemm-shapes", nargs="+", choices=list(GEMM_SHAPES),
+                        help=f"gemm-epilogues: the cases (default: {', '.join(DEFAULT_GEMM_SHAPES)})")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 accuracy check")
-    parser.add_argument("--out", help="write the JSON report here")
-    parser.add_argument("--markdown", help="write the markdown table here")
-    parser.add_argument("--render", metavar="JSON", help="only re-render the table of an earlier run's JSON")
-    args = parser.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            report = json.load(f)
-    else:
-        report = run(args)
-    if not args.render:
-        save(report, args.out)
-    table = markdown(report)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table)
-    print(table)
+    parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/kernels.json)")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    out = args.out or store.default_path("kernels", args.device)
+    gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device))
+                         if args.device.startswith("cuda") else None)
+    for scenario in args.scenarios or SCENARIOS:
+        head = store.header(args.device, argv)
+        settings = {"device": args.device, "providers": args.providers, "ops": args.ops, "dtypes": args.dtypes,
+                    "shapes": args.shapes if scenario == "fused-ops" else args.gemm_shapes,
+                    "device_rounds": DEVICE_ROUNDS, "check": args.check}
+
+        def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,
+                 settings: dict = settings) -> None:
+            store.write(out, "kernels", gpu, scenario, store.block(head, settings, rows, summary, complete=complete))
+
+        {"fused-ops": fused_ops, "gemm-epilogues": gemm_epilogues}[scenario](args, save)
+        print(f"{scenario}: {out}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,17 @@
-"""Serving benchmark: the real server under closed-loop load (N concurrent clients, each sending its next
-request when the last one is answered) against sentence-transformers' own batched encode on the same
-sentences, in the same run.
+"""Serving suite: the real server (`python -m server` on 127.0.0.1) under load from HTTP clients on the same host.
 
-    python -m bench.serve --clients 32 --seconds 20 --out bench/results/$(date +%F)-cpu-serve.json
-
-Reports requests/s, sentences/s, tokens/s, p50/p99 latency, and ST's sentences/s at batch_size 64.
+Scenarios:
+  closed-loop  N concurrent clients, each sending its next request when the last is answered, at each client count
+               and payload ("text": texts to POST /infer, tokenized by the server; "ids": token ids to
+               POST /v1/embeddings with base64 vectors, as a client that tokenizes itself sends them), against the
+               runner alone on the same traffic (raw tokens/s, the ceiling) and sentence-transformers' own batched
+               encode on the same texts, same run; with the server's own account of where a request's time went
+  single       one client, one request at a time: latency from httpx and from http.client, the server's share of
+               it and a GET /healthz round trip as the HTTP floor
+  replicas     several servers sharing the device (as pods share a GPU; under CUDA MPS when its daemon runs),
+               token ids at a fixed client count: served tokens/s against the runner's raw rate
+  soak         many clients of mixed-length requests, some giving up early, for a long run: every answer checked
+               against its input's single-request embedding, status counts, the server's memory growth
 """
 
 from __future__ import annotations
@@ -16,7 +23,6 @@ import contextlib
 import http.client
 import json
 import os
-import platform
 import random
 import signal
 import socket
@@ -24,10 +30,14 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
-from bench import command, save
+from bench import results as store
+
+SCENARIOS = ("closed-loop", "single", "replicas", "soak")
+DEFAULT_SCENARIOS = ("closed-loop", "single", "replicas")
 
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or had not but "
          "one all their there been has more when who will would into them its some could time these two may "
@@ -50,10 +60,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_servers(count: int, log_path: str = os.devnull, *, command: list[str] | None = None, **settings: str):
+def running_servers(count: int, log_path: str = os.devnull, *, command: list[str] | None = None,
+                    ready_timeout_s: float = 480, **settings: str):
     """`count` x `python -m server` (or `command`, which takes the same --port/--log-level arguments) on free loopback
     ports with FUSEDSERVE_* settings, started together (replicas on one machine, as a Kubernetes node runs several
-    pods), all writing to `log_path`. Yields [(process, url)] once every one is ready."""
+    pods), all writing to `log_path`. Yields [(process, url)] once every one is ready (a first start on a fresh GPU
+    machine compiles, self-tests and races the kernels before it is)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
     command = command or [sys.executable, "-m", "server"]
     servers, log = [], open(log_path, "a")
@@ -63,7 +75,7 @@ def running_servers(count: int, log_path: str = os.devnull, *, command: list[str
             process = subprocess.Popen([*command, "--port", str(port), "--log-level", "warning"], env=env, stdout=log,
                                        stderr=subprocess.STDOUT)
             servers.append((process, f"http://127.0.0.1:{port}"))
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + ready_timeout_s
         for process, url in servers:
             while True:
                 try:
@@ -98,18 +110,6 @@ def kernel_choices(urls: list[str]) -> dict[str, dict[str, int]]:
         for op, choice in httpx.get(url + "/info").json()["kernels"].items():
             counts.setdefault(op, collections.Counter())[choice["backend"]] += 1
     return {op: dict(c) for op, c in counts.items()}
-
-
-def sentence_transformers_rate(texts: list[str], batch_size: int, device: str) -> float:
-    from sentence_transformers import SentenceTransformer
-
-    from model.weights import default_model_dir
-
-    st = SentenceTransformer(str(default_model_dir()), device=device)
-    st.encode(texts[:batch_size], batch_size=batch_size)  # warm-up
-    started = time.perf_counter()
-    st.encode(texts, batch_size=batch_size)
-    return len(texts) / (time.perf_counter() - started)
 
 
 def request_body(payload: str, rows: list) -> tuple[str, dict]:
@@ -279,10 +279,8 @@ def single_requests(url: str, texts: list[str], count: int = 200, warm: int = 20
 
 
 def raw_client_latency(url: str, texts: list[str], count: int = 200, warm: int = 20) -> dict:
-    """The same requests from the standard library's http.client on one keep-alive connection: a client whose own
-    cost per request is ~0.1 ms where httpx's is ~0.5 ms (development CPU), so the server's latency shows through.
-    The server's mean (server_*) above is over the httpx requests and includes the 1% of requests that take the
-    kernel-timed eager path."""
+    """The same requests from the standard library's http.client on one keep-alive connection: a client that costs
+    far less per request than httpx, so the server's own latency shows through."""
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"inputs": texts}).encode()
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -309,252 +307,311 @@ def mixed_texts(n: int, seed: int = 0, low: int = 1, high: int = 200) -> list[st
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))) + "." for _ in range(n)]
 
 
-def gpu_sweep(args, argv: list[str] | None = None) -> dict:
-    """The H200 serving run: raw runner tokens/s on the traffic mix, sentence-transformers fp16 encode on the same
-    texts, then the real server under closed-loop load at each client count, and single-request latency."""
-    from model.runner import Embedder
 
-    if args.single_only:
-        return single_only(args, argv)
-    texts = mixed_texts(4096)
-    settings = gpu_server_settings(args)
-    embedder, _ = Embedder.load(args.model, device="cuda", dtype="float16", max_batch_tokens=16384,
-                                   max_batch=args.max_batch)
-    ids = embedder.tokenizer.encode(texts)
-    tokens_total = sum(map(len, ids))
-    # raw runner: the same texts in length-sorted batches under the server's limits (what its batcher forms:
-    # packed batches are budgeted by their real tokens)
+
+# ---- the scenarios ----------------------------------------------------------------------------------------------
+def _cuda(args: argparse.Namespace) -> bool:
+    return args.device.startswith("cuda")
+
+
+def server_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The servers' FUSEDSERVE_* settings (without the prefix): the suite's batch limits, then --setting extras."""
+    settings = {"model": args.model, "device": args.device, "dtype": args.dtype,
+                "max_batch_requests": str(args.max_batch), "max_batch_tokens": str(args.max_batch_tokens),
+                "max_wait_ms": str(args.max_wait_ms), "max_queue": "65536", "max_client_batch": "256"}
+    for key, value in (("kernel_timing_sample_rate", args.timing_rate), ("verify_sample_rate", args.verify_rate)):
+        if value is not None:
+            settings[key] = str(value)
+    settings.update(dict(kv.split("=", 1) for kv in args.setting))
+    return settings
+
+
+def _log(args: argparse.Namespace, name: str) -> str:
+    if not args.log_dir:
+        return os.devnull
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    return str(Path(args.log_dir) / f"serve-{name}.log")
+
+
+def _traffic(args: argparse.Namespace) -> list[str]:
+    return mixed_texts(args.texts, high=args.max_words)
+
+
+def _batches(ids: list[list[int]], max_batch: int, max_tokens: int) -> list[list[list[int]]]:
+    """The token-id rows in length-sorted batches under the servers' limits (what their batcher forms: packed
+    batches are budgeted by their real tokens)."""
     batches, current, tokens = [], [], 0
     for row in sorted(ids, key=len):
-        if current and (len(current) >= args.max_batch or tokens + len(row) > 16384):
+        if current and (len(current) >= max_batch or tokens + len(row) > max_tokens):
             batches.append(current)
             current, tokens = [], 0
         current.append(row)
         tokens += len(row)
-    batches.append(current)
-    for b in batches:
-        embedder.embed_ids(b)  # warm: graph capture per bucket
+    return batches + [current]
+
+
+def raw_runner(args: argparse.Namespace, texts: list[str]) -> tuple[list[list[int]], float]:
+    """(token ids of `texts`, the runner's own tokens/s on them): model.runner.Embedder in this process (on the
+    servers' kernel backend setting), the same batches the servers would form, back to back; the ceiling a server's
+    served rate is held against."""
+    from model.runner import Embedder
+
+    extra = dict(kv.split("=", 1) for kv in args.setting)
+    embedder, _ = Embedder.load(args.model, device=args.device, dtype=args.dtype, backend=extra.get("backend", "auto"),
+                                max_batch_tokens=args.max_batch_tokens, max_batch=args.max_batch)
+    ids = embedder.tokenizer.encode(texts)
+    batches = _batches(ids, args.max_batch, args.max_batch_tokens)
+    for batch in batches:  # warm: one graph capture per bucket
+        embedder.embed_ids(batch)
+    passes = 3 if _cuda(args) else 1
     started = time.perf_counter()
-    for _ in range(3):
-        for b in batches:
-            embedder.embed_ids(b)
-    raw = 3 * tokens_total / (time.perf_counter() - started)
-    print(f"runner raw: {raw / 1e6:.2f} M tokens/s over {len(batches)} batches", file=sys.stderr, flush=True)
+    for _ in range(passes):
+        for batch in batches:
+            embedder.embed_ids(batch)
+    rate = passes * sum(map(len, ids)) / (time.perf_counter() - started)
+    print(f"runner alone: {rate / 1e6:.3f} M tokens/s over {len(batches)} batches", file=sys.stderr, flush=True)
     del embedder
-    torch_cuda_empty()
-
-    one = sentences(1, 20)
-    st_rate, st_lat = sentence_transformers_gpu(args.model, texts, tokens_total, one) if args.st else (None, [])
-
-    runs, single, info, metrics = [], {}, {}, ""
-    token_count = list(map(len, ids))
-
-    def report() -> dict:  # saved after every run too: a sweep cut short by a time limit keeps what it measured
-        return {
-            "date": time.strftime("%Y-%m-%d"), "device": "cuda", "settings": settings, "per_request": args.per_request,
-            "client_processes": args.client_processes,
-            "texts": len(texts), "tokens": tokens_total, "runner_raw_tokens_per_s": raw,
-            "sentence_transformers_fp16_tokens_per_s": st_rate,
-            "sentence_transformers_single_p50_ms": statistics.median(st_lat) * 1e3 if st_lat else None,
-            "single_request": single or None,  # earlier reports: single_request_p50_ms / _p99_ms
-            "runs": runs, "info": info,
-            "metrics_excerpt": [line for line in metrics.splitlines()
-                                if line.startswith(("fusedserve_kernel_duration_seconds_count",
-                                                    "fusedserve_reference_checks_total", "fusedserve_device_memory",
-                                                    "fusedserve_batch_size_sum", "fusedserve_batch_size_count"))],
-            "command": command("serve", argv),
-        }
-
-    for n, config in enumerate(args.configs):
-        replicas, extra = parse_config(config)
-        log_path = f"{os.path.splitext(args.out)[0]}-server{n}.log" if args.out else os.devnull
-        with running_servers(replicas, log_path, **(settings | extra)) as servers:
-            urls = [url for _, url in servers]
-            choices = kernel_choices(urls)
-            split = [f"{op} " + ", ".join(f"{backend} x{count}" for backend, count in counts.items())
-                     for op, counts in choices.items() if len(counts) > 1]
-            agreement = "replicas differ on " + "; ".join(split) if split else "the same in every replica"
-            print(f"[{config}] kernel choices: {agreement}", file=sys.stderr, flush=True)
-            for payload in args.payloads:
-                rows = ids if payload == "ids" else texts
-                load(urls, rows, 64, 3, args.per_request, processes=args.client_processes, payload=payload)  # warm
-                for clients in args.client_counts:
-                    run, inside = measured_load(urls, rows, clients, args.seconds, args.per_request, token_count,
-                                                args.client_processes, payload)
-                    latencies, errors, elapsed, sent = run["latencies"], run["errors"], run["elapsed"], run["tokens"]
-                    q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
-                    runs.append({"config": config, "replicas": replicas, "payload": payload, "clients": clients,
-                                 "requests": len(latencies), "errors": errors,
-                                 "requests_per_s": len(latencies) / elapsed, "tokens_per_s": sent / elapsed,
-                                 "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "served_vs_raw": sent / elapsed / raw,
-                                 "vs_sentence_transformers": sent / elapsed / st_rate if st_rate else None,
-                                 "server": inside, "kernel_choices": choices})
-                    print(f"[{config} {payload}] {clients} clients: {runs[-1]['requests_per_s']:.0f} req/s, "
-                          f"{sent / elapsed / 1e6:.2f} M tok/s ({100 * sent / elapsed / raw:.0f}% of raw), p50 "
-                          f"{q[49] * 1e3:.1f} ms p99 {q[98] * 1e3:.1f} ms, {errors} errors; server: "
-                          f"{inside['server_request_ms']:.1f} ms/request (queued {inside['queue_ms_per_input']:.1f}, "
-                          f"overhead {inside['overhead_ms']:.1f}), "
-                          f"{inside['batches']:.0f} batches of {inside['inputs_per_batch']:.0f} inputs, forward "
-                          f"{inside['forward_ms_per_batch']:.2f} ms/batch, GPU worker(s) busy "
-                          f"{100 * inside['forward_busy']:.0f}%, server CPU {inside['cpu_ms_per_request']:.2f} "
-                          f"ms/request ({inside['cpu_cores']:.2f} cores)", file=sys.stderr, flush=True)
-                    save(report(), args.out)
-            if not single:  # single-request latency on the first configuration
-                single = single_requests(urls[0], one)
-                info = httpx.get(urls[0] + "/info").json()
-                metrics = httpx.get(urls[0] + "/metrics").text
-                save(report(), args.out)  # before the next configuration's start-up, which a time limit may cut
-    if single:
-        inside = single["server"]
-        print(f"single 20-word request: p50 {single['p50_ms']:.2f} ms (server {inside['server_request_ms']:.2f} of it, "
-              f"forward {inside['forward_ms_per_batch']:.2f}; GET /healthz p50 {single['healthz_p50_ms']:.2f})",
-              file=sys.stderr)
-    return report()
+    _release_device()
+    return ids, rate
 
 
-def gpu_server_settings(args) -> dict[str, str]:
-    """The GPU sweep's server settings (FUSEDSERVE_* without the prefix)."""
-    return {"model": args.model, "device": "cuda", "dtype": "float16", "max_batch_requests": str(args.max_batch),
-            "max_batch_tokens": "16384", "max_wait_ms": str(args.max_wait_ms), "max_queue": "65536",
-            "max_client_batch": "256", "kernel_timing_sample_rate": str(args.timing_rate),
-            "verify_sample_rate": str(args.verify_rate)}
-
-
-def parse_config(config: str) -> tuple[int, dict[str, str]]:
-    """'replicas=N[,setting=value...]' -> (N, {setting: value})."""
-    extra = dict(kv.split("=", 1) for kv in config.split(",") if kv)
-    return int(extra.pop("replicas", 1)), extra
-
-
-def single_only(args, argv: list[str] | None) -> dict:
-    """Only the single-request latency on the first configuration (no raw runner, sentence-transformers or load)."""
-    settings = gpu_server_settings(args)
-    _, extra = parse_config(args.configs[0])
-    log_path = f"{os.path.splitext(args.out)[0]}-server.log" if args.out else os.devnull
-    with running_servers(1, log_path, **(settings | extra)) as servers:
-        url = servers[0][1]
-        single = single_requests(url, sentences(1, 20))
-        info = httpx.get(url + "/info").json()
-    raw = single["raw_client"]
-    print(f"single 20-word request: httpx p50 {single['p50_ms']:.2f} ms (GET /healthz {single['healthz_p50_ms']:.2f}); "
-          f"http.client p50 {raw['infer_p50_ms']:.2f} ms (GET /healthz {raw['healthz_p50_ms']:.2f})", file=sys.stderr)
-    return {"date": time.strftime("%Y-%m-%d"), "device": "cuda", "settings": settings | extra,
-            "single_request": single, "info": info, "command": command("serve", argv)}
-
-
-def sentence_transformers_gpu(model: str, texts: list[str], tokens_total: int,
-                              one: list[str]) -> tuple[float | None, list[float]]:
-    """SentenceTransformer.encode in fp16 on the same texts (tokens/s) and on one sentence (seconds per call);
-    (None, []) for a preset (random weights: there is no sentence-transformers checkpoint to load)."""
+def sentence_transformers_rate(args: argparse.Namespace, texts: list[str], tokens: int) -> float | None:
+    """SentenceTransformer.encode on the same texts (fp16 on a GPU), tokens/s; None for a random-init preset (no
+    sentence-transformers checkpoint to load) or with --no-sentence-transformers."""
     from model.config import PRESETS
 
-    if model in PRESETS:
-        print(f"sentence-transformers: skipped ({model} is a random-init preset)", file=sys.stderr, flush=True)
-        return None, []
+    if not args.st or args.model in PRESETS:
+        return None
     from sentence_transformers import SentenceTransformer
 
     from model.weights import default_model_dir
 
-    st = SentenceTransformer(str(default_model_dir() if model == "default" else model), device="cuda").half()
-    st.encode(texts[:512], batch_size=512)
+    st = SentenceTransformer(str(default_model_dir() if args.model == "default" else args.model), device=args.device)
+    if _cuda(args):
+        st = st.half()
+    batch_size = 512 if _cuda(args) else 64
+    st.encode(texts[:batch_size], batch_size=batch_size)  # warm
     started = time.perf_counter()
-    st.encode(texts, batch_size=512)
-    rate = tokens_total / (time.perf_counter() - started)
-    st.encode(one)
-    latencies = []
-    for _ in range(50):
-        t = time.perf_counter()
-        st.encode(one)
-        latencies.append(time.perf_counter() - t)
-    print(f"sentence-transformers fp16: {rate / 1e6:.3f} M tokens/s; single p50 "
-          f"{statistics.median(latencies) * 1e3:.2f} ms", file=sys.stderr, flush=True)
+    st.encode(texts, batch_size=batch_size)
+    rate = tokens / (time.perf_counter() - started)
+    print(f"sentence-transformers encode: {rate / 1e6:.3f} M tokens/s", file=sys.stderr, flush=True)
     del st
-    torch_cuda_empty()
-    return rate, latencies
+    _release_device()
+    return rate
 
 
-def torch_cuda_empty() -> None:
+def _release_device() -> None:
     import gc
 
     import torch
 
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> int:
-    # a time limit's SIGTERM unwinds like an exception, so running_servers stops the servers it started (session 7:
-    # a `timeout` that killed this process left its server shutting down on the GPU beside the next step)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=20)
-    parser.add_argument("--words", type=int, default=20)
-    parser.add_argument("--per-request", type=int, default=1, help="sentences per request")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--st-sentences", type=int, default=1024)
-    parser.add_argument("--out")
-    parser.add_argument("--client-processes", type=int, default=None,
-                        help="load-generator processes (default: 1 on CPU, where they would take the server's cores; "
-                             "8 for the GPU sweep)")
-    parser.add_argument("--torch-threads", type=int, default=0, help="the server's intra-op threads (0: default)")
-    parser.add_argument("--client-counts", type=int, nargs="+", default=[16, 64, 256],
-                        help="GPU sweep (--device cuda): closed-loop client counts")
-    parser.add_argument("--model", default="default", help="GPU sweep: model dir (default: the packaged MiniLM)")
-    parser.add_argument("--max-batch", type=int, default=256, help="GPU sweep: max_batch_requests")
-    parser.add_argument("--max-wait-ms", type=float, default=0.0,
-                        help="GPU sweep: max_wait_ms (0, the default: a batch closes as soon as the worker is free)")
-    parser.add_argument("--timing-rate", type=float, default=0.01, help="GPU sweep: kernel_timing_sample_rate")
-    parser.add_argument("--verify-rate", type=float, default=0.0, help="GPU sweep: verify_sample_rate")
-    parser.add_argument("--payloads", nargs="+", choices=("text", "ids"), default=["text"],
-                        help="GPU sweep: texts to /infer (tokenized by the server) and/or token ids to /v1/embeddings")
+def _point(run: dict, inside: dict, raw: float, st_rate: float | None, **labels) -> dict:
+    latencies, elapsed = run["latencies"], run["elapsed"]
+    q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
+    served = run["tokens"] / elapsed
+    return {**labels, "requests": len(latencies), "errors": run["errors"], "seconds": elapsed,
+            "requests_per_s": len(latencies) / elapsed, "tokens_per_s": served, "p50_ms": q[49] * 1e3,
+            "p99_ms": q[98] * 1e3, "served_vs_raw": served / raw,
+            "vs_sentence_transformers": served / st_rate if st_rate else None, "server": inside}
+
+
+def _say(label: str, row: dict) -> None:
+    s = row["server"]
+    print(f"[{label}] {row['clients']} clients: {row['requests_per_s']:.0f} requests/s, "
+          f"{row['tokens_per_s'] / 1e6:.3f} M tokens/s ({100 * row['served_vs_raw']:.0f}% of raw), p50 "
+          f"{row['p50_ms']:.1f} ms p99 {row['p99_ms']:.1f} ms, {row['errors']} errors; server "
+          f"{s['server_request_ms']:.1f} ms/request (queued {s['queue_ms_per_input']:.1f}), "
+          f"{s['batches']:.0f} batches of {s['inputs_per_batch']:.0f}, forward {s['forward_ms_per_batch']:.2f} ms, "
+          f"CPU {s['cpu_ms_per_request']:.2f} ms/request", file=sys.stderr, flush=True)
+
+
+def closed_loop_scenario(args: argparse.Namespace, save) -> None:
+    texts = _traffic(args)
+    ids, raw = raw_runner(args, texts)
+    tokens = list(map(len, ids))
+    st_rate = sentence_transformers_rate(args, texts, sum(tokens))
+    summary = {"texts": len(texts), "tokens": sum(tokens), "runner_raw_tokens_per_s": raw,
+               "sentence_transformers_tokens_per_s": st_rate}
+    rows: list[dict] = []
+    with running_servers(args.servers, _log(args, "closed-loop"), **server_settings(args)) as servers:
+        urls = [url for _, url in servers]
+        summary["kernel_choices"] = kernel_choices(urls)
+        summary["info"] = httpx.get(urls[0] + "/info", timeout=30).json()
+        for payload in args.payloads:
+            traffic = ids if payload == "ids" else texts
+            load(urls, traffic, 64, 3, args.per_request, processes=args.client_processes, payload=payload)  # warm
+            for clients in args.clients:
+                run, inside = measured_load(urls, traffic, clients, args.seconds, args.per_request, tokens,
+                                            args.client_processes, payload)
+                rows.append(_point(run, inside, raw, st_rate, servers=args.servers, payload=payload, clients=clients))
+                _say(f"{args.servers} server(s), {payload}", rows[-1])
+                save(rows, summary, False)
+    save(rows, summary, True)
+
+
+def single_scenario(args: argparse.Namespace, save) -> None:
+    one = sentences(1, 20)
+    # no sampled kernel timing unless asked: one eagerly timed batch among a few hundred sequential requests would
+    # be their p99 and most of their mean
+    settings = {"kernel_timing_sample_rate": "0", **server_settings(args)}
+    with running_servers(1, _log(args, "single"), **settings) as servers:
+        url = servers[0][1]
+        single = single_requests(url, one, args.single_count)
+        info = httpx.get(url + "/info", timeout=30).json()
+    raw = single["raw_client"]
+    rows = [
+        {"client": "http.client", "route": "POST /infer", "p50_ms": raw["infer_p50_ms"], "p99_ms": raw["infer_p99_ms"]},
+        {"client": "http.client", "route": "GET /healthz", "p50_ms": raw["healthz_p50_ms"],
+         "p99_ms": raw["healthz_p99_ms"]},
+        {"client": "httpx", "route": "POST /infer", "p50_ms": single["p50_ms"], "p99_ms": single["p99_ms"],
+         "mean_ms": single["mean_ms"]},
+        {"client": "httpx", "route": "GET /healthz", "p50_ms": single["healthz_p50_ms"]},
+    ]
+    print(f"one 20-word request: http.client p50 {raw['infer_p50_ms']:.2f} ms (GET /healthz "
+          f"{raw['healthz_p50_ms']:.2f}), httpx p50 {single['p50_ms']:.2f} ms; the server's own time "
+          f"{single['server']['server_request_ms']:.2f} ms, of which the forward "
+          f"{single['server']['forward_ms_per_batch']:.2f}", file=sys.stderr, flush=True)
+    save(rows, {"text_words": 20, "requests": args.single_count, "server": single["server"], "info": info}, True)
+
+
+def _mps() -> bool:
+    """A CUDA MPS control daemon answers on this process's pipe directory (the servers' contexts then share the GPU
+    through it)."""
+    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) / "control"
+    return pipe.exists()
+
+
+def replicas_scenario(args: argparse.Namespace, save) -> None:
+    texts = _traffic(args)
+    ids, raw = raw_runner(args, texts)
+    tokens = list(map(len, ids))
+    summary = {"texts": len(texts), "tokens": sum(tokens), "runner_raw_tokens_per_s": raw, "mps": _mps()}
+    rows: list[dict] = []
+    for count in args.replica_counts:
+        with running_servers(count, _log(args, f"replicas-{count}"), **server_settings(args)) as servers:
+            urls = [url for _, url in servers]
+            choices = kernel_choices(urls)
+            split = {op: c for op, c in choices.items() if len(c) > 1}
+            load(urls, ids, args.replica_clients, 3, args.per_request, processes=args.client_processes,
+                 payload="ids")  # warm
+            run, inside = measured_load(urls, ids, args.replica_clients, args.seconds, args.per_request, tokens,
+                                        args.client_processes, "ids")
+            rows.append(_point(run, inside, raw, None, replicas=count, payload="ids", clients=args.replica_clients,
+                               kernel_choices_differ=split))
+            _say(f"{count} replicas{' (MPS)' if summary['mps'] else ''}", rows[-1])
+            save(rows, summary, False)
+    save(rows, summary, True)
+
+
+def soak_scenario(args: argparse.Namespace, save) -> None:
+    import torch
+
+    from bench.load import check, rss_bytes, run_clients, texts_of_mixed_length
+
+    settings = server_settings(args)
+    with running_servers(1, _log(args, "soak"), **settings) as servers:
+        process, url = servers[0]
+        pool = texts_of_mixed_length(40)
+        singles = {t: torch.tensor(httpx.post(url + "/infer", json={"inputs": [t]}, timeout=60).json()["embeddings"][0])
+                   for t in pool}
+        rss_before = rss_bytes(process.pid)
+        started = time.monotonic()
+        outcomes, cancelled = asyncio.run(run_clients(url, pool, args.soak_clients, args.seconds, args.cancel_rate))
+        elapsed = time.monotonic() - started
+        rss_after = rss_bytes(process.pid)
+    statuses = collections.Counter(str(r.status_code) for _, r, _ in outcomes)
+    latencies = sorted(s for _, r, s in outcomes if r.status_code == 200)
+    q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
+    atol = args.soak_atol if args.soak_atol is not None else (1e-5 if args.dtype in ("float32", "auto") and
+                                                              not _cuda(args) else 2e-3)
+    row = {"clients": args.soak_clients, "seconds": elapsed, "cancel_rate": args.cancel_rate,
+           "answered": len(outcomes), "cancelled": cancelled, "statuses": dict(statuses),
+           "wrong_answers": check(outcomes, singles, atol), "atol": atol,
+           "requests_per_s": len(outcomes) / elapsed, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
+           "rss_before_mib": rss_before / 2**20, "rss_after_mib": rss_after / 2**20}
+    print(f"soak: {row['answered']} answered, {cancelled} cancelled, statuses {dict(statuses)}, "
+          f"{row['wrong_answers']} wrong; RSS {row['rss_before_mib']:.0f} -> {row['rss_after_mib']:.0f} MiB",
+          file=sys.stderr, flush=True)
+    save([row], {}, True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    parser.add_argument("scenarios", nargs="*", metavar="SCENARIO",
+                        help=f"any of {', '.join(SCENARIOS)} (default: {' '.join(DEFAULT_SCENARIOS)})")
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--model", default="default",
+                        help="the packaged MiniLM (default), a checkpoint directory or a preset (random init)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seconds", type=float, default=6.0 if cuda else 10.0, help="measured seconds per point")
+    parser.add_argument("--clients", type=int, nargs="+", default=[16, 64, 256] if cuda else [32],
+                        help="closed-loop: concurrent clients, one point each")
+    parser.add_argument("--payloads", nargs="+", choices=("text", "ids"), default=["text", "ids"])
+    parser.add_argument("--per-request", type=int, default=16 if cuda else 1, help="inputs per request")
+    parser.add_argument("--servers", type=int, default=1, help="closed-loop: servers sharing the device")
+    parser.add_argument("--replica-counts", type=int, nargs="+", default=[4, 6],
+                        help="replicas: servers sharing the device, one point each")
+    parser.add_argument("--replica-clients", type=int, default=64, help="replicas: concurrent clients")
+    parser.add_argument("--texts", type=int, default=4096 if cuda else 512, help="the traffic: this many texts")
+    parser.add_argument("--max-words", type=int, default=200 if cuda else 40,
+                        help="the traffic: 1 to this many words per text")
+    parser.add_argument("--client-processes", type=int, default=8 if cuda else 1,
+                        help="load-generator processes (one Python process cannot drive hundreds of connections "
+                             "against a fast server without becoming the bottleneck)")
+    parser.add_argument("--max-batch", type=int, default=256, help="the servers' max_batch_requests")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384, help="the servers' max_batch_tokens")
+    parser.add_argument("--max-wait-ms", type=float, default=0.0, help="the servers' max_wait_ms")
+    parser.add_argument("--timing-rate", type=float,
+                        help="the servers' kernel_timing_sample_rate (default: the server's; single: 0)")
+    parser.add_argument("--verify-rate", type=float, help="the servers' verify_sample_rate (default: the server's)")
+    parser.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
+                        help="another server setting (FUSEDSERVE_KEY without the prefix), e.g. backend=triton")
     parser.add_argument("--no-sentence-transformers", dest="st", action="store_false",
-                        help="GPU sweep: skip the sentence-transformers comparison (its rate is then null)")
-    parser.add_argument("--single-only", action="store_true",
-                        help="GPU sweep: only the single-request latency on the first configuration")
-    parser.add_argument("--configs", nargs="+", default=["replicas=1"],
-                        help="GPU sweep: server configurations, each 'replicas=N[,setting=value...]' (N servers on "
-                             "the one GPU, clients spread over them; settings as FUSEDSERVE_* without the prefix)")
-    args = parser.parse_args(argv)
-    if args.client_processes is None:
-        args.client_processes = 8 if args.device == "cuda" else 1
-    if args.device == "cuda":
-        report = gpu_sweep(args, argv)
-        save(report, args.out)
-        print(json.dumps({k: v for k, v in report.items() if k not in ("info", "metrics_excerpt")}, indent=1))
-        return 0
-    texts = sentences(2048, args.words)
+                        help="closed-loop: skip sentence-transformers' encode on the same texts")
+    parser.add_argument("--single-count", type=int, default=200, help="single: requests per client")
+    parser.add_argument("--soak-clients", type=int, default=200)
+    parser.add_argument("--cancel-rate", type=float, default=0.1, help="soak: share of requests given up early")
+    parser.add_argument("--soak-atol", type=float,
+                        help="soak: largest element difference from the single-request embedding that counts as "
+                             "right (default 1e-5 in fp32 on the CPU, 2e-3 otherwise)")
+    parser.add_argument("--log-dir", help="write each scenario's server log here")
+    parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/serve.json)")
 
-    st_rate = sentence_transformers_rate(texts[: args.st_sentences], 64, args.device)
-    print(f"sentence-transformers encode(batch_size=64): {st_rate:.1f} sentences/s", file=sys.stderr)
 
-    extra = {"torch_threads": str(args.torch_threads)} if args.torch_threads else {}
-    with running_server(device=args.device, **extra) as (_, url):
-        tokens_per_sentence = httpx.post(url + "/infer", json={"inputs": texts[:64]}).json()["usage"]["tokens"] / 64
-        run = load(url, texts, args.clients, args.seconds, args.per_request, processes=args.client_processes)
-        latencies, errors, elapsed = run["latencies"], run["errors"], run["elapsed"]
-        metrics = httpx.get(url + "/metrics").text
-    n = len(latencies)
-    q = statistics.quantiles(latencies, n=100) if n >= 2 else [float("nan")] * 99
-    served = n * args.per_request / elapsed
-    batch = [line for line in metrics.splitlines()
-             if line.startswith(("fusedserve_batch_size_", "fusedserve_forward_duration_seconds_sum"))]
-    report = {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "device": args.device, "clients": args.clients, "seconds": elapsed, "words": args.words,
-        "per_request": args.per_request, "torch_threads": args.torch_threads,
-        "client_processes": args.client_processes, "requests": n, "errors": errors,
-        "requests_per_s": n / elapsed, "sentences_per_s": served, "tokens_per_s": served * tokens_per_sentence,
-        "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
-        "sentence_transformers_sentences_per_s": st_rate, "ratio_vs_sentence_transformers": served / st_rate,
-        "batch_size_metrics": batch,
-        "command": command("serve", argv),
-    }
-    save(report, args.out)
-    print(json.dumps({k: v for k, v in report.items() if k != "batch_size_metrics"}, indent=1))
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    # a time limit's SIGTERM unwinds like an exception, so running_servers stops the servers it started (a killed
+    # harness would otherwise leave a server shutting down on the GPU beside the next step)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    import torch
+
+    out = args.out or store.default_path("serve", args.device)
+    gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device)) if _cuda(args) else None)
+    scenarios = {"closed-loop": closed_loop_scenario, "single": single_scenario, "replicas": replicas_scenario,
+                 "soak": soak_scenario}
+    for scenario in args.scenarios or DEFAULT_SCENARIOS:
+        head = store.header(args.device, argv)
+        settings = {"device": args.device, "server": server_settings(args), "seconds": args.seconds,
+                    "per_request": args.per_request, "client_processes": args.client_processes,
+                    "texts": args.texts, "max_words": args.max_words}
+        settings.update({"closed-loop": {"servers": args.servers, "clients": args.clients, "payloads": args.payloads},
+                         "single": {"requests": args.single_count},
+                         "replicas": {"replica_counts": args.replica_counts, "clients": args.replica_clients},
+                         "soak": {"clients": args.soak_clients, "cancel_rate": args.cancel_rate}}[scenario])
+
+        def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,
+                 settings: dict = settings) -> None:
+            store.write(out, "serve", gpu, scenario, store.block(head, settings, rows, summary, complete=complete))
+
+        scenarios[scenario](args, save)
+        print(f"{scenario}: {out}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The GPU machine's suites, one per device call, each planned to end inside one 10-minute call on a cold machine:
+#   tests     the CUDA extension built from a clean cache, then the GPU tests: the kernel sweeps and the model and
+#             server tests side by side (logs: tests-kernels.log, tests-model.log)
+#   sanitize  compute-sanitizer memcheck and racecheck over the CUDA kernel tests
+#   kernels   python -m bench kernels                          -> bench/results/<gpu>/kernels.json
+#   encoder   python -m bench encoder (the four batch shapes)  -> bench/results/<gpu>/encoder.json
+#   serve     python -m bench serve closed-loop single, then replicas under CUDA MPS -> bench/results/<gpu>/serve.json
+#   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
+#
+# Here (the development machine), once: ../shared/tools/gpu-wheels.sh orjson httptools  (the server's packages the
+# GPU image lacks -> .whl/), and before each call: python -m bench.gpu_assets (the fp16 MiniLM copy and this
+# checkout's commit -> .gpu-assets/). The device call, carrying [".whl", ".gpu-assets"]:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+#     .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/gpu.sh SUITE
+# $OUT comes back: the suite's log and, for a benchmark suite, its updated results file (copy it over
+# bench/results/<gpu>/ and commit it).
+set -uo pipefail
+suite=${1:?usage: bash bench/gpu.sh tests|sanitize|kernels|encoder|serve|profile}
+OUT=${OUT:-/tmp/bench-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache  # one CUDA build for the tests, benches and servers
+export FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm
+MODEL=$PWD/.gpu-assets/minilm
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv
+python3 - <<'PY'
+import importlib.util
+need = ("fastapi", "uvicorn", "pydantic_settings", "orjson", "httptools", "prometheus_client", "tokenizers")
+missing = [name for name in need if importlib.util.find_spec(name) is None]
+print("server packages: all present" if not missing else
+      f"server packages MISSING: {' '.join(missing)} (the server fails without them, or serves slower without httptools)")
+PY
+
+build() {  # the CUDA extension, into the cache every process here shares
+  python3 -m kernels.cuda.build 2>&1 | tail -1
+}
+results() {  # the suite's results file, as the harness updated it, into $OUT
+  local path
+  path=$(python3 -c "from bench.results import default_path; print(default_path('$1', 'cuda'))")
+  cp "$path" "$OUT/" && echo "results: $path (copied to \$OUT)"
+}
+pytest_summary() {  # log: the pass/fail line and the failures
+  grep -E "passed|failed|error" "$1" | tail -3
+  grep -E "^(FAILED|ERROR)" "$1" | head -20
+}
+
+case "$suite" in
+  tests)
+    rm -rf "$FUSEDSERVE_CUDA_CACHE"
+    python3 -m kernels.cuda.build 2>&1 | tail -3
+    # the kernel sweeps with the heuristic configs (every shape would otherwise be autotuned), beside the model and
+    # server tests autotuned as served; at the limit pytest gets SIGINT and still prints what failed so far
+    FUSEDSERVE_TRITON_AUTOTUNE=0 timeout --signal=INT --kill-after=30 480 \
+      python3 -m pytest -m gpu -q -rfs -p no:cacheprovider -n 8 tests/kernels > "$OUT/tests-kernels.log" 2>&1 &
+    kernel_tests=$!
+    timeout --signal=INT --kill-after=30 480 python3 -m pytest -m gpu -v -rfs --durations=15 -p no:cacheprovider \
+      -n 3 tests/gpu > "$OUT/tests-model.log" 2>&1
+    echo "== model and server tests: exit $?"
+    pytest_summary "$OUT/tests-model.log"
+    wait "$kernel_tests"
+    echo "== kernel tests: exit $?"
+    pytest_summary "$OUT/tests-kernels.log"
+    ;;
+  sanitize)
+    build
+    # memcheck on the accuracy, config and misaligned-view tests (the 4 GB offset cases and the compile tests are
+    # too slow under it), racecheck on every LayerNorm launch config (the kernels with shared memory)
+    sanitizer() {
+      local tool=$1 limit=$2 select=$3
+      FUSEDSERVE_CUDA_TUNE=0 timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+        python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_cuda_ops.py -k "$select" \
+        > "$OUT/sanitize-$tool.log" 2>&1
+      echo "compute-sanitizer $tool: exit $?" | tee -a "$OUT/sanitize-$tool.log"
+      grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize-$tool.log" | tail -3
+    }
+    sanitizer memcheck 300 "not offsets and not opcheck and not auto_mode and not tuner"
+    sanitizer racecheck 180 "every_norm_launch_config or misaligned"
+    ;;
+  kernels)
+    build
+    timeout 540 python3 -m bench kernels 2>&1 | tee "$OUT/kernels.log" | grep -v '^\['
+    results kernels
+    ;;
+  encoder)
+    build
+    timeout 540 python3 -m bench encoder 2>&1 | tee "$OUT/encoder.log"
+    results encoder
+    ;;
+  profile)
+    build
+    timeout 540 python3 -m bench encoder profile 2>&1 | tee "$OUT/profile.log"
+    results encoder
+    ;;
+  serve)
+    build
+    # one server (its first start on a fresh machine compiles and tunes the kernels the later starts find cached)
+    timeout 330 python3 -m bench serve closed-loop single --model "$MODEL" --log-dir "$OUT" 2>&1 \
+      | tee "$OUT/serve.log" | grep -vE "^(INFO|Loading)"
+    # then replicas sharing the GPU through CUDA MPS (what the device plugin's MPS sharing gives pods); the daemon
+    # is this run's own, in /tmp, and quits at the end
+    if command -v nvidia-cuda-mps-control > /dev/null; then
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      nvidia-cuda-mps-control -d && echo "MPS daemon started"
+    fi
+    timeout 220 python3 -m bench serve replicas --model "$MODEL" --log-dir "$OUT" 2>&1 \
+      | tee -a "$OUT/serve.log" | grep -vE "^(INFO|Loading)"
+    if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then echo quit | nvidia-cuda-mps-control; fi
+    results serve
+    ;;
+  *)
+    echo "unknown suite $suite: tests|sanitize|kernels|encoder|serve|profile" >&2
+    exit 2
+    ;;
+esac
+# the device tool brings back at most 8 files: past that, everything goes back as one archive (written outside $OUT:
+# tar reading a folder it writes into fails with "file changed as we read it")
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf "/tmp/$suite-out.tar.gz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/$suite-out.tar.gz" "$OUT/"
+  echo "bundled: \$OUT/$suite-out.tar.gz"
+fi

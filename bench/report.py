@@ -1,0 +1,360 @@
+"""Render the committed results: markdown tables (stdout) for docs/performance.md and PNG plots for docs/img/.
+
+    python -m bench report                      # every results file's tables, and the plots of bench/results/h200
+    python -m bench report --no-plots bench/results/h200/encoder.json
+
+Each table names the file and scenario its numbers come from; a number in a row is that row's field in
+`scenarios.<scenario>.results` (or `.summary`) of that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import results as store
+
+SCENARIOS = ()
+PLOTS = ("kernels", "encoder", "serve", "replicas")
+
+
+def _f(value, digits: int = 1, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}{suffix}"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def _source(path: Path, scenario: str, block: dict) -> str:
+    h = block["header"]
+    clocks = h.get("clocks") or {}
+    host = h.get("host") or {}
+    gpu = f"{h['gpu']}, driver {h['driver']}" if h.get("gpu") else \
+        f"no GPU: {host.get('cpu') or 'CPU'}, {host.get('cores')} cores"
+    clock = f", SM {clocks['sm_mhz']:.0f} / max {clocks['max_sm_mhz']:.0f} MHz at start" \
+        if clocks.get("sm_mhz") and clocks.get("max_sm_mhz") else ""
+    if h.get("converted"):
+        sha = f"results committed in {h['git_sha'][:10]}, converted from the earlier format"
+    elif h.get("git_sha"):
+        sha = f"commit {h['git_sha'][:10]}{' + uncommitted changes' if h.get('git_dirty') else ''}"
+    else:
+        sha = "commit unknown"
+    partial = " **(cut short: incomplete)**" if not block.get("complete", True) else ""
+    return (f"`{path.as_posix()}`, scenario `{scenario}`{partial}: {h['date']}, {gpu}{clock}; torch {h['torch'] or '-'}, "
+            f"triton {h.get('triton') or '-'}, CUDA {h.get('cuda') or '-'}; {sha}\n"
+            f"`{h['command']}`\n")
+
+
+# ---- kernels ----------------------------------------------------------------------------------------------------
+def fused_ops_table(block: dict, dtype: str | None = None) -> str:
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in block["results"]:
+        if "us" in r and (dtype is None or r["dtype"] == dtype):
+            cells.setdefault((r["op"], r["dtype"], r["shape"]), {})[r["provider"]] = r
+    fused = [p for p in ("triton", "cuda") if any(p in c for c in cells.values())]
+    head = ["op", "dtype", "shape", "MB"]
+    for p in fused:
+        head += [f"{p} us", f"{p} GB/s", f"{p} % copy"]
+    head += ["eager us", "compile us"] + [f"{p} vs compile" for p in fused]
+    rows = []
+    for (op, dt, shape), cell in cells.items():
+        any_row = next(iter(cell.values()))
+        row = [op, dt, shape, _f(any_row.get("bytes", 0) / 1e6, 0)]
+        for p in fused:
+            r = cell.get(p)
+            row += [_f(r["us"]), _f(r["gbps"], 0), _f(r["pct_copy"], 0, "%")] if r else ["-"] * 3
+        row += [_f(cell[p]["us"]) if p in cell else "-" for p in ("eager", "compile")]
+        for p in fused:
+            row.append(_f(cell["compile"]["us"] / cell[p]["us"], 2, "x") if p in cell and "compile" in cell else "-")
+        rows.append(row)
+    return _table(head, rows)
+
+
+def gemm_table(block: dict) -> str:
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in block["results"]:
+        if "us" in r:
+            cells.setdefault((r["case"], r["dtype"], r["shape"]), {})[r["provider"]] = r
+    providers = [p for p in ("triton", "cuda", "eager", "compile") if any(p in c for c in cells.values())]
+    rows = []
+    for (case, dt, shape), c in cells.items():
+        m, k, n = shape.split("x")
+        rows.append([case, dt, f"{m} x {k} -> {n}"] +
+                    [f"{_f(c[p]['us'])} ({_f(c[p]['tflops'], 0)})" if p in c else "-" for p in providers])
+    return _table(["case", "dtype", "M x K -> N"] + [f"{p} us (TFLOP/s)" for p in providers], rows)
+
+
+# ---- encoder ----------------------------------------------------------------------------------------------------
+def encoder_label(r: dict) -> str:
+    label = r["provider"]
+    if r["provider"] == "ours":
+        backend = r.get("backend", "auto")
+        label += ("" if backend == "auto" else f" {backend}") + (", CUDA graphs" if r.get("mode") == "graphs" else
+                                                                   ", eager")
+    if r.get("variant"):
+        label += f" ({r['variant']})"
+    return label
+
+
+def _encoder_order(r: dict) -> tuple:
+    providers = ("torch eager", "torch.compile", "torch.compile + CUDA graphs", "ours")
+    backends = ("auto", "triton", "cuda", "torch")
+    return (providers.index(r["provider"]) if r["provider"] in providers else len(providers),
+            backends.index(r.get("backend", "auto")) if r.get("backend", "auto") in backends else len(backends),
+            r.get("mode") != "graphs", bool(r.get("variant")), r.get("variant") or "")
+
+
+def encoder_table(blocks: dict[str, dict]) -> str:
+    cases = list(blocks)
+    by: dict[str, dict[str, dict]] = {}
+    for case, b in blocks.items():
+        for r in sorted(b["results"], key=_encoder_order):
+            by.setdefault(encoder_label(r), {})[case] = r
+    by = dict(sorted(by.items(), key=lambda kv: _encoder_order(next(iter(kv[1].values())))))
+    rows = []
+    for label, cells in by.items():
+        rows.append([label] + [("failed" if "error" in cells[c] else _f(cells[c]["ms"], 3)) if c in cells else "-"
+                               for c in cases])
+    floors = [blocks[c]["results"][0].get("gemm_floor_ms") if blocks[c]["results"] else None for c in cases]
+    rows.append(["GEMM floor (real tokens)"] + [_f(f, 3) for f in floors])
+    tokens = [next((f"{r['tokens']} / {r['padded_tokens']}" for r in blocks[c]["results"] if "tokens" in r), "-")
+              for c in cases]
+    rows.append(["real / padded tokens"] + tokens)
+    return _table(["ms per forward"] + cases, rows)
+
+
+def profile_table(block: dict) -> str:
+    rows = []
+    for r in block["results"]:
+        top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["kernel_us"].items())[:4])
+        path = f"{r['backend']}, {'CUDA graphs' if r['mode'] == 'graphs' else 'eager'}" + \
+            (f" ({r['variant']})" if r.get("variant") else "")
+        rows.append([r["case"], path, _f(r["wall_us"], 0), _f(r["kernels_per_forward"], 0),
+                     _f(r["gpu_idle_us"], 0), top])
+    return _table(["case", "ours", "us per forward", "kernels", "GPU idle us", "kernel us by category"], rows)
+
+
+# ---- serve ------------------------------------------------------------------------------------------------------
+def _pct(share: float | None) -> float | None:
+    return None if share is None else 100 * share
+
+
+def closed_loop_table(block: dict) -> str:
+    rows = [[r["payload"], str(r["clients"]), _f(r["requests_per_s"], 0),
+             _f(r["tokens_per_s"] / 1e6, 2 if r["tokens_per_s"] >= 1e5 else 4),
+             _f(_pct(r["served_vs_raw"]), 0, "%"), _f(r.get("vs_sentence_transformers"), 1, "x"),
+             f"{_f(r['p50_ms'])} / {_f(r['p99_ms'])}", _f(r["server"].get("cpu_ms_per_request"), 2)]
+            for r in block["results"]]
+    return _table(["payload", "clients", "requests/s", "M tokens/s", "% of raw", "x sentence-transformers",
+                   "p50 / p99 ms", "server CPU ms/request"], rows)
+
+
+def single_table(block: dict) -> str:
+    rows = [[r["client"], r["route"], _f(r["p50_ms"], 2), _f(r.get("p99_ms"), 2)] for r in block["results"]]
+    return _table(["client", "request", "p50 ms", "p99 ms"], rows)
+
+
+def replicas_table(block: dict) -> str:
+    rows = [[str(r["replicas"]), str(r["clients"]), _f(r["requests_per_s"], 0), _f(r["tokens_per_s"] / 1e6, 2),
+             _f(_pct(r["served_vs_raw"]), 0, "%"), f"{_f(r['p50_ms'])} / {_f(r['p99_ms'])}",
+             _f(r["server"].get("cpu_ms_per_request"), 2)] for r in block["results"]]
+    return _table(["servers", "clients", "requests/s", "M tokens/s", "% of raw", "p50 / p99 ms",
+                   "server CPU ms/request"], rows)
+
+
+def soak_table(block: dict) -> str:
+    rows = [[str(r["clients"]), _f(r["seconds"], 0), str(r["answered"]), str(r["cancelled"]),
+             ", ".join(f"{k}: {v}" for k, v in r["statuses"].items()), str(r["wrong_answers"]),
+             f"{_f(r['p50_ms'], 0)} / {_f(r['p99_ms'], 0)}",
+             f"{_f(r['rss_before_mib'], 0)} -> {_f(r['rss_after_mib'], 0)}"] for r in block["results"]]
+    return _table(["clients", "seconds", "answered", "cancelled", "statuses", "wrong answers", "p50 / p99 ms",
+                   "server RSS MiB"], rows)
+
+
+TABLES: dict[tuple[str, str], Callable[[dict], str]] = {
+    ("kernels", "fused-ops"): fused_ops_table, ("kernels", "gemm-epilogues"): gemm_table,
+    ("encoder", "profile"): profile_table, ("serve", "closed-loop"): closed_loop_table,
+    ("serve", "single"): single_table, ("serve", "replicas"): replicas_table, ("serve", "soak"): soak_table,
+}
+
+
+def _shown(path: Path) -> Path:
+    """The path relative to the repository, as the docs cite it."""
+    try:
+        return path.resolve().relative_to(store.RESULTS.parents[1])
+    except ValueError:
+        return path
+
+
+def tables(path: Path) -> str:
+    doc = store.load(path)
+    if doc is None:
+        return f"{path}: not a results file\n"
+    path = _shown(path)
+    out = []
+    from bench.encoder import CASES
+
+    cases = {n: doc["scenarios"][n] for n in CASES if doc["suite"] == "encoder" and n in doc["scenarios"]}
+    for name, b in doc["scenarios"].items():
+        render = TABLES.get((doc["suite"], name))
+        if render is None:
+            continue
+        out.append(_source(path, name, b) + "\n" + render(b))
+    if cases:  # the encoder's cases side by side, each column its own scenario (and header)
+        out.append("\n".join(_source(path, n, b) for n, b in cases.items()) + "\n" + encoder_table(cases))
+    return "\n".join(out)
+
+
+# ---- plots ------------------------------------------------------------------------------------------------------
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_kernels(block: dict, path: Path, dtype: str = "float16") -> None:
+    """Per op, achieved GB/s of each provider at each shape, against the measured copy ceiling."""
+    plt = _pyplot()
+    rows = [r for r in block["results"] if r.get("dtype") == dtype and "gbps" in r]
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    providers = [p for p in ("triton", "cuda", "compile", "eager") if any(r["provider"] == p for r in rows)]
+    ceiling = block["summary"]["copy_gbps"]
+    columns = max(1, (len(ops) + 1) // 2)
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7), sharey=True, squeeze=False)
+    width = 0.8 / max(len(providers), 1)
+    for ax, op in zip(axes.flat, ops):
+        for i, p in enumerate(providers):
+            by_shape = {r["shape"]: r["gbps"] for r in rows if r["op"] == op and r["provider"] == p}
+            ax.bar([x + i * width for x in range(len(shapes))], [by_shape.get(s, 0) for s in shapes], width, label=p)
+        ax.axhline(ceiling, color="black", linewidth=1, linestyle="--")
+        ax.set_title(op)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes, rotation=30, fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("GB/s")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"{block['header']['gpu'] or 'CPU'}, {dtype}: GB/s (dashed: device-to-device copy, {ceiling:.0f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_encoder(blocks: dict[str, dict], path: Path) -> None:
+    """Per case, ms per forward of each provider (log scale), ours in orange."""
+    plt = _pyplot()
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    fig, axes = plt.subplots(1, len(blocks), figsize=(4.6 * len(blocks), 4.6), squeeze=False)
+    for ax, (case, b) in zip(axes[0], blocks.items()):
+        mine = [r for r in b["results"] if "ms" in r]
+        ax.barh([encoder_label(r) for r in mine], [r["ms"] for r in mine],
+                color=["tab:orange" if r["provider"] == "ours" else "tab:blue" for r in mine])
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(case, fontsize=9)
+        ax.set_xlabel("ms per forward (log)", fontsize=8)
+        ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_serve(block: dict, path: Path) -> None:
+    """Served tokens/s and latency against the client count, one line per payload, with the runner's raw rate."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for payload in dict.fromkeys(r["payload"] for r in block["results"]):
+        points = [r for r in block["results"] if r["payload"] == payload]
+        clients = [r["clients"] for r in points]
+        line, = left.plot(clients, [r["tokens_per_s"] / 1e6 for r in points], marker="o", label=payload)
+        right.plot(clients, [r["p99_ms"] for r in points], marker="o", color=line.get_color(), label=f"{payload} p99")
+        right.plot(clients, [r["p50_ms"] for r in points], marker=".", linestyle=":", color=line.get_color(),
+                   label=f"{payload} p50")
+    summary = block["summary"]
+    left.axhline(summary["runner_raw_tokens_per_s"] / 1e6, color="black", linestyle="--", label="runner alone")
+    if summary.get("sentence_transformers_tokens_per_s"):
+        left.axhline(summary["sentence_transformers_tokens_per_s"] / 1e6, color="grey", linestyle=":",
+                     label="sentence-transformers encode")
+    for ax, ylabel in ((left, "M tokens/s"), (right, "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"concurrent clients ({block['settings']['per_request']} inputs per request)")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    right.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_replicas(block: dict, path: Path) -> None:
+    """Served tokens/s as a share of the runner's raw rate against the servers sharing the GPU."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    points = sorted(block["results"], key=lambda r: r["replicas"])
+    ax.plot([r["replicas"] for r in points], [100 * r["served_vs_raw"] for r in points], marker="o",
+            label="CUDA MPS" if block["summary"].get("mps") else "time-sliced")
+    for r in points:
+        ax.annotate(f"{r['requests_per_s']:.0f} req/s", (r["replicas"], 100 * r["served_vs_raw"]),
+                    textcoords="offset points", xytext=(4, -12), fontsize=7)
+    ax.set_xlabel(f"servers sharing one GPU ({points[0]['clients'] if points else '?'} clients, token ids)")
+    ax.set_ylabel("served tokens/s, % of the runner alone")
+    ax.set_ylim(0, 110)
+    ax.margins(x=0.2)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plots(directory: Path, images: Path) -> list[Path]:
+    """docs/img/{kernels,encoder,serve,replicas}.png from the results in `directory`, for what it holds."""
+    images.mkdir(parents=True, exist_ok=True)
+    written = []
+    kernels, encoder, serve = (store.load(directory / f"{s}.json") for s in ("kernels", "encoder", "serve"))
+    if kernels and "fused-ops" in kernels["scenarios"]:
+        plot_kernels(kernels["scenarios"]["fused-ops"], images / "kernels.png")
+        written.append(images / "kernels.png")
+    if encoder:
+        from bench.encoder import CASES
+
+        cases = {n: encoder["scenarios"][n] for n in CASES if n in encoder["scenarios"]}
+        if cases:
+            plot_encoder(cases, images / "encoder.png")
+            written.append(images / "encoder.png")
+    if serve and "closed-loop" in serve["scenarios"]:
+        plot_serve(serve["scenarios"]["closed-loop"], images / "serve.png")
+        written.append(images / "serve.png")
+    if serve and "replicas" in serve["scenarios"]:
+        plot_replicas(serve["scenarios"]["replicas"], images / "replicas.png")
+        written.append(images / "replicas.png")
+    return written
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="*", type=Path, help="results files (default: every one in bench/results/)")
+    parser.add_argument("--plots-from", type=Path, default=store.RESULTS / "h200",
+                        help="the results directory the plots are drawn from")
+    parser.add_argument("--images", type=Path, default=Path("docs/img"), help="where the PNGs go")
+    parser.add_argument("--no-plots", dest="draw", action="store_false")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    for path in args.files or store.committed_files():
+        print(f"### {_shown(path)}\n")
+        print(tables(path))
+    if args.draw:
+        for written in plots(args.plots_from, args.images):
+            print(f"wrote {written}", file=sys.stderr)
+    return 0

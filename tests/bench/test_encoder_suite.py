@@ -1,0 +1,39 @@
+"""`python -m bench encoder` end to end on the CPU (the tiny preset): eager PyTorch (transformers' BertModel) and
+ours on the same token ids, into a valid results block. It asserts structure, never a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import encoder as suite
+from bench import results as store
+from bench.__main__ import main
+
+pytest.importorskip("transformers")
+
+
+def test_tiny_case_against_eager_pytorch(tmp_path):
+    out = tmp_path / "encoder.json"
+    assert main(["encoder", "tiny-b3-varlen", "--device", "cpu", "--providers", "torch eager", "ours",
+                 "--out", str(out)]) == 0
+    doc = store.load(out)
+    assert store.validate(doc) == []
+    block = doc["scenarios"]["tiny-b3-varlen"]
+    assert block["complete"] and block["settings"]["lengths"] == suite.lengths_for(3, 12, True)
+    rows = {(r["provider"], r.get("mode")): r for r in block["results"]}
+    assert set(rows) == {("torch eager", None), ("ours", "eager")}
+    lengths = block["settings"]["lengths"]
+    for r in rows.values():
+        assert r["ms"] > 0 and r["tokens"] == sum(lengths) and r["padded_tokens"] == 3 * max(lengths)
+    ours = rows[("ours", "eager")]
+    assert ours["backend"] == "auto" and ours["kernels"]  # what the registry chose, per op
+
+
+def test_rows_and_floor():
+    rows = suite.token_rows([4, 7], vocab_size=30522)
+    assert [len(r) for r in rows] == [4, 7] and all(r[0] == 101 and r[-1] == 102 for r in rows)
+    config = __import__("model.config", fromlist=["EncoderConfig"]).EncoderConfig.from_name("tiny")
+    h, inner, layers = config.hidden_size, config.intermediate_size, config.num_layers
+    assert suite.gemm_flops(config, [2, 3]) == layers * (2 * 5 * (4 * h * h + 2 * h * inner) + 4 * (4 + 9) * h)
+    assert suite.category("nvjet_hsh_64x8_gemm") == "gemm" and suite.category("flash_fwd_kernel") == "attention"
+    assert suite.category("_add_layer_norm_kernel") == "norm"

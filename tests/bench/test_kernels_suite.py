@@ -1,0 +1,35 @@
+"""`python -m bench kernels` end to end on the CPU (Triton interpreter, tiny shapes): it must not rot between GPU
+runs. It asserts the results' structure, never a time."""
+
+from __future__ import annotations
+
+import torch
+
+from bench import kernels as suite
+from bench import results as store
+from bench.__main__ import main
+
+
+def test_fused_ops_and_gemm_epilogues_on_the_interpreter(tmp_path):
+    out = tmp_path / "kernels.json"
+    assert main(["kernels", "fused-ops", "gemm-epilogues", "--device", "cpu", "--providers", "triton", "eager",
+                 "--ops", "bias_gelu", "add_layer_norm", "--dtypes", "float32", "--shapes", "8x64",
+                 "--gemm-shapes", "tiny ffn-in 8 tokens", "tiny ffn-out 8 tokens", "--out", str(out)]) == 0
+    doc = store.load(out)
+    assert store.validate(doc) == [] and doc["gpu"] == "cpu"
+    fused = doc["scenarios"]["fused-ops"]
+    assert fused["complete"] and fused["summary"]["copy_gbps"] > 0
+    assert fused["header"]["command"].startswith("python -m bench kernels fused-ops")
+    cells = {(r["op"], r["provider"]) for r in fused["results"]}
+    assert cells == {(op, p) for op in ("bias_gelu", "add_layer_norm") for p in ("triton", "eager")}
+    assert all(r["accurate"] and r["us"] > 0 and r["gbps"] > 0 and r["shape"] == "8x64" for r in fused["results"])
+    gemm = doc["scenarios"]["gemm-epilogues"]["results"]
+    assert {(r["op"], r["provider"]) for r in gemm} == {
+        (op, p) for op in ("linear_bias_gelu", "linear_add_layer_norm") for p in ("triton", "eager")}
+    assert all(r["accurate"] and r["tflops"] > 0 for r in gemm)
+
+
+def test_min_bytes_counts_each_matrix_once():
+    assert suite.min_bytes("add_layer_norm", 8, 64, torch.float32) == 3 * 8 * 64 * 4
+    assert suite.min_bytes("layer_norm", 8, 64, torch.bfloat16) == 2 * 8 * 64 * 2
+    assert suite.min_bytes("embedding_layer_norm", 8, 64, torch.float16) == 2 * 8 * 64 * 2 + 3 * 8 * 8

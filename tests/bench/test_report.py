@@ -1,0 +1,65 @@
+"""`python -m bench report`: markdown tables naming their source, and the docs' plots, from results files (made
+here by the suites' own writer, not read from the committed history)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import report
+from bench import results as store
+from bench.__main__ import main
+
+pytest.importorskip("matplotlib")
+
+
+def _write(directory, suite, scenario, rows, summary=None, settings=None):
+    head = store.header("cpu", [suite, scenario])
+    store.write(directory / f"{suite}.json", suite, "cpu", scenario,
+                store.block(head, settings or {"per_request": 16}, rows, summary or {}))
+
+
+def _server():
+    return {"cpu_ms_per_request": 1.5}
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    d = tmp_path / "cpu"
+    _write(d, "kernels", "fused-ops", [
+        {"op": op, "dtype": "float16", "shape": shape, "provider": p, "us": us, "gbps": 100 / us, "pct_copy": 10.0,
+         "bytes": 1e6} for op in ("layer_norm", "bias_gelu") for shape in ("8x64", "16x64")
+        for p, us in (("triton", 1.0), ("eager", 2.0), ("compile", 1.5))], {"copy_gbps": 500.0})
+    for case in ("minilm-b1-s16", "minilm-b32-s128"):
+        _write(d, "encoder", case, [
+            {"provider": "torch eager", "ms": 2.0, "tokens": 16, "padded_tokens": 16, "gemm_floor_ms": 0.01},
+            {"provider": "ours", "backend": "auto", "mode": "graphs", "ms": 0.2, "tokens": 16, "padded_tokens": 16},
+            {"provider": "torch.compile", "error": "RuntimeError: no"}])
+    _write(d, "serve", "closed-loop", [
+        {"payload": p, "clients": c, "requests_per_s": 10.0 * c, "tokens_per_s": 1e6 * c, "served_vs_raw": c / 100,
+         "vs_sentence_transformers": 3.0, "p50_ms": c / 2, "p99_ms": c, "server": _server()}
+        for p in ("text", "ids") for c in (16, 64)],
+        {"runner_raw_tokens_per_s": 1e8, "sentence_transformers_tokens_per_s": 2e7})
+    _write(d, "serve", "replicas", [
+        {"replicas": n, "clients": 64, "requests_per_s": 100.0 * n, "tokens_per_s": 1e6 * n,
+         "served_vs_raw": n / 8, "p50_ms": 1.0, "p99_ms": 2.0, "server": _server()} for n in (4, 6)], {"mps": True})
+    return d
+
+
+def test_tables_name_their_source_and_hold_the_numbers(results_dir):
+    text = report.tables(results_dir / "encoder.json")
+    assert "scenario `minilm-b1-s16`" in text and "python -m bench encoder minilm-b1-s16" in text
+    assert "| ours, CUDA graphs | 0.200 | 0.200 |" in text and "| torch.compile | failed | failed |" in text
+    kernels = report.tables(results_dir / "kernels.json")
+    assert "| layer_norm | float16 | 8x64 | 1 | 1.0 | 100 | 10% | 2.0 | 1.5 | 1.50x |" in kernels
+    serve = report.tables(results_dir / "serve.json")
+    assert "| ids | 64 | 640 | 64.00 | 64% | 3.0x | 32.0 / 64.0 | 1.50 |" in serve
+    assert "| 6 | 64 | 600 | 6.00 | 75% |" in serve
+
+
+def test_plots_from_a_results_directory(results_dir, tmp_path):
+    images = tmp_path / "img"
+    assert main(["report", str(results_dir / "serve.json"), "--plots-from", str(results_dir),
+                 "--images", str(images)]) == 0
+    for name in ("kernels", "encoder", "serve", "replicas"):
+        png = images / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name

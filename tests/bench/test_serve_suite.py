@@ -1,0 +1,46 @@
+"""`python -m bench serve` end to end against real servers on 127.0.0.1 (tiny preset, CPU): each scenario writes a
+valid block whose counts agree with themselves. It asserts structure and counts, never a rate."""
+
+from __future__ import annotations
+
+from bench import results as store
+from bench.__main__ import main
+
+
+def test_scenarios_against_real_servers(tmp_path):
+    out = tmp_path / "serve.json"
+    # the torch backend: the servers skip the Triton self-tests, which on the interpreter take most of a start
+    common = ["--device", "cpu", "--model", "tiny", "--setting", "torch_threads=1", "--setting", "backend=torch",
+              "--seconds", "1.5",
+              "--texts", "48", "--max-words", "12", "--per-request", "2", "--out", str(out)]
+    assert main(["serve", "closed-loop", "single", "replicas", "soak", *common, "--clients", "4",
+                 "--payloads", "text", "ids", "--single-count", "12", "--replica-counts", "2",
+                 "--replica-clients", "4", "--soak-clients", "8", "--cancel-rate", "0.2",
+                 "--log-dir", str(tmp_path)]) == 0
+    doc = store.load(out)
+    assert store.validate(doc) == [] and list(doc["scenarios"]) == ["closed-loop", "replicas", "single", "soak"]
+    assert all(b["complete"] for b in doc["scenarios"].values())
+
+    loop = doc["scenarios"]["closed-loop"]
+    assert loop["summary"]["runner_raw_tokens_per_s"] > 0
+    assert loop["summary"]["sentence_transformers_tokens_per_s"] is None  # a random-init preset has no ST checkpoint
+    assert [(r["payload"], r["clients"]) for r in loop["results"]] == [("text", 4), ("ids", 4)]
+    for r in loop["results"]:
+        assert r["errors"] == 0 and r["requests"] > 0
+        assert r["server"]["requests"] == r["requests"]  # the server counted every answered request once
+        assert round(r["server"]["inputs_per_batch"] * r["server"]["batches"]) == 2 * r["requests"]
+        assert r["served_vs_raw"] == r["tokens_per_s"] / loop["summary"]["runner_raw_tokens_per_s"]
+
+    single = {(r["client"], r["route"]): r for r in doc["scenarios"]["single"]["results"]}
+    assert set(single) == {(c, route) for c in ("http.client", "httpx") for route in ("POST /infer", "GET /healthz")}
+    assert single["http.client", "POST /infer"]["p50_ms"] > single["http.client", "GET /healthz"]["p50_ms"] > 0
+    server = doc["scenarios"]["single"]["summary"]["server"]
+    assert server["requests"] == 12 and server["inputs_per_batch"] == 1  # one at a time
+
+    (point,) = doc["scenarios"]["replicas"]["results"]
+    assert point["replicas"] == 2 and point["errors"] == 0 and point["server"]["requests"] == point["requests"]
+    assert doc["scenarios"]["replicas"]["summary"]["mps"] is False
+
+    (soak,) = doc["scenarios"]["soak"]["results"]
+    assert soak["wrong_answers"] == 0 and set(soak["statuses"]) == {"200"} and soak["answered"] >= 8
+    assert (tmp_path / "serve-soak.log").is_file() and (tmp_path / "serve-replicas-2.log").is_file()
