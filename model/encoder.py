@@ -160,9 +160,9 @@ def _varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
 def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
     """The attention mode to start from. auto -> "fused" where torch's variable-length flash attention runs (fp16/bf16
     on CUDA with torch.nn.attention.varlen): the few-token layer for batches of at most FUSED_LAYER_TOKENS tokens, the
-    varlen path above them (MiniLM b1 s16 on the H200: 0.144 ms a forward against varlen's 0.193, session 13);
+    varlen path above them (faster than varlen alone for a single short request: docs/performance.md, encoder suite);
     "pad" elsewhere. The runner takes auto's "fused" back to "varlen" when the few-token ops did not land on a fused
-    backend (FEW_TOKEN_OPS; model.runner.Embedder.configure_kernels), since their reference path is slower than
+    backend (FEW_TOKEN_OPS; model.runner.Embedder._attention_for), since their reference path is slower than
     varlen. "varlen" (no padded block, no mask) and "fused" (the QKV projection and attention of each sequence as one
     op, `kernels.qkv_attention`, where varlen does not run) are taken as asked."""
     usable = _varlen_runs(device, dtype)
@@ -224,7 +224,7 @@ class Layer(nn.Module):
                 ctx = kernels.qkv_attention(x, self.qkv.weight, self.qkv.bias, p.cu_seqlens, p.seq, self.num_heads)
                 return self._residual_blocks(x, ctx)
             # larger batches where varlen runs: cuBLAS QKV + varlen flash attention (qkv_attention re-projects a
-            # longer sequence's keys per query block: 0.566 ms against 0.432 for MiniLM b32 s128 on the H200)
+            # longer sequence's keys per query block, slower at 128-token sequences)
             attention = "varlen"
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
         if p.dense:  # rows of equal length back to back: the packed layout is the padded one, unmasked
@@ -257,8 +257,8 @@ class Layer(nn.Module):
 
     def _residual_blocks(self, x: Tensor, ctx: Tensor) -> Tensor:
         # post-LN residual blocks: x = LN(x + dense(ctx) + b); x = LN(x + W2 gelu(W1 x + b1) + b2). Each GEMM +
-        # bias + residual + LayerNorm is one op (cuBLAS + the chosen backend's add_layer_norm kernel; Triton's split
-        # GEMM + LayerNorm kernel lost to that on the H200 and is off by default, kernels/triton/linear_layer_norm.py)
+        # bias + residual + LayerNorm is one op (cuBLAS + the chosen backend's add_layer_norm kernel; a split GEMM +
+        # LayerNorm kernel lost to that: docs/decisions/0001-split-gemm-layer-norm.md)
         x = kernels.linear_add_layer_norm(ctx, self.attn_out.weight, self.attn_out.bias, x, self.attn_ln_weight,
                                           self.attn_ln_bias, self.eps)
         # GELU(x W1^T + b1): one Triton GEMM with the bias + GELU epilogue, or cuBLAS + the bias_gelu kernel, as

@@ -6,7 +6,7 @@ Why: at a single short request (MiniLM b1 s16) the FFN is three kernels (the GEM
 GEMM, the add + LayerNorm), each a few microseconds of latency, and the [16, 1536] intermediate makes a round
 trip through memory. Split over the intermediate columns, each program owns a chunk j of them: h_j = GELU(x W1_j^T +
 b1_j) stays in registers and goes straight into h_j W2[:, j]^T, a [rows, H] partial product. The programs never
-meet (no counters, no atomics: what made the split GEMM + LayerNorm lose, kernels/triton/linear_layer_norm.py); the
+meet (no counters, no atomics: what made the split GEMM + LayerNorm lose, docs/decisions/0001-split-gemm-layer-norm.md); the
 chunks' partial sums land in a [splits, T, H] fp32 workspace that the LayerNorm kernel reads in a fixed order, so
 the result is deterministic. Both weights are read once per row block, spread over `splits` SMs. This is for a few
 rows: each row block re-reads both weights, and the workspace grows with splits x T x H.

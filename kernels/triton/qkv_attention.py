@@ -1,17 +1,16 @@
 """A layer's QKV projection and self-attention over each packed sequence in one kernel.
 
-Why: at a single short request (MiniLM b1 s16) every kernel is latency. A layer's attention block is three kernels
-today, the QKV GEMM (cuBLAS, 2.9 us), a memset and the SDPA kernel (cuDNN, 0.8 + 4.2 us), plus their boundaries in
-the CUDA graph (`bench/results/2026-11-30-h200-profile-minilm-b1-s8.json`). Attention of short sequences needs
-only its own head's slice of the projection, so one program per (sequence, head) can project its tokens and attend
-without meeting any other program: no workspace, no counters (what made the split GEMM + LayerNorm lose,
-kernels/triton/linear_layer_norm.py).
+Why: at a single short request (MiniLM b1 s16) every kernel is latency. Unfused, a layer's attention block is three
+kernels, the QKV GEMM (cuBLAS), a memset and the SDPA kernel, plus their boundaries in the CUDA graph (the profile
+suite, docs/performance.md). Attention of short sequences needs only its own head's slice of the projection, so one
+program per (sequence, head) can project its tokens and attend without meeting any other program: no workspace, no
+counters (what made the split GEMM + LayerNorm lose, docs/decisions/0001-split-gemm-layer-norm.md).
 
 Per program (sequence b, head h, query block): q = x[block] Wq_h^T + bq_h, then flash-style over key blocks of the
 same sequence: k, v = x[keys] Wk_h^T + bk_h, x[keys] Wv_h^T + bv_h, online softmax (running max and sum in fp32),
 acc += p v. A sequence within one block (a short request) has its queries as its keys: q, k and v are projected in
-one pass over x (each step one x tile and three weight tiles in flight: 7.3 -> 5.6 us a layer for MiniLM b1 s16 on
-the H200, docs/performance.md session 11). The projections accumulate in fp32 and are rounded to the input dtype
+one pass over x (each step one x tile and three weight tiles in flight, fewer round trips than three passes). The
+projections accumulate in fp32 and are rounded to the input dtype
 before the attention products, as the unfused path stores them (fp32 inputs use IEEE products); p goes into the p v
 product as two halves in the input dtype, so it is not rounded (one rounding of p put single elements past the fp16
 tolerance). With `attention_partials` the context (rounded the same way) is multiplied by the head's slice of the

@@ -18,8 +18,7 @@ from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.gpu
 # a GPU server's start on a cold Triton cache: self-tests, races and autotuning of every op it calls, then the
-# warm-up's ~200 graph captures (105 s on the H200 with the compiled kernels cached, session 13; more beside other
-# test processes compiling)
+# warm-up's ~200 graph captures (minutes on a cold machine, more beside other test processes compiling)
 GPU_READY_S = 480
 
 
