@@ -70,8 +70,8 @@ def _linear_gelu_inputs(rows, cols, dtype, device, gen):
 
 
 def _linear_ln_inputs(rows, cols, dtype, device, gen):
-    # output [rows, cols] = LayerNorm(x [rows, K] @ weight^T + bias + residual), K = cols / 2 (deep enough that the
-    # split kernel splits K); weights at 1/sqrt(K), a residual and LayerNorm parameters away from 0 and 1
+    # output [rows, cols] = LayerNorm(x [rows, K] @ weight^T + bias + residual), K = cols / 2 (a real reduction
+    # depth); weights at 1/sqrt(K), a residual and LayerNorm parameters away from 0 and 1
     k = max(cols // 2, 1)
     x = _randn((rows, k), dtype, device, gen)
     w = _randn((cols, k), dtype, device, gen, scale=k**-0.5)

@@ -22,7 +22,7 @@ log = logging.getLogger("fusedserve")
 REMOVED_SETTINGS = {
     "layout": "the packed layout is the only one served (docs/decisions/0006-padded-layout-not-a-setting.md)",
     "idle_poll_ms": "measured without a client-visible effect (docs/decisions/0003-idle-poll.md)",
-    "gil_switch_interval_ms": "measured without a client-visible effect (docs/decisions/0004-gil-switch-interval.md)",
+    "gil_switch_interval_ms": "no clear or lasting effect measured (docs/decisions/0004-gil-switch-interval.md)",
     "fault_injection": "fault hooks are test-only now (docs/decisions/0005-fault-injection-out-of-the-product.md)",
 }
 
@@ -31,47 +31,65 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FUSEDSERVE_", extra="forbid", frozen=True)
 
     # model and device
-    model: str = Field("default", description="'default' (packaged all-MiniLM-L6-v2), a preset, or a checkpoint dir")
+    model: str = Field("default", description="'default' (packaged all-MiniLM-L6-v2), a preset (tiny, minilm-l6, "
+                       "bert-base: random weights), or a checkpoint dir")
     model_name: str = Field("", description="name clients use in requests and responses (default: derived from model)")
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    fused: bool = True
-    backend: Literal["auto", "triton", "cuda", "torch"] = "auto"
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="where the model runs; `auto`: CUDA when available, else the CPU; `cuda:N` picks "
+                        "a GPU")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="compute dtype; `auto`: float16 on CUDA, float32 on the CPU")
+    fused: bool = Field(True, description="serve on the fused kernels; `false` runs every op on the torch reference "
+                        "path")
+    backend: Literal["auto", "triton", "cuda", "torch"] = Field(
+        "auto", description="kernel backend for every op: `auto` self-tests the candidates and, on a GPU, races those "
+        "that pass; a forced backend that fails its self-test stops the start")
     backend_overrides: Annotated[dict[str, Literal["auto", "triton", "cuda", "torch"]], NoDecode] = Field(
         default_factory=dict, description="per-op backend, e.g. 'add_layer_norm=cuda,bias_gelu=triton'")
     max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's)")
     attention: Literal["auto", "pad", "varlen", "fused"] = Field(
         "auto", description="packed attention: varlen flash (fp16/bf16 on CUDA), pad-for-SDPA, or fused (batches of "
                             "<= 64 tokens as four kernels per layer, varlen above); auto: fused on CUDA fp16/bf16 "
-                            "while the few-token ops are on a fused backend, else varlen, pad on the CPU")
-    cuda_graphs: bool = Field(True, description="replay the packed forward from CUDA graphs per shape bucket (GPU)")
-    cuda_graph_warmup: bool = Field(True, description="capture every reachable graph bucket before ready (varlen)")
-    max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)")
+                            "while the few-token ops are on a fused backend, else varlen, pad on the CPU", json_schema_extra={"advanced": True})
+    cuda_graphs: bool = Field(True, description="replay the packed forward from CUDA graphs per shape bucket (GPU)"
+, json_schema_extra={"advanced": True})
+    cuda_graph_warmup: bool = Field(True, description="capture every reachable graph bucket before ready (varlen and "
+                                    "fused attention; pad attention captures each bucket on first use)",
+                                    json_schema_extra={"advanced": True})
+    max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)",
+                                 json_schema_extra={"advanced": True})
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default)")
 
     # batching and limits
-    max_batch_tokens: int = Field(16384, ge=1, description="tokens per batch: real tokens (packed layout) or rows x longest row (padded)")
+    max_batch_tokens: int = Field(16384, ge=1, description="real tokens per batch (the packed layout runs no padding)")
     max_batch_requests: int = Field(64, ge=1, description="inputs per batch")
     max_wait_ms: float = Field(0.0, ge=0, description="longest an input waits for company before its batch closes "
                                "(0: the worker takes whatever is queued as soon as it is free)")
     overlap_batches: bool = Field(
         True, description="launch the next batch before waiting for the last one's result (CUDA graphs): the GPU "
-        "runs while the worker delivers and waits for the GIL")
+        "runs while the worker delivers and waits for the GIL", json_schema_extra={"advanced": True})
     max_queue: int = Field(4096, ge=1, description="queued inputs beyond which requests get 429")
     max_client_batch: int = Field(256, ge=1, description="inputs per request")
-    request_timeout_s: float = Field(30.0, gt=0)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    warmup: bool = True
+    request_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take; inputs still waiting then "
+                                     "are answered 504 and never run (a batch already running gets 1 s of grace)")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit in bytes (413 beyond)")
+    warmup: bool = Field(True, description="run the model's warm-up batches (the largest batch the limits allow, and a "
+                         "short one) before ready", json_schema_extra={"advanced": True})
     drain_delay_s: float = Field(0.0, ge=0, description="after SIGTERM: report not-ready and refuse new work "
                                  "this long before closing the listener (lets load balancers catch up)")
 
     # verification, timing, admin
-    verify_sample_rate: float = Field(0.0, ge=0, le=1)
-    verify_action: Literal["log", "fallback"] = "log"
+    verify_sample_rate: float = Field(0.0, ge=0, le=1, description="share of batches recomputed by the verifier "
+                                      "thread on its fp32 reference copy")
+    verify_action: Literal["log", "fallback"] = Field(
+        "log", description="on a mismatch beyond verify_tolerance: `log`, or `fallback` (every op the model calls "
+        "moves to the torch reference, as the admin switch would)")
     verify_tolerance: float = Field(1e-3, gt=0, description="max cosine distance between fused and reference")
-    verify_queue: int = Field(8, ge=1)
-    kernel_timing_sample_rate: float = Field(0.01, ge=0, le=1)
-    admin_token: str = ""
+    verify_queue: int = Field(8, ge=1, description="sampled batches waiting for the verifier; a full queue drops the "
+                              "sample (counted as `dropped`)", json_schema_extra={"advanced": True})
+    kernel_timing_sample_rate: float = Field(0.01, ge=0, le=1, description="share of batches run eagerly with every "
+                                             "op timed (`fusedserve_kernel_duration_seconds`)")
+    admin_token: str = Field("", description="bearer token of the `/admin/*` routes; empty turns them off (404)")
 
     @model_validator(mode="before")
     @classmethod

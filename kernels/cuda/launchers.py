@@ -120,7 +120,7 @@ def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, approximate: str =
 def linear_add_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, residual: Tensor, ln_weight: Tensor,
                           ln_bias: Tensor, eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
     """The attention-out / FFN-out block as this backend runs it: the GEMM on cuBLAS (F.linear, no bias), then the
-    CUDA add + LayerNorm kernel (bias and residual added there). Triton's backend has the one-kernel version."""
+    CUDA add + LayerNorm kernel (bias and residual added there), as the Triton backend does with its own."""
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear_add_layer_norm: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
     return add_layer_norm(torch.nn.functional.linear(x, weight), residual, bias, ln_weight, ln_bias, eps, out=out)

@@ -6,8 +6,9 @@ Here the bias and the exact (erf) GELU run on the fp32 accumulator before the on
 epilogue is the tanh approximation, which is why this is a Triton GEMM rather than a cuBLAS flag.
 
 In the registry as the Triton backend's `linear_bias_gelu` (the CUDA backend's is cuBLAS + its bias_gelu kernel):
-the startup race at [4096, 4 x hidden] decides which one the encoder's FFN-in runs. `python -m bench.linear_gelu`
-measures it alone against cuBLAS + bias_gelu, eager torch, torch.compile and cuBLASLt's tanh epilogue.
+the startup race at [4096, 4 x hidden] decides which one the encoder's FFN-in runs. `python -m bench kernels`
+(scenario gemm-epilogues) measures it alone against cuBLAS + bias_gelu, eager torch, torch.compile and cuBLASLt's
+tanh epilogue.
 
 Tiles: the grouped ordering of Triton's matmul tutorial (GROUP_M row tiles share their weight tiles in L2);
 configurations are the tutorial's Hopper/Ampere set, autotuned per (row class, N, K). fp32 inputs use IEEE fp32

@@ -49,8 +49,8 @@ async def live() -> dict:
 
 @router.get("/health/ready")
 async def ready(service: ServiceDep) -> dict:
-    if not service.ready:
-        raise Unavailable("not ready")
+    if not service.ready or service.draining:
+        raise Unavailable("draining" if service.draining else "not ready")
     return {"ready": True}
 
 
@@ -67,8 +67,8 @@ async def metadata(name: str, service: ServiceDep) -> dict:
 @router.get("/models/{name}/ready")
 async def model_ready(name: str, service: ServiceDep) -> dict:
     _model(service, name)
-    if not service.ready:
-        raise Unavailable("not ready")
+    if not service.ready or service.draining:
+        raise Unavailable("draining" if service.draining else "not ready")
     return {"name": name, "ready": True}
 
 
