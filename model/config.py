@@ -1,4 +1,6 @@
-"""Encoder hyper-parameters: a frozen config with named presets, or one read from an HF config.json."""
+"""Encoder hyper-parameters: a frozen config with named presets, or one read from an HF config.json. The served
+architectures are the post-LN BERT family: BERT, RoBERTa / XLM-RoBERTa (positions offset past the padding index, one
+token type) and DistilBERT (no token types, its own weight names); any other is refused naming what is supported."""
 
 from __future__ import annotations
 
@@ -8,8 +10,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+ARCHITECTURES = ("bert", "roberta", "distilbert")
+# config.json model_type -> our architecture (XLM-RoBERTa is RoBERTa with another vocabulary)
+MODEL_TYPES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "distilbert": "distilbert"}
+SUPPORTED = "BERT, RoBERTa, XLM-RoBERTa and DistilBERT encoders"
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint this server cannot run exactly (architecture, activation, pooling or module): never served
+    approximately."""
+
+
 @dataclass(frozen=True)
 class EncoderConfig:
+    architecture: str = "bert"
     vocab_size: int = 30522
     hidden_size: int = 384
     num_layers: int = 6
@@ -22,12 +36,17 @@ class EncoderConfig:
     # Longest input after truncation, special tokens included (sentence-transformers' max_seq_length).
     max_seq_length: int = 512
     normalize: bool = True  # L2-normalize pooled embeddings by default (sentence-transformers' Normalize module)
+    # added to every token's position within its sequence (RoBERTa counts positions from padding_idx + 1)
+    position_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        if not 0 < self.max_seq_length <= self.max_position_embeddings:
-            raise ValueError(f"max_seq_length {self.max_seq_length} must be in 1..{self.max_position_embeddings}")
+        if not 0 < self.max_seq_length <= self.max_position_embeddings - self.position_offset:
+            raise ValueError(f"max_seq_length {self.max_seq_length} must be in "
+                             f"1..{self.max_position_embeddings - self.position_offset}")
+        if self.architecture not in ARCHITECTURES:
+            raise UnsupportedModel(f"architecture {self.architecture!r}; supported: {SUPPORTED}")
 
     @property
     def head_dim(self) -> int:
@@ -42,23 +61,34 @@ class EncoderConfig:
 
     @classmethod
     def from_hf(cls, config: dict, **overrides) -> EncoderConfig:
-        """From a transformers BertConfig dict (config.json)."""
-        if config.get("hidden_act", "gelu") != "gelu":
-            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only exact GELU, 'gelu')")
-        if config.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError("only absolute position embeddings are supported")
-        values = dict(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=config["num_attention_heads"],
-            intermediate_size=config["intermediate_size"],
-            max_position_embeddings=config["max_position_embeddings"],
-            type_vocab_size=config.get("type_vocab_size", 2),
-            layer_norm_eps=config.get("layer_norm_eps", 1e-12),
-            pad_token_id=config.get("pad_token_id", 0),
-            max_seq_length=config["max_position_embeddings"],
-        )
+        """From a transformers config.json dict (BertConfig, RobertaConfig, XLMRobertaConfig, DistilBertConfig)."""
+        model_type = config.get("model_type", "bert")
+        architecture = MODEL_TYPES.get(model_type)
+        if architecture is None:
+            named = ", ".join(config.get("architectures") or []) or "unnamed"
+            raise UnsupportedModel(f"model_type {model_type!r} ({named}) is not supported; supported: {SUPPORTED}")
+        if architecture == "distilbert":
+            act, values = config.get("activation", "gelu"), dict(
+                hidden_size=config["dim"], num_layers=config["n_layers"], num_heads=config["n_heads"],
+                intermediate_size=config["hidden_dim"], type_vocab_size=1, layer_norm_eps=1e-12)
+            if config.get("sinusoidal_pos_embds"):
+                raise UnsupportedModel("DistilBERT with sinusoidal position embeddings is not supported")
+        else:
+            act, values = config.get("hidden_act", "gelu"), dict(
+                hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"],
+                num_heads=config["num_attention_heads"], intermediate_size=config["intermediate_size"],
+                type_vocab_size=config.get("type_vocab_size", 2), layer_norm_eps=config.get("layer_norm_eps", 1e-12))
+            if config.get("position_embedding_type", "absolute") != "absolute":
+                raise UnsupportedModel(f"position_embedding_type {config['position_embedding_type']!r} is not "
+                                       "supported (only absolute position embeddings)")
+        if act != "gelu":
+            key = "activation" if architecture == "distilbert" else "hidden_act"
+            raise UnsupportedModel(f"{key} {act!r} is not supported (only exact GELU, 'gelu')")
+        pad = config.get("pad_token_id", 0) if config.get("pad_token_id") is not None else 0
+        offset = pad + 1 if architecture == "roberta" else 0
+        values.update(architecture=architecture, vocab_size=config["vocab_size"],
+                      max_position_embeddings=config["max_position_embeddings"], pad_token_id=pad,
+                      position_offset=offset, max_seq_length=config["max_position_embeddings"] - offset)
         values.update(overrides)
         return cls(**values)
 
@@ -69,12 +99,13 @@ class EncoderConfig:
         config = json.loads((path / "config.json").read_text())
         overrides = {}
         st_config = path / "sentence_bert_config.json"
+        base = cls.from_hf(config)
         if st_config.is_file():
             max_seq = json.loads(st_config.read_text()).get("max_seq_length")
             if max_seq:
-                overrides["max_seq_length"] = min(int(max_seq), config["max_position_embeddings"])
+                overrides["max_seq_length"] = min(int(max_seq), base.max_seq_length)
         overrides["normalize"] = _has_normalize_module(path)
-        return cls.from_hf(config, **overrides)
+        return base.replace(**overrides)
 
     def replace(self, **changes) -> EncoderConfig:
         return dataclasses.replace(self, **changes)

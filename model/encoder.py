@@ -71,11 +71,15 @@ class Packed:
 
     @staticmethod
     def host_buffers(rows: list[list[int]], tokens: int, batch: int, seq: int, pad_token_id: int = 0, *,
+                     position_offset: int = 0, pair_sep_id: int | None = None,
                      out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The packed batch as two CPU tensors: [6, tokens] int64 (one row per Packed.FIELDS; filler tokens point
         at the scratch row and scratch sequence) and [batch] lengths (filler sequences: 1), written into `out`
         when given (the CUDA graphs' pinned buffers). numpy, not torch: this runs on the host for every batch,
-        and a few dozen small torch ops cost more than a small model's whole graph replay."""
+        and a few dozen small torch ops cost more than a small model's whole graph replay.
+        position_offset: added to each token's position (RoBERTa's start past the padding index). pair_sep_id: rows
+        are text pairs `[CLS] a [SEP] b [SEP]`: tokens after a row's first separator get token type 1, as the
+        tokenizer's pair encoding gives them (a cross-encoder with token types); otherwise every type is 0."""
         n = len(rows)
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=n)
         real, longest = int(lengths.sum()), int(lengths.max())
@@ -93,6 +97,13 @@ class Packed:
         types[:] = 0
         np.multiply(row_of_token, seq, out=pad_index[:real])
         pad_index[:real] += positions[:real]
+        if position_offset:
+            positions += position_offset
+        if pair_sep_id is not None:
+            is_sep = (ids[:real] == pair_sep_id).astype(np.int64)
+            before = np.cumsum(is_sep) - is_sep  # separators before each token, from the batch's start
+            row_start = np.cumsum(lengths) - lengths
+            types[:real] = (before - np.repeat(before[row_start], lengths)) > 0
         pad_index[real:] = batch * seq
         np.minimum(pad_index, batch * seq - 1, out=gather_index)
         seq_index[:real] = row_of_token
@@ -123,11 +134,13 @@ class Packed:
 
     @classmethod
     def from_rows(cls, rows: list[list[int]], device: torch.device | str, *, tokens: int | None = None,
-                  batch: int | None = None, seq: int | None = None, pad_token_id: int = 0) -> Packed:
+                  batch: int | None = None, seq: int | None = None, pad_token_id: int = 0, position_offset: int = 0,
+                  pair_sep_id: int | None = None) -> Packed:
         """Pack token-id rows, optionally into a larger (tokens, batch, seq) bucket."""
         real = sum(map(len, rows))
         tokens, batch, seq = tokens or real, batch or len(rows), seq or max(map(len, rows))
-        flat, lengths = cls.host_buffers(rows, tokens, batch, seq, pad_token_id)
+        flat, lengths = cls.host_buffers(rows, tokens, batch, seq, pad_token_id, position_offset=position_offset,
+                                         pair_sep_id=pair_sep_id)
         cu_seqlens = cls.host_cu_seqlens(lengths[: len(rows)].numpy(), batch)
         return cls.from_buffers(flat.to(device), lengths.to(device), seq, dense=tokens == real == batch * seq,
                                 cu_seqlens=cu_seqlens.to(device))
@@ -293,7 +306,7 @@ class Encoder(nn.Module):
         batch, seq = input_ids.shape
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        position_ids = (torch.arange(seq, device=input_ids.device) + self.config.position_offset).expand(batch, seq)
         x = self.embeddings(input_ids.reshape(-1), position_ids.reshape(-1), token_type_ids.reshape(-1))
         attn_mask = attention_mask.bool()[:, None, None, :]
         for layer in self.layers:

@@ -1,4 +1,4 @@
-"""CUDA graphs of the packed forward + mean pooling, one per shape bucket, so a batch costs one graph replay
+"""CUDA graphs of the packed forward + the model's head (pooling, or a classifier), one per shape bucket, so a batch costs one graph replay
 instead of ~10 kernel launches per layer from Python.
 
 A bucket is (tokens, batch, seq, dense): the packed token count rounded up to token_buckets() (quarter-power-of-two
@@ -87,8 +87,12 @@ def _ceil_pow4(n: int) -> int:
 
 class CudaGraphs:
     def __init__(self, encoder: Encoder, device: torch.device, *, max_tokens: int, max_batch: int,
-                 max_graphs: int = 256, pad_token_id: int = 0, attention: str = "pad") -> None:
+                 max_graphs: int = 256, head: Callable[[Tensor, Packed], Tensor] | None = None, pad_token_id: int = 0,
+                 position_offset: int = 0, pair_sep_id: int | None = None, attention: str = "pad") -> None:
+        """head: hidden states [T, H] and the batch -> the output rows [batch, dim] (default: mean pooling)."""
         self.encoder, self.device, self.attention = encoder, device, attention
+        self.head = head or (lambda hidden, p: packed_mean_pool(hidden, p, normalize=False))
+        self.position_offset, self.pair_sep_id = position_offset, pair_sep_id
         self.tokens = token_buckets(max_tokens)
         self.max_batch = _ceil_pow2(max_batch)
         # the longest input the service lets through (inputs are truncated to max_seq_length)
@@ -153,7 +157,7 @@ class CudaGraphs:
         return len(keys)
 
     def run(self, rows: list[list[int]]) -> Tensor | None:
-        """Unnormalized pooled embeddings [len(rows), hidden] float32 on the device, or None when the batch
+        """The head's output [len(rows), dim] float32 on the device (unnormalized), or None when the batch
         is outside every bucket (the caller runs it eagerly)."""
         key = self.bucket(rows)
         if key is None:
@@ -165,7 +169,9 @@ class CudaGraphs:
         self.graphs.move_to_end(key)
         tokens, batch, seq, _ = key
         entry.copied.synchronize()  # a caller that did not wait for the last result must not race its copy
-        _, lengths = Packed.host_buffers(rows, tokens, batch, seq, self.pad_token_id, out=_split(entry.host, tokens))
+        _, lengths = Packed.host_buffers(rows, tokens, batch, seq, self.pad_token_id,
+                                         position_offset=self.position_offset, pair_sep_id=self.pair_sep_id,
+                                         out=_split(entry.host, tokens))
         Packed.host_cu_seqlens(lengths[: len(rows)].numpy(), batch, out=entry.cu_host)
         entry.device.copy_(entry.host, non_blocking=True)
         entry.cu_device.copy_(entry.cu_host, non_blocking=True)
@@ -206,7 +212,8 @@ class CudaGraphs:
         reserved = torch.cuda.memory_reserved(self.device)
         host = torch.empty(len(Packed.FIELDS) * tokens + batch, dtype=torch.long, pin_memory=True)
         # until the first real fill: one filler token (valid indices, lengths >= 1)
-        Packed.host_buffers([[self.pad_token_id]], tokens, batch, seq, out=_split(host, tokens))
+        Packed.host_buffers([[self.pad_token_id]], tokens, batch, seq, position_offset=self.position_offset,
+                            out=_split(host, tokens))
         cu_host = Packed.host_cu_seqlens([1], batch, out=torch.empty(batch + 1, dtype=torch.int32, pin_memory=True))
         dev, cu_dev = host.to(self.device), cu_host.to(self.device)
         packed = Packed.from_buffers(*_split(dev, tokens), seq, dense=dense, cu_seqlens=cu_dev)
@@ -214,11 +221,11 @@ class CudaGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):  # warm: lazy init, autotuning and launch-config sweeps happen outside capture
-                packed_mean_pool(self.encoder.forward_packed(packed, self.attention), packed, normalize=False)
+                self.head(self.encoder.forward_packed(packed, self.attention), packed)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
-            pooled = packed_mean_pool(self.encoder.forward_packed(packed, self.attention), packed, normalize=False)
+            pooled = self.head(self.encoder.forward_packed(packed, self.attention), packed)
         entry = _Graph(graph, host, dev, cu_host, cu_dev, packed, pooled, torch.cuda.Event())
         self.graphs[key] = entry
         self.captures += 1

@@ -24,11 +24,11 @@ from torch import Tensor
 import kernels
 from kernels.registry import REFERENCE_BACKEND
 from kernels.timing import OpTimer
-from model.config import PRESETS, EncoderConfig
-from model.encoder import (FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Encoder, Packed, kernel_ops, mean_pool, packed_mean_pool,
-                           resolve_attention)
+from model.config import PRESETS, EncoderConfig, UnsupportedModel
+from model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Encoder, Packed, kernel_ops, resolve_attention
+from model.modules import ClassificationHead, Classifier, EmbeddingHead, Pipeline, read_classifier, read_pipeline
 from model.tokenizer import TextTokenizer
-from model.weights import CheckpointError, default_model_dir, load_encoder
+from model.weights import CheckpointError, default_model_dir, load_checkpoint
 
 log = logging.getLogger("fusedserve.model")
 
@@ -64,12 +64,13 @@ class LoadReport:
     config: EncoderConfig
     kernels: kernels.Selection
     seconds: float
+    head: str = ""
 
     def __str__(self) -> str:
         c = self.config
         return (
-            f"model {self.model}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}, "
-            f"max_seq_length {c.max_seq_length}\n"
+            f"model {self.model}: {c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}, heads "
+            f"{c.num_heads}, max_seq_length {c.max_seq_length}\n{self.head}\n"
             f"device {self.device}, dtype {str(self.dtype).removeprefix('torch.')}, loaded in {self.seconds:.1f}s\n"
             f"{self.kernels.report()}"
         )
@@ -97,7 +98,8 @@ class Embedder:
     batcher); a second thread gets its own copy (reference_copy)."""
 
     def __init__(self, encoder: Encoder, tokenizer: TextTokenizer, name: str,
-                 device: torch.device, dtype: torch.dtype, *, layout: str = "packed", attention: str = "auto",
+                 device: torch.device, dtype: torch.dtype, *, pipeline: Pipeline | None = None,
+                 classifier: Classifier | None = None, layout: str = "packed", attention: str = "auto",
                  cuda_graphs: bool = True, max_batch_tokens: int = 8192, max_batch: int = 256,
                  max_graphs: int = 256, backend: str = "auto", backend_overrides: dict[str, str] | None = None) -> None:
         if layout not in ("packed", "padded"):
@@ -105,6 +107,20 @@ class Embedder:
         self.encoder = encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.config = encoder.config
         self.tokenizer = tokenizer
+        # what follows the encoder: an embedding pipeline (pooling, Dense, Normalize, prompts) or a classifier; the
+        # head stays float32 whatever the encoder's dtype
+        self.pipeline = pipeline if classifier is None else None
+        self.classifier = classifier
+        if classifier is not None:
+            head: torch.nn.Module = ClassificationHead(classifier)
+        else:
+            self.pipeline = self.pipeline or Pipeline(normalize=self.config.normalize)
+            head = EmbeddingHead(self.pipeline, self.config.hidden_size)
+        self.head = head.to(device).eval().requires_grad_(False)
+        self.kind = "classifier" if classifier is not None else "embedding"
+        self.dim: int = head.dim
+        # a cross-encoder's text pairs carry token types (after the first separator: 1) where the model has them
+        self.pair_sep_id = tokenizer.sep_id if classifier is not None and self.config.type_vocab_size > 1 else None
         self.name, self.device, self.dtype = name, device, dtype
         self.layout = layout
         self.max_batch_tokens, self.max_batch = max_batch_tokens, max_batch
@@ -123,8 +139,8 @@ class Embedder:
             from model.graphs import CudaGraphs
 
             self.graphs = CudaGraphs(self.encoder, device, max_tokens=max_batch_tokens, max_batch=max_batch,
-                                     max_graphs=max_graphs, pad_token_id=self.config.pad_token_id,
-                                     attention=self.attention)
+                                     max_graphs=max_graphs, head=self.head, attention=self.attention,
+                                     **self._token_layout())
 
     @classmethod
     def load(
@@ -135,29 +151,48 @@ class Embedder:
         dtype: str = "auto",
         fused: bool = True,
         max_seq_length: int | None = None,
+        pooling: str | None = None,
         **options,
     ) -> tuple[Embedder, LoadReport]:
         """model: "default" (the packaged all-MiniLM-L6-v2), a preset name (random init, default tokenizer),
-        or a checkpoint directory. options: layout, attention, cuda_graphs, max_batch_tokens, max_batch,
-        max_graphs, backend, backend_overrides (see __init__)."""
+        or a checkpoint directory (an embedding model, sentence-transformers or plain Hugging Face, or a
+        `*ForSequenceClassification` classifier / cross-encoder). pooling: override an embedding model's pooling
+        (cls, mean, max, mean_sqrt_len_tokens). options: layout, attention, cuda_graphs, max_batch_tokens,
+        max_batch, max_graphs, backend, backend_overrides (see __init__)."""
         started = time.perf_counter()
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
+        pipeline, classifier = None, None
         if model in PRESETS:
             config = EncoderConfig.from_name(model)
             encoder, tokenizer_dir, name = Encoder(config), default_model_dir(), f"{model} (random init)"
+            if pooling:
+                pipeline = Pipeline(read_pipeline(tokenizer_dir, pooling).pooling, source="POOLING setting")
         else:
             path = default_model_dir() if model == "default" else Path(model)
-            encoder, tokenizer_dir = load_encoder(path), path
+            encoder, rest = load_checkpoint(path)
+            tokenizer_dir = path
             name = "all-MiniLM-L6-v2" if model == "default" else path.name
+            classifier = read_classifier(path, encoder.config, rest)
+            if classifier is None:
+                unused = sorted(k for k in rest if not k.startswith("pooler."))
+                if unused:
+                    raise CheckpointError(f"checkpoint has {len(unused)} tensors the config does not use (more "
+                                          f"layers than num_layers={encoder.config.num_layers}? a different "
+                                          f"architecture?), e.g. {unused[:4]}")
+                pipeline = read_pipeline(path, pooling)
+            elif pooling:
+                raise UnsupportedModel(f"{name} is a classifier (its head reads the first token): POOLING does not "
+                                       "apply")
         if max_seq_length is not None:
             encoder.config = encoder.config.replace(max_seq_length=max_seq_length)
         if not (tokenizer_dir / "tokenizer.json").is_file():
             raise CheckpointError(f"{tokenizer_dir} has no tokenizer.json")
         tokenizer = TextTokenizer(tokenizer_dir, encoder.config.max_seq_length)
-        embedder = cls(encoder, tokenizer, name, dev, dt, **options)
+        embedder = cls(encoder, tokenizer, name, dev, dt, pipeline=pipeline, classifier=classifier, **options)
         selection = embedder.set_fused(fused)
-        return embedder, LoadReport(name, dev, dt, embedder.config, selection, time.perf_counter() - started)
+        return embedder, LoadReport(name, dev, dt, embedder.config, selection, time.perf_counter() - started,
+                                    embedder.describe_head())
 
     # ---- the path: changed only through these, between forwards ------------------------------------------------
     def set_fused(self, enabled: bool) -> kernels.Selection:
@@ -235,8 +270,8 @@ class Embedder:
         """An fp32 copy of this model on the same device, every op on the torch reference, no CUDA graphs: for a
         background thread's checks (the copy is that thread's own; this Embedder stays the worker's)."""
         encoder = copy.deepcopy(self.encoder).float()
-        return Embedder(encoder, self.tokenizer, self.name, self.device, torch.float32, layout=self.layout,
-                        cuda_graphs=False)
+        return Embedder(encoder, self.tokenizer, self.name, self.device, torch.float32, pipeline=self.pipeline,
+                        classifier=self.classifier, layout=self.layout, cuda_graphs=False)
 
     def warmup_batches(self) -> list[list[list[int]]]:
         """Token-id batches that make a first forward pay its one-time costs before traffic: the largest batch of
@@ -260,6 +295,11 @@ class Embedder:
     def describe(self) -> dict:
         """The model's kernel state for /info and the fused switch's answer."""
         return {
+            "kind": self.kind,
+            "dim": self.dim,
+            "head": self.describe_head().removeprefix("head: "),
+            **({"labels": list(self.classifier.labels)} if self.classifier is not None else {}),
+            **({"prompts": dict(self.pipeline.prompts)} if self.pipeline is not None and self.pipeline.prompts else {}),
             "fused": self.fused,
             "fallback": self.fallback,
             "selection_version": self.selection.version,
@@ -304,7 +344,8 @@ class Embedder:
                 pooled = self._forward_eager(batch).cpu()
         else:
             pooled = self.launch_ids(batch, graphs=graphs).wait()
-        normalize = self.config.normalize if normalize is None else normalize
+        if normalize is None:
+            normalize = self.pipeline.normalize if self.pipeline is not None else False
         return torch.nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled
 
     def capture_graphs(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -323,7 +364,7 @@ class Embedder:
         timed()) compute before returning. The server's worker launches its next batch before it waits for this
         one (server.batcher)."""
         if not batch:
-            return Pending(torch.empty(0, self.config.hidden_size))
+            return Pending(torch.empty(0, self.dim))
         with kernels.use(self.selection, self._observer):
             if self.graphs is not None and graphs and self._observer is None:
                 pooled = self.graphs.run(batch)  # a view of the graph's output: valid until the bucket's next replay
@@ -335,18 +376,77 @@ class Embedder:
                     return Pending(host, done)
             return Pending(self._forward_eager(batch).cpu())
 
+    def _token_layout(self) -> dict:
+        return dict(pad_token_id=self.config.pad_token_id, position_offset=self.config.position_offset,
+                    pair_sep_id=self.pair_sep_id)
+
     def _forward_eager(self, batch: list[list[int]]) -> Tensor:
         if self.layout == "packed":
-            packed = Packed.from_rows(batch, self.device, pad_token_id=self.config.pad_token_id)
-            return packed_mean_pool(self.encoder.forward_packed(packed, self.attention), packed, normalize=False)
+            packed = Packed.from_rows(batch, self.device, **self._token_layout())
+            return self.head(self.encoder.forward_packed(packed, self.attention), packed)
         seq = max(len(ids) for ids in batch)
         input_ids = torch.full((len(batch), seq), self.config.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), seq), dtype=torch.bool)
         for row, ids in enumerate(batch):
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[row, : len(ids)] = True
+        types = None
+        if self.pair_sep_id is not None:  # the packed layout's token types, padded
+            flat, _ = Packed.host_buffers(batch, sum(map(len, batch)), len(batch), seq, **self._token_layout())
+            types = torch.zeros_like(input_ids)
+            types[mask] = flat[Packed.FIELDS.index("token_type_ids")]
+            types = types.to(self.device)
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        return mean_pool(self.encoder(input_ids, mask), mask, normalize=False)
+        return self.head.forward_padded(self.encoder(input_ids, mask, types), mask)
 
-    def embed(self, texts: list[str], normalize: bool | None = None, truncate: bool = True) -> Tensor:
-        return self.embed_ids(self.tokenizer.encode(texts, truncate=truncate), normalize)
+    # ---- text in --------------------------------------------------------------------------------------------
+    def prompt(self, prompt_name: str | None) -> str:
+        """The text a prompt name stands for ("" for none; the model's default_prompt_name when not named)."""
+        prompts = self.pipeline.prompts if self.pipeline is not None else {}
+        name = prompt_name if prompt_name is not None else (self.pipeline.default_prompt_name if self.pipeline else None)
+        if name is None:
+            return ""
+        if name not in prompts:
+            known = ", ".join(prompts) or "none"
+            raise PromptError(f"prompt_name {name!r} is not one of this model's prompts ({known})")
+        return prompts[name]
+
+    def tokenize(self, texts: list[str], truncate: bool = True, prompt_name: str | None = None) -> list[list[int]]:
+        """Token ids of texts as sentence-transformers makes them: the prompt prepended (its tokens count toward
+        truncation), lower-cased where the model says so, special tokens added, truncated to max_seq_length."""
+        prompt = self.prompt(prompt_name)
+        texts = [prompt + t for t in texts] if prompt else texts
+        if self.pipeline is not None and self.pipeline.do_lower_case:
+            texts = [t.lower() for t in texts]
+        return self.tokenizer.encode(texts, truncate=truncate)
+
+    def tokenize_pairs(self, pairs: list[tuple[str, str]], truncate: bool = True) -> list[list[int]]:
+        """Token ids of text pairs as a cross-encoder takes them (longest_first truncation)."""
+        return self.tokenizer.encode_pairs(pairs, truncate=truncate)
+
+    def embed(self, texts: list[str], normalize: bool | None = None, truncate: bool = True,
+              prompt_name: str | None = None) -> Tensor:
+        return self.embed_ids(self.tokenize(texts, truncate, prompt_name), normalize)
+
+    def predict(self, pairs: list[tuple[str, str]] | list[str], truncate: bool = True) -> Tensor:
+        """A classifier's logits [n, num_labels] float32 for text pairs (or single texts)."""
+        if self.kind != "classifier":
+            raise ValueError(f"{self.name} is an embedding model, not a classifier")
+        ids = (self.tokenize_pairs(pairs, truncate) if pairs and not isinstance(pairs[0], str)
+               else self.tokenizer.encode(list(pairs), truncate=truncate))
+        return self.embed_ids(ids, normalize=False)
+
+    def describe_head(self) -> str:
+        if self.classifier is not None:
+            c = self.classifier
+            return (f"head: {c.kind} sequence classifier, {len(c.labels)} label(s) {', '.join(c.labels)}, scores "
+                    f"through {c.activation}")
+        p = self.pipeline
+        dense = f", Dense {' -> '.join(str(d.weight.shape[0]) for d in p.dense)}" if p.dense else ""
+        prompts = f", prompts {', '.join(p.prompts)}" if p.prompts else ""
+        return (f"head: {' + '.join(p.pooling)} pooling ({p.source}){dense}, dim {self.dim}, normalize "
+                f"{'on' if p.normalize else 'off'}{prompts}")
+
+
+class PromptError(ValueError):
+    """A prompt name the model does not have."""

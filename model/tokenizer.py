@@ -26,12 +26,26 @@ class TextTokenizer:
         self._full = Tokenizer.from_file(str(path))
         self._full.no_padding()
         self._full.no_truncation()
+        # the separator the post-processor appends to one text ([SEP], </s>): pairs are split at its first occurrence
+        self.sep_id = self._full.encode("a").ids[-1]
 
     def encode(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
         """Token ids per text, [CLS] ... [SEP] included. Without truncation, too-long inputs raise InputTooLong."""
         if truncate:
             return [e.ids for e in self._truncating.encode_batch(texts)]
         ids = [e.ids for e in self._full.encode_batch(texts)]
+        for index, row in enumerate(ids):
+            if len(row) > self.max_length:
+                raise InputTooLong(index, len(row), self.max_length)
+        return ids
+
+    def encode_pairs(self, pairs: list[tuple[str, str]], truncate: bool = True) -> list[list[int]]:
+        """Token ids per (a, b) pair, `[CLS] a [SEP] b [SEP]` (the model's own template), truncated longest-first
+        to max_length as a cross-encoder's tokenizer call does. Without truncation, too-long pairs raise."""
+        pairs = [tuple(p) for p in pairs]
+        if truncate:
+            return [e.ids for e in self._truncating.encode_batch(pairs)]
+        ids = [e.ids for e in self._full.encode_batch(pairs)]
         for index, row in enumerate(ids):
             if len(row) > self.max_length:
                 raise InputTooLong(index, len(row), self.max_length)

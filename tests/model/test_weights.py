@@ -33,7 +33,7 @@ def test_default_config_matches_minilm():
 
 
 def test_qkv_is_stacked_in_query_key_value_order(minilm_tensors):
-    state = convert_state_dict(dict(minilm_tensors), EncoderConfig.from_name("minilm-l6"))
+    state, _ = convert_state_dict(dict(minilm_tensors), EncoderConfig.from_name("minilm-l6"))
     qkv = state["layers.3.qkv.weight"]
     assert qkv.shape == (3 * 384, 384)
     assert torch.equal(qkv[384:768], minilm_tensors["encoder.layer.3.attention.self.key.weight"])

@@ -1,0 +1,301 @@
+"""What a model directory asks of the encoder's output, read from its own files, and the heads that do it.
+
+Embedding models: the sentence-transformers pipeline (modules.json: Transformer, Pooling, Dense..., Normalize;
+1_Pooling/config.json; config_sentence_transformers.json's prompts; sentence_bert_config.json's max_seq_length and
+do_lower_case). A module or pooling mode not implemented here stops the load with an error naming it: a vector is
+either sentence-transformers' or none. A plain Hugging Face directory (no modules.json) is mean-pooled, the documented
+default, unless `pooling=` says otherwise.
+
+Classifiers (config.json architectures `*ForSequenceClassification`): the architecture's own head on the first token
+(BERT: pooler + classifier; RoBERTa: classifier.dense + out_proj; DistilBERT: pre_classifier + ReLU + classifier),
+logits out; the activation (sigmoid for one label, softmax otherwise, or what config.json's sentence_transformers
+section names) is applied by whoever serves the scores.
+
+Heads run on the packed layout's hidden states [T, hidden] (and, for tests, the padded one) and return float32
+[batch, dim] on the device; they are captured in the CUDA graphs with the encoder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import kernels
+from model.config import EncoderConfig, UnsupportedModel
+
+POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens")
+_LEGACY_POOLING = {  # sentence-transformers' pooling_mode_* flags, in its order of concatenation
+    "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+_ST = "sentence_transformers.models."
+_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
+SCORE_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity",
+                     "torch.nn.modules.activation.Softmax": "softmax"}
+
+
+@dataclass(frozen=True)
+class Dense:
+    weight: Tensor  # [out, in]
+    bias: Tensor | None
+    activation: str  # identity | tanh
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """An embedding model's pipeline after the encoder."""
+
+    pooling: tuple[str, ...] = ("mean",)
+    dense: tuple[Dense, ...] = ()
+    normalize: bool = True
+    prompts: Mapping[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+    source: str = "sentence-transformers"
+
+
+@dataclass(frozen=True)
+class Classifier:
+    """A sequence-classification model's head: logits of the first token."""
+
+    kind: str  # bert | roberta | distilbert
+    tensors: Mapping[str, Tensor]
+    labels: tuple[str, ...]  # id2label in label order
+    activation: str  # sigmoid | softmax | identity (what predict applies by default)
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModel(f"cannot read {path}: {exc}") from exc
+
+
+def parse_pooling(value: str | list | tuple) -> tuple[str, ...]:
+    modes = (value,) if isinstance(value, str) else tuple(value)
+    bad = [m for m in modes if m not in POOLING_MODES]
+    if bad or not modes:
+        raise UnsupportedModel(f"pooling mode {', '.join(map(repr, bad or modes))} is not supported; supported: "
+                               f"{', '.join(POOLING_MODES)}")
+    return modes
+
+
+def _pooling(config: dict, where: Path) -> tuple[str, ...]:
+    if config.get("include_prompt", True) is False:
+        raise UnsupportedModel(f"{where}: pooling with include_prompt=false (prompt tokens left out of the pooling) "
+                               "is not supported")
+    if "pooling_mode" in config:
+        return parse_pooling(config["pooling_mode"])
+    modes = tuple(mode for key, mode in _LEGACY_POOLING.items() if config.get(key))
+    return parse_pooling(modes or ("mean",))
+
+
+def _dense(path: Path) -> Dense:
+    config = _json(path / "config.json")
+    activation = _ACTIVATIONS.get(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
+    if activation is None:
+        raise UnsupportedModel(f"{path}: Dense activation {config['activation_function']!r} is not supported; "
+                               f"supported: {', '.join(_ACTIVATIONS)}")
+    if config.get("use_residual"):
+        raise UnsupportedModel(f"{path}: Dense with use_residual is not supported")
+    weights = path / "model.safetensors"
+    if weights.is_file():
+        from safetensors.torch import load_file
+
+        tensors = load_file(weights)
+    elif (path / "pytorch_model.bin").is_file():
+        tensors = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise UnsupportedModel(f"{path}: Dense module without model.safetensors or pytorch_model.bin")
+    weight = tensors["linear.weight"].float()
+    if tuple(weight.shape) != (config["out_features"], config["in_features"]):
+        raise UnsupportedModel(f"{path}: Dense weight {tuple(weight.shape)} does not match its config")
+    bias = tensors.get("linear.bias")
+    return Dense(weight, bias.float() if bias is not None else None, activation)
+
+
+def read_pipeline(path: str | Path, pooling: str | None = None) -> Pipeline:
+    """The embedding pipeline of a model directory; `pooling` (the POOLING setting) overrides its pooling."""
+    path = Path(path)
+    modules_file = path / "modules.json"
+    st = _json(path / "config_sentence_transformers.json") if (path / "config_sentence_transformers.json").is_file() \
+        else {}
+    bert = _json(path / "sentence_bert_config.json") if (path / "sentence_bert_config.json").is_file() else {}
+    prompts = dict(st.get("prompts") or {})
+    default_prompt = st.get("default_prompt_name") or None
+    if default_prompt is not None and default_prompt not in prompts:
+        raise UnsupportedModel(f"default_prompt_name {default_prompt!r} is not among the model's prompts")
+    common = dict(prompts=prompts, default_prompt_name=default_prompt, max_seq_length=bert.get("max_seq_length"),
+                  do_lower_case=bool(bert.get("do_lower_case", False)))
+    if not modules_file.is_file():
+        modes = parse_pooling(pooling) if pooling else ("mean",)
+        return Pipeline(modes, normalize=True, source="POOLING setting" if pooling else
+                        "plain Hugging Face directory: mean pooling (the default; POOLING overrides)", **common)
+    modes, dense, normalize = None, [], False
+    for i, module in enumerate(_json(modules_file)):
+        kind, where = module.get("type", ""), path / module.get("path", "")
+        if kind.startswith(_ST):
+            kind = kind[len(_ST):]
+        if i == 0:
+            if kind != "Transformer":
+                raise UnsupportedModel(f"modules.json: the first module is {module.get('type')!r}, not a Transformer")
+            continue
+        if kind == "Pooling":
+            if modes is not None or dense or normalize:
+                raise UnsupportedModel("modules.json: Pooling must come once, right after the Transformer")
+            modes = _pooling(_json(where / "config.json"), where)
+        elif kind == "Dense":
+            if modes is None or normalize:
+                raise UnsupportedModel("modules.json: Dense must follow Pooling (and precede Normalize)")
+            dense.append(_dense(where))
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            raise UnsupportedModel(f"modules.json: module {module.get('type')!r} is not supported; supported: "
+                                   "Transformer, Pooling, Dense, Normalize")
+    if modes is None:
+        raise UnsupportedModel("modules.json has no Pooling module (token embeddings are not served)")
+    if pooling:
+        modes = parse_pooling(pooling)
+    return Pipeline(modes, tuple(dense), normalize, source="POOLING setting" if pooling else "sentence-transformers",
+                    **common)
+
+
+def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, Tensor]) -> Classifier | None:
+    """The classification head of a `*ForSequenceClassification` directory, or None for an encoder alone."""
+    hf = _json(Path(path) / "config.json")
+    if not any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
+        return None
+    names = {"bert": ("pooler.dense.weight", "pooler.dense.bias", "classifier.weight", "classifier.bias"),
+             "roberta": ("classifier.dense.weight", "classifier.dense.bias", "classifier.out_proj.weight",
+                         "classifier.out_proj.bias"),
+             "distilbert": ("pre_classifier.weight", "pre_classifier.bias", "classifier.weight", "classifier.bias")}
+    wanted = names[config.architecture]
+    missing = [n for n in wanted if n not in rest]
+    if missing:
+        raise UnsupportedModel(f"{path}: the classification head lacks {missing}")
+    extra = sorted(set(rest) - set(wanted))
+    if extra:
+        raise UnsupportedModel(f"{path}: tensors the classification head does not use, e.g. {extra[:4]}")
+    num_labels = rest[wanted[2]].shape[0]
+    id2label = hf.get("id2label") or {str(i): f"LABEL_{i}" for i in range(num_labels)}
+    labels = tuple(id2label.get(str(i), id2label.get(i, f"LABEL_{i}")) for i in range(num_labels))
+    declared = (hf.get("sentence_transformers") or {}).get("activation_fn") \
+        or hf.get("sbert_ce_default_activation_function")
+    if declared is not None:
+        activation = SCORE_ACTIVATIONS.get(declared)
+        if activation is None:
+            raise UnsupportedModel(f"{path}: score activation {declared!r} is not supported; supported: "
+                                   f"{', '.join(SCORE_ACTIVATIONS)}")
+    else:
+        activation = "sigmoid" if num_labels == 1 else "softmax"
+    return Classifier(config.architecture, {n: rest[n].float() for n in wanted}, labels, activation)
+
+
+def _first_tokens(hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
+    # each sequence's first row; a graph bucket's filler sequences start at the end: clamped to a real row
+    return hidden.index_select(0, cu_seqlens[:-1].long().clamp(max=hidden.shape[0] - 1))
+
+
+class EmbeddingHead(nn.Module):
+    """Pooling (one or several modes, concatenated in sentence-transformers' order) then the Dense modules."""
+
+    def __init__(self, pipeline: Pipeline, hidden: int) -> None:
+        super().__init__()
+        self.modes = pipeline.pooling
+        self.dense = nn.ModuleList()
+        self.activations = []
+        width = hidden * len(self.modes)
+        for d in pipeline.dense:
+            if d.weight.shape[1] != width:
+                raise UnsupportedModel(f"Dense takes {d.weight.shape[1]} features, the pooling gives {width}")
+            layer = nn.Linear(d.weight.shape[1], d.weight.shape[0], bias=d.bias is not None)
+            with torch.no_grad():
+                layer.weight.copy_(d.weight)
+                if d.bias is not None:
+                    layer.bias.copy_(d.bias)
+            self.dense.append(layer)
+            self.activations.append(d.activation)
+            width = d.weight.shape[0]
+        self.dim = width
+
+    def forward(self, hidden: Tensor, p) -> Tensor:
+        # hidden [T, H] packed (model.encoder.Packed p) -> [batch, dim] float32
+        pooled = []
+        for mode in self.modes:
+            if mode == "cls":
+                pooled.append(_first_tokens(hidden, p.cu_seqlens).float())
+            elif mode == "max":
+                rows = torch.full((p.batch + 1, hidden.shape[1]), float("-inf"), device=hidden.device)
+                rows.scatter_reduce_(0, p.seq_index[:, None].expand(-1, hidden.shape[1]), hidden.float(), "amax")
+                pooled.append(rows[: p.batch])
+            else:  # mean, mean_sqrt_len_tokens: one segment_mean kernel on a fused backend
+                mean = kernels.segment_mean(hidden, p.cu_seqlens).float()
+                pooled.append(mean if mode == "mean" else mean * p.lengths[:, None].float().sqrt())
+        return self._project(torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0])
+
+    def forward_padded(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        # hidden [batch, seq, H], mask [batch, seq] bool -> [batch, dim] float32 (the padded layout, a test oracle)
+        hidden, m = hidden.float(), mask[..., None].float()
+        pooled = []
+        for mode in self.modes:
+            if mode == "cls":
+                pooled.append(hidden[:, 0])
+            elif mode == "max":
+                pooled.append(hidden.masked_fill(m == 0, float("-inf")).max(dim=1).values)
+            else:
+                total, count = (hidden * m).sum(1), m.sum(1).clamp(min=1e-9)
+                pooled.append(total / (count if mode == "mean" else count.sqrt()))
+        return self._project(torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0])
+
+    def _project(self, x: Tensor) -> Tensor:
+        for layer, activation in zip(self.dense, self.activations):
+            x = F.linear(x, layer.weight.float(), None if layer.bias is None else layer.bias.float())
+            x = torch.tanh(x) if activation == "tanh" else x
+        return x
+
+
+class ClassificationHead(nn.Module):
+    """The architecture's classifier on each sequence's first token: logits [batch, num_labels] float32."""
+
+    def __init__(self, classifier: Classifier) -> None:
+        super().__init__()
+        t = classifier.tensors
+        first, second = {"bert": ("pooler.dense", "classifier"), "roberta": ("classifier.dense", "classifier.out_proj"),
+                         "distilbert": ("pre_classifier", "classifier")}[classifier.kind]
+        self.kind = classifier.kind
+        self.inner = nn.Linear(*t[first + ".weight"].shape[::-1])
+        self.out = nn.Linear(*t[second + ".weight"].shape[::-1])
+        with torch.no_grad():
+            for layer, name in ((self.inner, first), (self.out, second)):
+                layer.weight.copy_(t[name + ".weight"])
+                layer.bias.copy_(t[name + ".bias"])
+        self.dim = self.out.weight.shape[0]
+
+    def forward(self, hidden: Tensor, p) -> Tensor:
+        return self._classify(_first_tokens(hidden, p.cu_seqlens))
+
+    def forward_padded(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        return self._classify(hidden[:, 0])
+
+    def _classify(self, first: Tensor) -> Tensor:
+        x = F.linear(first.float(), self.inner.weight.float(), self.inner.bias.float())
+        x = torch.relu(x) if self.kind == "distilbert" else torch.tanh(x)
+        return F.linear(x, self.out.weight.float(), self.out.bias.float())
+
+
+def activate(logits: Tensor, activation: str) -> Tensor:
+    """Scores from logits [n, labels] float32, as the model's activation says."""
+    if activation == "sigmoid":
+        return torch.sigmoid(logits)
+    if activation == "softmax":
+        return torch.softmax(logits, dim=-1)
+    return logits

@@ -1,0 +1,131 @@
+"""Model directories the tests build offline, the way users' models are laid out: the packaged MiniLM re-pooled or
+with a Dense module, tiny random XLM-RoBERTa and DistilBERT saved with transformers' save_pretrained plus
+sentence-transformers' module files, and cross-encoders (MiniLM's encoder with a random classification head). The
+only real weights here are MiniLM's; every directory takes its tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from model.weights import default_model_dir
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+def _copy_tokenizer(dest: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (default_model_dir() / name).is_file():
+            shutil.copy(default_model_dir() / name, dest / name)
+
+
+def _st_files(dest: Path, pooling: list[str], *, dense: list[tuple[int, int, str]] = (), normalize: bool = True,
+              max_seq_length: int = 128, prompts: dict | None = None, default_prompt: str | None = None,
+              seed: int = 0) -> None:
+    """modules.json, 1_Pooling (new-style pooling_mode), Dense modules (in, out, activation) with random weights,
+    Normalize, sentence_bert_config.json and config_sentence_transformers.json."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+    hidden = json.loads((dest / "config.json").read_text())
+    width = hidden.get("hidden_size", hidden.get("dim"))
+    (dest / "1_Pooling").mkdir(exist_ok=True)
+    (dest / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"embedding_dimension": width, "pooling_mode": pooling if len(pooling) > 1 else pooling[0],
+         "include_prompt": True}))
+    modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
+    gen = torch.Generator().manual_seed(seed)
+    for i, (fan_in, fan_out, activation) in enumerate(dense, start=2):
+        path = dest / f"{i}_Dense"
+        path.mkdir(exist_ok=True)
+        (path / "config.json").write_text(json.dumps({
+            "in_features": fan_in, "out_features": fan_out, "bias": True,
+            "activation_function": {"tanh": "torch.nn.modules.activation.Tanh",
+                                    "identity": "torch.nn.modules.linear.Identity"}[activation]}))
+        save_file({"linear.weight": torch.randn(fan_out, fan_in, generator=gen) * fan_in**-0.5,
+                   "linear.bias": torch.randn(fan_out, generator=gen) * 0.1}, path / "model.safetensors")
+        modules.append({"idx": i, "name": str(i), "path": path.name, "type": "sentence_transformers.models.Dense"})
+    if normalize:
+        modules.append({"idx": len(modules), "name": str(len(modules)), "path": f"{len(modules)}_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (dest / "modules.json").write_text(json.dumps(modules))
+    (dest / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
+                                                                "do_lower_case": False}))
+    (dest / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": prompts or {}, "default_prompt_name": default_prompt, "similarity_fn_name": "cosine"}))
+
+
+def minilm(dest: Path, pooling: list[str], dense: list[tuple[int, int, str]] = (), **kwargs) -> Path:
+    """The packaged MiniLM with another pooling and/or Dense modules (weights linked, not copied)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    src = default_model_dir()
+    for name in ("config.json", *TOKENIZER_FILES):
+        if (src / name).is_file():
+            shutil.copy(src / name, dest / name)
+    (dest / "model.safetensors").symlink_to(src / "model.safetensors")
+    _st_files(dest, pooling, dense=dense, max_seq_length=256, **kwargs)
+    return dest
+
+
+def tiny_xlm_roberta(dest: Path, pooling: list[str] = ("mean",), **kwargs) -> Path:
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    torch.manual_seed(1)
+    config = XLMRobertaConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=128, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+                              bos_token_id=0, eos_token_id=2)
+    XLMRobertaModel(config).save_pretrained(dest, safe_serialization=True)
+    _copy_tokenizer(dest)
+    _st_files(dest, list(pooling), max_seq_length=128, **kwargs)
+    return dest
+
+
+def tiny_distilbert(dest: Path, pooling: list[str] = ("mean",), **kwargs) -> Path:
+    from transformers import DistilBertConfig, DistilBertModel
+
+    torch.manual_seed(2)
+    config = DistilBertConfig(vocab_size=30522, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                              max_position_embeddings=128)
+    DistilBertModel(config).save_pretrained(dest, safe_serialization=True)
+    _copy_tokenizer(dest)
+    _st_files(dest, list(pooling), max_seq_length=128, **kwargs)
+    return dest
+
+
+def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Path:
+    """A sequence classifier: MiniLM's encoder with a random head (bert), or a tiny random XLM-R / DistilBERT one."""
+    import transformers
+
+    torch.manual_seed(3 + num_labels)
+    labels = {1: ["score"], 3: ["contradiction", "entailment", "neutral"]}.get(num_labels,
+                                                                               [f"LABEL_{i}" for i in range(num_labels)])
+    id2label = dict(enumerate(labels))
+    if architecture == "bert":
+        config = transformers.BertConfig.from_pretrained(default_model_dir(), num_labels=num_labels,
+                                                         id2label=id2label, label2id={v: k for k, v in id2label.items()})
+        model = transformers.BertForSequenceClassification(config)
+        base = transformers.BertModel.from_pretrained(default_model_dir(), add_pooling_layer=False)
+        model.bert.load_state_dict(base.state_dict(), strict=False)
+    elif architecture == "roberta":
+        config = transformers.XLMRobertaConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, intermediate_size=128,
+                                               max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+                                               num_labels=num_labels, id2label=id2label)
+        model = transformers.XLMRobertaForSequenceClassification(config)
+    else:
+        config = transformers.DistilBertConfig(vocab_size=30522, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                                               max_position_embeddings=128, num_labels=num_labels, id2label=id2label)
+        model = transformers.DistilBertForSequenceClassification(config)
+    with torch.no_grad():  # logits of order 1, so sigmoid/softmax are not flat
+        for name, p in model.named_parameters():
+            if ("classifier" in name or "pooler" in name) and p.dim() == 2:
+                p.normal_(0, 1.5 * p.shape[1] ** -0.5)
+    model.save_pretrained(dest, safe_serialization=True)
+    _copy_tokenizer(dest)
+    if architecture == "roberta":  # one token type: the borrowed BERT tokenizer's pair types are not passed on
+        config = json.loads((dest / "tokenizer_config.json").read_text())
+        config["model_input_names"] = ["input_ids", "attention_mask"]
+        (dest / "tokenizer_config.json").write_text(json.dumps(config))
+    return dest

@@ -1,0 +1,160 @@
+"""The models users bring, against the real libraries on the same directories (fp32, CPU): sentence-transformers'
+SentenceTransformer for embedding models (pooling modes, Dense, Normalize, prompts; BERT, XLM-RoBERTa, DistilBERT)
+and CrossEncoder for classifiers (1 and 3 labels; BERT, XLM-RoBERTa, DistilBERT heads). What cannot be served
+exactly is refused at load, naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model.config import UnsupportedModel
+from model.modules import activate
+from model.runner import Embedder
+from model.weights import CheckpointError
+from tests.model import checkpoints
+
+SentenceTransformer = pytest.importorskip("sentence_transformers").SentenceTransformer
+CrossEncoder = pytest.importorskip("sentence_transformers").CrossEncoder
+
+TEXTS = ["A man is eating food.", "Fused kernels make encoders fast, even for a single short request.", "x",
+         "The quick brown fox jumps over the lazy dog " * 12]
+PAIRS = [("how do fused kernels help?", "They cut memory traffic between ops."), ("what is a cat", "A small feline."),
+         ("q", "a much longer passage about nothing in particular " * 10), ("same", "same")]
+MIN_COSINE, MAX_SCORE_ERROR = 0.99999, 1e-5  # fp32 CPU, against the reference library on the same weights
+
+
+def _agree(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    cosine = torch.nn.functional.cosine_similarity(ours.double(), theirs.double(), dim=1)
+    assert float(cosine.min()) >= MIN_COSINE, cosine
+
+
+def _reference(path) -> SentenceTransformer:
+    return SentenceTransformer(str(path), device="cpu")
+
+
+@pytest.mark.parametrize("pooling", [["cls"], ["max"], ["mean_sqrt_len_tokens"], ["cls", "mean"]])
+def test_minilm_repooled_matches_sentence_transformers(tmp_path, pooling):
+    path = checkpoints.minilm(tmp_path / "m", pooling)
+    ours, report = Embedder.load(str(path), device="cpu", backend="torch")
+    assert " + ".join(pooling) + " pooling" in str(report)
+    _agree(ours.embed(TEXTS), _reference(path).encode(TEXTS, convert_to_tensor=True))
+
+
+def test_minilm_with_dense_modules_matches_sentence_transformers(tmp_path):
+    path = checkpoints.minilm(tmp_path / "m", ["mean"], dense=[(384, 128, "tanh"), (128, 64, "identity")])
+    ours, _ = Embedder.load(str(path), device="cpu", backend="torch")
+    assert ours.dim == 64
+    _agree(ours.embed(TEXTS), _reference(path).encode(TEXTS, convert_to_tensor=True))
+
+
+@pytest.mark.parametrize("build", [checkpoints.tiny_xlm_roberta, checkpoints.tiny_distilbert],
+                         ids=["xlm-roberta", "distilbert"])
+@pytest.mark.parametrize("pooling", [["mean"], ["cls"]])
+def test_other_architectures_match_sentence_transformers(tmp_path, build, pooling):
+    path = build(tmp_path / "m", pooling)
+    ours, report = Embedder.load(str(path), device="cpu", backend="torch")
+    assert ours.config.architecture in ("roberta", "distilbert") and ours.config.architecture in str(report)
+    _agree(ours.embed(TEXTS), _reference(path).encode(TEXTS, convert_to_tensor=True))
+
+
+def test_the_fused_kernels_serve_other_architectures(tmp_path):
+    """XLM-R's offset positions and single token type through the Triton kernels (on the interpreter here)."""
+    path = checkpoints.tiny_xlm_roberta(tmp_path / "m")
+    fused, _ = Embedder.load(str(path), device="cpu", backend="triton")
+    assert set(fused.selection.used.values()) == {"triton"}
+    _agree(fused.embed(TEXTS[:3]), _reference(path).encode(TEXTS[:3], convert_to_tensor=True))
+
+
+def test_prompts_count_toward_truncation_as_sentence_transformers_counts_them(tmp_path):
+    prompts = {"query": "Represent this query for retrieving passages: ", "doc": ""}
+    path = checkpoints.minilm(tmp_path / "m", ["mean"], prompts=prompts, default_prompt="query")
+    ours, _ = Embedder.load(str(path), device="cpu", backend="torch")
+    reference = _reference(path)
+    for name in ("query", "doc", None):
+        _agree(ours.embed(TEXTS, prompt_name=name), reference.encode(TEXTS, prompt_name=name, convert_to_tensor=True))
+    long = ["word " * 400]  # truncated at 256 tokens, the prompt's included
+    assert len(ours.tokenize(long, prompt_name="query")[0]) == 256
+    assert ours.tokenize(long, prompt_name="query")[0][1:5] != ours.tokenize(long, prompt_name="doc")[0][1:5]
+    with pytest.raises(ValueError, match="prompt_name 'passage' is not one of this model's prompts"):
+        ours.embed(TEXTS, prompt_name="passage")
+
+
+@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_classifiers_match_cross_encoder(tmp_path, architecture, num_labels):
+    path = checkpoints.cross_encoder(tmp_path / "ce", num_labels, architecture)
+    ours, report = Embedder.load(str(path), device="cpu", backend="torch")
+    assert ours.kind == "classifier" and "sequence classifier" in str(report)
+    reference = CrossEncoder(str(path), device="cpu")
+    logits = ours.predict(PAIRS)
+    scores = activate(logits, ours.classifier.activation)
+    if num_labels == 1:
+        expected = torch.as_tensor(reference.predict(PAIRS, convert_to_numpy=True)).reshape(-1, 1)
+        assert ours.classifier.activation == "sigmoid"
+        ranked = reference.rank(PAIRS[0][0], [b for _, b in PAIRS])
+        ours_ranked = activate(ours.predict([(PAIRS[0][0], b) for _, b in PAIRS]), "sigmoid")[:, 0]
+        assert [r["corpus_id"] for r in ranked] == torch.argsort(ours_ranked, descending=True).tolist()
+    else:
+        expected = torch.as_tensor(reference.predict(PAIRS, apply_softmax=True, convert_to_numpy=True))
+        assert ours.classifier.labels == ("contradiction", "entailment", "neutral")
+    assert float((scores - expected).abs().max()) <= MAX_SCORE_ERROR, (scores, expected)
+    raw = torch.as_tensor(reference.predict(PAIRS, activation_fn=torch.nn.Identity(), convert_to_numpy=True))
+    raw = raw.reshape(logits.shape)  # logits are not bounded like scores: the same bound relative to their size
+    assert float((logits - raw).abs().max()) <= MAX_SCORE_ERROR * max(1.0, float(raw.abs().max()))
+
+
+def test_classifier_pairs_carry_token_types_and_truncate_longest_first(tmp_path):
+    path = checkpoints.cross_encoder(tmp_path / "ce", 1)
+    ours, _ = Embedder.load(str(path), device="cpu", backend="torch", max_seq_length=32)
+    reference = CrossEncoder(str(path), device="cpu", max_length=32)
+    long_pairs = [("a question " * 30, "a short answer"), ("short", "a passage " * 40)]
+    ids = ours.tokenize_pairs(long_pairs)
+    assert all(len(row) == 32 for row in ids)
+    expected = reference.tokenizer([a for a, _ in long_pairs], [b for _, b in long_pairs], truncation=True,
+                                   max_length=32)["input_ids"]
+    assert ids == expected
+    scores = activate(ours.predict(long_pairs), "sigmoid")[:, 0]
+    assert float((scores - torch.as_tensor(reference.predict(long_pairs))).abs().max()) <= MAX_SCORE_ERROR
+
+
+def test_plain_hugging_face_directories_are_mean_pooled_unless_pooling_says(tmp_path):
+    path = checkpoints.tiny_distilbert(tmp_path / "m")
+    for name in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json"):
+        (path / name).unlink()
+    ours, report = Embedder.load(str(path), device="cpu", backend="torch")
+    assert "plain Hugging Face directory: mean pooling" in str(report)
+    reference = _reference(path)  # sentence-transformers' own default for such a directory: mean pooling
+    _agree(ours.embed(TEXTS, normalize=False), reference.encode(TEXTS, convert_to_tensor=True))
+    cls, report = Embedder.load(str(path), device="cpu", backend="torch", pooling="cls")
+    assert "cls pooling (POOLING setting)" in str(report)
+    assert not torch.allclose(cls.embed(TEXTS), ours.embed(TEXTS))
+
+
+def test_what_cannot_be_served_exactly_is_refused_naming_it(tmp_path):
+    path = checkpoints.minilm(tmp_path / "weighted", ["mean"])
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": 384,
+                                                                "pooling_mode": "weightedmean"}))
+    with pytest.raises(UnsupportedModel, match="pooling mode 'weightedmean' is not supported"):
+        Embedder.load(str(path), device="cpu")
+    path = checkpoints.minilm(tmp_path / "lasttoken", ["mean"])
+    with pytest.raises(UnsupportedModel, match="pooling mode 'lasttoken'"):
+        Embedder.load(str(path), device="cpu", pooling="lasttoken")
+    path = checkpoints.minilm(tmp_path / "module", ["mean"])
+    modules = json.loads((path / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(UnsupportedModel, match="module 'sentence_transformers.models.LayerNorm' is not supported"):
+        Embedder.load(str(path), device="cpu")
+    path = checkpoints.minilm(tmp_path / "mpnet", ["mean"])
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "mpnet", "architectures": ["MPNetModel"]}))
+    with pytest.raises(CheckpointError, match="model_type 'mpnet' \\(MPNetModel\\) is not supported; supported: BERT, "
+                                              "RoBERTa, XLM-RoBERTa and DistilBERT"):
+        Embedder.load(str(path), device="cpu")
+    ce = checkpoints.cross_encoder(tmp_path / "ce", 1)
+    with pytest.raises(UnsupportedModel, match="is a classifier"):
+        Embedder.load(str(ce), device="cpu", pooling="cls")
