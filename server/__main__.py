@@ -19,6 +19,11 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, service, drain_delay_s: float) -> None:
         super().__init__(config)
         self.service, self.drain_delay_s = service, drain_delay_s
+        service.on_fatal = self.stop  # the model failed to load: nothing to drain, stop serving
+
+    def stop(self) -> None:
+        """Called from the loading thread; uvicorn's main loop checks the flag every tick."""
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         if self.service.draining or self.drain_delay_s <= 0:
@@ -50,16 +55,24 @@ def main(argv: list[str] | None = None, app_factory=None) -> int:
 
     from server.app import create_app
     from server.config import Settings
+    from server.observability import configure_logging
 
     try:
         settings = Settings()
     except (ValidationError, ValueError) as exc:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
+    configure_logging(args.log_level, settings.log_format)
     app = (app_factory or create_app)(settings)
+    # JSON logs: uvicorn's loggers propagate to the root's JSON handler instead of configuring their own format
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
                             timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
-    DrainingServer(config, app.state.service, settings.drain_delay_s).run()
+    service = app.state.service
+    DrainingServer(config, service, settings.drain_delay_s).run()
+    if service.load_error is not None:
+        print(f"start-up failed: {service.load_error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,23 +1,30 @@
-"""App factory: routes, one error mapping, request metrics and the body-size limit, and the lifespan
-(load the model, warm up, then ready; on shutdown refuse new work and drain the queue)."""
+"""App factory: routes, one error mapping, the middleware (CORS, request observation, API keys, the body-size
+limit), the offline API docs, and the lifespan (start loading the model in the background and serve at once; on
+shutdown refuse new work and drain the queue)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+import secrets
 from contextlib import asynccontextmanager
+from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.config import Settings
-from server.errors import ServiceError, error_body
-from server.routes import admin, health, infer, kserve, openai
-from server.service import Service
+from server.errors import ServiceError, error_response, service_error_response
+from server.observability import CURRENT, TIMING_HEADERS, RequestRecord, request_id
+from server.routes import admin, health, infer, kserve, openai, tei
+from server.service import VERSION, Service
 
 log = logging.getLogger("fusedserve")
 
@@ -33,7 +40,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or {}).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._reject(send)
+            return await self._reject(scope, send)
         seen = 0
         started = False
 
@@ -56,11 +63,10 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge:
             if not started:
-                await self._reject(send)
+                await self._reject(scope, send)
 
-    async def _reject(self, send: Send) -> None:
-        response = JSONResponse(error_body("payload_too_large", f"request body over {self.max_bytes} bytes"),
-                                status_code=413)
+    async def _reject(self, scope: Scope, send: Send) -> None:
+        response = error_response(scope["path"], 413, "payload_too_large", f"request body over {self.max_bytes} bytes")
         await response({"type": "http"}, None, send)  # type: ignore[arg-type]
 
 
@@ -68,32 +74,116 @@ class _TooLarge(Exception):
     pass
 
 
-class RequestMetrics:
-    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the handlers):
-    fusedserve_requests_total{route,status} and fusedserve_request_duration_seconds{route}."""
+class RequestObserver:
+    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the handlers), around every
+    request: its RequestRecord (server.observability) for the service to fill in; the response headers x-request-id
+    and the timings; fusedserve_requests_total{route,status} and fusedserve_request_duration_seconds{route}; and,
+    with tracing on, the request's server span."""
 
     def __init__(self, app: ASGIApp, service: Service) -> None:
-        self.app, self.metrics = app, service.metrics
+        self.app, self.metrics, self.tracing = app, service.metrics, service.tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = time.perf_counter()
+        started = time.monotonic()
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or ()}
+        record = RequestRecord(request_id(headers.get("x-request-id")), started)
+        if self.tracing is not None:
+            record.tracing = self.tracing
+            record.span = self.tracing.start_request(scope["method"], scope["path"], headers, started)
+        token = CURRENT.set(record)
         status = 500
 
-        async def tracking_send(message: Message) -> None:
+        async def observing_send(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message["headers"] = [*message.get("headers", ()), *record.headers(time.monotonic())]
             await send(message)
 
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, observing_send)
         finally:
+            CURRENT.reset(token)
             route = getattr(scope.get("route"), "path", "unmatched")
             if route != "/metrics":
                 self.metrics.requests.labels(route, str(status)).inc()
-                self.metrics.request_duration.labels(route).observe(time.perf_counter() - started)
+                self.metrics.request_duration.labels(route).observe(time.monotonic() - started)
+            if record.span is not None:
+                self.tracing.end_request(record.span, route, status, record.id)
+
+
+# open without an API key: the docs (a browser cannot send a bearer token for a page load), and /admin/*, which
+# checks its own token
+OPEN_PATHS = ("/docs", "/redoc", "/openapi.json", "/admin/")
+# the probes and the scrape: open unless auth_probes
+PROBE_PATHS = ("/healthz", "/readyz", "/health", "/metrics", "/v2/health/live", "/v2/health/ready")
+
+
+class ApiKeys:
+    """Pure ASGI middleware: with api_keys set, a request needs `Authorization: Bearer <key>` (401 with
+    WWW-Authenticate otherwise, in the route's error shape), checked before its body is read. Every configured
+    key is compared, in constant time, so neither the timing nor the order says which one nearly matched."""
+
+    def __init__(self, app: ASGIApp, keys: list[str], probes: bool) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+        self.open = OPEN_PATHS if probes else OPEN_PATHS + PROBE_PATHS
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or path.startswith(self.open):
+            return await self.app(scope, receive, send)
+        given = b""
+        for key, value in scope.get("headers") or ():
+            if key == b"authorization":
+                scheme, _, given = value.partition(b" ")
+                given = given.strip() if scheme.lower() == b"bearer" else b""
+        matched = False
+        for key in self.keys:
+            matched |= secrets.compare_digest(given, key)
+        if matched:
+            return await self.app(scope, receive, send)
+        message = "missing API key (Authorization: Bearer <key>)" if not given else "invalid API key"
+        response = error_response(path, 401, "unauthorized", message, code="invalid_api_key",
+                                  headers={"WWW-Authenticate": 'Bearer realm="fusedserve"'})
+        await response(scope, receive, send)
+
+
+DOCS_ASSETS = "/docs/assets"
+
+
+def _mount_docs(app: FastAPI) -> None:
+    """Swagger UI at /docs and ReDoc at /redoc from assets this app serves itself (the fastapi-offline package
+    ships them), so the docs work on a machine without network access."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(resources.files("fastapi_offline") / "static")),
+              name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(openapi_url=root + app.openapi_url, title=f"{app.title} - Swagger UI",
+                                   oauth2_redirect_url=root + "/docs/oauth2-redirect",
+                                   swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{root}{DOCS_ASSETS}/favicon.png")
+
+    @app.get("/docs/oauth2-redirect", include_in_schema=False)
+    async def swagger_ui_redirect() -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_redoc_html(openapi_url=root + app.openapi_url, title=f"{app.title} - ReDoc",
+                              redoc_js_url=f"{root}{DOCS_ASSETS}/redoc.standalone.js",
+                              redoc_favicon_url=f"{root}{DOCS_ASSETS}/favicon.png", with_google_fonts=False)
+
+
+def _first_param(errors: list[dict]) -> str | None:
+    loc = [p for p in (errors[0].get("loc") or ()) if p != "body"] if errors else []
+    return str(loc[0]) if loc else None
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -102,45 +192,51 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await asyncio.to_thread(service.load)
-        if settings.warmup:
-            await asyncio.to_thread(service.warm_up)
-        service.mark_ready()
-        log.warning("ready\n%s", service.startup_report())
+        # the port opens now: /healthz answers, /readyz says what is loading, everything else 503 until ready
+        service.start()
         yield
         log.warning("shutting down: draining accepted requests")
         await asyncio.to_thread(service.shutdown)
 
-    app = FastAPI(title="fusedserve", version="0.1.0", lifespan=lifespan,
-                  description="Transformer-encoder embeddings on fused GPU kernels")
+    app = FastAPI(title="fusedserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="Transformer-encoder embeddings on fused GPU kernels. Native (`/infer`), OpenAI "
+                  "(`/v1/*`), text-embeddings-inference (`/embed`, ...) and KServe v2 (`/v2/*`) APIs.")
     app.state.service = service
-    for module in (infer, openai, kserve, health, admin):
+    for module in (infer, openai, tei, kserve, health, admin):
         app.include_router(module.router)
+    _mount_docs(app)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError):
-        return JSONResponse(error_body(exc.type, exc.message), status_code=exc.status, headers=exc.headers)
+        return service_error_response(request.scope["path"], exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
+        path, errors = request.scope["path"], exc.errors()
         if errors and errors[0].get("type") == "json_invalid":  # not JSON at all (orjson's reason): 400, not 422
             reason = (errors[0].get("ctx") or {}).get("error") or "JSON decode error"
-            return JSONResponse(error_body("invalid_request", f"malformed JSON body: {reason}"), status_code=400)
+            return error_response(path, 400, "invalid_request", f"malformed JSON body: {reason}")
         problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors[:5])
-        return JSONResponse(error_body("validation_error", problems or "invalid request"), status_code=422)
+        return error_response(path, 422, "validation_error", problems or "invalid request", param=_first_param(errors))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(error_body(kind, str(exc.detail)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return error_response(request.scope["path"], exc.status_code, kind, str(exc.detail),
+                              headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body("internal_error", "internal error"), status_code=500)
+        return error_response(request.scope["path"], 500, "internal_error", "internal error")
 
-    app.add_middleware(RequestMetrics, service=service)
+    # outermost last: CORS (answers preflights, decorates every answer) -> the observer (ids, timings, metrics,
+    # spans; it sees the 401s and 413s too) -> API keys (before the body is read) -> the body limit -> the routes
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.api_keys:
+        app.add_middleware(ApiKeys, keys=settings.api_keys, probes=settings.auth_probes)
+    app.add_middleware(RequestObserver, service=service)
+    if settings.cors_allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=list(TIMING_HEADERS), max_age=600)
     return app

@@ -57,6 +57,11 @@ class Job:
     remaining: int = 0
     cancelled: bool = False
     finished: bool = False
+    # time.monotonic() stamps for the request's timing headers and spans: submitted (submit), its first batch
+    # started (the worker), its last row delivered (the worker)
+    enqueued: float = 0.0
+    started: float | None = None
+    done: float | None = None
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.ids)
@@ -84,6 +89,7 @@ class Job:
         self.results[index] = row
         self.remaining -= 1
         if self.remaining == 0:
+            self.done = time.monotonic()
             self._settle(np.stack(self.results))
 
 
@@ -136,7 +142,7 @@ class Batcher:
                 raise Overloaded(f"queue full ({len(self._pending)} inputs waiting); retry later",
                                  headers={"Retry-After": "1"})
             # stamped under the lock: _pending stays in arrival order (the oldest first; _choose relies on it)
-            now = time.monotonic()
+            now = job.enqueued = time.monotonic()
             self._pending.extend(Item(job, i, len(row), now) for i, row in enumerate(ids))
             self.metrics.queue_depth.set(len(self._pending))
             self._cond.notify()
@@ -281,6 +287,8 @@ class Batcher:
         now = time.monotonic()
         for it in batch:
             m.queue_duration.observe(now - it.enqueued)
+            if it.job.started is None:
+                it.job.started = now
         ids = [it.job.ids[it.index] for it in batch]
         longest = max(len(r) for r in ids)
         real = sum(len(r) for r in ids)

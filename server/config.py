@@ -91,6 +91,23 @@ class Settings(BaseSettings):
                                              "op timed (`fusedserve_kernel_duration_seconds`)")
     admin_token: str = Field("", description="bearer token of the `/admin/*` routes; empty turns them off (404)")
 
+    # access, browsers, observability
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="bearer tokens, comma-separated: with any set, every route but the docs, "
+        "`/admin/*` (its own token) and the probes needs `Authorization: Bearer <one of them>` (401 otherwise)")
+    auth_probes: bool = Field(False, description="with `api_keys` set, require a key on the probes and `/metrics` "
+                              "too (`/healthz`, `/readyz`, `/health`, `/v2/health/*`, `/metrics`)")
+    cors_allow_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="origins allowed to call the API from a browser, comma-separated "
+        "(`*` for any); empty sends no CORS headers")
+    otlp_endpoint: str = Field("", pattern=r"^(https?://\S+)?$",
+                               description="OpenTelemetry: an OTLP/HTTP collector (e.g. `http://otel-collector:4318`); "
+                               "spans go to `<endpoint>/v1/traces`. Empty turns tracing off")
+    otel_service_name: str = Field("fusedserve", min_length=1,
+                                   description="`service.name` of the exported spans")
+    log_format: Literal["text", "json"] = Field("text", description="`json`: one JSON object per log line, with "
+                                                "the request id where there is one")
+
     @model_validator(mode="before")
     @classmethod
     def _drop_removed(cls, data):
@@ -103,6 +120,16 @@ class Settings(BaseSettings):
                     log.warning("setting %s (FUSEDSERVE_%s) was removed and is ignored: %s; it will be an error in "
                                 "the next release", key, key.upper(), why)
         return data
+
+    @field_validator("api_keys", "cors_allow_origins", mode="before")
+    @classmethod
+    def _split_list(cls, value):
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",")]
+        if isinstance(value, (list, tuple)):
+            value = [v.strip() if isinstance(v, str) else v for v in value]
+            return [v for v in value if v != ""]
+        return value
 
     @field_validator("backend_overrides", mode="before")
     @classmethod

@@ -17,13 +17,17 @@ async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={503: {"description": "loading (with the phase and its progress), failed, or "
+                                              "draining"}})
 async def readyz(service: ServiceDep):
-    if service.draining:
-        return JSONResponse(error_body("unavailable", "draining"), status_code=503)
-    if not service.ready:
-        return JSONResponse(error_body("unavailable", "loading"), status_code=503)
-    return {"status": "ready"}
+    """200 once the model is loaded and warmed up. Until then 503 with what is happening:
+    `{"status": "loading", "phase": "loading" | "warmup" | "cuda_graphs" | "calibration", "progress": 0..1 | null,
+    "elapsed_s"}`; `{"status": "failed", ...}` if the start failed; `{"status": "draining"}` after SIGTERM."""
+    state = service.readiness()
+    if state["status"] == "ready":
+        return state
+    message = state["status"] if state["status"] != "loading" else f"loading: {state['phase']}"
+    return JSONResponse({**state, **error_body("unavailable", message)}, status_code=503)
 
 
 @router.get("/info")

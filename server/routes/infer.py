@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 from server.deps import ServiceDep
 from server.responses import EmbeddingResponse, LeanRoute
 
 router = APIRouter(tags=["inference"], route_class=LeanRoute)
 
+Encoding = Literal["float", "base64", "int8", "uint8", "binary", "ubinary"]
+ENCODING_HELP = ("output type: `float`; `base64` (each row's float32 bytes, little-endian); `int8` / `uint8` "
+                 "(per-dimension calibrated ranges); `binary` / `ubinary` (sign bits packed 8 to a byte, as int8 / "
+                 "uint8); sentence-transformers' quantize_embeddings semantics")
+
 
 class InferRequest(BaseModel):
     inputs: str | list[str] = Field(..., description="one text or a list of texts")
-    normalize: bool = Field(True, description="L2-normalize each embedding")
-    truncate: bool = Field(True, description="cut inputs at max_seq_length tokens; false makes an over-long input a 413")
+    normalize: StrictBool = Field(True, description="L2-normalize each embedding")
+    truncate: StrictBool = Field(True, description="cut inputs at max_seq_length tokens; false makes an over-long "
+                                 "input a 413")
+    encoding_format: Encoding = Field("float", description=ENCODING_HELP)
 
 
 class Usage(BaseModel):
@@ -22,7 +31,7 @@ class Usage(BaseModel):
 
 
 class InferResponse(BaseModel):
-    embeddings: list[list[float]]
+    embeddings: list[list[float]] | list[list[int]] | list[str]
     model: str
     dim: int
     usage: Usage
@@ -32,5 +41,7 @@ class InferResponse(BaseModel):
 async def infer(body: InferRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     result = await service.embed_texts(texts, normalize=body.normalize, truncate=body.truncate, request=request)
-    return EmbeddingResponse({"embeddings": result.embeddings, "model": service.model_name,
+    embeddings = result.embeddings if body.encoding_format == "float" else \
+        await service.output(result.embeddings, body.encoding_format, normalize=body.normalize)
+    return EmbeddingResponse({"embeddings": embeddings, "model": service.model_name,
                               "dim": service.dim, "usage": {"tokens": result.tokens}})

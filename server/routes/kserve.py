@@ -1,20 +1,36 @@
-"""KServe v2 / Open Inference Protocol: health, model metadata and readiness, and infer with a BYTES
-input of texts returning an FP32 [n, dim] output."""
+"""KServe v2 / Open Inference Protocol, as tritonclient speaks it: server metadata, health, model metadata,
+readiness, config and statistics, and infer with a BYTES input of texts returning an FP32 [n, dim] output.
+
+The binary tensor data extension works both ways: a request whose `Inference-Header-Content-Length` header says
+where its JSON ends carries each binary input's bytes after it (`parameters.binary_data_size`; BYTES elements as a
+4-byte little-endian length and the bytes), and an output asked for with `parameters.binary_data: true` (or the
+request's `binary_data_output`) comes back as raw little-endian float32 after the JSON, with the same header.
+Request bodies may be gzip or deflate compressed (`Content-Encoding`). Errors are `{"error": "<message>"}`."""
 
 from __future__ import annotations
 
+import struct
+import time
+import zlib
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import orjson
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from server.deps import ServiceDep
-from server.errors import BadRequest, NotFound, Unavailable, Unprocessable
+from server.errors import BadRequest, NotFound, PayloadTooLarge, Unprocessable
 from server.responses import EmbeddingResponse, OrjsonRoute
+from server.service import VERSION
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"], route_class=OrjsonRoute)
 
 INPUT_NAME, OUTPUT_NAME = "text", "embedding"
+HEADER_LENGTH = "inference-header-content-length"
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 
 
 class TensorInput(BaseModel):
@@ -22,7 +38,7 @@ class TensorInput(BaseModel):
     shape: list[int]
     datatype: str
     parameters: dict[str, Any] | None = None
-    data: list[Any]
+    data: list[Any] | None = None
 
 
 class RequestedOutput(BaseModel):
@@ -37,9 +53,35 @@ class InferenceRequest(BaseModel):
     outputs: list[RequestedOutput] | None = None
 
 
+@dataclass
+class Stats:
+    """Per-server counters for GET /v2/models/{name}/stats (Triton's statistics extension, the parts that apply)."""
+
+    success: int = 0
+    success_ns: int = 0
+    fail: int = 0
+    fail_ns: int = 0
+    inferences: int = 0
+    last_ms: int = 0
+
+
+def _stats(service) -> Stats:
+    stats = getattr(service, "kserve_stats", None)
+    if stats is None:
+        stats = service.kserve_stats = Stats()
+    return stats
+
+
 def _model(service, name: str) -> None:
+    service.check_ready()
     if name != service.model_name:
         raise NotFound(f"model {name!r} is not served here; this server serves {service.model_name!r}")
+
+
+@router.get("")
+async def server_metadata() -> dict:
+    """Server metadata: name, version, the protocol extensions served."""
+    return {"name": "fusedserve", "version": VERSION, "extensions": EXTENSIONS}
 
 
 @router.get("/health/live")
@@ -49,8 +91,7 @@ async def live() -> dict:
 
 @router.get("/health/ready")
 async def ready(service: ServiceDep) -> dict:
-    if not service.ready or service.draining:
-        raise Unavailable("draining" if service.draining else "not ready")
+    service.check_ready()
     return {"ready": True}
 
 
@@ -67,9 +108,38 @@ async def metadata(name: str, service: ServiceDep) -> dict:
 @router.get("/models/{name}/ready")
 async def model_ready(name: str, service: ServiceDep) -> dict:
     _model(service, name)
-    if not service.ready or service.draining:
-        raise Unavailable("draining" if service.draining else "not ready")
     return {"name": name, "ready": True}
+
+
+@router.get("/models/{name}/config")
+async def model_config(name: str, service: ServiceDep) -> dict:
+    """The model configuration in Triton's form."""
+    _model(service, name)
+    s = service.settings
+    return {
+        "name": service.model_name, "platform": "pytorch", "backend": "fusedserve", "version_policy": {"latest": {
+            "num_versions": 1}}, "max_batch_size": s.max_client_batch,
+        "input": [{"name": INPUT_NAME, "data_type": "TYPE_STRING", "dims": [-1]}],
+        "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [-1, service.dim]}],
+        "dynamic_batching": {"max_queue_delay_microseconds": int(s.max_wait_ms * 1000),
+                             "preferred_batch_size": [s.max_batch_requests]},
+        "parameters": {"max_seq_length": {"string_value": str(service.embedder.config.max_seq_length)},
+                       "normalize": {"string_value": "true"}},
+    }
+
+
+@router.get("/models/{name}/stats")
+async def model_stats(name: str, service: ServiceDep) -> dict:
+    """Inference statistics in Triton's form: successes and failures of POST .../infer with their total time."""
+    _model(service, name)
+    st = _stats(service)
+    zero = {"count": 0, "ns": 0}
+    return {"model_stats": [{
+        "name": service.model_name, "version": "1", "last_inference": st.last_ms, "inference_count": st.inferences,
+        "execution_count": st.success, "inference_stats": {
+            "success": {"count": st.success, "ns": st.success_ns}, "fail": {"count": st.fail, "ns": st.fail_ns},
+            "queue": zero, "compute_input": zero, "compute_infer": zero, "compute_output": zero},
+        "batch_stats": []}]}
 
 
 def _flatten(data: list[Any]) -> list[Any]:
@@ -97,36 +167,117 @@ def _inlined_schema(model: type[BaseModel]) -> dict:
     return resolve(schema)
 
 
-@router.post("/models/{name}/infer", openapi_extra={"requestBody": {"required": True, "content": {
-    "application/json": {"schema": _inlined_schema(InferenceRequest)}}}})
-async def infer(name: str, service: ServiceDep, request: Request) -> EmbeddingResponse:
-    # Parsed by hand: Open Inference Protocol clients do not all send a JSON content type.
-    _model(service, name)
+def _decompress(raw: bytes, encoding: str | None, limit: int) -> bytes:
+    if not encoding or encoding == "identity":
+        return raw
+    if encoding not in ("gzip", "deflate"):
+        raise BadRequest(f"unsupported Content-Encoding {encoding!r} (gzip, deflate)")
+    inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
     try:
-        body = InferenceRequest.model_validate_json(await request.body())
+        out = inflater.decompress(raw, limit + 1)
+    except zlib.error as exc:
+        raise BadRequest(f"body is not valid {encoding} data: {exc}") from None
+    if len(out) > limit:
+        raise PayloadTooLarge(f"decompressed request body over {limit} bytes")
+    return out
+
+
+def _deserialize_bytes(buffer: bytes) -> list[bytes]:
+    """BYTES tensor data in the binary extension: each element a 4-byte little-endian length and that many bytes."""
+    out, offset = [], 0
+    while offset < len(buffer):
+        if offset + 4 > len(buffer):
+            raise BadRequest("binary BYTES data ends inside an element's length")
+        (length,) = struct.unpack_from("<I", buffer, offset)
+        offset += 4
+        if offset + length > len(buffer):
+            raise BadRequest("binary BYTES data ends inside an element")
+        out.append(buffer[offset: offset + length])
+        offset += length
+    return out
+
+
+def _parse(raw: bytes, header_length: str | None) -> tuple[InferenceRequest, list[str]]:
+    """The request and its texts, from JSON or JSON + binary tensor data."""
+    binary = b""
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(raw):
+            raise BadRequest(f"Inference-Header-Content-Length {header_length!r} does not fit a {len(raw)}-byte body")
+        raw, binary = raw[: int(header_length)], raw[int(header_length):]
+    try:
+        body = InferenceRequest.model_validate_json(raw)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
         raise Unprocessable(problems) from None
     if len(body.inputs) != 1 or body.inputs[0].name != INPUT_NAME or body.inputs[0].datatype != "BYTES":
         raise BadRequest(f"expected exactly one BYTES input named {INPUT_NAME!r}")
     tensor = body.inputs[0]
-    texts = _flatten(tensor.data)
-    if not all(isinstance(t, str) for t in texts):
-        raise BadRequest("BYTES input data must be strings")
+    size = (tensor.parameters or {}).get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > len(binary):
+            raise BadRequest(f"binary_data_size {size!r} does not fit the {len(binary)} bytes after the JSON")
+        try:
+            texts = [t.decode("utf-8") for t in _deserialize_bytes(binary[:size])]
+        except UnicodeDecodeError:
+            raise BadRequest("BYTES input data must be UTF-8 text") from None
+    elif tensor.data is not None:
+        texts = _flatten(tensor.data)
+        if not all(isinstance(t, str) for t in texts):
+            raise BadRequest("BYTES input data must be strings")
+    else:
+        raise BadRequest(f"input {INPUT_NAME!r} has neither data nor binary_data_size")
     count = 1
     for d in tensor.shape:
         count *= d
     if count != len(texts):
         raise BadRequest(f"shape {tensor.shape} does not match {len(texts)} data elements")
-    if body.outputs and any(o.name != OUTPUT_NAME for o in body.outputs):
-        raise BadRequest(f"the only output is {OUTPUT_NAME!r}")
-    normalize = bool((body.parameters or {}).get("normalize", True))
-    result = await service.embed_texts(texts, normalize=normalize, truncate=True, request=request)
-    response = {
-        "model_name": service.model_name, "model_version": "1",
-        "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(texts), service.dim],
-                     "data": result.embeddings.ravel()}],
-    }
+    return body, texts
+
+
+def _flag(parameters: dict[str, Any] | None, name: str, default: bool) -> bool:
+    value = (parameters or {}).get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"parameter {name!r} must be a boolean, not {value!r}")
+    return value
+
+
+@router.post("/models/{name}/infer", openapi_extra={"requestBody": {"required": True, "content": {
+    "application/json": {"schema": _inlined_schema(InferenceRequest)},
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+async def infer(name: str, service: ServiceDep, request: Request) -> Response:
+    # Parsed by hand: Open Inference Protocol clients do not all send a JSON content type, and the binary
+    # extension's bodies are JSON followed by raw bytes.
+    started = time.perf_counter_ns()
+    _model(service, name)
+    stats = _stats(service)
+    try:
+        raw = _decompress(await request.body(), request.headers.get("content-encoding"),
+                          service.settings.max_body_bytes)
+        body, texts = _parse(raw, request.headers.get(HEADER_LENGTH))
+        if body.outputs and any(o.name != OUTPUT_NAME for o in body.outputs):
+            raise BadRequest(f"the only output is {OUTPUT_NAME!r}")
+        normalize = _flag(body.parameters, "normalize", True)
+        binary = _flag(body.parameters, "binary_data_output", False)
+        for output in body.outputs or ():
+            binary = _flag(output.parameters, "binary_data", binary)
+        result = await service.embed_texts(texts, normalize=normalize, truncate=True, request=request)
+    except Exception:
+        stats.fail += 1
+        stats.fail_ns += time.perf_counter_ns() - started
+        raise
+    stats.success += 1
+    stats.inferences += len(texts)
+    stats.success_ns += time.perf_counter_ns() - started
+    stats.last_ms = int(time.time() * 1000)
+    output: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(texts), service.dim]}
+    response: dict[str, Any] = {"model_name": service.model_name, "model_version": "1", "outputs": [output]}
     if body.id is not None:
         response["id"] = body.id
-    return EmbeddingResponse(response)
+    if not binary:
+        output["data"] = result.embeddings.ravel()
+        return EmbeddingResponse(response)
+    data = np.ascontiguousarray(result.embeddings, dtype="<f4").tobytes()
+    output["parameters"] = {"binary_data_size": len(data)}
+    header = orjson.dumps(response)
+    return Response(header + data, media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(header))})

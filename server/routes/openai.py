@@ -1,34 +1,37 @@
-"""OpenAI-compatible POST /v1/embeddings (float or base64 encoding, `dimensions`, token-id input)."""
+"""OpenAI-compatible embeddings and models: POST /v1/embeddings (texts or token ids; `encoding_format` float, base64 or
+a quantized type; `dimensions`; `truncate` as on /infer), GET /v1/models and GET /v1/models/{model_id}. Errors on
+/v1/* come in OpenAI's shape (server.errors)."""
 
 from __future__ import annotations
 
-import base64
 from typing import Literal
 
-import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
-from server.batcher import l2_normalize
 from server.deps import ServiceDep
-from server.errors import BadRequest, NotFound
+from server.errors import NotFound
 from server.responses import EmbeddingResponse, LeanRoute
+from server.routes.infer import ENCODING_HELP, Encoding
 
-router = APIRouter(tags=["openai"], route_class=LeanRoute)
+router = APIRouter(prefix="/v1", tags=["openai"])
 
 
 class EmbeddingsRequest(BaseModel):
-    input: str | list[str] | list[int] | list[list[int]]
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="a text, texts, one input's token ids, or several inputs' token ids")
+    model: str | None = Field(None, description="the served model's id (GET /v1/models); empty or absent: that one")
+    encoding_format: Encoding = Field("float", description=ENCODING_HELP)
     dimensions: int | None = Field(None, description="keep the first N dimensions (renormalized)")
-    user: str | None = None
+    truncate: StrictBool = Field(True, description="cut inputs at max_seq_length tokens; false makes an over-long "
+                                 "input a 413")
+    user: str | None = Field(None, description="the end user's id (accepted, not used)")
 
 
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | str
+    embedding: list[float] | list[int] | str
 
 
 class EmbeddingsUsage(BaseModel):
@@ -43,29 +46,63 @@ class EmbeddingsResponse(BaseModel):
     usage: EmbeddingsUsage
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingsResponse)
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+def _check_model(service, name: str | None) -> None:
+    if name not in (None, "", service.model_name):
+        raise NotFound(f"model {name!r} is not served here; this server serves {service.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def _model(service) -> dict:
+    return {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "fusedserve"}
+
+
 async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     service.check_ready()
-    if body.model not in (None, "", service.model_name):
-        raise NotFound(f"model {body.model!r} is not served here; this server serves {service.model_name!r}")
-    if body.dimensions is not None and not 1 <= body.dimensions <= service.dim:
-        raise BadRequest(f"dimensions must be between 1 and {service.dim}")
+    _check_model(service, body.model)
+    service.check_dimensions(body.dimensions)
     data = body.input
     if isinstance(data, str):
-        result = await service.embed_texts([data], normalize=True, truncate=True, request=request)
+        result = await service.embed_texts([data], normalize=True, truncate=body.truncate, request=request)
     elif data and all(isinstance(x, int) for x in data):
-        result = await service.embed_ids(service.validate_ids([data], truncate=True), normalize=True, request=request)
+        result = await service.embed_ids(service.validate_ids([data], body.truncate), normalize=True,
+                                         request=request)
     elif data and all(isinstance(x, list) for x in data):
-        result = await service.embed_ids(service.validate_ids(data, truncate=True), normalize=True, request=request)
+        result = await service.embed_ids(service.validate_ids(data, body.truncate), normalize=True, request=request)
     else:
-        result = await service.embed_texts(list(data), normalize=True, truncate=True, request=request)
-    matrix = result.embeddings
-    if body.dimensions is not None and body.dimensions < service.dim:
-        matrix = l2_normalize(matrix[:, : body.dimensions])
-    matrix = np.ascontiguousarray(matrix, dtype=np.float32)
-    items = []
-    for i, row in enumerate(matrix):
-        value = base64.b64encode(row.tobytes()).decode() if body.encoding_format == "base64" else row
-        items.append({"object": "embedding", "index": i, "embedding": value})
+        result = await service.embed_texts(list(data), normalize=True, truncate=body.truncate, request=request)
+    rows = await service.output(result.embeddings, body.encoding_format, normalize=True, dimensions=body.dimensions)
+    items = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
     return EmbeddingResponse({"object": "list", "data": items, "model": service.model_name,
                               "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}})
+
+
+# the hot route parses its own body (server.responses.LeanRoute); the others are plain routes
+router.add_api_route("/embeddings", embeddings, methods=["POST"], response_model=EmbeddingsResponse,
+                     route_class_override=LeanRoute)
+
+
+@router.get("/models", response_model=ModelList)
+async def models(service: ServiceDep) -> dict:
+    service.check_ready()
+    return {"object": "list", "data": [_model(service)]}
+
+
+@router.get("/models/{model_id:path}", response_model=Model)
+async def model(model_id: str, service: ServiceDep) -> dict:
+    service.check_ready()
+    if model_id != service.model_name:
+        raise NotFound(f"model {model_id!r} is not served here; this server serves {service.model_name!r}",
+                       param="model", code="model_not_found")
+    return _model(service)
