@@ -1,8 +1,8 @@
 """Mean of each segment of rows in one kernel: the mean pooling of a packed batch.
 
 Why: pooling a packed batch in torch takes four or five kernels (a zeroed [batch + 1, hidden] fp32 buffer, the
-fp32 copy of the hidden states, index_add_, the division): 25 us of the 423 us of kernels in the H200 profile of
-MiniLM b32 s128 (docs/performance.md), and five kernel boundaries of a b1 forward's ~55. Here one program per
+fp32 copy of the hidden states, index_add_, the division): a visible share of a small model's forward in the profile
+(docs/performance.md), and five kernel boundaries of a single request's forward. Here one program per
 (segment, column block) walks its segment's rows, sums them in fp32 and divides once.
 
 Rows past the last offset (a CUDA-graph bucket's filler tokens) are never read; an empty segment (a filler
