@@ -25,6 +25,7 @@ import argparse
 import gc
 import re
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -104,6 +105,18 @@ def hf_model(config, device: str, dtype: torch.dtype):
     return BertModel(hf_config, add_pooling_layer=False).to(device=device, dtype=dtype).eval()
 
 
+def embedder(encoder, device: str, dtype: torch.dtype, *, backend: str, graphs: bool, max_tokens: int,
+             max_batch: int):
+    """Our serving path for `encoder` (model.runner.Embedder, its kernel selection made for this backend): token ids
+    in, so no tokenizer (a preset takes its tokenizer from the packaged model, which a GPU machine may lack)."""
+    from model.runner import Embedder
+
+    e = Embedder(encoder, None, "bench", torch.device(device), dtype, backend=backend, cuda_graphs=graphs,
+                 max_batch_tokens=max_tokens, max_batch=max_batch)
+    e.set_fused(True)
+    return e
+
+
 def _release() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -113,7 +126,7 @@ def _release() -> None:
 def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Callable[[list[dict], bool], None]
              ) -> list[dict]:
     from model.config import EncoderConfig
-    from model.runner import Embedder
+    from model.encoder import Encoder
 
     preset, batch, seq, varlen = CASES[name]
     config = EncoderConfig.from_name(preset)
@@ -157,6 +170,8 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
 
     providers = [p for p in args.providers if cuda or p != "torch.compile + CUDA graphs"]
     if any(p.startswith("torch") for p in providers):
+        from torch import _dynamo as dynamo
+
         try:
             model = hf_model(config, device, dtype)
         except Exception as exc:  # transformers missing or an incompatible version: said, the rest still runs
@@ -170,29 +185,29 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
                 record("torch eager", call(model))
             for provider, mode in (("torch.compile", None), ("torch.compile + CUDA graphs", "reduce-overhead")):
                 if provider in providers:
-                    torch._dynamo.reset()
+                    dynamo.reset()
                     record(provider, call(torch.compile(model, mode=mode)))
-            torch._dynamo.reset()
+            dynamo.reset()
             model = None
             _release()
 
     if "ours" in providers:
+        encoder = Encoder(config)  # one random init, shared by the backends' Embedders
         backends = args.backends or (["auto", "triton", "cuda"] if cuda else ["auto"])
         for i, backend in enumerate(backends):
             modes = (["graphs"] if cuda else []) + (["eager"] if i == 0 or not cuda else [])
             for mode in modes:
                 try:
-                    embedder, _ = Embedder.load(preset, device=device, dtype=str(dtype).removeprefix("torch."),
-                                                backend=backend, cuda_graphs=mode == "graphs",
-                                                max_batch_tokens=max(16384, tokens), max_batch=max(256, batch))
+                    ours = embedder(encoder, device, dtype, backend=backend, graphs=mode == "graphs",
+                                    max_tokens=max(16384, tokens), max_batch=max(256, batch))
                 except Exception as exc:  # a forced backend that cannot run here (no CUDA build, say)
                     print(f"  ours backend={backend}: unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
                     out.append({"provider": "ours", "backend": backend, "mode": mode,
                                 "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                     break
-                record("ours", lambda e=embedder: e.launch_ids(rows), backend=backend, mode=mode,
-                       attention=embedder.attention, kernels=dict(embedder.selection.used))
-                embedder = None
+                record("ours", lambda e=ours: e.launch_ids(rows), backend=backend, mode=mode,
+                       attention=ours.attention, kernels=dict(ours.selection.used))
+                ours = None
                 _release()
     save(out, True)
     return out
@@ -234,27 +249,29 @@ def breakdown(fn: Callable[[], object], iters: int = 20) -> dict:
 
 
 def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], None]) -> None:
-    from model.runner import Embedder
+    from model.config import EncoderConfig
+    from model.encoder import Encoder
 
     if not args.device.startswith("cuda"):
         raise SystemExit("encoder profile: needs a GPU (it reads the kernels' device time from torch.profiler)")
     out: list[dict] = []
     for name in args.profile_cases:
         preset, batch, seq, varlen = CASES[name]
-        rows = None
+        config = EncoderConfig.from_name(preset)
+        encoder = Encoder(config)
+        rows = token_rows(lengths_for(batch, seq, varlen), config.vocab_size)
         for mode in ("graphs", "eager"):
-            embedder, _ = Embedder.load(preset, device=args.device, dtype="float16", cuda_graphs=mode == "graphs",
-                                        max_batch_tokens=16384, max_batch=256)
-            rows = rows or token_rows(lengths_for(batch, seq, varlen), embedder.config.vocab_size)
+            ours = embedder(encoder, args.device, torch.float16, backend="auto", graphs=mode == "graphs",
+                            max_tokens=16384, max_batch=256)
             with torch.inference_mode():
-                result = breakdown(lambda e=embedder: e.launch_ids(rows).wait())
+                result = breakdown(lambda e=ours: e.launch_ids(rows).wait())
             out.append({"provider": "ours", "case": name, "mode": mode, "backend": "auto",
-                        "attention": embedder.attention, "kernels": dict(embedder.selection.used),
+                        "attention": ours.attention, "kernels": dict(ours.selection.used),
                         "ms": result["wall_us"] / 1e3, **result})
             print(f"{name} {mode}: {result['wall_us']:.0f} us/forward, {result['kernels_per_forward']:.0f} kernels, "
                   f"GPU idle {result['gpu_idle_us']:.0f} us: {result['kernel_us']}", file=sys.stderr, flush=True)
             save(out, False)
-            embedder = None
+            ours = None
             _release()
     save(out, True)
 
@@ -277,6 +294,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     cuda = args.device.startswith("cuda")
     gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device)) if cuda else None)
     tflops = None
+    started = time.monotonic()
     for scenario in args.scenarios or DEFAULT_SCENARIOS:
         head = store.header(args.device, argv)
         if scenario == "profile":
@@ -301,5 +319,5 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             profile_cases(args, save)
         else:
             run_case(scenario, args, tflops, save)
-        print(f"{scenario}: {out}", file=sys.stderr)
+        print(f"{scenario}: {out} ({time.monotonic() - started:.0f} s into the run)", file=sys.stderr, flush=True)
     return 0

@@ -3,7 +3,7 @@
 #   tests     the CUDA extension built from a clean cache, then the GPU tests: the kernel sweeps and the model and
 #             server tests side by side (logs: tests-kernels.log, tests-model.log)
 #   sanitize  compute-sanitizer memcheck and racecheck over the CUDA kernel tests
-#   kernels   python -m bench kernels                          -> bench/results/<gpu>/kernels.json
+#   kernels   python -m bench kernels (fused-ops in fp16 and bf16, gemm-epilogues) -> bench/results/<gpu>/kernels.json
 #   encoder   python -m bench encoder (the four batch shapes)  -> bench/results/<gpu>/encoder.json
 #   serve     python -m bench serve closed-loop single, then replicas under CUDA MPS -> bench/results/<gpu>/serve.json
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
@@ -22,6 +22,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache  # one CUDA build for the tests, benches and servers
 export FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm
+export FUSEDSERVE_BENCH_SOURCE=$PWD/.gpu-assets/source.json  # the commit the results headers record
 MODEL=$PWD/.gpu-assets/minilm
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv
 python3 - <<'PY'
@@ -79,7 +80,10 @@ case "$suite" in
     ;;
   kernels)
     build
-    timeout 540 python3 -m bench kernels 2>&1 | tee "$OUT/kernels.log" | grep -v '^\['
+    # the serving dtypes (fp32 is the reference's): 60 cells x 4 providers, each compiled and tuned once
+    timeout 380 python3 -m bench kernels fused-ops --dtypes float16 bfloat16 2>&1 | tee "$OUT/kernels.log" \
+      | grep -v '^\['
+    timeout 150 python3 -m bench kernels gemm-epilogues 2>&1 | tee -a "$OUT/kernels.log"
     results kernels
     ;;
   encoder)
@@ -95,7 +99,7 @@ case "$suite" in
   serve)
     build
     # one server (its first start on a fresh machine compiles and tunes the kernels the later starts find cached)
-    timeout 330 python3 -m bench serve closed-loop single --model "$MODEL" --log-dir "$OUT" 2>&1 \
+    timeout 360 python3 -m bench serve closed-loop single --model "$MODEL" --clients 16 64 --log-dir "$OUT" 2>&1 \
       | tee "$OUT/serve.log" | grep -vE "^(INFO|Loading)"
     # then replicas sharing the GPU through CUDA MPS (what the device plugin's MPS sharing gives pods); the daemon
     # is this run's own, in /tmp, and quits at the end
@@ -104,7 +108,7 @@ case "$suite" in
       mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
       nvidia-cuda-mps-control -d && echo "MPS daemon started"
     fi
-    timeout 220 python3 -m bench serve replicas --model "$MODEL" --log-dir "$OUT" 2>&1 \
+    timeout 180 python3 -m bench serve replicas --model "$MODEL" --log-dir "$OUT" 2>&1 \
       | tee -a "$OUT/serve.log" | grep -vE "^(INFO|Loading)"
     if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then echo quit | nvidia-cuda-mps-control; fi
     results serve

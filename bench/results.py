@@ -32,9 +32,9 @@ ROW_KEYS = {
     "encoder": ("provider", "ms"),
     "serve": (),  # scenarios differ (load points, latency splits, soak counts); each says what it holds
 }
-# written next to the fp16 model copy by `python -m bench.gpu_assets`: the commit a device run was made from (the
-# device gets a copy of the working tree without .git)
-SOURCE_FILE = Path(".gpu-assets") / "source.json"
+# set by bench/gpu.sh to the file `python -m bench.gpu_assets` writes beside the fp16 model copy: the commit a device
+# run was made from (the device's copy of the tree has no usable git history of its own)
+SOURCE_ENV = "FUSEDSERVE_BENCH_SOURCE"
 
 
 def gpu_slug(device_name: str | None) -> str:
@@ -62,6 +62,12 @@ def default_path(suite: str, device: str) -> Path:
 
 
 def _git() -> tuple[str | None, bool | None]:
+    """(commit, tracked files changed since) of the code that runs: from $FUSEDSERVE_BENCH_SOURCE where set, else
+    from git, else unknown."""
+    source = os.environ.get(SOURCE_ENV)
+    if source and Path(source).is_file():
+        recorded = json.loads(Path(source).read_text())
+        return recorded.get("git_sha"), recorded.get("git_dirty")
     root = Path(__file__).resolve().parents[1]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10,
@@ -70,12 +76,7 @@ def _git() -> tuple[str | None, bool | None]:
                                 capture_output=True, text=True, timeout=10, check=True).stdout
         return sha, bool(status.strip())
     except (OSError, subprocess.SubprocessError):
-        pass
-    source = root / SOURCE_FILE
-    if source.is_file():
-        recorded = json.loads(source.read_text())
-        return recorded.get("git_sha"), recorded.get("git_dirty")
-    return None, None
+        return None, None
 
 
 def _nvidia_smi(device_index: int) -> dict:

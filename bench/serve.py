@@ -598,6 +598,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device)) if _cuda(args) else None)
     scenarios = {"closed-loop": closed_loop_scenario, "single": single_scenario, "replicas": replicas_scenario,
                  "soak": soak_scenario}
+    started = time.monotonic()
     for scenario in args.scenarios or DEFAULT_SCENARIOS:
         head = store.header(args.device, argv)
         settings = {"device": args.device, "server": server_settings(args), "seconds": args.seconds,
@@ -613,5 +614,5 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             store.write(out, "serve", gpu, scenario, store.block(head, settings, rows, summary, complete=complete))
 
         scenarios[scenario](args, save)
-        print(f"{scenario}: {out}", file=sys.stderr)
+        print(f"{scenario}: {out} ({time.monotonic() - started:.0f} s into the run)", file=sys.stderr, flush=True)
     return 0
