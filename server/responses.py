@@ -60,8 +60,8 @@ class LeanRoute(APIRoute):
     """For the two hot embedding routes (POST /infer, POST /v1/embeddings): the handler parses and validates the
     body itself and calls the endpoint as endpoint(body, service, request), skipping FastAPI's per-request
     dependency solving, validation wrappers and response checks. Under closed-loop load that machinery was 12-20%
-    of a server's CPU per request (`python -m bench.single_latency --load 64`, three interleaved A/B pairs: 0.72
-    against 0.82 ms on average), and one server is CPU-bound, so it is that much more throughput per process. The
+    of a server's CPU per request (measured with closed-loop clients in interleaved A/B pairs), and one server is
+    CPU-bound, so it is that much more throughput per process. The
     route stays an APIRoute (OpenAPI schema, routing, the app's middleware and exception handlers); the body is handled as FastAPI's strict default does
     it: JSON when the content type is application/json or application/*+json (else, a missing type included, the
     raw bytes, which then fail validation), a malformed body is a json_invalid error, an empty one a missing body,

@@ -148,7 +148,7 @@ def _launch_pointer(x2: Tensor, weight: Tensor, bias: Tensor, y: Tensor, approxi
 def launch_config(config: triton.Config, x2: Tensor, weight: Tensor, bias: Tensor, y: Tensor,
                   approximate: str = "none") -> None:
     """One launch of the kernel with `config` (one of CONFIGS) instead of the autotuner's pick: x2 [M, K] rows,
-    y [M, N] written. For measuring each candidate (bench.triton_configs), not for serving."""
+    y [M, N] written. For checking and measuring each candidate on its own, not for serving."""
     (m, k), n = x2.shape, weight.shape[0]
     grid = (triton.cdiv(m, config.kwargs["BLOCK_M"]) * triton.cdiv(n, config.kwargs["BLOCK_N"]),)
     _linear_gelu_kernel.fn[grid](x2, weight, bias, y, m, n, k, row_class(m),
