@@ -7,7 +7,11 @@ Scenarios (one batch shape each, plus a profile):
   minilm-b32-s128        32 sequences of 128 tokens
   bert-base-b32-s128     BERT-base, 32 x 128
   bert-base-b128-varlen  BERT-base, 128 sequences of 8..128 tokens (seeded): what padding costs the others
-  tiny-b3-varlen         the tiny preset, 3 sequences of 4..12 tokens (the CPU test's; not in the default set)
+  xlm-roberta-base-b32-s128      XLM-RoBERTa-base's shape (250k vocabulary, offset positions), 32 x 128
+  cross-encoder-minilm-b32-s128  MiniLM with a one-label classification head (a re-ranker), 32 pairs of 128 tokens,
+                                 beside transformers' BertForSequenceClassification
+  tiny-b3-varlen, tiny-cross-encoder-b3-varlen
+                         the tiny preset, 3 sequences of 4..12 tokens (the CPU tests'; not in the default set)
   profile                where a forward's time goes (torch.profiler: kernel time by category, GPU idle) for
                          --profile-cases, our default path with CUDA graphs and eager (GPU only)
 
@@ -33,16 +37,20 @@ import torch
 from bench import results as store
 from kernels import timing
 
-# name: (preset, batch, longest sequence, varlen)
+# name: (preset, batch, longest sequence, varlen, head: "embedding" (mean pooling) or "classifier" (one label))
 CASES = {
-    "minilm-b1-s16": ("minilm-l6", 1, 16, False),
-    "minilm-b32-s128": ("minilm-l6", 32, 128, False),
-    "bert-base-b32-s128": ("bert-base", 32, 128, False),
-    "bert-base-b128-varlen": ("bert-base", 128, 128, True),
-    "tiny-b3-varlen": ("tiny", 3, 12, True),
+    "minilm-b1-s16": ("minilm-l6", 1, 16, False, "embedding"),
+    "minilm-b32-s128": ("minilm-l6", 32, 128, False, "embedding"),
+    "bert-base-b32-s128": ("bert-base", 32, 128, False, "embedding"),
+    "bert-base-b128-varlen": ("bert-base", 128, 128, True, "embedding"),
+    "xlm-roberta-base-b32-s128": ("xlm-roberta-base", 32, 128, False, "embedding"),
+    "cross-encoder-minilm-b32-s128": ("minilm-l6", 32, 128, False, "classifier"),
+    "tiny-b3-varlen": ("tiny", 3, 12, True, "embedding"),
+    "tiny-cross-encoder-b3-varlen": ("tiny", 3, 12, True, "classifier"),
 }
 SCENARIOS = (*CASES, "profile")
-DEFAULT_SCENARIOS = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128", "bert-base-b128-varlen")
+DEFAULT_SCENARIOS = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128", "bert-base-b128-varlen",
+                     "xlm-roberta-base-b32-s128", "cross-encoder-minilm-b32-s128")
 PROVIDERS = ("torch eager", "torch.compile", "torch.compile + CUDA graphs", "ours")
 PROFILE_CASES = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128")
 # first match wins: attention before GEMM (fmha kernels would match both)
@@ -95,24 +103,43 @@ def forward_ms(fn: Callable[[], object], device: str) -> float:
     return timing.eager_us(fn, dev, calls=calls, rounds=15 if device.startswith("cuda") else 5, warmup=1) / 1e3
 
 
-def hf_model(config, device: str, dtype: torch.dtype):
-    from transformers import BertConfig, BertModel
+def hf_model(config, device: str, dtype: torch.dtype, head: str = "embedding"):
+    """transformers' model of the same shape: BertModel / XLMRobertaModel, or BertForSequenceClassification."""
+    import transformers
 
-    hf_config = BertConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                           num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-                           intermediate_size=config.intermediate_size,
-                           max_position_embeddings=config.max_position_embeddings, attn_implementation="sdpa")
-    return BertModel(hf_config, add_pooling_layer=False).to(device=device, dtype=dtype).eval()
+    shape = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+                 num_attention_heads=config.num_heads, intermediate_size=config.intermediate_size,
+                 max_position_embeddings=config.max_position_embeddings, type_vocab_size=config.type_vocab_size,
+                 pad_token_id=config.pad_token_id, attn_implementation="sdpa")
+    if config.architecture == "roberta":
+        model = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(**shape), add_pooling_layer=False)
+    elif head == "classifier":
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(**shape, num_labels=1))
+    else:
+        model = transformers.BertModel(transformers.BertConfig(**shape), add_pooling_layer=False)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def random_classifier(config):
+    """A one-label classification head of the architecture's shape, random weights (a cross-encoder's)."""
+    from model.modules import Classifier
+
+    gen, h = torch.Generator().manual_seed(5), config.hidden_size
+    names = {"bert": ("pooler.dense", "classifier"), "roberta": ("classifier.dense", "classifier.out_proj"),
+             "distilbert": ("pre_classifier", "classifier")}[config.architecture]
+    tensors = {f"{names[0]}.weight": torch.randn(h, h, generator=gen) * h**-0.5, f"{names[0]}.bias": torch.zeros(h),
+               f"{names[1]}.weight": torch.randn(1, h, generator=gen) * h**-0.5, f"{names[1]}.bias": torch.zeros(1)}
+    return Classifier(config.architecture, tensors, ("score",), "sigmoid")
 
 
 def embedder(encoder, device: str, dtype: torch.dtype, *, backend: str, graphs: bool, max_tokens: int,
-             max_batch: int):
+             max_batch: int, classifier=None):
     """Our serving path for `encoder` (model.runner.Embedder, its kernel selection made for this backend): token ids
     in, so no tokenizer (a preset takes its tokenizer from the packaged model, which a GPU machine may lack)."""
     from model.runner import Embedder
 
-    e = Embedder(encoder, None, "bench", torch.device(device), dtype, backend=backend, cuda_graphs=graphs,
-                 max_batch_tokens=max_tokens, max_batch=max_batch)
+    e = Embedder(encoder, None, "bench", torch.device(device), dtype, classifier=classifier, backend=backend,
+                 cuda_graphs=graphs, max_batch_tokens=max_tokens, max_batch=max_batch)
     e.set_fused(True)
     return e
 
@@ -128,7 +155,7 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
     from model.config import EncoderConfig
     from model.encoder import Encoder
 
-    preset, batch, seq, varlen = CASES[name]
+    preset, batch, seq, varlen, head = CASES[name]
     config = EncoderConfig.from_name(preset)
     device, cuda = args.device, args.device.startswith("cuda")
     dtype = torch.float16 if cuda else torch.float32
@@ -173,7 +200,7 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
         from torch import _dynamo as dynamo
 
         try:
-            model = hf_model(config, device, dtype)
+            model = hf_model(config, device, dtype, head)
         except Exception as exc:  # transformers missing or an incompatible version: said, the rest still runs
             print(f"  transformers BertModel unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
             model = None
@@ -193,13 +220,14 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
 
     if "ours" in providers:
         encoder = Encoder(config)  # one random init, shared by the backends' Embedders
+        classifier = random_classifier(config) if head == "classifier" else None
         backends = args.backends or (["auto", "triton", "cuda"] if cuda else ["auto"])
         for i, backend in enumerate(backends):
             modes = (["graphs"] if cuda else []) + (["eager"] if i == 0 or not cuda else [])
             for mode in modes:
                 try:
                     ours = embedder(encoder, device, dtype, backend=backend, graphs=mode == "graphs",
-                                    max_tokens=max(16384, tokens), max_batch=max(256, batch))
+                                    max_tokens=max(16384, tokens), max_batch=max(256, batch), classifier=classifier)
                 except Exception as exc:  # a forced backend that cannot run here (no CUDA build, say)
                     print(f"  ours backend={backend}: unavailable ({type(exc).__name__}: {exc})", file=sys.stderr)
                     out.append({"provider": "ours", "backend": backend, "mode": mode,
@@ -256,7 +284,7 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
         raise SystemExit("encoder profile: needs a GPU (it reads the kernels' device time from torch.profiler)")
     out: list[dict] = []
     for name in args.profile_cases:
-        preset, batch, seq, varlen = CASES[name]
+        preset, batch, seq, varlen, _ = CASES[name]
         config = EncoderConfig.from_name(preset)
         encoder = Encoder(config)
         rows = token_rows(lengths_for(batch, seq, varlen), config.vocab_size)
@@ -304,8 +332,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             if tflops is None and cuda:
                 tflops = gemm_tflops(args.device)
                 print(f"GEMM ceiling: {tflops:.0f} TFLOP/s (fp16 8192^3)", file=sys.stderr, flush=True)
-            preset, batch, seq, varlen = CASES[scenario]
-            settings = {"device": args.device, "dtype": "float16" if cuda else "float32", "preset": preset,
+            preset, batch, seq, varlen, kind = CASES[scenario]
+            settings = {"device": args.device, "dtype": "float16" if cuda else "float32", "preset": preset, "head": kind,
                         "batch": batch, "seq": seq, "varlen": varlen,
                         "lengths": lengths_for(batch, seq, varlen), "providers": args.providers,
                         "backends": args.backends}

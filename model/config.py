@@ -126,4 +126,9 @@ PRESETS: dict[str, EncoderConfig] = {
     "minilm-l6": EncoderConfig(max_seq_length=256),
     # BERT-base shape, random init, for benchmarks.
     "bert-base": EncoderConfig(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
+    # XLM-RoBERTa-base's shape (multilingual-e5-base, bge-m3's smaller sibling), random init, for benchmarks.
+    "xlm-roberta-base": EncoderConfig(architecture="roberta", vocab_size=250002, hidden_size=768, num_layers=12,
+                                      num_heads=12, intermediate_size=3072, max_position_embeddings=514,
+                                      type_vocab_size=1, layer_norm_eps=1e-5, pad_token_id=1, position_offset=2,
+                                      max_seq_length=512),
 }

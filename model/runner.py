@@ -97,7 +97,7 @@ class Embedder:
     """Owns one encoder on one device and its kernel selection. Not thread-safe: one worker calls it (the server's
     batcher); a second thread gets its own copy (reference_copy)."""
 
-    def __init__(self, encoder: Encoder, tokenizer: TextTokenizer, name: str,
+    def __init__(self, encoder: Encoder, tokenizer: TextTokenizer | None, name: str,
                  device: torch.device, dtype: torch.dtype, *, pipeline: Pipeline | None = None,
                  classifier: Classifier | None = None, layout: str = "packed", attention: str = "auto",
                  cuda_graphs: bool = True, max_batch_tokens: int = 8192, max_batch: int = 256,
@@ -120,7 +120,9 @@ class Embedder:
         self.kind = "classifier" if classifier is not None else "embedding"
         self.dim: int = head.dim
         # a cross-encoder's text pairs carry token types (after the first separator: 1) where the model has them
-        self.pair_sep_id = tokenizer.sep_id if classifier is not None and self.config.type_vocab_size > 1 else None
+        # (without a tokenizer, token-id rows only: pairs cannot be told apart, every token type is 0)
+        self.pair_sep_id = tokenizer.sep_id if (tokenizer is not None and classifier is not None
+                                                and self.config.type_vocab_size > 1) else None
         self.name, self.device, self.dtype = name, device, dtype
         self.layout = layout
         self.max_batch_tokens, self.max_batch = max_batch_tokens, max_batch

@@ -29,6 +29,21 @@ def test_tiny_case_against_eager_pytorch(tmp_path):
     assert ours["backend"] == "auto" and ours["kernels"]  # what the registry chose, per op
 
 
+def test_the_cross_encoder_case_runs_a_classifier_beside_transformers(tmp_path):
+    out = tmp_path / "encoder.json"
+    assert main(["encoder", "tiny-cross-encoder-b3-varlen", "--device", "cpu", "--providers", "torch eager", "ours",
+                 "--out", str(out)]) == 0
+    block = store.load(out)["scenarios"]["tiny-cross-encoder-b3-varlen"]
+    assert block["complete"] and block["settings"]["head"] == "classifier"
+    assert {r["provider"] for r in block["results"] if "error" not in r} == {"torch eager", "ours"}
+
+
+def test_xlm_roberta_base_preset_matches_transformers_shape():
+    model = suite.hf_model(__import__("model.config", fromlist=["EncoderConfig"]).EncoderConfig.from_name(
+        "xlm-roberta-base").replace(num_layers=1), "cpu", __import__("torch").float32)
+    assert type(model).__name__ == "XLMRobertaModel" and model.config.vocab_size == 250002
+
+
 def test_rows_and_floor():
     rows = suite.token_rows([4, 7], vocab_size=30522)
     assert [len(r) for r in rows] == [4, 7] and all(r[0] == 101 and r[-1] == 102 for r in rows)

@@ -1,0 +1,136 @@
+"""Classifier routes: text-embeddings-inference's `POST /rerank` and `POST /predict`, and the Cohere/Jina-style
+`POST /v1/rerank`. Pairs are tokenized as pairs (the model's template, token types, longest_first truncation),
+exactly as sentence-transformers' CrossEncoder does; scores go through the model's activation (sigmoid for one
+label, softmax otherwise, or what its config names) unless `raw_scores` asks for the logits."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import numpy as np
+import torch
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, StrictBool
+
+from model.modules import activate
+from model.tokenizer import InputTooLong
+from server.deps import ServiceDep
+from server.errors import PayloadTooLarge, Unprocessable
+from server.service import Service
+
+router = APIRouter(tags=["classification"])
+
+Text = Annotated[str, Field(min_length=0)]
+
+
+def _classifier(service: Service, route: str, *, rerank: bool) -> None:
+    service.check_ready()
+    e = service.embedder
+    if e.kind != "classifier":
+        raise Unprocessable(f"{route} needs a sequence-classification (cross-encoder) model; {service.model_name} is "
+                            f"an embedding model: use /infer, /embed or /v1/embeddings")
+    if rerank and len(e.classifier.labels) != 1:
+        raise Unprocessable(f"{route} needs a re-ranker (one output label); {service.model_name} has "
+                            f"{len(e.classifier.labels)} labels ({', '.join(e.classifier.labels)}): use /predict")
+
+
+async def _scores(service: Service, pairs: list[tuple[str, str]] | list[str], truncate: bool, raw: bool,
+                  request: Request) -> np.ndarray:
+    service.check_count(len(pairs))
+    e = service.embedder
+    try:
+        if pairs and not isinstance(pairs[0], str):
+            ids = e.tokenize_pairs(pairs, truncate)
+        else:
+            ids = e.tokenizer.encode(list(pairs), truncate=truncate)
+    except InputTooLong as exc:
+        raise PayloadTooLarge(str(exc)) from None
+    logits = (await service.embed_ids(ids, normalize=False, request=request)).embeddings
+    if raw:
+        return logits
+    return activate(torch.from_numpy(np.ascontiguousarray(logits)), e.classifier.activation).numpy()
+
+
+class RerankRequest(BaseModel):
+    query: Text
+    texts: list[Text] = Field(..., min_length=1)
+    raw_scores: StrictBool = False
+    return_text: StrictBool = False
+    truncate: StrictBool = Field(False, description="cut pairs at max_seq_length tokens (longest first); false makes "
+                                 "an over-long pair a 413")
+    truncation_direction: str = Field("Right", pattern="^(Right|right)$",
+                                      description="only Right: text-embeddings-inference's default")
+
+
+@router.post("/rerank")
+async def rerank(body: RerankRequest, service: ServiceDep, request: Request) -> list[dict]:
+    """text-embeddings-inference's re-rank: each text scored against the query, best first."""
+    _classifier(service, "/rerank", rerank=True)
+    scores = await _scores(service, [(body.query, t) for t in body.texts], body.truncate, body.raw_scores, request)
+    order = np.argsort(-scores[:, 0], kind="stable")
+    return [{"index": int(i), "score": float(scores[i, 0]), **({"text": body.texts[i]} if body.return_text else {})}
+            for i in order]
+
+
+class Document(BaseModel):
+    text: str
+
+
+class CohereRerankRequest(BaseModel):
+    model: str | None = None
+    query: Text
+    documents: list[Text | Document] = Field(..., min_length=1)
+    top_n: int | None = Field(None, ge=1)
+    return_documents: StrictBool = False
+    truncate: StrictBool = True
+
+
+@router.post("/v1/rerank")
+async def cohere_rerank(body: CohereRerankRequest, service: ServiceDep, request: Request) -> dict:
+    """Cohere / Jina-style re-rank: `results` best first, `relevance_score` in [0, 1] (the model's activation)."""
+    _classifier(service, "/v1/rerank", rerank=True)
+    if body.model is not None and body.model != service.model_name:
+        raise Unprocessable(f"model {body.model!r} is not served here; this server serves {service.model_name!r}")
+    texts = [d if isinstance(d, str) else d.text for d in body.documents]
+    scores = await _scores(service, [(body.query, t) for t in texts], body.truncate, False, request)
+    order = np.argsort(-scores[:, 0], kind="stable")[: body.top_n]
+    return {"model": service.model_name,
+            "results": [{"index": int(i), "relevance_score": float(scores[i, 0]),
+                         **({"document": {"text": texts[i]}} if body.return_documents else {})} for i in order],
+            "usage": {"total_tokens": None}}
+
+
+class PredictRequest(BaseModel):
+    inputs: Text | list[Text] | list[list[Text]] = Field(..., description="a text, a pair [a, b], or a batch of "
+                                                                          "texts or pairs")
+    raw_scores: StrictBool = False
+    truncate: StrictBool = False
+
+
+def _as_inputs(value) -> tuple[list, bool]:
+    """(the inputs as a batch, whether the request sent one input)."""
+    if isinstance(value, str):
+        return [value], True
+    if value and all(isinstance(v, str) for v in value):
+        if len(value) == 2:  # text-embeddings-inference reads a two-text list as one pair
+            return [tuple(value)], True
+        return list(value), False
+    batch = []
+    for i, item in enumerate(value):
+        if isinstance(item, str) or len(item) not in (1, 2):
+            raise Unprocessable(f"inputs[{i}]: a pair is a list of two texts (or one text in a list)")
+        batch.append(tuple(item) if len(item) == 2 else item[0])
+    if {isinstance(b, str) for b in batch} == {True, False}:
+        raise Unprocessable("inputs: a batch holds texts or pairs, not both")
+    return batch, False
+
+
+@router.post("/predict")
+async def predict(body: PredictRequest, service: ServiceDep, request: Request) -> list:
+    """text-embeddings-inference's classify: per input, every label with its score, best first."""
+    _classifier(service, "/predict", rerank=False)
+    batch, single = _as_inputs(body.inputs)
+    scores = await _scores(service, batch, body.truncate, body.raw_scores, request)
+    labels = service.embedder.classifier.labels
+    rows = [[{"label": labels[j], "score": float(row[j])} for j in np.argsort(-row, kind="stable")] for row in scores]
+    return rows[0] if single else rows

@@ -1,0 +1,91 @@
+"""Classifiers over HTTP: a cross-encoder served by the real server answers text-embeddings-inference's /rerank
+and /predict and the Cohere/Jina-style /v1/rerank with sentence-transformers' CrossEncoder's scores on the same
+directory; an embedding route on a classifier (and the reverse) is a clear 4xx naming what the model serves."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from tests.model import checkpoints
+from tests.server.conftest import start_server
+
+CrossEncoder = pytest.importorskip("sentence_transformers").CrossEncoder
+MAX_SCORE_ERROR = 1e-5  # fp32 CPU against the reference library on the same weights
+
+QUERY = "how do fused kernels make an encoder fast?"
+TEXTS = ["They cut the memory traffic between ops.", "Cats sleep most of the day.", "Fewer kernel launches per layer.",
+         ""]
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    path = checkpoints.cross_encoder(tmp_path_factory.mktemp("ce") / "reranker", 1)
+    server = start_server(tmp_path_factory.mktemp("server"), model=str(path))
+    yield server, CrossEncoder(str(path), device="cpu")
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def nli(tmp_path_factory):
+    path = checkpoints.cross_encoder(tmp_path_factory.mktemp("ce") / "nli", 3)
+    server = start_server(tmp_path_factory.mktemp("server"), model=str(path))
+    yield server, CrossEncoder(str(path), device="cpu")
+    server.stop()
+
+
+def test_tei_rerank_matches_cross_encoder(reranker):
+    server, reference = reranker
+    expected = reference.predict([(QUERY, t) for t in TEXTS])
+    r = httpx.post(server.url + "/rerank", json={"query": QUERY, "texts": TEXTS, "return_text": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    ranked = r.json()
+    assert [x["index"] for x in ranked] == sorted(range(len(TEXTS)), key=lambda i: -expected[i])
+    for x in ranked:
+        assert abs(x["score"] - float(expected[x["index"]])) <= MAX_SCORE_ERROR and x["text"] == TEXTS[x["index"]]
+    raw = httpx.post(server.url + "/rerank", json={"query": QUERY, "texts": TEXTS, "raw_scores": True}).json()
+    logits = reference.predict([(QUERY, t) for t in TEXTS], activation_fn=torch.nn.Identity())
+    assert all(abs(x["score"] - float(logits[x["index"]])) <= MAX_SCORE_ERROR * max(1, abs(x["score"])) for x in raw)
+    assert all("text" not in x for x in raw)
+
+
+def test_v1_rerank_cohere_shape(reranker):
+    server, reference = reranker
+    expected = reference.rank(QUERY, TEXTS)
+    r = httpx.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": [TEXTS[0], {"text": TEXTS[1]},
+                                                                                  *TEXTS[2:]],
+                                                    "top_n": 2, "return_documents": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == [e["corpus_id"] for e in expected[:2]]
+    for x, e in zip(results, expected):
+        assert abs(x["relevance_score"] - float(e["score"])) <= MAX_SCORE_ERROR
+        assert x["document"] == {"text": TEXTS[x["index"]]}
+
+
+def test_predict_single_pair_and_batch(nli):
+    server, reference = nli
+    pairs = [(QUERY, t) for t in TEXTS[:3]]
+    expected = reference.predict(pairs, apply_softmax=True)
+    labels = ["contradiction", "entailment", "neutral"]
+    one = httpx.post(server.url + "/predict", json={"inputs": list(pairs[0])}, timeout=60).json()
+    assert [x["label"] for x in one] == [labels[j] for j in (-expected[0]).argsort(kind="stable")]
+    assert all(abs(x["score"] - float(expected[0][labels.index(x["label"])])) <= MAX_SCORE_ERROR for x in one)
+    batch = httpx.post(server.url + "/predict", json={"inputs": [list(p) for p in pairs]}).json()
+    assert len(batch) == 3 and batch[0] == one
+    # one label per model: /rerank needs a re-ranker
+    r = httpx.post(server.url + "/rerank", json={"query": QUERY, "texts": TEXTS})
+    assert r.status_code == 422 and "has 3 labels" in r.text
+
+
+def test_routes_of_the_other_kind_answer_4xx_naming_the_model(nli, server):
+    classifier, _ = nli
+    r = httpx.post(classifier.url + "/infer", json={"inputs": "x"})
+    assert r.status_code == 422 and "classifier" in r.text, r.text
+    r = httpx.post(server.url + "/rerank", json={"query": "q", "texts": ["a"]})  # the default embedding model
+    assert r.status_code == 422 and "embedding model" in r.text, r.text
+    r = httpx.post(server.url + "/predict", json={"inputs": "x"})
+    assert r.status_code == 422 and "embedding model" in r.text
+    r = httpx.post(classifier.url + "/predict", json={"inputs": [["a", "b", "c"]]})
+    assert r.status_code == 422
