@@ -1,0 +1,58 @@
+"""The models users bring, on the GPU's fused kernels in fp16 and bf16, against the real libraries on the same
+directories (built offline, fp32 references): SentenceTransformer for XLM-RoBERTa and DistilBERT embedding models and
+for MiniLM re-pooled with a Dense module; CrossEncoder for classifiers of each architecture. The packed layout,
+varlen or few-token attention and CUDA graphs are the serving defaults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.modules import activate
+from model.runner import Embedder
+from tests.model import checkpoints
+
+pytestmark = pytest.mark.gpu
+
+SentenceTransformer = pytest.importorskip("sentence_transformers").SentenceTransformer
+CrossEncoder = pytest.importorskip("sentence_transformers").CrossEncoder
+
+TEXTS = ["A man is eating food.", "x", "Fused kernels make encoders fast, even for a single short request.",
+         "The quick brown fox jumps over the lazy dog " * 12]
+PAIRS = [("how do fused kernels help?", "They cut memory traffic between ops."), ("what is a cat", "A small feline."),
+         ("q", "a much longer passage about nothing in particular " * 10)]
+MIN_COSINE, MAX_SCORE_ERROR = 0.999, 1e-2  # half precision on the fused kernels against an fp32 reference
+
+
+def _builds(tmp_path):
+    return {
+        "minilm-cls-dense": lambda: checkpoints.minilm(tmp_path / "m", ["cls"], dense=[(384, 128, "tanh")]),
+        "xlm-roberta": lambda: checkpoints.tiny_xlm_roberta(tmp_path / "x"),
+        "distilbert": lambda: checkpoints.tiny_distilbert(tmp_path / "d", ["max"]),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("model", ["minilm-cls-dense", "xlm-roberta", "distilbert"])
+def test_embedding_models_on_the_fused_kernels(tmp_path, model, dtype):
+    path = _builds(tmp_path)[model]()
+    ours, _ = Embedder.load(str(path), device="cuda", dtype=dtype, max_batch_tokens=2048, max_batch=16)
+    assert ours.path == "fused"
+    expected = SentenceTransformer(str(path), device="cuda").encode(TEXTS, convert_to_tensor=True).float().cpu()
+    for rows in (TEXTS[:1], TEXTS):  # one short input (the few-token layer where it runs) and a mixed batch
+        got = ours.embed(rows)
+        cosine = torch.nn.functional.cosine_similarity(got.double(), expected[: len(rows)].double(), dim=1)
+        assert float(cosine.min()) >= MIN_COSINE, (model, dtype, cosine)
+    assert ours.graphs.stats()["replays"] >= 2
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_classifiers_on_the_fused_kernels(tmp_path, architecture, num_labels, dtype):
+    path = checkpoints.cross_encoder(tmp_path / "ce", num_labels, architecture)
+    ours, _ = Embedder.load(str(path), device="cuda", dtype=dtype, max_batch_tokens=2048, max_batch=16)
+    reference = CrossEncoder(str(path), device="cuda")
+    expected = torch.as_tensor(reference.predict(PAIRS, apply_softmax=num_labels > 1, convert_to_numpy=True))
+    scores = activate(ours.predict(PAIRS), ours.classifier.activation)
+    assert float((scores - expected.reshape(scores.shape)).abs().max()) <= MAX_SCORE_ERROR
