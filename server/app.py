@@ -87,9 +87,10 @@ class RequestObserver:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = time.monotonic()
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or ()}
-        record = RequestRecord(request_id(headers.get("x-request-id")), started)
+        given = next((v for k, v in scope.get("headers") or () if k == b"x-request-id"), None)
+        record = RequestRecord(request_id(given.decode("latin-1") if given is not None else None), started)
         if self.tracing is not None:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or ()}
             record.tracing = self.tracing
             record.span = self.tracing.start_request(scope["method"], scope["path"], headers, started)
         token = CURRENT.set(record)
@@ -181,6 +182,22 @@ def _mount_docs(app: FastAPI) -> None:
                               redoc_favicon_url=f"{root}{DOCS_ASSETS}/favicon.png", with_google_fonts=False)
 
 
+def _declare_bearer_auth(app: FastAPI) -> None:
+    """With API keys on, the schema says so (a bearer scheme on every operation), and Swagger UI's Authorize
+    button takes a key for its "Try it out" calls."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {}).setdefault("securitySchemes", {})["apiKey"] = {
+                "type": "http", "scheme": "bearer", "description": "one of FUSEDSERVE_API_KEYS"}
+            schema["security"] = [{"apiKey": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def _first_param(errors: list[dict]) -> str | None:
     loc = [p for p in (errors[0].get("loc") or ()) if p != "body"] if errors else []
     return str(loc[0]) if loc else None
@@ -205,6 +222,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (infer, openai, tei, kserve, health, admin):
         app.include_router(module.router)
     _mount_docs(app)
+    if settings.api_keys:
+        _declare_bearer_auth(app)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError):

@@ -57,6 +57,10 @@ def test_probes_metrics_and_docs_stay_open(server):
     for path in ("/healthz", "/readyz", "/metrics", "/health", "/v2/health/live", "/v2/health/ready", "/docs",
                  "/redoc", "/openapi.json", "/docs/assets/swagger-ui.css"):
         assert httpx.get(server.url + path).status_code == 200, path
+    schema = httpx.get(server.url + "/openapi.json").json()  # Swagger UI's Authorize button takes a key
+    assert schema["security"] == [{"apiKey": []}]
+    assert schema["components"]["securitySchemes"]["apiKey"] == {"type": "http", "scheme": "bearer",
+                                                                 "description": "one of FUSEDSERVE_API_KEYS"}
 
 
 def test_clients_pass_their_keys(server, monkeypatch):
