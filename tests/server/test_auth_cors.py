@@ -8,7 +8,10 @@ import asyncio
 
 import httpx
 import numpy as np
+import openai
 import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from server.app import create_app
 from server.config import Settings
@@ -64,14 +67,11 @@ def test_probes_metrics_and_docs_stay_open(server):
 
 
 def test_clients_pass_their_keys(server, monkeypatch):
-    openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[0], max_retries=0)
     assert len(client.embeddings.create(input="hello", model=MODEL).data[0].embedding) == 384
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
-    httpclient = pytest.importorskip("tritonclient.http")
-    from tritonclient.utils import InferenceServerException
 
     triton = httpclient.InferenceServerClient(url=server.url.removeprefix("http://"))
     tensor = httpclient.InferInput("text", [1], "BYTES")

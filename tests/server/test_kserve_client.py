@@ -7,11 +7,10 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
-httpclient = pytest.importorskip("tritonclient.http")
-from tritonclient.utils import InferenceServerException  # noqa: E402
-
-from tests.model.sentences import SENTENCES  # noqa: E402
+from tests.model.sentences import SENTENCES
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = [SENTENCES[0], "東京は日本の首都です。", "", "x" * 3]

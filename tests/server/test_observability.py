@@ -16,11 +16,10 @@ from unittest import mock
 
 import httpx
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as trace_pb2
 
 from server.observability import CURRENT, JsonFormatter, RequestRecord
 from tests.server.conftest import start_server
-
-trace_pb2 = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 
 MODEL = "all-MiniLM-L6-v2"
 TIMINGS = ("x-total-time", "x-tokenization-time", "x-queue-time", "x-inference-time")

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
+import openai
 import pytest
-
-openai = pytest.importorskip("openai")
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = ["A man is eating food.", "東京は日本の首都です。"]

@@ -9,12 +9,11 @@ import base64
 import httpx
 import numpy as np
 import pytest
+from sentence_transformers.util import quantization
 
 from server.batcher import l2_normalize
 from server.quantize import CALIBRATION_TEXTS
 from tests.model.sentences import SENTENCES
-
-quantization = pytest.importorskip("sentence_transformers.util.quantization")
 
 TEXTS = SENTENCES[:6] + ["hello", "東京は日本の首都です。"]
 QUANTIZED = ["int8", "uint8", "binary", "ubinary"]
