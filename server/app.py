@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.config import Settings
 from server.errors import ServiceError, error_response, service_error_response
 from server.observability import CURRENT, TIMING_HEADERS, RequestRecord, request_id
-from server.routes import admin, health, infer, kserve, openai, tei
+from server.routes import admin, health, infer, kserve, openai, rerank, tei
 from server.service import VERSION, Service
 
 log = logging.getLogger("fusedserve")
@@ -219,7 +219,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Transformer-encoder embeddings on fused GPU kernels. Native (`/infer`), OpenAI "
                   "(`/v1/*`), text-embeddings-inference (`/embed`, ...) and KServe v2 (`/v2/*`) APIs.")
     app.state.service = service
-    for module in (infer, openai, tei, kserve, health, admin):
+    for module in (infer, openai, tei, rerank, kserve, health, admin):
         app.include_router(module.router)
     _mount_docs(app)
     if settings.api_keys:

@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     backend_overrides: Annotated[dict[str, Literal["auto", "triton", "cuda", "torch"]], NoDecode] = Field(
         default_factory=dict, description="per-op backend, e.g. 'add_layer_norm=cuda,bias_gelu=triton'")
     max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's)")
+    pooling: Literal["cls", "mean", "max", "mean_sqrt_len_tokens"] | None = Field(
+        None, description="an embedding model's pooling, overriding its own (sentence-transformers' 1_Pooling); "
+        "a plain Hugging Face directory without it is mean-pooled")
     attention: Literal["auto", "pad", "varlen", "fused"] = Field(
         "auto", description="packed attention: varlen flash (fp16/bf16 on CUDA), pad-for-SDPA, or fused (batches of "
                             "<= 64 tokens as four kernels per layer, varlen above); auto: fused on CUDA fp16/bf16 "

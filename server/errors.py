@@ -6,7 +6,8 @@ of the route, so each family's own clients can read them:
 - OpenAI (`/v1/*`): `{"error": {"message", "type", "param", "code"}}`, `type` one of OpenAI's
   (`invalid_request_error`, `authentication_error`, ...), `code` our type (or `model_not_found`)
 - KServe v2 / Open Inference Protocol (`/v2`, `/v2/*`): `{"error": "<message>"}`
-- text-embeddings-inference (`/`, `/embed`, `/embed_all`, `/similarity`, `/tokenize`, `/decode`, `/health`):
+- text-embeddings-inference (`/`, `/embed`, `/embed_all`, `/similarity`, `/tokenize`, `/decode`, `/health`,
+  `/rerank`, `/predict`):
   `{"error": "<message>", "error_type": "validation" | "overloaded" | "unhealthy" | "backend" | "unauthorized"}`
 """
 
@@ -70,7 +71,8 @@ def error_body(type_: str, message: str) -> dict:
     return {"error": {"type": type_, "message": message}}
 
 
-TEI_PATHS = frozenset({"/", "/embed", "/embed_all", "/similarity", "/tokenize", "/decode", "/health"})
+TEI_PATHS = frozenset({"/", "/embed", "/embed_all", "/similarity", "/tokenize", "/decode", "/health", "/rerank",
+                       "/predict"})
 
 
 def protocol(path: str) -> str:

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,7 +145,8 @@ class Service:
         log.info("loading model %s on device %s (dtype %s) ...", s.model, s.device, s.dtype)
         self.embedder, self.report = Embedder.load(
             s.model, device=s.device, dtype=s.dtype, fused=s.fused, backend=s.backend,
-            backend_overrides=dict(s.backend_overrides), max_seq_length=s.max_seq_length, attention=s.attention,
+            backend_overrides=dict(s.backend_overrides), max_seq_length=s.max_seq_length, pooling=s.pooling,
+            attention=s.attention,
             cuda_graphs=s.cuda_graphs, max_batch_tokens=s.max_batch_tokens, max_batch=s.max_batch_requests,
             max_graphs=s.max_cuda_graphs)
         if s.verify_sample_rate > 0:
@@ -238,23 +239,11 @@ class Service:
         """sentence-transformers' prompts: the named prompt's text goes before each input. The Embedder decides
         what a name stands for where it can (Embedder.prompt, which also knows a model's default prompt); a model
         without prompts refuses the field rather than ignoring it."""
-        resolve = getattr(self.embedder, "prompt", None)
-        if callable(resolve):
-            try:
-                prompt = resolve(prompt_name)
-            except ValueError as exc:
-                raise Unprocessable(str(exc), param="prompt_name") from None
-            return [prompt + text for text in texts] if prompt else texts
-        if prompt_name is None:
-            return texts
-        prompts = getattr(self.embedder, "prompts", None)
-        if not isinstance(prompts, Mapping) or not prompts:
-            raise Unprocessable(f"prompt_name is unsupported for this model ({self.model_name} has no prompts)",
-                                param="prompt_name")
-        if prompt_name not in prompts:
-            raise Unprocessable(f"prompt_name {prompt_name!r} is not one of this model's prompts "
-                                f"({', '.join(map(repr, prompts))})", param="prompt_name")
-        return [prompts[prompt_name] + text for text in texts]
+        try:
+            prompt = self.embedder.prompt(prompt_name)
+        except ValueError as exc:
+            raise Unprocessable(str(exc), param="prompt_name") from None
+        return [prompt + text for text in texts] if prompt else texts
 
     async def tokenize(self, texts: list[str], *, truncate: bool, direction: str = "right") -> list[list[int]]:
         """Token ids per text ([CLS] ... [SEP]); over-long inputs are cut on `direction`'s side, or with
@@ -266,6 +255,9 @@ class Service:
                 # a Python caller's strings can still hold them, and the tokenizer cannot take them
                 raise Unprocessable(f"input {i} is not valid Unicode (lone surrogate)") from None
         tokenizer = self.embedder.tokenizer
+        pipeline = self.embedder.pipeline
+        if pipeline is not None and pipeline.do_lower_case:  # as sentence-transformers' Transformer module does
+            texts = [t.lower() for t in texts]
 
         def encode() -> list[list[int]]:
             if direction == "left":
@@ -288,6 +280,7 @@ class Service:
     async def embed_texts(self, texts: list[str], *, normalize: bool, truncate: bool, request: Request,
                           direction: str = "right") -> EmbedResult:
         self.check_ready()
+        self.check_kind("embedding")
         self.check_count(len(texts))
         ids = await self.tokenize(texts, truncate=truncate, direction=direction)
         return await self.embed_ids(ids, normalize=normalize, request=request)
@@ -315,8 +308,19 @@ class Service:
                 raise Unprocessable(f"input {i} has token id {bad} outside the vocabulary [0, {vocab})")
         return self.cut(rows, truncate, direction)
 
-    async def embed_ids(self, ids: list[list[int]], *, normalize: bool, request: Request) -> EmbedResult:
+    def check_kind(self, kind: str) -> None:
+        """An embedding route on a classifier, or a classifier route on an embedding model: a 4xx naming both."""
+        served = self.embedder.kind
+        if served != kind:
+            use = "/rerank, /v1/rerank or /predict" if served == "classifier" else "/infer, /embed or /v1/embeddings"
+            raise Unprocessable(f"this route serves {kind} models; {self.model_name} is a{'n' * (served[0] in 'ae')} "
+                                f"{served} model: use {use}")
+
+    async def embed_ids(self, ids: list[list[int]], *, normalize: bool, request: Request,
+                        kind: str = "embedding") -> EmbedResult:
+        """The model's output rows for token-id rows: embeddings, or a classifier's logits (kind="classifier")."""
         self.check_ready()
+        self.check_kind(kind)
         self.check_count(len(ids))
         job = self.batcher.submit(ids, normalize, self.settings.request_timeout_s)
         deadline = time.monotonic() + self.settings.request_timeout_s + 1.0

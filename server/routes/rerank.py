@@ -25,10 +25,8 @@ Text = Annotated[str, Field(min_length=0)]
 
 def _classifier(service: Service, route: str, *, rerank: bool) -> None:
     service.check_ready()
+    service.check_kind("classifier")
     e = service.embedder
-    if e.kind != "classifier":
-        raise Unprocessable(f"{route} needs a sequence-classification (cross-encoder) model; {service.model_name} is "
-                            f"an embedding model: use /infer, /embed or /v1/embeddings")
     if rerank and len(e.classifier.labels) != 1:
         raise Unprocessable(f"{route} needs a re-ranker (one output label); {service.model_name} has "
                             f"{len(e.classifier.labels)} labels ({', '.join(e.classifier.labels)}): use /predict")
@@ -45,7 +43,7 @@ async def _scores(service: Service, pairs: list[tuple[str, str]] | list[str], tr
             ids = e.tokenizer.encode(list(pairs), truncate=truncate)
     except InputTooLong as exc:
         raise PayloadTooLarge(str(exc)) from None
-    logits = (await service.embed_ids(ids, normalize=False, request=request)).embeddings
+    logits = (await service.embed_ids(ids, normalize=False, request=request, kind="classifier")).embeddings
     if raw:
         return logits
     return activate(torch.from_numpy(np.ascontiguousarray(logits)), e.classifier.activation).numpy()
