@@ -69,8 +69,8 @@ class LoadReport:
     def __str__(self) -> str:
         c = self.config
         return (
-            f"model {self.model}: {c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}, heads "
-            f"{c.num_heads}, max_seq_length {c.max_seq_length}\n{self.head}\n"
+            f"model {self.model}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}, "
+            f"max_seq_length {c.max_seq_length}, architecture {c.architecture}\n{self.head}\n"
             f"device {self.device}, dtype {str(self.dtype).removeprefix('torch.')}, loaded in {self.seconds:.1f}s\n"
             f"{self.kernels.report()}"
         )

@@ -278,10 +278,12 @@ class Service:
         return ids
 
     async def embed_texts(self, texts: list[str], *, normalize: bool, truncate: bool, request: Request,
-                          direction: str = "right") -> EmbedResult:
+                          direction: str = "right", prompt_name: str | None = None) -> EmbedResult:
+        """Texts in, embeddings out; the named prompt (or the model's default prompt) goes before each text."""
         self.check_ready()
         self.check_kind("embedding")
         self.check_count(len(texts))
+        texts = self.apply_prompt(texts, prompt_name)
         ids = await self.tokenize(texts, truncate=truncate, direction=direction)
         return await self.embed_ids(ids, normalize=normalize, request=request)
 

@@ -24,6 +24,8 @@ class InferRequest(BaseModel):
     truncate: StrictBool = Field(True, description="cut inputs at max_seq_length tokens; false makes an over-long "
                                  "input a 413")
     encoding_format: Encoding = Field("float", description=ENCODING_HELP)
+    prompt_name: str | None = Field(None, description="one of the model's prompts (sentence-transformers' prompts), "
+                                    "put before each input; absent: the model's default prompt, if it has one")
 
 
 class Usage(BaseModel):
@@ -40,7 +42,8 @@ class InferResponse(BaseModel):
 @router.post("/infer", response_model=InferResponse)
 async def infer(body: InferRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    result = await service.embed_texts(texts, normalize=body.normalize, truncate=body.truncate, request=request)
+    result = await service.embed_texts(texts, normalize=body.normalize, truncate=body.truncate, request=request,
+                                       prompt_name=body.prompt_name)
     embeddings = result.embeddings if body.encoding_format == "float" else \
         await service.output(result.embeddings, body.encoding_format, normalize=body.normalize)
     return EmbeddingResponse({"embeddings": embeddings, "model": service.model_name,

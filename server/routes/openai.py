@@ -26,6 +26,8 @@ class EmbeddingsRequest(BaseModel):
     truncate: StrictBool = Field(True, description="cut inputs at max_seq_length tokens; false makes an over-long "
                                  "input a 413")
     user: str | None = Field(None, description="the end user's id (accepted, not used)")
+    prompt_name: str | None = Field(None, description="one of the model's prompts, put before each text input; "
+                                    "absent: the model's default prompt, if it has one")
 
 
 class Embedding(BaseModel):
@@ -74,14 +76,16 @@ async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Requ
     service.check_dimensions(body.dimensions)
     data = body.input
     if isinstance(data, str):
-        result = await service.embed_texts([data], normalize=True, truncate=body.truncate, request=request)
+        result = await service.embed_texts([data], normalize=True, truncate=body.truncate, request=request,
+                                           prompt_name=body.prompt_name)
     elif data and all(isinstance(x, int) for x in data):
         result = await service.embed_ids(service.validate_ids([data], body.truncate), normalize=True,
                                          request=request)
     elif data and all(isinstance(x, list) for x in data):
         result = await service.embed_ids(service.validate_ids(data, body.truncate), normalize=True, request=request)
     else:
-        result = await service.embed_texts(list(data), normalize=True, truncate=body.truncate, request=request)
+        result = await service.embed_texts(list(data), normalize=True, truncate=body.truncate, request=request,
+                                           prompt_name=body.prompt_name)
     rows = await service.output(result.embeddings, body.encoding_format, normalize=True, dimensions=body.dimensions)
     items = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
     return EmbeddingResponse({"object": "list", "data": items, "model": service.model_name,
