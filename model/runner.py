@@ -401,6 +401,15 @@ class Embedder:
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         return self.head.forward_padded(self.encoder(input_ids, mask, types), mask)
 
+    @torch.inference_mode()
+    def embed_tokens(self, batch: list[list[int]]) -> list[Tensor]:
+        """Per-token hidden states of each row ([len(row), hidden] float32 on the CPU, special tokens included):
+        the encoder's packed forward on this Embedder's selection, eagerly (no graph bucket has per-token output)."""
+        with kernels.use(self.selection):
+            packed = Packed.from_rows(batch, self.device, **self._token_layout())
+            hidden = self.encoder.forward_packed(packed, self.attention)[: sum(map(len, batch))].float().cpu()
+        return list(hidden.split([len(row) for row in batch]))
+
     # ---- text in --------------------------------------------------------------------------------------------
     def prompt(self, prompt_name: str | None) -> str:
         """The text a prompt name stands for ("" for none; the model's default_prompt_name when not named)."""

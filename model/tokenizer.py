@@ -39,6 +39,11 @@ class TextTokenizer:
                 raise InputTooLong(index, len(row), self.max_length)
         return ids
 
+    @property
+    def untruncated(self) -> Tokenizer:
+        """The HF tokenizer without truncation or padding: token offsets (/tokenize), decoding, left-side truncation."""
+        return self._full
+
     def encode_pairs(self, pairs: list[tuple[str, str]], truncate: bool = True) -> list[list[int]]:
         """Token ids per (a, b) pair, `[CLS] a [SEP] b [SEP]` (the model's own template), truncated longest-first
         to max_length as a cross-encoder's tokenizer call does. Without truncation, too-long pairs raise."""

@@ -479,21 +479,10 @@ class Service:
 
 def untruncated(tokenizer):
     """The HF tokenizer behind model.tokenizer.TextTokenizer, without truncation: /tokenize's offsets, /decode and
-    left-side truncation need it, and TextTokenizer has no public way to it yet."""
-    return tokenizer._full
+    left-side truncation."""
+    return tokenizer.untruncated
 
 
 def token_embeddings(embedder: Embedder, rows: list[list[int]]) -> list[np.ndarray]:
-    """Per-token hidden states of each row, [len(row), hidden] float32. An Embedder that offers embed_tokens is
-    asked. This one has no per-token output yet, so its encoder's packed forward runs here, outside the Embedder's
-    kernel selection: every op on the torch reference, eagerly (correct everywhere, not the fast path)."""
-    own = getattr(embedder, "embed_tokens", None)
-    if own is not None:
-        return [np.asarray(t, dtype=np.float32) for t in own(rows)]
-    from model.encoder import Packed
-
-    with torch.inference_mode():
-        packed = Packed.from_rows(rows, embedder.device, pad_token_id=embedder.config.pad_token_id)
-        hidden = embedder.encoder.forward_packed(packed, embedder.attention)
-        hidden = hidden[: sum(map(len, rows))].float().cpu().numpy()
-    return np.split(hidden, np.cumsum([len(r) for r in rows])[:-1])
+    """Per-token hidden states of each row, [len(row), hidden] float32, on the Embedder's kernel path."""
+    return [t.numpy() for t in embedder.embed_tokens(rows)]
