@@ -103,11 +103,16 @@ class Selection:
     choices: Mapping[str, OpChoice]
     impls: Mapping[str, Callable]
     seconds: float = 0.0
-    version: int = field(default_factory=lambda: next(_versions))
+    # set at construction, never passed in: dataclasses.replace() or a caller cannot make two selections share one
+    version: int = field(init=False)
+    any_fused: bool = field(init=False)  # some op the model calls runs something other than its torch reference
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", types.MappingProxyType(dict(self.choices)))
         object.__setattr__(self, "impls", types.MappingProxyType(dict(self.impls)))
+        object.__setattr__(self, "version", next(_versions))
+        object.__setattr__(self, "any_fused", any(self.impls[op] is not REFERENCE_OPS[op]
+                                                  for op, c in self.choices.items() if c.used))
 
     def backend_of(self, op: str) -> str:
         return self.choices[op].backend
@@ -116,11 +121,6 @@ class Selection:
     def used(self) -> dict[str, str]:
         """{op: backend} for the ops the model calls."""
         return {op: c.backend for op, c in self.choices.items() if c.used}
-
-    @property
-    def any_fused(self) -> bool:
-        """Some op the model calls runs something other than its torch reference."""
-        return any(self.impls[op] is not REFERENCE_OPS[op] for op in self.used)
 
     def on_reference(self, ops: Iterable[str], reason: str) -> Selection:
         """A new selection with `ops` on the torch reference, each choice's reason saying why."""
@@ -174,15 +174,15 @@ class Selection:
 
 
 def reference_selection(device: torch.device | str = "cpu", dtypes: Iterable[torch.dtype] = (torch.float32,),
-                        reason: str = "reference path", *, version: int | None = None) -> Selection:
+                        reason: str = "reference path") -> Selection:
     """Every op on the torch reference."""
     choices = {op: OpChoice(op, REFERENCE_BACKEND, reason) for op in OPS}
-    extra = {} if version is None else {"version": version}
-    return Selection(torch.device(device), tuple(dtypes), False, choices, REFERENCE_OPS, **extra)
+    return Selection(torch.device(device), tuple(dtypes), False, choices, REFERENCE_OPS)
 
 
 # What kernels.<op> runs outside any kernels.use(...): the reference, so the package works unconfigured.
-REFERENCE = reference_selection(version=0)
+REFERENCE = reference_selection()
+object.__setattr__(REFERENCE, "version", 0)
 
 _NOT_IMPLEMENTED = "does not implement this op"
 

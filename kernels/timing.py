@@ -46,7 +46,7 @@ def capture(fn: Callable[[], object], calls: int = 1, warmup: int = 3) -> torch.
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may use the device meanwhile
         for _ in range(calls):
             fn()
     return graph

@@ -100,10 +100,15 @@ class EncoderConfig:
         overrides = {}
         st_config = path / "sentence_bert_config.json"
         base = cls.from_hf(config)
-        if st_config.is_file():
-            max_seq = json.loads(st_config.read_text()).get("max_seq_length")
-            if max_seq:
-                overrides["max_seq_length"] = min(int(max_seq), base.max_seq_length)
+        # sentence-transformers' and CrossEncoder's truncation: sentence_bert_config.json's max_seq_length, else the
+        # tokenizer's model_max_length where it is shorter than the positions
+        max_seq = json.loads(st_config.read_text()).get("max_seq_length") if st_config.is_file() else None
+        tokenizer_config = path / "tokenizer_config.json"
+        if not max_seq and tokenizer_config.is_file():
+            limit = json.loads(tokenizer_config.read_text()).get("model_max_length")
+            max_seq = limit if isinstance(limit, int) and limit < 1_000_000 else None
+        if max_seq:
+            overrides["max_seq_length"] = min(int(max_seq), base.max_seq_length)
         overrides["normalize"] = _has_normalize_module(path)
         return base.replace(**overrides)
 

@@ -1,6 +1,6 @@
-"""The BERT encoder (post-LN). Token-wise work runs on flattened [tokens, hidden] tensors through the
-fused `kernels.*` ops; GEMMs are plain torch matmuls with their bias folded into the following fused op
-where one exists; attention is torch SDPA with a key-padding mask.
+"""The post-LN encoder of the BERT family (BERT, RoBERTa / XLM-RoBERTa, DistilBERT: model.config). Token-wise work
+runs on flattened [tokens, hidden] tensors through the fused `kernels.*` ops; GEMMs are plain torch matmuls with
+their bias folded into the following fused op where one exists.
 
 Two layouts: `forward` takes a padded [batch, seq] batch; `forward_packed` takes a `Packed` batch, the real
 tokens of every sequence back to back ([tokens, hidden], no padding), so GEMMs and the fused ops touch real
@@ -71,15 +71,15 @@ class Packed:
 
     @staticmethod
     def host_buffers(rows: list[list[int]], tokens: int, batch: int, seq: int, pad_token_id: int = 0, *,
-                     position_offset: int = 0, pair_sep_id: int | None = None,
+                     position_offset: int = 0, pair_types: bool = False,
                      out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The packed batch as two CPU tensors: [6, tokens] int64 (one row per Packed.FIELDS; filler tokens point
         at the scratch row and scratch sequence) and [batch] lengths (filler sequences: 1), written into `out`
         when given (the CUDA graphs' pinned buffers). numpy, not torch: this runs on the host for every batch,
         and a few dozen small torch ops cost more than a small model's whole graph replay.
-        position_offset: added to each token's position (RoBERTa's start past the padding index). pair_sep_id: rows
-        are text pairs `[CLS] a [SEP] b [SEP]`: tokens after a row's first separator get token type 1, as the
-        tokenizer's pair encoding gives them (a cross-encoder with token types); otherwise every type is 0."""
+        position_offset: added to each token's position (RoBERTa's start past the padding index). pair_types: a
+        text pair's row (model.tokenizer.PairIds) gets token type 1 from its second text on, as the tokenizer's pair
+        encoding says (a cross-encoder with token types); every other token's type is 0."""
         n = len(rows)
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=n)
         real, longest = int(lengths.sum()), int(lengths.max())
@@ -99,11 +99,13 @@ class Packed:
         pad_index[:real] += positions[:real]
         if position_offset:
             positions += position_offset
-        if pair_sep_id is not None:
-            is_sep = (ids[:real] == pair_sep_id).astype(np.int64)
-            before = np.cumsum(is_sep) - is_sep  # separators before each token, from the batch's start
-            row_start = np.cumsum(lengths) - lengths
-            types[:real] = (before - np.repeat(before[row_start], lengths)) > 0
+        if pair_types:
+            start = 0
+            for row in rows:
+                second = getattr(row, "second", None)
+                if second is not None:
+                    types[start + second: start + len(row)] = 1
+                start += len(row)
         pad_index[real:] = batch * seq
         np.minimum(pad_index, batch * seq - 1, out=gather_index)
         seq_index[:real] = row_of_token
@@ -135,12 +137,12 @@ class Packed:
     @classmethod
     def from_rows(cls, rows: list[list[int]], device: torch.device | str, *, tokens: int | None = None,
                   batch: int | None = None, seq: int | None = None, pad_token_id: int = 0, position_offset: int = 0,
-                  pair_sep_id: int | None = None) -> Packed:
+                  pair_types: bool = False) -> Packed:
         """Pack token-id rows, optionally into a larger (tokens, batch, seq) bucket."""
         real = sum(map(len, rows))
         tokens, batch, seq = tokens or real, batch or len(rows), seq or max(map(len, rows))
         flat, lengths = cls.host_buffers(rows, tokens, batch, seq, pad_token_id, position_offset=position_offset,
-                                         pair_sep_id=pair_sep_id)
+                                         pair_types=pair_types)
         cu_seqlens = cls.host_cu_seqlens(lengths[: len(rows)].numpy(), batch)
         return cls.from_buffers(flat.to(device), lengths.to(device), seq, dense=tokens == real == batch * seq,
                                 cu_seqlens=cu_seqlens.to(device))
@@ -158,7 +160,7 @@ def _varlen_attention():
 ATTENTIONS = ("auto", "pad", "varlen", "fused")
 # With attention="fused", batches of at most this many tokens (the serving buckets of a single short request or a
 # few) run each layer as four kernels (Layer._few_token_layer); larger ones run the varlen path where it runs (faster
-# on the H200 than qkv_attention at 128-token sequences), else qkv_attention + the usual blocks.
+# than qkv_attention at 128-token sequences), else qkv_attention + the usual blocks.
 FUSED_LAYER_TOKENS = 64
 # the few-token layer's ops (FUSED_LAYER_TOKENS): auto attention keeps "fused" only where all run on a fused backend
 FEW_TOKEN_OPS = ("attention_partials", "ffn_partials", "partial_add_layer_norm")

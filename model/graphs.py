@@ -88,11 +88,11 @@ def _ceil_pow4(n: int) -> int:
 class CudaGraphs:
     def __init__(self, encoder: Encoder, device: torch.device, *, max_tokens: int, max_batch: int,
                  max_graphs: int = 256, head: Callable[[Tensor, Packed], Tensor] | None = None, pad_token_id: int = 0,
-                 position_offset: int = 0, pair_sep_id: int | None = None, attention: str = "pad") -> None:
+                 position_offset: int = 0, pair_types: bool = False, attention: str = "pad") -> None:
         """head: hidden states [T, H] and the batch -> the output rows [batch, dim] (default: mean pooling)."""
         self.encoder, self.device, self.attention = encoder, device, attention
         self.head = head or (lambda hidden, p: packed_mean_pool(hidden, p, normalize=False))
-        self.position_offset, self.pair_sep_id = position_offset, pair_sep_id
+        self.position_offset, self.pair_types = position_offset, pair_types
         self.tokens = token_buckets(max_tokens)
         self.max_batch = _ceil_pow2(max_batch)
         # the longest input the service lets through (inputs are truncated to max_seq_length)
@@ -170,7 +170,7 @@ class CudaGraphs:
         tokens, batch, seq, _ = key
         entry.copied.synchronize()  # a caller that did not wait for the last result must not race its copy
         _, lengths = Packed.host_buffers(rows, tokens, batch, seq, self.pad_token_id,
-                                         position_offset=self.position_offset, pair_sep_id=self.pair_sep_id,
+                                         position_offset=self.position_offset, pair_types=self.pair_types,
                                          out=_split(entry.host, tokens))
         Packed.host_cu_seqlens(lengths[: len(rows)].numpy(), batch, out=entry.cu_host)
         entry.device.copy_(entry.host, non_blocking=True)
@@ -191,8 +191,8 @@ class CudaGraphs:
     def _drop_all(self) -> None:
         """Drop every graph and their memory pool; self.pool is None exactly while no graph is held. The next
         capture takes a fresh pool: torch's allocator keeps a pool whose last graph is gone (use count 0) until its
-        memory is released, and capturing into it again fails an internal assert in CUDACachingAllocator (seen on
-        torch 2.11 after a fused-path toggle, once the collector had freed the dropped graphs)."""
+        memory is released, and capturing into it again fails an internal assert in CUDACachingAllocator (after a
+        fused-path toggle, once the collector has freed the dropped graphs)."""
         self.graphs.clear()
         self.pool = None
         self.pool_bytes = 0
@@ -224,7 +224,9 @@ class CudaGraphs:
                 self.head(self.encoder.forward_packed(packed, self.attention), packed)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
+        # thread_local: another thread's work on the device meanwhile (the verifier's reference forward) neither
+        # invalidates the capture nor fails on it
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), torch.inference_mode():
             pooled = self.head(self.encoder.forward_packed(packed, self.attention), packed)
         entry = _Graph(graph, host, dev, cu_host, cu_dev, packed, pooled, torch.cuda.Event())
         self.graphs[key] = entry

@@ -195,6 +195,8 @@ def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, 
         if activation is None:
             raise UnsupportedModel(f"{path}: score activation {declared!r} is not supported; supported: "
                                    f"{', '.join(SCORE_ACTIVATIONS)}")
+    elif hf.get("problem_type") == "multi_label_classification":  # independent labels, as transformers scores them
+        activation = "sigmoid"
     else:
         activation = "sigmoid" if num_labels == 1 else "softmax"
     return Classifier(config.architecture, {n: rest[n].float() for n in wanted}, labels, activation)

@@ -119,10 +119,8 @@ class Embedder:
         self.head = head.to(device).eval().requires_grad_(False)
         self.kind = "classifier" if classifier is not None else "embedding"
         self.dim: int = head.dim
-        # a cross-encoder's text pairs carry token types (after the first separator: 1) where the model has them
-        # (without a tokenizer, token-id rows only: pairs cannot be told apart, every token type is 0)
-        self.pair_sep_id = tokenizer.sep_id if (tokenizer is not None and classifier is not None
-                                                and self.config.type_vocab_size > 1) else None
+        # a cross-encoder's text pairs carry token types (the second text's: 1) where the model has them
+        self.pair_types = classifier is not None and self.config.type_vocab_size > 1
         self.name, self.device, self.dtype = name, device, dtype
         self.layout = layout
         self.max_batch_tokens, self.max_batch = max_batch_tokens, max_batch
@@ -212,8 +210,9 @@ class Embedder:
             # the few-token ops first, alone (Triton-only: no race; their self-test verdicts are cached for the
             # select below), so a fallback to varlen does not race the other ops twice
             attention, _ = self._attention_for(select(FEW_TOKEN_OPS))
+        selection = select(kernel_ops(self.layout, attention, self.device, self.dtype))  # may raise: nothing changed
         self.fallback = None
-        return self._install(select(kernel_ops(self.layout, attention, self.device, self.dtype)))
+        return self._install(selection)
 
     def fall_back(self, op: str, reason: str) -> kernels.Selection:
         """Run `op` ("all": every op the model calls) on the torch reference from the next forward on, the same
@@ -226,6 +225,9 @@ class Embedder:
     def use(self, selection: kernels.Selection) -> kernels.Selection:
         """Run on `selection` from the next forward on: one derived from this Embedder's own (Selection.on_reference,
         Selection.with_impl: how the tests inject faults)."""
+        if selection.device != self.device or self.dtype not in selection.dtypes:
+            raise ValueError(f"a selection for {selection.device} {selection.dtypes} cannot run this model "
+                             f"({self.device}, {self.dtype})")
         return self._install(selection)
 
     def _install(self, selection: kernels.Selection) -> kernels.Selection:
@@ -380,7 +382,7 @@ class Embedder:
 
     def _token_layout(self) -> dict:
         return dict(pad_token_id=self.config.pad_token_id, position_offset=self.config.position_offset,
-                    pair_sep_id=self.pair_sep_id)
+                    pair_types=self.pair_types)
 
     def _forward_eager(self, batch: list[list[int]]) -> Tensor:
         if self.layout == "packed":
@@ -393,7 +395,7 @@ class Embedder:
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[row, : len(ids)] = True
         types = None
-        if self.pair_sep_id is not None:  # the packed layout's token types, padded
+        if self.pair_types:  # the packed layout's token types, padded
             flat, _ = Packed.host_buffers(batch, sum(map(len, batch)), len(batch), seq, **self._token_layout())
             types = torch.zeros_like(input_ids)
             types[mask] = flat[Packed.FIELDS.index("token_type_ids")]

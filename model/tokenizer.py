@@ -14,6 +14,15 @@ class InputTooLong(ValueError):
         self.index, self.tokens, self.limit = index, tokens, limit
 
 
+class PairIds(list):
+    """A text pair's token ids, `[CLS] a [SEP] b [SEP]`, with where the second text's tokens start (token type 1 from
+    there on, as the tokenizer's pair encoding says: a separator inside a text does not move it)."""
+
+    def __init__(self, ids, second: int) -> None:
+        super().__init__(ids)
+        self.second = second
+
+
 class TextTokenizer:
     def __init__(self, path: str | Path, max_length: int) -> None:
         path = Path(path)
@@ -26,8 +35,6 @@ class TextTokenizer:
         self._full = Tokenizer.from_file(str(path))
         self._full.no_padding()
         self._full.no_truncation()
-        # the separator the post-processor appends to one text ([SEP], </s>): pairs are split at its first occurrence
-        self.sep_id = self._full.encode("a").ids[-1]
 
     def encode(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
         """Token ids per text, [CLS] ... [SEP] included. Without truncation, too-long inputs raise InputTooLong."""
@@ -48,10 +55,10 @@ class TextTokenizer:
         """Token ids per (a, b) pair, `[CLS] a [SEP] b [SEP]` (the model's own template), truncated longest-first
         to max_length as a cross-encoder's tokenizer call does. Without truncation, too-long pairs raise."""
         pairs = [tuple(p) for p in pairs]
-        if truncate:
-            return [e.ids for e in self._truncating.encode_batch(pairs)]
-        ids = [e.ids for e in self._full.encode_batch(pairs)]
-        for index, row in enumerate(ids):
-            if len(row) > self.max_length:
-                raise InputTooLong(index, len(row), self.max_length)
-        return ids
+        rows = [PairIds(e.ids, next((i for i, t in enumerate(e.type_ids) if t), len(e.ids)))
+                for e in (self._truncating if truncate else self._full).encode_batch(pairs)]
+        if not truncate:
+            for index, row in enumerate(rows):
+                if len(row) > self.max_length:
+                    raise InputTooLong(index, len(row), self.max_length)
+        return rows

@@ -160,6 +160,9 @@ class Batcher:
         """Run `fn` on the worker thread between two batches (backend switches must not race a forward)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
+            if self._stopping or not self._thread.is_alive() and self._thread.ident is not None:
+                future.set_exception(Unavailable("the server is shutting down", headers={"Retry-After": "1"}))
+                return future
             self._control.append((fn, future))
             self._cond.notify()
         return future
@@ -256,8 +259,8 @@ class Batcher:
     def _choose(self, oldest: Item) -> list[Item]:
         """The window of similar lengths around the oldest input that fits the token and row budgets."""
         s = self.settings
-        # a stable sort of the arrival-ordered queue: by length, then arrival (4x cheaper than a (length, enqueued)
-        # key at thousands of waiting inputs); the oldest input is the first of its length
+        # a stable sort of the arrival-ordered queue: by length, then arrival (cheaper than a (length, enqueued) key
+        # at thousands of waiting inputs); the oldest input is the first of its length
         by_length = sorted(self._pending, key=attrgetter("length"))
         lo = hi = bisect.bisect_left([it.length for it in by_length], oldest.length)
         longest = total = oldest.length
@@ -345,7 +348,7 @@ class Batcher:
                 it.job.fail(ServiceError(f"inference failed ({type(exc).__name__})"))
             return
         # numpy from here on: every torch call lets go of the GIL and may wait up to a switch interval to get it
-        # back from a busy event loop; per-row tensor indexing made that ~150 waits per batch under load
+        # back from a busy event loop; per-row tensor indexing made that a wait per row under load
         raw = pooled.numpy()
         normalized = l2_normalize(raw)
         for row, it in enumerate(batch):

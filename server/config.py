@@ -32,7 +32,7 @@ class Settings(BaseSettings):
 
     # model and device
     model: str = Field("default", description="'default' (packaged all-MiniLM-L6-v2), a preset (tiny, minilm-l6, "
-                       "bert-base: random weights), or a checkpoint dir")
+                       "bert-base, xlm-roberta-base: random weights), or a checkpoint dir")
     model_name: str = Field("", description="name clients use in requests and responses (default: derived from model)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="where the model runs; `auto`: CUDA when available, else the CPU; `cuda:N` picks "

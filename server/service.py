@@ -6,6 +6,7 @@ is a black box here: every kernel decision is the Embedder's, asked for between 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -20,7 +21,7 @@ from model.runner import Embedder, LoadReport
 from model.tokenizer import InputTooLong
 from server.batcher import Batcher, l2_normalize
 from server.config import Settings
-from server.errors import BadRequest, PayloadTooLarge, Timeout, Unavailable, Unprocessable
+from server.errors import BadRequest, PayloadTooLarge, ServiceError, Timeout, Unavailable, Unprocessable
 from server.metrics import Metrics
 from server.observability import CURRENT
 from server.quantize import CALIBRATION_TEXTS, QUANTIZED, encode, ranges_of
@@ -30,9 +31,9 @@ log = logging.getLogger("fusedserve")
 
 VERSION = "0.1.0"
 DISCONNECT_POLL_S = 0.05
-# Inputs this short are tokenized on the event loop (~50 us for a 20-word sentence): a hop to a worker thread and
-# back costs ~250 us, a quarter of a single request's latency budget on a GPU. Longer inputs go to a thread (the
-# tokenizer releases the GIL there; 16 texts of 1-200 words take ~1.6 ms).
+# Inputs this short are tokenized on the event loop: a hop to a worker thread and back costs several times what
+# tokenizing a sentence does, a real share of a single request's latency on a GPU. Longer inputs go to a thread (the
+# tokenizer releases the GIL there).
 INLINE_TOKENIZE_CHARS = 512
 
 
@@ -217,7 +218,7 @@ class Service:
 
     @property
     def dim(self) -> int:
-        return getattr(self.embedder, "dim", None) or self.embedder.config.hidden_size
+        return self.embedder.dim
 
     # ---- the embed path ---------------------------------------------------------------------------
     def check_ready(self) -> None:
@@ -351,6 +352,7 @@ class Service:
         """Per-token hidden states ([tokens, dim] float32 per input, special tokens included), as one forward on
         the batcher's thread between batches."""
         self.check_ready()
+        self.check_kind("embedding")
         self.check_count(len(ids))
         total = sum(map(len, ids))
         if total > self.settings.max_batch_tokens:
@@ -443,13 +445,22 @@ class Service:
         self.batcher.call_between_batches(apply)
 
     def set_fused(self, enabled: bool) -> dict:
-        """The admin switch: select again with the fused path on or off (clears a fallback)."""
+        """The admin switch: select again with the fused path on or off (clears a fallback). A selection that cannot
+        be made (a forced backend failing its self-test) leaves the path as it was and answers 503 saying why."""
         def apply() -> dict:
             self.embedder.set_fused(enabled)
             self._publish_backends()
             return self.embedder.describe()
 
-        return self.batcher.call_between_batches(apply).result(timeout=120)
+        future = self.batcher.call_between_batches(apply)
+        try:
+            return future.result(timeout=120)
+        except concurrent.futures.TimeoutError:
+            raise Timeout("the switch did not finish within 120 s; it still applies between batches") from None
+        except ServiceError:
+            raise
+        except Exception as exc:  # the Embedder kept its previous selection
+            raise Unavailable(f"the kernel path was not changed: {type(exc).__name__}: {exc}") from exc
 
     def info(self) -> dict:
         s, e = self.settings, self.embedder

@@ -6,6 +6,7 @@ reference (per-op attribution is not possible from pooled outputs)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import threading
@@ -40,7 +41,8 @@ class Verifier:
 
     def submit(self, ids: list[list[int]], served: torch.Tensor) -> None:
         try:
-            self._queue.put_nowait(([list(r) for r in ids], served.detach().clone()))
+            # shallow copies keep what a row carries beside its ids (a text pair's second-text start)
+            self._queue.put_nowait(([copy.copy(r) for r in ids], served.detach().clone()))
         except queue.Full:
             self.metrics.reference_checks.labels("dropped").inc()
 
@@ -49,9 +51,15 @@ class Verifier:
             ids, served = sample
             try:
                 expected = self.reference.embed_ids(ids, normalize=False)
-                a, b = F.normalize(served.float(), dim=1), F.normalize(expected.float(), dim=1)
-                max_abs = float((a - b).abs().max())
-                distance = float((1 - (a * b).sum(dim=1)).max())
+                if self.reference.kind == "classifier":
+                    # logits: their size is the answer (a cosine of one-label logits is 0 or 2), so the error
+                    # relative to the logits' scale stands in for the cosine distance
+                    max_abs = float((served.float() - expected.float()).abs().max())
+                    distance = max_abs / max(1.0, float(expected.abs().max()))
+                else:
+                    a, b = F.normalize(served.float(), dim=1), F.normalize(expected.float(), dim=1)
+                    max_abs = float((a - b).abs().max())
+                    distance = float((1 - (a * b).sum(dim=1)).max())
             except Exception:
                 log.exception("reference check failed")
                 self.metrics.reference_checks.labels("error").inc()

@@ -8,7 +8,7 @@ import secrets
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header
-from pydantic import BaseModel
+from pydantic import BaseModel, StrictBool
 
 from server.deps import ServiceDep
 from server.errors import NotFound, Unauthorized
@@ -29,12 +29,13 @@ Admin = Depends(require_admin)
 
 
 class FusedSwitch(BaseModel):
-    enabled: bool
+    enabled: StrictBool
 
 
 @router.post("/fused", dependencies=[Admin])
 async def set_fused(body: FusedSwitch, service: ServiceDep) -> dict:
+    service.check_ready()
     state = await asyncio.to_thread(service.set_fused, body.enabled)
     # auto attention follows the switch (the few-token layer only while its ops are fused)
-    return {"fused": body.enabled, "attention": state["attention"], "attention_reason": state["attention_reason"],
+    return {"fused": state["fused"], "attention": state["attention"], "attention_reason": state["attention_reason"],
             "kernels": state["kernels"]}

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, StrictBool
 from model.modules import activate
 from model.tokenizer import InputTooLong
 from server.deps import ServiceDep
-from server.errors import PayloadTooLarge, Unprocessable
+from server.errors import NotFound, PayloadTooLarge, Unprocessable
 from server.service import Service
 
 router = APIRouter(tags=["classification"])
@@ -87,8 +87,9 @@ class CohereRerankRequest(BaseModel):
 async def cohere_rerank(body: CohereRerankRequest, service: ServiceDep, request: Request) -> dict:
     """Cohere / Jina-style re-rank: `results` best first, `relevance_score` in [0, 1] (the model's activation)."""
     _classifier(service, "/v1/rerank", rerank=True)
-    if body.model is not None and body.model != service.model_name:
-        raise Unprocessable(f"model {body.model!r} is not served here; this server serves {service.model_name!r}")
+    if body.model not in (None, "", service.model_name):
+        raise NotFound(f"model {body.model!r} is not served here; this server serves {service.model_name!r}",
+                       param="model", code="model_not_found")
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     scores = await _scores(service, [(body.query, t) for t in texts], body.truncate, False, request)
     order = np.argsort(-scores[:, 0], kind="stable")[: body.top_n]

@@ -206,6 +206,9 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep, request: Request)
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     service.check_count(len(texts))
     texts = service.apply_prompt(texts, body.prompt_name)
+    pipeline = service.embedder.pipeline
+    if pipeline is not None and pipeline.do_lower_case:  # the ids /embed runs (offsets then index the lower-cased text)
+        texts = [t.lower() for t in texts]
     tokenizer = service.embedder.tokenizer
     if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
         return EmbeddingResponse(_tokens(tokenizer, texts, body.add_special_tokens))

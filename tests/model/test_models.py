@@ -111,12 +111,14 @@ def test_classifier_pairs_carry_token_types_and_truncate_longest_first(tmp_path)
     path = checkpoints.cross_encoder(tmp_path / "ce", 1)
     ours, _ = Embedder.load(str(path), device="cpu", backend="torch", max_seq_length=32)
     reference = CrossEncoder(str(path), device="cpu", max_length=32)
-    long_pairs = [("a question " * 30, "a short answer"), ("short", "a passage " * 40)]
+    long_pairs = [("a question " * 30, "a short answer"), ("short", "a passage " * 40),
+                  ("what is [SEP] here", "an answer with a [SEP] inside")]  # literal separators: types by position
     ids = ours.tokenize_pairs(long_pairs)
-    assert all(len(row) == 32 for row in ids)
-    expected = reference.tokenizer([a for a, _ in long_pairs], [b for _, b in long_pairs], truncation=True,
-                                   max_length=32)["input_ids"]
-    assert ids == expected
+    assert all(len(row) == 32 for row in ids[:2])
+    encoded = reference.tokenizer([a for a, _ in long_pairs], [b for _, b in long_pairs], truncation=True,
+                                  max_length=32)
+    assert ids == encoded["input_ids"]
+    assert [[int(i >= row.second) for i in range(len(row))] for row in ids] == encoded["token_type_ids"]
     scores = activate(ours.predict(long_pairs), "sigmoid")[:, 0]
     assert float((scores - torch.as_tensor(reference.predict(long_pairs))).abs().max()) <= MAX_SCORE_ERROR
 
