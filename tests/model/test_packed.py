@@ -9,6 +9,7 @@ import torch
 from model.config import EncoderConfig
 from model.encoder import Encoder, Packed, _varlen_runs, mean_pool, packed_mean_pool, resolve_attention
 from model.graphs import SEQ_BUCKETS, CudaGraphs, token_buckets
+from tests.tolerances import assert_embeddings_close
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_packed_equals_padded(encoder, lengths):
     assert packed.input_ids.numel() == sum(lengths)  # no padding at all
     ours = packed_mean_pool(encoder.forward_packed(packed), packed, normalize=False)
     assert torch.isfinite(ours).all()
-    assert (ours - padded).abs().max() <= 1e-5
+    assert_embeddings_close(ours, padded)
 
 
 @torch.no_grad()
@@ -60,7 +61,7 @@ def test_dense_batches_skip_mask_and_scatter(encoder, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "index_copy_", lambda *a: calls.append(1) or original(*a))
     ours = packed_mean_pool(encoder.forward_packed(packed), packed, normalize=False)
     assert not calls  # no scatter into a padded block
-    assert (ours - _padded(encoder, rows)).abs().max() <= 1e-5
+    assert_embeddings_close(ours, _padded(encoder, rows))
 
 
 @torch.no_grad()
@@ -71,7 +72,7 @@ def test_bucketed_packing_with_filler_tokens_and_sequences(encoder):
     assert packed.input_ids.numel() == 128 and packed.batch == 8
     pooled = packed_mean_pool(encoder.forward_packed(packed), packed, normalize=False)
     assert torch.isfinite(pooled).all()  # filler sequences attend to one (filler) key: no NaN
-    assert (pooled[:5] - padded).abs().max() <= 1e-5
+    assert_embeddings_close(pooled[:5], padded)
     with pytest.raises(ValueError, match="too small"):
         Packed.from_rows(rows, "cpu", tokens=64, batch=8, seq=64)
 
@@ -92,11 +93,11 @@ def test_fused_attention_equals_padded(encoder, backend):
             assert (tokens <= FUSED_LAYER_TOKENS) == (tokens == 48)
             pooled = packed_mean_pool(encoder.forward_packed(packed, "fused"), packed, normalize=False)
             assert torch.isfinite(pooled).all()
-            assert (pooled[: len(rows)] - _padded(encoder, rows)).abs().max() <= 1e-5
+            assert_embeddings_close(pooled[: len(rows)], _padded(encoder, rows))
         dense = _rows([16] * 4)
         packed = Packed.from_rows(dense, "cpu")
         pooled = packed_mean_pool(encoder.forward_packed(packed, "fused"), packed, normalize=False)
-        assert (pooled - _padded(encoder, dense)).abs().max() <= 1e-5
+        assert_embeddings_close(pooled, _padded(encoder, dense))
 
 
 @torch.no_grad()
@@ -212,7 +213,7 @@ def test_runner_layouts_agree_on_cpu():
     packed, _ = Embedder.load("tiny", device="cpu", backend="torch")
     padded, _ = Embedder.load("tiny", device="cpu", backend="torch", layout="padded")
     assert packed.layout == "packed" and packed.graphs is None  # no CUDA graphs off the GPU
-    assert (packed.embed(texts) - padded.embed(texts)).abs().max() <= 1e-5
+    assert_embeddings_close(packed.embed(texts), padded.embed(texts))
     with pytest.raises(ValueError, match="layout"):
         Embedder.load("tiny", device="cpu", layout="ragged")
 

@@ -9,6 +9,7 @@ from sentence_transformers import SentenceTransformer
 from model.runner import Embedder
 from model.weights import default_model_dir
 from tests.model.sentences import SENTENCES
+from tests.tolerances import assert_embeddings_close, assert_unit_length, embedding_errors
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +27,14 @@ def reference_embeddings() -> torch.Tensor:
 def test_matches_sentence_transformers(embedder, reference_embeddings, record_property):
     ours = torch.cat([embedder.embed(SENTENCES[i : i + 16]) for i in range(0, len(SENTENCES), 16)])
     assert ours.shape == reference_embeddings.shape == (len(SENTENCES), 384)
-    cosine = torch.nn.functional.cosine_similarity(ours.double(), reference_embeddings.double(), dim=1)
-    max_abs = float((ours - reference_embeddings).abs().max())
+    min_cosine, max_abs = embedding_errors(ours, reference_embeddings)
     record_property("max_abs_error", max_abs)
-    record_property("min_cosine", float(cosine.min()))
-    print(f"\nparity over {len(SENTENCES)} sentences: min cosine {float(cosine.min()):.9f}, max abs error {max_abs:.3e}")
+    record_property("min_cosine", min_cosine)
+    print(f"\nparity over {len(SENTENCES)} sentences: min cosine {min_cosine:.9f}, max abs error {max_abs:.3e}")
+    cosine = torch.nn.functional.cosine_similarity(ours.double(), reference_embeddings.double(), dim=1)
     worst = int(cosine.argmin())
-    assert float(cosine.min()) >= 0.99999, f"sentence {worst} {SENTENCES[worst][:60]!r}: cosine {float(cosine[worst])}"
-    assert max_abs < 1e-4
-    # normalized, as the model's Normalize module does
-    torch.testing.assert_close(ours.norm(dim=1), torch.ones(len(SENTENCES)), rtol=0, atol=1e-5)
+    assert_embeddings_close(ours, reference_embeddings, what=f"worst: sentence {worst} {SENTENCES[worst][:60]!r}")
+    assert_unit_length(ours)  # normalized, as the model's Normalize module does
 
 
 def test_truncation_matches_sentence_transformers(embedder):
@@ -50,6 +49,4 @@ def test_triton_backend_on_interpreter_matches_sentence_transformers(reference_e
     """The real model through the Triton kernels (interpreted here; on the H200 in tests/gpu)."""
     embedder = Embedder.load("default", device="cpu", dtype="float32", backend="triton")[0]
     picked = [0, 10, 28, 33]  # short English, unicode, emoji, numbers
-    ours = embedder.embed([SENTENCES[i] for i in picked])
-    cosine = torch.nn.functional.cosine_similarity(ours.double(), reference_embeddings[picked].double(), dim=1)
-    assert float(cosine.min()) >= 0.99999
+    assert_embeddings_close(embedder.embed([SENTENCES[i] for i in picked]), reference_embeddings[picked])

@@ -13,6 +13,7 @@ from model.runner import Embedder, Pending
 from server.batcher import Batcher
 from server.config import Settings
 from server.metrics import Metrics
+from tests.tolerances import assert_embeddings_close
 
 
 class SlowEvent:
@@ -61,8 +62,7 @@ def _run(embedder, monkeypatch, overlap: bool, fail_first: bool = False):
     assert batcher.drain(5)
     monkeypatch.undo()
     for row, got in zip(rows, results):  # each request gets its own rows' embeddings
-        np.testing.assert_allclose(got[0], embedder.embed_ids([row], normalize=False)[0].numpy(), rtol=1e-5,
-                                   atol=1e-6)
+        assert_embeddings_close(got[0], embedder.embed_ids([row], normalize=False)[0])
     assert not np.allclose(results[0], results[1])
     return log, batcher
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
 from server import service as service_module
 from server.config import Settings
 from server.service import INLINE_TOKENIZE_CHARS, Service
+from tests.tolerances import assert_embeddings_close
 
 
 class _Connected:
@@ -40,7 +39,7 @@ def test_short_inputs_skip_the_thread_hop(monkeypatch):
         assert hops == []
         b = asyncio.run(embed(long_))
         assert len(hops) == 1
-        assert torch.allclose(torch.from_numpy(a.embeddings), svc.embedder.embed(short), atol=1e-6)
-        assert torch.allclose(torch.from_numpy(b.embeddings), svc.embedder.embed(long_), atol=1e-6)
+        assert_embeddings_close(a.embeddings, svc.embedder.embed(short))
+        assert_embeddings_close(b.embeddings, svc.embedder.embed(long_))
     finally:
         svc.shutdown()
