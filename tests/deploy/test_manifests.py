@@ -4,27 +4,23 @@ hadolint, and the compose specification. Each check is also shown to fail on a b
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import compose_spec
 import pytest
 import yaml
 
+from tests.conftest import require_tool
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-REQUIRED = os.environ.get("FUSEDSERVE_REQUIRE_DEPLOY_TOOLS") == "1"  # set by .ci/run: no skipping there
 
 
 def tool(name: str) -> str:
-    path = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
-    if path is None:
-        if REQUIRED:
-            pytest.fail(f"{name} is required in CI but not installed")
-        pytest.skip(f"{name} not installed")
-    return path
+    """kubectl (a system package), kubernetes-validate, hadolint (dev extras) or promtool; .ci/run installs them all
+    and sets FUSEDSERVE_REQUIRE_DEPLOY_TOOLS=1: no skipping there."""
+    return require_tool(name, "FUSEDSERVE_REQUIRE_DEPLOY_TOOLS")
 
 
 def render(overlay: str) -> list[dict]:
@@ -157,7 +153,6 @@ def test_images_install_every_runtime_dependency(dockerfile):
 
 
 def test_compose_file_matches_the_compose_specification():
-    compose_spec = pytest.importorskip("compose_spec") if not REQUIRED else __import__("compose_spec")
     text = (DEPLOY / "compose" / "docker-compose.yml").read_text()
     compose = compose_spec.PyCompose.from_yaml(text)
     assert compose.validate() is None

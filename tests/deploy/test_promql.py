@@ -6,9 +6,7 @@ is checked is that the series they watch exist. Dashboard variables become match
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -17,10 +15,10 @@ import httpx
 import pytest
 import yaml
 
+from tests.conftest import require_tool
 from tests.server.conftest import admin_headers, free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
-REQUIRED = os.environ.get("FUSEDSERVE_REQUIRE_PROMETHEUS") == "1"
 
 # Expected to be empty in this CPU test run, with the reason.
 EXPECTED_EMPTY = {
@@ -56,10 +54,8 @@ def alert_exprs() -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def prometheus_with_traffic(tmp_path_factory):
-    if shutil.which("prometheus") is None:
-        if REQUIRED:
-            pytest.fail("prometheus is required in CI but not installed")
-        pytest.skip("prometheus not installed (Debian package prometheus)")
+    # the Debian package prometheus; CI installs it and sets FUSEDSERVE_REQUIRE_PROMETHEUS=1: no skipping there
+    prometheus = require_tool("prometheus", "FUSEDSERVE_REQUIRE_PROMETHEUS")
     tmp = tmp_path_factory.mktemp("promql")
     server = start_server(tmp, verify_sample_rate=1.0, kernel_timing_sample_rate=1.0, faults=True,
                           max_queue=2, max_batch_requests=1, max_wait_ms=0)
@@ -68,7 +64,7 @@ def prometheus_with_traffic(tmp_path_factory):
         "global:\n  scrape_interval: 1s\nscrape_configs:\n"
         f"  - job_name: fusedserve\n    static_configs:\n      - targets: ['{target}']\n")
     port = free_port()
-    prom = subprocess.Popen(["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
+    prom = subprocess.Popen([prometheus, f"--config.file={tmp / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     api = f"http://127.0.0.1:{port}/api/v1/query"

@@ -11,17 +11,11 @@ import sys
 import pytest
 
 from kernels.cuda import build
-
-
-def _require_toolkit():
-    if build.cuda_home() is None:
-        if os.environ.get("FUSEDSERVE_REQUIRE_NVCC") == "1":
-            pytest.fail("nvcc is required in CI but not found")
-        pytest.skip("no CUDA toolkit here")
+from tests.conftest import require_tool
 
 
 def test_builds_into_the_cache_and_loads_from_it_the_second_time(tmp_path):
-    _require_toolkit()
+    require_tool("nvcc", "FUSEDSERVE_REQUIRE_NVCC", path=build.cuda_home())  # the toolkit, found as the build finds it
     env = {**os.environ, "FUSEDSERVE_CUDA_CACHE": str(tmp_path), "TORCH_CUDA_ARCH_LIST": "9.0"}
     cmd = [sys.executable, "-m", "kernels.cuda.build"]
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

@@ -4,7 +4,6 @@ Needs only nvcc, no GPU."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -12,16 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import require_tool
+
 SOURCES = sorted((Path(__file__).resolve().parents[2] / "kernels" / "cuda" / "csrc").glob("*.cu"))
 
 
 def nvcc() -> str:
-    path = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
-    if path is None:
-        if os.environ.get("FUSEDSERVE_REQUIRE_NVCC") == "1":
-            pytest.fail("nvcc is required in CI but not found")
-        pytest.skip("nvcc not installed")
-    return path
+    default = "/usr/local/cuda/bin/nvcc"
+    return require_tool("nvcc", "FUSEDSERVE_REQUIRE_NVCC",
+                        path=shutil.which("nvcc") or (default if Path(default).exists() else None))
 
 
 def test_there_are_sources():

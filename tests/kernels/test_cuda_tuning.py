@@ -109,7 +109,6 @@ def test_an_unwritable_cache_is_reported_once(cache, caplog, monkeypatch):
 
 
 def test_row_bucket_is_one_function_for_both_backends():
-    pytest.importorskip("triton")
     from kernels.triton import _common
 
     assert tuning.row_bucket is _layout.row_bucket is _common.row_bucket

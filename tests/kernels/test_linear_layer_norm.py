@@ -12,9 +12,8 @@ import torch
 
 from kernels import reference
 from kernels.testing import compare
-from tests.conftest import DEVICES, DTYPES, ODD_COLS, ROWS
-
-lln = pytest.importorskip("kernels.triton.linear_layer_norm")
+from kernels.triton import linear_layer_norm as lln
+from tests.conftest import DTYPES, ODD_COLS, ROWS
 
 DEPTHS = (7, 769)  # K: a short reduction, and a long one where the GEMM's rounding in fp16/bf16 shows
 
@@ -35,7 +34,6 @@ def _reference(x, weight, bias, residual, ln_weight, ln_bias):
                                                                                  ln_weight, ln_bias)), 1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("m,k,n,dtype", list(itertools.product(ROWS, DEPTHS, ODD_COLS, DTYPES)),
                          ids=lambda v: str(v).removeprefix("torch."))
 def test_matches_float64_reference(device, m, k, n, dtype):
@@ -47,7 +45,6 @@ def test_matches_float64_reference(device, m, k, n, dtype):
     assert report.ok, report
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_strided_and_3d_inputs(device):
     dtype = torch.float16
     x, weight, bias, residual, g, b = _inputs(10, 96, 160, dtype, device, seed=11)
@@ -63,7 +60,6 @@ def test_strided_and_3d_inputs(device):
         assert report.ok, report
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_non_finite_inputs_stay_in_their_rows(device):
     x, weight, bias, residual, g, b = _inputs(33, 300, 70, torch.float32, device, seed=5)
     x[3, 7] = float("nan")
@@ -76,7 +72,6 @@ def test_non_finite_inputs_stay_in_their_rows(device):
     assert report.ok, report
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_bad_arguments_are_refused(device):
     x, weight, bias, residual, g, b = _inputs(4, 8, 16, torch.float32, device, seed=3)
     with pytest.raises(TypeError, match="share one of"):

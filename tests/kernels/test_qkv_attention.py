@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from kernels.testing import compare, float64_reference
-from tests.conftest import DEVICES
+from kernels.triton import LAUNCHERS
 
 NAN = float("nan")
 
 
 def _triton():
-    return pytest.importorskip("kernels.triton").LAUNCHERS["qkv_attention"]
+    return LAUNCHERS["qkv_attention"]
 
 
 def _inputs(lengths, hidden, heads, dtype, device, filler=0, seed=0):
@@ -38,7 +38,6 @@ def _check(out, x, w, b, cu, heads, dtype):
     assert report.ok, report
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bound", [16, 256])
 def test_sequences_longer_than_a_block_with_a_short_or_loose_bound(device, bound):
     # 16 -> one 16-row block per step: the 70- and 130-token sequences take several query programs' turns and several
@@ -50,7 +49,6 @@ def test_sequences_longer_than_a_block_with_a_short_or_loose_bound(device, bound
     _check(out, x, w, b, cu, 3, torch.float32)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_filler_rows_are_zeros_and_empty_sequences_cost_nothing(device):
     x, w, b, _ = _inputs([5, 3], 64, 4, torch.float16, device, filler=21, seed=1)
     cu = torch.tensor([0, 5, 5, 8, 8, 8], dtype=torch.int32, device=device)  # empty sequences between and after
@@ -59,7 +57,6 @@ def test_filler_rows_are_zeros_and_empty_sequences_cost_nothing(device):
     _check(out, x, w, b, cu, 4, torch.float16)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_heads_too_wide_for_the_kernel_run_the_torch_path(device):
     x, w, b, cu = _inputs([3, 4], 160, 1, torch.float32, device, filler=2, seed=2)  # one head of 160 > 128
     out = torch.full_like(x, NAN)
@@ -67,7 +64,6 @@ def test_heads_too_wide_for_the_kernel_run_the_torch_path(device):
     _check(out, x, w, b, cu, 1, torch.float32)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_bad_arguments_raise_clear_errors(device):
     launch = _triton()
     x, w, b, cu = _inputs([3, 4], 64, 4, torch.float32, device)
@@ -95,8 +91,6 @@ def test_bad_arguments_raise_clear_errors(device):
     (768, 12, [256, 300]),                                    # longer than any block: several query/key blocks
 ])
 def test_model_shapes_on_the_gpu(dtype, hidden, heads, lengths):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     x, w, b, cu = _inputs(lengths, hidden, heads, dtype, "cuda", filler=13, seed=len(lengths))
     out = torch.full_like(x, NAN)
     _triton()(x, w, b, cu, max(lengths), heads, out=out)
@@ -106,8 +100,6 @@ def test_model_shapes_on_the_gpu(dtype, hidden, heads, lengths):
 
 @pytest.mark.gpu
 def test_replays_in_a_cuda_graph_with_new_inputs():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     launch = _triton()
     x, w, b, cu = _inputs([9, 30, 2], 384, 12, torch.float16, "cuda", filler=7, seed=4)
     out = torch.empty_like(x)
@@ -127,12 +119,12 @@ def test_replays_in_a_cuda_graph_with_new_inputs():
 # ---- the few-token layer's pieces: attention_partials, ffn_partials, partial_add_layer_norm ------------------------
 
 
-def _few_token_layer(launchers, x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln, splits):
-    """One encoder layer through the three few-token ops (as model.encoder.Layer._few_token_layer)."""
+def _few_token_layer(x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln, splits):
+    """One encoder layer through the three few-token Triton ops (as model.encoder.Layer._few_token_layer)."""
     g1, be1, g2, be2 = ln
-    y = launchers["partial_add_layer_norm"](launchers["attention_partials"](x, w, b, cu, 64, heads, wo), bo, x, g1,
+    y = LAUNCHERS["partial_add_layer_norm"](LAUNCHERS["attention_partials"](x, w, b, cu, 64, heads, wo), bo, x, g1,
                                             be1, 1e-12)
-    return launchers["partial_add_layer_norm"](launchers["ffn_partials"](y, w1, b1, w2, splits), b2, y, g2, be2, 1e-12)
+    return LAUNCHERS["partial_add_layer_norm"](LAUNCHERS["ffn_partials"](y, w1, b1, w2, splits), b2, y, g2, be2, 1e-12)
 
 
 def _layer_weights(hidden, inner, dtype, device, seed):
@@ -159,16 +151,14 @@ def _reference_layer(x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln):
     return reference.add_layer_norm(reference.linear_bias_gelu(y, w1, b1) @ w2.T, y, b2, g2, be2, 1e-12)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_the_few_token_layer_equals_the_unfused_layer(device):
-    launchers = pytest.importorskip("kernels.triton").LAUNCHERS
     x, w, b, cu = _inputs([5, 11], 64, 4, torch.float32, device, filler=6, seed=7)
     wo, bo, w1, b1, w2, b2, ln = _layer_weights(64, 256, torch.float32, device, seed=8)
-    out = _few_token_layer(launchers, x, w, b, cu, 4, wo, bo, w1, b1, w2, b2, ln, splits=4)
+    out = _few_token_layer(x, w, b, cu, 4, wo, bo, w1, b1, w2, b2, ln, splits=4)
     ref = _reference_layer(x, w, b, cu, 4, wo, bo, w1, b1, w2, b2, ln)
     report = compare(out[:16], ref[:16], torch.float32)  # filler rows: LayerNorm of the bias and residual alone
     assert report.ok, report
-    again = _few_token_layer(launchers, x, w, b, cu, 4, wo, bo, w1, b1, w2, b2, ln, splits=4)
+    again = _few_token_layer(x, w, b, cu, 4, wo, bo, w1, b1, w2, b2, ln, splits=4)
     assert torch.equal(out, again)  # partial sums added in a fixed order: deterministic
 
 
@@ -180,23 +170,20 @@ def test_the_few_token_layer_equals_the_unfused_layer(device):
     (768, 12, 3072, [20, 23]),       # BERT-base
 ])
 def test_few_token_ops_at_model_shapes_on_the_gpu(dtype, hidden, heads, inner, lengths):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     from model.encoder import ffn_splits
 
-    launchers = pytest.importorskip("kernels.triton").LAUNCHERS
     x, w, b, cu = _inputs(lengths, hidden, heads, dtype, "cuda", filler=64 - sum(lengths), seed=len(lengths))
     wo, bo, w1, b1, w2, b2, ln = _layer_weights(hidden, inner, dtype, "cuda", seed=hidden)
     longest = max(lengths)
     parts = torch.full((heads, 64, hidden), NAN, device="cuda")
-    launchers["attention_partials"](x, w, b, cu, longest, heads, wo, out=parts)
+    LAUNCHERS["attention_partials"](x, w, b, cu, longest, heads, wo, out=parts)
     ref = float64_reference("attention_partials", (x, w, b, cu, longest, heads, wo), {})
     assert compare(parts, ref, dtype).ok
     splits = ffn_splits(inner)
     fparts = torch.full((splits, 64, hidden), NAN, device="cuda")
-    launchers["ffn_partials"](x, w1, b1, w2, splits, out=fparts)
+    LAUNCHERS["ffn_partials"](x, w1, b1, w2, splits, out=fparts)
     assert compare(fparts, float64_reference("ffn_partials", (x, w1, b1, w2, splits), {}), dtype).ok
-    out = _few_token_layer(launchers, x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln, splits)
+    out = _few_token_layer(x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln, splits)
     report = compare(out[: sum(lengths)], _reference_layer(x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln)[
         : sum(lengths)], dtype)
     assert report.ok, report
@@ -204,15 +191,12 @@ def test_few_token_ops_at_model_shapes_on_the_gpu(dtype, hidden, heads, inner, l
 
 @pytest.mark.gpu
 def test_the_few_token_layer_replays_in_a_cuda_graph():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    launchers = pytest.importorskip("kernels.triton").LAUNCHERS
     x, w, b, cu = _inputs([9, 30, 2], 384, 12, torch.float16, "cuda", filler=23, seed=4)
     wo, bo, w1, b1, w2, b2, ln = _layer_weights(384, 1536, torch.float16, "cuda", seed=5)
-    _few_token_layer(launchers, x, w, b, cu, 12, wo, bo, w1, b1, w2, b2, ln, 24)  # compiled outside the capture
+    _few_token_layer(x, w, b, cu, 12, wo, bo, w1, b1, w2, b2, ln, 24)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _few_token_layer(launchers, x, w, b, cu, 12, wo, bo, w1, b1, w2, b2, ln, 24)
+        out = _few_token_layer(x, w, b, cu, 12, wo, bo, w1, b1, w2, b2, ln, 24)
     x.copy_(_inputs([9, 30, 2], 384, 12, torch.float16, "cuda", filler=23, seed=6)[0])
     cu.copy_(torch.tensor([0, 20, 41, 41], dtype=torch.int32))
     graph.replay()

@@ -1,6 +1,6 @@
 """Every Triton op against the float64 reference: odd shapes, all dtypes, poisoned outputs, strided and
 3-D inputs, NaN/Inf propagation; the torch.library registration (opcheck, autograd, torch.compile).
-Runs on the GPU (`-m gpu`) or, where there is none, on the Triton interpreter."""
+Runs on the device this machine has: the GPU (`-m gpu` selects these there too) or the Triton interpreter."""
 
 from __future__ import annotations
 
@@ -13,33 +13,47 @@ import torch
 import kernels
 from kernels import library, reference
 from kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, compare, float64_reference
+from kernels.spec import attention_heads
+from kernels.triton import LAUNCHERS as triton_launchers
+from kernels.triton.qkv_attention import MAX_HEAD_DIM
 from tests.kernels._shared import check_offsets_past_two_to_the_31, opcheck_custom_ops
-from tests.conftest import DEVICES, DTYPES, ODD_COLS, ROWS
+from tests.conftest import DTYPES, INTERPRETER, ODD_COLS, ROWS
 
-triton_launchers = pytest.importorskip("kernels.triton").LAUNCHERS
-
-
-# kernels whose bf16 path the interpreter cannot run (its bf16 dot is wrong and its fp32 -> bf16 conversion truncates):
-# there they take the fp32 path, so their bf16 interpreter cases would repeat the float32 ones at twice the cost
+# The generic sweep: every op x ROWS x ODD_COLS x DTYPES, less the cases another test already runs here:
+# - the GEMM ops: tests/kernels/test_linear_gelu.py and test_linear_layer_norm.py sweep the same rows x cols x dtypes
+#   through the same launchers, at two reduction depths each;
+# - on the interpreter, bf16 of the ops whose bf16 path it cannot run (its bf16 dot is wrong and its fp32 -> bf16
+#   conversion truncates): they take the fp32 path there, which the float32 case covers (the GPU runs their bf16);
+# - on the interpreter, the attention ops at widths whose heads (spec.attention_heads) are too wide for the kernel:
+#   the launcher hands those to the torch reference, which tests/kernels/test_reference.py checks at the same rows,
+#   cols and dtype (the hand-off itself: test_qkv_attention.py's heads-too-wide test).
+SWEPT_ELSEWHERE = ("linear_bias_gelu", "linear_add_layer_norm")
 FP32_ON_THE_INTERPRETER = ("qkv_attention", "attention_partials", "ffn_partials")
+
+
+def _swept(op: str, cols: int, dtype: torch.dtype) -> bool:
+    if op in SWEPT_ELSEWHERE:
+        return False
+    if INTERPRETER and op in FP32_ON_THE_INTERPRETER and dtype == torch.bfloat16:
+        return False
+    if INTERPRETER and op in ("qkv_attention", "attention_partials"):
+        return cols // attention_heads(cols) <= MAX_HEAD_DIM
+    return True
+
+
+SWEEP = [case for case in itertools.product(ops_of("triton"), ROWS, ODD_COLS, DTYPES) if _swept(case[0], *case[2:])]
 
 
 def _seed(*parts) -> int:
     return zlib.crc32("-".join(map(str, parts)).encode())
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op,rows,cols,dtype", list(itertools.product(ops_of("triton"), ROWS, ODD_COLS, DTYPES)),
-                         ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("op,rows,cols,dtype", SWEEP, ids=lambda v: str(v).removeprefix("torch."))
 def test_matches_float64_reference(device, op, rows, cols, dtype):
-    if device == "cpu" and dtype == torch.bfloat16 and op in FP32_ON_THE_INTERPRETER:
-        pytest.skip("on the interpreter this kernel runs bf16 through its fp32 (IEEE) path, which the float32 case "
-                    "covers; the GPU sweep runs its bf16 path")
     report = check_op(triton_launchers[op], op, rows, cols, dtype, device, seed=_seed(op, rows, cols, dtype))
     assert report.ok, report
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", [op for op in ROWWISE_OPS if op != "embedding_layer_norm"])
 def test_strided_and_3d_inputs(device, op):
     gen = torch.Generator().manual_seed(_seed("strided", op))
@@ -55,7 +69,6 @@ def test_strided_and_3d_inputs(device, op):
         assert compare(out, float64_reference(op, call, kwargs), torch.float16).ok
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", [op for op in ROWWISE_OPS if op != "embedding_layer_norm"])
 def test_nan_and_inf_propagate_like_reference(device, op):
     gen = torch.Generator().manual_seed(_seed("nan", op))
@@ -69,7 +82,6 @@ def test_nan_and_inf_propagate_like_reference(device, op):
     assert compare(out, ref, torch.float32).ok
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_add_layer_norm_sum_and_no_bias(device):
     gen = torch.Generator().manual_seed(11)
     (x, residual, bias, w, b, eps), _ = OP_SPECS["add_layer_norm"].make_inputs(33, 769, torch.bfloat16, device, gen)
@@ -81,7 +93,6 @@ def test_add_layer_norm_sum_and_no_bias(device):
                    torch.bfloat16).ok
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", ["layer_norm_gelu", "bias_gelu", "bias_residual_gelu"])
 def test_tanh_gelu_option(device, op):
     gen = torch.Generator().manual_seed(_seed("tanh", op))
@@ -92,7 +103,6 @@ def test_tanh_gelu_option(device, op):
     assert not torch.equal(out, exact)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_clear_errors(device):
     x = torch.randn(4, 8, device=device)
     with pytest.raises(ValueError, match=r"expected shape \(8,\)"):
@@ -107,7 +117,6 @@ def test_clear_errors(device):
         triton_launchers["bias_gelu"](torch.randn(1, 20000, device=device), torch.ones(20000, device=device))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_empty_input(device):
     x = torch.randn(0, 64, device=device)
     assert triton_launchers["layer_norm"](x, torch.ones(64, device=device), torch.zeros(64, device=device)).shape == (0, 64)
@@ -120,12 +129,10 @@ def triton_ops():
     return library.custom_ops("triton", triton_launchers)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_custom_ops(device, triton_ops):
     opcheck_custom_ops("triton", device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck_float64(device, triton_ops):
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(3, 11, generator=gen, dtype=torch.float64).to(device).requires_grad_()
@@ -141,7 +148,6 @@ def test_gradcheck_float64(device, triton_ops):
         (x, r, w, b))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_match_reference(device, dtype, triton_ops):
     gen = torch.Generator().manual_seed(7)
@@ -163,7 +169,6 @@ def test_gradients_match_reference(device, dtype, triton_ops):
         assert compare(ours.grad, theirs.grad.double(), dtype).ok
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_torch_compile_fullgraph_on_fused_encoder(device):
     from model.config import EncoderConfig
     from model.encoder import Encoder
@@ -199,7 +204,6 @@ def test_norm_candidates_spread_few_rows_over_programs():
     assert {c.num_warps for c in few if c.kwargs["BLOCK_M"] == 1} == {1, 2}  # 16 or 8 elements per thread
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_programmatic_dependent_launch_only_where_the_device_has_it(device):
     """FUSEDSERVE_TRITON_PDL asks for PDL; a launcher adds it only on a CUDA device of sm_90 or later (never under
     the interpreter), and the few-token ops give the same results with the setting on (the GPU test checks every bit
