@@ -26,14 +26,15 @@ class EmbeddingTolerance:
     max_abs: float  # and no element differs from the reference by more than this
 
 
-# float32: the same math in another order (fp32 accumulation, another batch, another layout or attention path); the
-# packaged MiniLM is much closer than this to sentence-transformers. float16 / bfloat16: the model run in that dtype
-# against an fp32 reference, from the dtype's rounding (fp16 keeps 10 mantissa bits, bf16 7) with headroom over what
-# the GPU tests and the CPU bf16 test measure (docs/performance.md has the GPU's figures).
+# Cosine: float32 is the same math in another order (accumulation order, another batch, layout or attention path); the
+# packaged MiniLM is far closer than this to sentence-transformers. float16 / bfloat16 are the model run in that dtype
+# against an fp32 reference, set from the dtype's rounding (fp16 keeps 10 mantissa bits, bf16 7) with headroom over
+# what the GPU tests and the CPU bf16 test measure (docs/performance.md). Max abs: the kernel table's elementwise atol
+# for the dtype, one op's bound, which a whole forward stays within on embeddings of unit length.
 EMBEDDING_TOLERANCES: dict[torch.dtype, EmbeddingTolerance] = {
     torch.float32: EmbeddingTolerance(min_cosine=0.99999, max_abs=1e-5),
-    torch.float16: EmbeddingTolerance(min_cosine=0.9999, max_abs=1e-3),
-    torch.bfloat16: EmbeddingTolerance(min_cosine=0.999, max_abs=8e-3),
+    torch.float16: EmbeddingTolerance(min_cosine=0.9999, max_abs=2e-3),
+    torch.bfloat16: EmbeddingTolerance(min_cosine=0.999, max_abs=1.6e-2),
 }
 
 
