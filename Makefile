@@ -19,8 +19,9 @@ PORT ?= 8000
 run: $(VENV)/.installed
 	$(PY) -m server --host $(HOST) --port $(PORT)
 
-# the suite on TEST_WORKERS processes (every test starts its own servers on free ports; CI's 2 cores: ~14 min
-# instead of ~17), and the slowest tests listed at the end
+# the suite on TEST_WORKERS processes, each computing on its share of the cores (tests/conftest.py; every test starts
+# its own servers on free ports), and the slowest tests listed at the end. Without a GPU the tests marked gpu are
+# deselected and counted in one summary line; each skip that remains names a missing tool
 TEST_WORKERS ?= auto
 
 test: $(VENV)/.installed
