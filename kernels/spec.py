@@ -82,15 +82,22 @@ def _linear_ln_inputs(rows, cols, dtype, device, gen):
     return (x, w, bias, residual, g, b, 1e-5), {}
 
 
-def _segment_inputs(rows, cols, dtype, device, gen):
-    # `rows` packed tokens: segments of 1..2*avg-1 tokens back to back, then an empty one (a CUDA-graph bucket's
-    # filler sequence), then ~1/8 of the rows as filler tokens past the last offset, set to NaN: never to be read
+def _packed(rows, longest, parts, device, gen) -> tuple[int, list[int], Tensor]:
+    """A packed batch's shape over `rows` tokens: ~7/8 of them real, in segments of 1..2*avg-1 tokens (avg = real /
+    parts, at most `longest`), then an empty segment (a CUDA-graph bucket's filler sequence); the rest are filler
+    tokens past the last offset. Returns (real tokens, lengths, int32 offsets [segments + 2])."""
     real = rows - rows // 8
-    avg = max(1, min(128, real // 4))
+    avg = max(1, min(longest, real // parts))
     lengths: list[int] = []
     while sum(lengths) < real:
         lengths.append(min(int(torch.randint(1, 2 * avg, (1,), generator=gen)), real - sum(lengths)))
     offsets = torch.tensor([0, *itertools.accumulate([*lengths, 0])], dtype=torch.int32, device=device)
+    return real, lengths, offsets
+
+
+def _segment_inputs(rows, cols, dtype, device, gen):
+    # packed segments (_packed); the filler tokens are NaN: never to be read
+    real, _, offsets = _packed(rows, 128, 4, device, gen)
     x = _randn((rows, cols), dtype, device, gen, scale=2.0, shift=0.5)
     x[real:] = float("nan")
     return (x, offsets), {}
@@ -105,15 +112,9 @@ def attention_heads(cols: int) -> int:
 
 
 def _qkv_attention_inputs(rows, cols, dtype, device, gen):
-    # `rows` packed tokens: sequences of 1..2*avg-1 tokens, an empty one (a graph bucket's filler sequence), then
-    # ~1/8 of the rows as filler tokens past the last offset (zeros out). Weights at 1/sqrt(cols) give q k^T / sqrt(d)
-    # of order 1: softmax neither uniform nor one-hot. max_seqlen is a loose bound (a graph bucket's), not the longest.
-    real = rows - rows // 8
-    avg = max(1, min(64, real // 3))
-    lengths: list[int] = []
-    while sum(lengths) < real:
-        lengths.append(min(int(torch.randint(1, 2 * avg, (1,), generator=gen)), real - sum(lengths)))
-    offsets = torch.tensor([0, *itertools.accumulate([*lengths, 0])], dtype=torch.int32, device=device)
+    # packed sequences (_packed; filler tokens come out as zeros). Weights at 1/sqrt(cols) give q k^T / sqrt(d) of
+    # order 1: softmax neither uniform nor one-hot. max_seqlen is a loose bound (a graph bucket's), not the longest.
+    _, lengths, offsets = _packed(rows, 64, 3, device, gen)
     x = _randn((rows, cols), dtype, device, gen)
     w = _randn((3 * cols, cols), dtype, device, gen, scale=cols**-0.5)
     b = _randn((3 * cols,), dtype, device, gen, scale=0.5)
