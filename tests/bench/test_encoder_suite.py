@@ -3,13 +3,11 @@ ours on the same token ids, into a valid results block. It asserts structure, ne
 
 from __future__ import annotations
 
-import pytest
 
 from bench import encoder as suite
 from bench import results as store
 from bench.__main__ import main
 
-pytest.importorskip("transformers")
 
 
 def test_tiny_case_against_eager_pytorch(tmp_path):

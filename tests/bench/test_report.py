@@ -9,7 +9,6 @@ from bench import report
 from bench import results as store
 from bench.__main__ import main
 
-pytest.importorskip("matplotlib")
 
 
 def _write(directory, suite, scenario, rows, summary=None, settings=None):

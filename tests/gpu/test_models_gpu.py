@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from model.modules import activate
 from model.runner import Embedder
@@ -14,8 +15,6 @@ from tests.model import checkpoints
 
 pytestmark = pytest.mark.gpu
 
-SentenceTransformer = pytest.importorskip("sentence_transformers").SentenceTransformer
-CrossEncoder = pytest.importorskip("sentence_transformers").CrossEncoder
 
 TEXTS = ["A man is eating food.", "x", "Fused kernels make encoders fast, even for a single short request.",
          "The quick brown fox jumps over the lazy dog " * 12]

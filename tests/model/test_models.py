@@ -10,14 +10,14 @@ import json
 import pytest
 import torch
 
+from sentence_transformers import CrossEncoder, SentenceTransformer
+
 from model.config import UnsupportedModel
 from model.modules import activate
 from model.runner import Embedder
 from model.weights import CheckpointError
 from tests.model import checkpoints
 
-SentenceTransformer = pytest.importorskip("sentence_transformers").SentenceTransformer
-CrossEncoder = pytest.importorskip("sentence_transformers").CrossEncoder
 
 TEXTS = ["A man is eating food.", "Fused kernels make encoders fast, even for a single short request.", "x",
          "The quick brown fox jumps over the lazy dog " * 12]

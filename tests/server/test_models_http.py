@@ -6,11 +6,11 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from sentence_transformers import SentenceTransformer
 
 from tests.model import checkpoints
 from tests.server.conftest import start_server
 
-SentenceTransformer = pytest.importorskip("sentence_transformers").SentenceTransformer
 MIN_COSINE = 0.99999  # fp32 CPU against the reference library on the same weights
 TEXTS = ["A man is eating food.", "Fused kernels make encoders fast.", "x"]
 PROMPTS = {"query": "query: ", "passage": "passage: "}

@@ -7,11 +7,11 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from sentence_transformers import CrossEncoder
 
 from tests.model import checkpoints
 from tests.server.conftest import start_server
 
-CrossEncoder = pytest.importorskip("sentence_transformers").CrossEncoder
 MAX_SCORE_ERROR = 1e-5  # fp32 CPU against the reference library on the same weights
 
 QUERY = "how do fused kernels make an encoder fast?"
