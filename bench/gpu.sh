@@ -118,7 +118,7 @@ case "$suite" in
     exit 2
     ;;
 esac
-# the device tool brings back at most 8 files: past that, everything goes back as one archive (written outside $OUT:
+# $OUT comes back as at most 8 files: past that, everything goes back as one archive (written outside $OUT:
 # tar reading a folder it writes into fails with "file changed as we read it")
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
   tar czf "/tmp/$suite-out.tar.gz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/$suite-out.tar.gz" "$OUT/"

