@@ -73,8 +73,8 @@ def test_the_patterns_catch_what_they_are_for():
     """The test cannot pass vacuously: each pattern flags a sample of what it forbids and spares ordinary text."""
     # the samples are assembled, so this file holds none of what it forbids
     assert HISTORY["a work-period number"].search("measured in " + "session" + " 13")
-    assert HISTORY["a work-period shorthand"].search("0.140 ms (" + "s14)")
-    assert HISTORY["a run name"].search("results of " + "run3") and HISTORY["a run name"].search("mode " + "next7")
+    assert HISTORY["a work-period shorthand"].search("0.140 ms (s" + "14)")
+    assert HISTORY["a run name"].search("results of run" + "3") and HISTORY["a run name"].search("mode next" + "7")
     assert DATED_NAME.search("bench/results/2026-11-30-h200-encoder.json")
     assert TAGGED_NAME.search("bench/results/encoder-minilm-s7.json")
     assert MEASURED_IN_COMMENT.search("x = 1  # 7.3 us on the H200")
