@@ -122,11 +122,10 @@ def hf_model(config, device: str, dtype: torch.dtype, head: str = "embedding"):
 
 def random_classifier(config):
     """A one-label classification head of the architecture's shape, random weights (a cross-encoder's)."""
-    from model.modules import Classifier
+    from model.modules import HEAD_LAYERS, Classifier
 
     gen, h = torch.Generator().manual_seed(5), config.hidden_size
-    names = {"bert": ("pooler.dense", "classifier"), "roberta": ("classifier.dense", "classifier.out_proj"),
-             "distilbert": ("pre_classifier", "classifier")}[config.architecture]
+    names = HEAD_LAYERS[config.architecture]
     tensors = {f"{names[0]}.weight": torch.randn(h, h, generator=gen) * h**-0.5, f"{names[0]}.bias": torch.zeros(h),
                f"{names[1]}.weight": torch.randn(1, h, generator=gen) * h**-0.5, f"{names[1]}.bias": torch.zeros(1)}
     return Classifier(config.architecture, tensors, ("score",), "sigmoid")

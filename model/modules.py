@@ -37,6 +37,9 @@ _LEGACY_POOLING = {  # sentence-transformers' pooling_mode_* flags, in its order
 }
 _ST = "sentence_transformers.models."
 _ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
+# each architecture's classification head: (the layer on the first token, the output layer), by checkpoint name
+HEAD_LAYERS = {"bert": ("pooler.dense", "classifier"), "roberta": ("classifier.dense", "classifier.out_proj"),
+               "distilbert": ("pre_classifier", "classifier")}
 SCORE_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity",
                      "torch.nn.modules.activation.Softmax": "softmax"}
 
@@ -57,7 +60,6 @@ class Pipeline:
     normalize: bool = True
     prompts: Mapping[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
-    max_seq_length: int | None = None
     do_lower_case: bool = False
     source: str = "sentence-transformers"
 
@@ -133,7 +135,7 @@ def read_pipeline(path: str | Path, pooling: str | None = None) -> Pipeline:
     default_prompt = st.get("default_prompt_name") or None
     if default_prompt is not None and default_prompt not in prompts:
         raise UnsupportedModel(f"default_prompt_name {default_prompt!r} is not among the model's prompts")
-    common = dict(prompts=prompts, default_prompt_name=default_prompt, max_seq_length=bert.get("max_seq_length"),
+    common = dict(prompts=prompts, default_prompt_name=default_prompt,
                   do_lower_case=bool(bert.get("do_lower_case", False)))
     if not modules_file.is_file():
         modes = parse_pooling(pooling) if pooling else ("mean",)
@@ -174,11 +176,7 @@ def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, 
     hf = _json(Path(path) / "config.json")
     if not any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
         return None
-    names = {"bert": ("pooler.dense.weight", "pooler.dense.bias", "classifier.weight", "classifier.bias"),
-             "roberta": ("classifier.dense.weight", "classifier.dense.bias", "classifier.out_proj.weight",
-                         "classifier.out_proj.bias"),
-             "distilbert": ("pre_classifier.weight", "pre_classifier.bias", "classifier.weight", "classifier.bias")}
-    wanted = names[config.architecture]
+    wanted = tuple(f"{layer}.{kind}" for layer in HEAD_LAYERS[config.architecture] for kind in ("weight", "bias"))
     missing = [n for n in wanted if n not in rest]
     if missing:
         raise UnsupportedModel(f"{path}: the classification head lacks {missing}")
@@ -271,8 +269,7 @@ class ClassificationHead(nn.Module):
     def __init__(self, classifier: Classifier) -> None:
         super().__init__()
         t = classifier.tensors
-        first, second = {"bert": ("pooler.dense", "classifier"), "roberta": ("classifier.dense", "classifier.out_proj"),
-                         "distilbert": ("pre_classifier", "classifier")}[classifier.kind]
+        first, second = HEAD_LAYERS[classifier.kind]
         self.kind = classifier.kind
         self.inner = nn.Linear(*t[first + ".weight"].shape[::-1])
         self.out = nn.Linear(*t[second + ".weight"].shape[::-1])

@@ -28,7 +28,7 @@ from model.config import PRESETS, EncoderConfig, UnsupportedModel
 from model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Encoder, Packed, kernel_ops, resolve_attention
 from model.modules import ClassificationHead, Classifier, EmbeddingHead, Pipeline, read_classifier, read_pipeline
 from model.tokenizer import TextTokenizer
-from model.weights import CheckpointError, default_model_dir, load_checkpoint
+from model.weights import CheckpointError, check_encoder_only, default_model_dir, load_checkpoint
 
 log = logging.getLogger("fusedserve.model")
 
@@ -175,11 +175,7 @@ class Embedder:
             name = "all-MiniLM-L6-v2" if model == "default" else path.name
             classifier = read_classifier(path, encoder.config, rest)
             if classifier is None:
-                unused = sorted(k for k in rest if not k.startswith("pooler."))
-                if unused:
-                    raise CheckpointError(f"checkpoint has {len(unused)} tensors the config does not use (more "
-                                          f"layers than num_layers={encoder.config.num_layers}? a different "
-                                          f"architecture?), e.g. {unused[:4]}")
+                check_encoder_only(rest, encoder.config)
                 pipeline = read_pipeline(path, pooling)
             elif pooling:
                 raise UnsupportedModel(f"{name} is a classifier (its head reads the first token): POOLING does not "

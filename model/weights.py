@@ -164,14 +164,19 @@ def load_checkpoint(path: str | Path | None = None, config: EncoderConfig | None
     return encoder, rest
 
 
-def load_encoder(path: str | Path | None = None, config: EncoderConfig | None = None) -> Encoder:
-    """An Encoder alone (an embedding model): a pooler the checkpoint carries is unused, anything else left over is an
-    error (more layers than the config says, or another architecture)."""
-    encoder, rest = load_checkpoint(path, config)
+def check_encoder_only(rest: dict[str, torch.Tensor], config: EncoderConfig) -> None:
+    """An embedding model's checkpoint: a pooler it carries is unused, anything else left over is an error (more
+    layers than the config says, or another architecture)."""
     unused = sorted(k for k in rest if not k.startswith("pooler."))
     if unused:
         raise CheckpointError(
             f"checkpoint has {len(unused)} tensors the config does not use (more layers than "
-            f"num_layers={encoder.config.num_layers}? a different architecture?), e.g. {unused[:4]}"
+            f"num_layers={config.num_layers}? a different architecture?), e.g. {unused[:4]}"
         )
+
+
+def load_encoder(path: str | Path | None = None, config: EncoderConfig | None = None) -> Encoder:
+    """An Encoder alone (an embedding model's), checked by check_encoder_only."""
+    encoder, rest = load_checkpoint(path, config)
+    check_encoder_only(rest, encoder.config)
     return encoder

@@ -262,7 +262,7 @@ class Service:
 
         def encode() -> list[list[int]]:
             if direction == "left":
-                return self.cut([e.ids for e in untruncated(tokenizer).encode_batch(texts)], truncate, "left")
+                return self.cut([e.ids for e in tokenizer.untruncated.encode_batch(texts)], truncate, "left")
             return tokenizer.encode(texts, truncate)
 
         started = time.monotonic()
@@ -363,7 +363,7 @@ class Service:
         def run() -> list[np.ndarray]:
             stamps["started"] = time.monotonic()
             try:
-                return token_embeddings(self.embedder, ids)
+                return [t.numpy() for t in self.embedder.embed_tokens(ids)]
             finally:
                 stamps["done"] = time.monotonic()
 
@@ -486,14 +486,3 @@ class Service:
                 "calibration_texts": len(CALIBRATION_TEXTS),
                 "ranges": ranges_of(self._calibrated(True, None)).tolist()},
         }
-
-
-def untruncated(tokenizer):
-    """The HF tokenizer behind model.tokenizer.TextTokenizer, without truncation: /tokenize's offsets, /decode and
-    left-side truncation."""
-    return tokenizer.untruncated
-
-
-def token_embeddings(embedder: Embedder, rows: list[list[int]]) -> list[np.ndarray]:
-    """Per-token hidden states of each row, [len(row), hidden] float32, on the Embedder's kernel path."""
-    return [t.numpy() for t in embedder.embed_tokens(rows)]

@@ -5,8 +5,6 @@ label, softmax otherwise, or what its config names) unless `raw_scores` asks for
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import numpy as np
 import torch
 from fastapi import APIRouter, Request
@@ -19,9 +17,6 @@ from server.errors import NotFound, PayloadTooLarge, Unprocessable
 from server.service import Service
 
 router = APIRouter(tags=["classification"])
-
-Text = Annotated[str, Field(min_length=0)]
-
 
 def _classifier(service: Service, route: str, *, rerank: bool) -> None:
     service.check_ready()
@@ -50,8 +45,8 @@ async def _scores(service: Service, pairs: list[tuple[str, str]] | list[str], tr
 
 
 class RerankRequest(BaseModel):
-    query: Text
-    texts: list[Text] = Field(..., min_length=1)
+    query: str
+    texts: list[str] = Field(..., min_length=1)
     raw_scores: StrictBool = False
     return_text: StrictBool = False
     truncate: StrictBool = Field(False, description="cut pairs at max_seq_length tokens (longest first); false makes "
@@ -76,8 +71,8 @@ class Document(BaseModel):
 
 class CohereRerankRequest(BaseModel):
     model: str | None = None
-    query: Text
-    documents: list[Text | Document] = Field(..., min_length=1)
+    query: str
+    documents: list[str | Document] = Field(..., min_length=1)
     top_n: int | None = Field(None, ge=1)
     return_documents: StrictBool = False
     truncate: StrictBool = True
@@ -100,7 +95,7 @@ async def cohere_rerank(body: CohereRerankRequest, service: ServiceDep, request:
 
 
 class PredictRequest(BaseModel):
-    inputs: Text | list[Text] | list[list[Text]] = Field(..., description="a text, a pair [a, b], or a batch of "
+    inputs: str | list[str] | list[list[str]] = Field(..., description="a text, a pair [a, b], or a batch of "
                                                                           "texts or pairs")
     raw_scores: StrictBool = False
     truncate: StrictBool = False

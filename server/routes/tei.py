@@ -17,7 +17,7 @@ from server.deps import ServiceDep
 from server.errors import Unprocessable
 from server.responses import EmbeddingResponse, LeanRoute
 from server.routes.infer import ENCODING_HELP, Encoding
-from server.service import INLINE_TOKENIZE_CHARS, untruncated
+from server.service import INLINE_TOKENIZE_CHARS
 
 router = APIRouter(tags=["text-embeddings-inference"], route_class=LeanRoute)
 
@@ -184,7 +184,7 @@ def _byte_offsets(text: str):
 
 def _tokens(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
     out = []
-    for text, encoding in zip(texts, untruncated(tokenizer).encode_batch(texts, add_special_tokens=add_special_tokens)):
+    for text, encoding in zip(texts, tokenizer.untruncated.encode_batch(texts, add_special_tokens=add_special_tokens)):
         to_bytes = _byte_offsets(text)
         tokens = []
         for token_id, token, special, (start, stop) in zip(encoding.ids, encoding.tokens,
@@ -221,7 +221,7 @@ async def decode(body: DecodeRequest, service: ServiceDep, request: Request) -> 
     service.check_ready()
     rows = [body.ids] if body.ids and all(isinstance(x, int) for x in body.ids) else body.ids
     service.check_count(len(rows))
-    tokenizer = untruncated(service.embedder.tokenizer)
+    tokenizer = service.embedder.tokenizer.untruncated
     vocab = tokenizer.get_vocab_size()
     for i, row in enumerate(rows):
         if row and (min(row) < 0 or max(row) >= vocab):
