@@ -8,8 +8,8 @@
 #   serve     python -m bench serve closed-loop single, then replicas under CUDA MPS -> bench/results/<gpu>/serve.json
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
 #
-# Here (the development machine), once: ../shared/tools/gpu-wheels.sh orjson httptools  (the server's packages the
-# GPU image lacks -> .whl/), and before each call: python -m bench.gpu_assets (the fp16 MiniLM copy and this
+# Here (the development machine), once: ../shared/tools/gpu-wheels.sh orjson httptools fastapi-offline (the
+# server's packages the GPU image lacks -> .whl/), and before each call: python -m bench.gpu_assets (the fp16 MiniLM copy and this
 # checkout's commit -> .gpu-assets/). The device call, carrying [".whl", ".gpu-assets"]:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/gpu.sh SUITE
@@ -27,7 +27,8 @@ MODEL=$PWD/.gpu-assets/minilm
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv
 python3 - <<'PY'
 import importlib.util
-need = ("fastapi", "uvicorn", "pydantic_settings", "orjson", "httptools", "prometheus_client", "tokenizers")
+need = ("fastapi", "fastapi_offline", "uvicorn", "pydantic_settings", "orjson", "httptools", "prometheus_client",
+        "tokenizers")
 missing = [name for name in need if importlib.util.find_spec(name) is None]
 print("server packages: all present" if not missing else
       f"server packages MISSING: {' '.join(missing)} (the server fails without them, or serves slower without httptools)")
@@ -50,9 +51,11 @@ case "$suite" in
   tests)
     rm -rf "$FUSEDSERVE_CUDA_CACHE"
     python3 -m kernels.cuda.build 2>&1 | tail -3
-    # the kernel sweeps with the heuristic configs (every shape would otherwise be autotuned), beside the model and
-    # server tests autotuned as served; at the limit pytest gets SIGINT and still prints what failed so far
-    FUSEDSERVE_TRITON_AUTOTUNE=0 timeout --signal=INT --kill-after=30 480 \
+    # the heuristic Triton configs throughout: autotuning every new shape in every test process costs minutes on a
+    # cold machine; the autotuned path is the one the encoder and serve suites run. The kernel sweeps run
+    # beside the model and server tests; at the limit pytest gets SIGINT and still prints what failed so far
+    export FUSEDSERVE_TRITON_AUTOTUNE=0
+    timeout --signal=INT --kill-after=30 480 \
       python3 -m pytest -m gpu -q -rfs -p no:cacheprovider -n 8 tests/kernels > "$OUT/tests-kernels.log" 2>&1 &
     kernel_tests=$!
     timeout --signal=INT --kill-after=30 480 python3 -m pytest -m gpu -v -rfs --durations=15 -p no:cacheprovider \

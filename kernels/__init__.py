@@ -6,7 +6,8 @@ torch reference outside any. The owner of a model keeps its selection and instal
 threads (the serving worker and a background reference check) run different paths without sharing a table.
 
 A `contextvars.ContextVar` rather than a thread-local: it is per thread as well, and also per asyncio task, and
-`use()` restores the outer value on exit however the block ends.
+`use()` restores the outer value on exit however the block ends. torch.compile reads it once, when it traces: a
+compiled module keeps the backends that were selected then (call torch._dynamo.reset() to trace a new selection).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kernels import registry
+from kernels import library, registry
 from kernels.library import signature
-from kernels.registry import REFERENCE, BackendError, BackendUnavailable, Selection, reference_selection, select
-from kernels.spec import OP_SPECS, OPS
+from kernels.registry import (REFERENCE, REFERENCE_BACKEND, BackendError, BackendUnavailable, Selection,
+                              reference_selection, select)
+from kernels.spec import OP_SPECS, OPS, REFERENCE_OPS
 
 # An observer gets every op call: (op, backend, implementation, args, kwargs) -> the call's result.
 Observer = Callable[[str, str, Callable, tuple, dict], object]
@@ -47,8 +49,19 @@ def current() -> Selection:
     return _active.get()[0]
 
 
+@torch.compiler.assume_constant_result
+def _traced_backend(op: str) -> str:
+    """The backend of `op` in the current selection, a constant to torch.compile: Dynamo (torch 2.11) cannot trace
+    ContextVar.get, and a string is the one result every version keeps as a constant."""
+    return _active.get()[0].choices[op].backend
+
+
 def _public(op: str) -> Callable:
     def call(*args, **kwargs):
+        if torch.compiler.is_compiling():  # the backend's own op (its torch.library node), never an observer
+            backend = _traced_backend(op)
+            impl = REFERENCE_OPS[op] if backend == REFERENCE_BACKEND else library.loaded(backend)[op]
+            return impl(*args, **kwargs)
         selection, observer = _active.get()
         if observer is None:
             return selection.impls[op](*args, **kwargs)

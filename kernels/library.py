@@ -117,6 +117,11 @@ def _define(backend: str, spec: OpSpec, launcher: Callable) -> Callable:
     return call
 
 
+def loaded(backend: str) -> dict[str, Callable]:
+    """The callables custom_ops made for `backend` (the registry loaded it)."""
+    return _cache[backend]
+
+
 def custom_ops(backend: str, launchers: Mapping[str, Callable]) -> dict[str, Callable]:
     """The registry-facing callables of a backend: {op: callable} for the ops it implements (kernels.spec's
     fused_in), each defined once per process."""

@@ -6,14 +6,13 @@ same weights."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from model.runner import Embedder
-from model.weights import default_model_dir
+from tests.model.checkpoints import source_dir
 from tests.model.sentences import SENTENCES
 from tests.tolerances import assert_embeddings_close, embedding_errors
 
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _model_dir() -> Path:
-    return Path(os.environ.get("FUSEDSERVE_TEST_MODEL_DIR") or default_model_dir())
+    return source_dir()
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def test_embedding_models_on_the_fused_kernels(tmp_path, model, dtype):
     path = _builds(tmp_path)[model]()
     ours, _ = Embedder.load(str(path), device="cuda", dtype=dtype, max_batch_tokens=2048, max_batch=16)
     assert ours.path == "fused"
-    expected = SentenceTransformer(str(path), device="cuda").encode(TEXTS, convert_to_tensor=True).float().cpu()
+    expected = SentenceTransformer(str(path), device="cuda").float().encode(TEXTS, convert_to_tensor=True).float().cpu()
     for rows in (TEXTS[:1], TEXTS):  # one short input (the few-token layer where it runs) and a mixed batch
         got = ours.embed(rows)
         cosine = torch.nn.functional.cosine_similarity(got.double(), expected[: len(rows)].double(), dim=1)
@@ -52,6 +52,7 @@ def test_classifiers_on_the_fused_kernels(tmp_path, architecture, num_labels, dt
     path = checkpoints.cross_encoder(tmp_path / "ce", num_labels, architecture)
     ours, _ = Embedder.load(str(path), device="cuda", dtype=dtype, max_batch_tokens=2048, max_batch=16)
     reference = CrossEncoder(str(path), device="cuda")
+    reference.model.float()
     expected = torch.as_tensor(reference.predict(PAIRS, apply_softmax=num_labels > 1, convert_to_numpy=True))
     scores = activate(ours.predict(PAIRS), ours.classifier.activation)
     assert float((scores - expected.reshape(scores.shape)).abs().max()) <= MAX_SCORE_ERROR

