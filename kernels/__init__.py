@@ -102,8 +102,10 @@ def _load_triton(device: torch.device):
         raise BackendUnavailable(f"needs a CUDA device, got {device} (TRITON_INTERPRET=1 runs it on the CPU, for tests)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailable("CUDA is not available")
-    from kernels import library
+    from kernels import cache
     from kernels.triton import LAUNCHERS
+
+    cache.use_for_triton()
 
     return library.custom_ops("triton", LAUNCHERS)
 

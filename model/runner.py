@@ -281,6 +281,36 @@ class Embedder:
         rows = max(1, min(self.max_batch, self.max_batch_tokens // len(longest)))
         return [[longest] * rows, self.tokenizer.encode(["warm up"])]
 
+    def shape_sweep(self) -> list[list[list[int]]]:
+        """Token-id batches whose eager forwards meet every launch shape a served batch can, for the start-up to run
+        before traffic (`embed_ids(batch, graphs=False)`): then no request's eager forward (a kernel-timed sample, a
+        batch outside every graph bucket, serving without CUDA graphs) pays an autotune or a compile.
+
+        Per power-of-two bucket of the token count (the key of every tuned launch config, kernels.row_bucket), up to
+        max_batch_tokens: its first count (a multiple of 16 from 16 on) and one more (Triton compiles an integer
+        argument's divisibility by 16 apart), as full rows of the model's longest input (rows of equal length take
+        the dense path) and, where two rows fit, as two rows of unequal length (the masked path)."""
+        seq = self.config.max_seq_length
+        longest = self.tokenizer.encode(["warm up " * seq])[0]
+        seq = len(longest)
+        most = min(self.max_batch_tokens, self.max_batch * seq)
+
+        def rows_of(tokens: int) -> list[list[int]]:
+            full, rest = divmod(tokens, seq)
+            return [longest] * full + ([longest[:rest]] if rest else [])
+
+        batches = []
+        for bits in range(1, most.bit_length() + 1):
+            first = 1 << (bits - 1)
+            for tokens in dict.fromkeys((first, min(first + 1, (1 << bits) - 1))):
+                if tokens > most:
+                    continue
+                batches.append(rows_of(tokens))
+                if 3 <= tokens <= seq:  # two unequal rows (more than a row's worth already makes them)
+                    short = (tokens - 1) // 2
+                    batches.append([longest[:tokens - short], longest[:short]])
+        return batches
+
     # ---- what it runs on -------------------------------------------------------------------------------------
     @property
     def fused(self) -> bool:

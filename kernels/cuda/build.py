@@ -2,7 +2,7 @@
 persistent cache so only the first start of a given source tree + torch + GPU architecture pays for nvcc.
 
     python -m kernels.cuda.build            # pre-build (the GPU image does this at docker build time)
-    FUSEDSERVE_CUDA_CACHE=/path ...         # cache directory (default ~/.cache/fusedserve/cuda)
+    FUSEDSERVE_CUDA_CACHE=/path ...         # build directory (default: cuda/ in kernels.cache.root())
     TORCH_CUDA_ARCH_LIST="9.0"              # target GPUs when building without one (default: the visible GPU)
 
 The cache key is a hash of the sources, the torch and CUDA versions and the architecture list, so an edited
@@ -38,7 +38,10 @@ class BuildUnavailable(RuntimeError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("FUSEDSERVE_CUDA_CACHE", Path.home() / ".cache" / "fusedserve" / "cuda"))
+    """FUSEDSERVE_CUDA_CACHE (the GPU image's prebuilt extension), else the cache directory's cuda/."""
+    from kernels import cache
+
+    return Path(os.environ.get("FUSEDSERVE_CUDA_CACHE") or cache.root() / "cuda")
 
 
 def cuda_home() -> Path | None:

@@ -1,7 +1,7 @@
 """Launch-configuration choice for the CUDA kernels: the first call of a kernel at a new shape class times
 every candidate configuration (kernels.timing.device_us: CUDA-graph replays, so it is device time, not Python
-overhead) and keeps the fastest; results are cached in memory and in a JSON file per GPU model, so later processes
-on the same kind of GPU start tuned. A cache file that cannot be read is reported once and rebuilt by the next
+overhead) and keeps the fastest; results are cached in memory and in a JSON file per GPU model in the cache directory
+(kernels.cache), so later processes on the same kind of GPU start tuned. A cache file that cannot be read is reported once and rebuilt by the next
 save. `table()` is what was chosen (the bench JSON and /info record it).
 
 Shape class: (kernel, dtype, cols, power-of-two bucket of the row count). Below TUNE_MIN_ROWS rows every
@@ -12,17 +12,15 @@ so does a call made while a CUDA graph is being captured.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from kernels import cache
 from kernels._layout import row_bucket
 from kernels.timing import device_us
 
@@ -81,41 +79,22 @@ class Tuner:
         self._save_failed = False  # warned once already
 
     def _cache_file(self) -> Path:
-        """The GPU model's cache file, its table loaded on first use. A missing file is a first start; one that
-        cannot be read or parsed is reported and replaced by the next save (its entries would be re-tuned anyway,
-        and silently ignoring it would leave every later start re-tuning with nobody told why)."""
+        """The GPU model's cache file (kernels.cache: keyed by the GPU, the versions and the kernel sources), its
+        table loaded on first use. A missing file is a first start; one that cannot be read or parsed is reported
+        and replaced by the next save (its entries would be re-tuned anyway, and silently ignoring it would leave
+        every later start re-tuning with nobody told why)."""
         if self._file is None:
-            from kernels.cuda.build import cache_root
-
-            gpu = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
-            self._file = cache_root() / f"tuning-{gpu}.json"
-            try:
-                table = json.loads(self._file.read_text())
-                if not _valid_table(table):
-                    raise ValueError("not a table of {key: {config: [int, int], ...}}")
-            except FileNotFoundError:
-                pass
-            except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-                log.warning("CUDA tuning cache %s is unreadable (%s: %s); starting from an empty table, the next "
-                            "tuned shape overwrites it", self._file, type(exc).__name__, exc)
-            else:
-                self._table.update(table)
+            self._file = cache.gpu_file("tuning")
+            self._table.update(cache.read_table(self._file, _valid_table, "CUDA tuning cache"))
         return self._file
 
     def _save(self) -> None:
-        # Written to a per-process temporary file, then renamed over the cache: a reader never sees half a file,
-        # and replicas sharing the cache directory never write into each other's temporary file.
-        tmp = self._file.with_name(f"{self._file.name}.{os.getpid()}.tmp")
-        try:
-            self._file.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(self._table, indent=1, sort_keys=True))
-            tmp.replace(self._file)
-        except OSError as exc:  # a read-only cache only costs a re-tune next start: say so once, not per shape
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            if not self._save_failed:
-                log.warning("cannot save the CUDA tuning cache %s (%s: %s); tuned configs last only this process",
-                            self._file, type(exc).__name__, exc)
+        # kernels.cache.write_table: a reader never sees half a file, and replicas sharing the cache directory never
+        # write into each other's temporary file. A read-only cache only costs a re-tune next start: said once.
+        error = cache.write_table(self._file, self._table)
+        if error is not None and not self._save_failed:
+            log.warning("cannot save the CUDA tuning cache %s (%s: %s); tuned configs last only this process",
+                        self._file, type(error).__name__, error)
             self._save_failed = True
 
     def choose(self, kernel: str, dtype: torch.dtype, cols: int, rows: int, candidates: Sequence[Config],

