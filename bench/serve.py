@@ -28,6 +28,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ import httpx
 
 from bench import results as store
 
-SCENARIOS = ("closed-loop", "single", "replicas", "soak")
+SCENARIOS = ("closed-loop", "single", "replicas", "soak", "startup")
 DEFAULT_SCENARIOS = ("closed-loop", "single", "replicas")
 
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or had not but "
@@ -185,12 +186,14 @@ def load(urls: str | list[str], texts: list, clients: int, seconds: float, per_r
             "elapsed": max(p["elapsed"] for p in parts), "tokens": sum(p["tokens"] for p in parts)}
 
 
+# what -> (sample name, labels it must carry): summed over every other label (the model, a replica's worker)
 SERVER_SUMS = {
-    "request": "fusedserve_request_duration_seconds_sum{{route=\"{route}\"}}",
-    "requests": "fusedserve_request_duration_seconds_count{{route=\"{route}\"}}",
-    "queue": "fusedserve_queue_duration_seconds_sum", "inputs": "fusedserve_queue_duration_seconds_count",
-    "batch_size": "fusedserve_batch_size_sum", "batches": "fusedserve_batch_size_count",
-    "cpu": "process_cpu_seconds_total",  # the server process's user + system CPU time (prometheus_client)
+    "request": ("fusedserve_request_duration_seconds_sum", {"route": "{route}"}),
+    "requests": ("fusedserve_request_duration_seconds_count", {"route": "{route}"}),
+    "queue": ("fusedserve_queue_duration_seconds_sum", {}), "inputs": ("fusedserve_queue_duration_seconds_count", {}),
+    "batch_size": ("fusedserve_batch_size_sum", {}), "batches": ("fusedserve_batch_size_count", {}),
+    "forward": ("fusedserve_forward_duration_seconds_sum", {}),
+    "cpu": ("process_cpu_seconds_total", {}),  # the server process's user + system CPU time (prometheus_client)
 }
 
 
@@ -206,17 +209,18 @@ def measured_load(urls: str | list[str], rows: list, clients: int, seconds: floa
 
 def server_sums(urls: str | list[str], route: str = "/infer") -> dict[str, float]:
     """Counters and histogram sums of the servers' /metrics that the per-run breakdown is built from (summed over
-    replicas)."""
-    totals: collections.Counter = collections.Counter()
+    replicas, models and any other label), parsed by prometheus-client's own exposition parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: collections.Counter = collections.Counter({k: 0.0 for k in SERVER_SUMS})
     for url in [urls] if isinstance(urls, str) else urls:
-        values: dict[str, float] = {}
-        for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        totals.update({k: values.get(v.format(route=route), 0.0) for k, v in SERVER_SUMS.items()})
-        totals["forward"] += sum(v for k, v in values.items()
-                                 if k.startswith("fusedserve_forward_duration_seconds_sum"))
+        text = httpx.get(url + "/metrics", timeout=30).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                for what, (name, labels) in SERVER_SUMS.items():
+                    if sample.name == name and all(sample.labels.get(k) == v.format(route=route)
+                                                   for k, v in labels.items()):
+                        totals[what] += sample.value
     return dict(totals)
 
 
@@ -479,6 +483,44 @@ def single_scenario(args: argparse.Namespace, save) -> None:
     save(rows, {"text_words": 20, "requests": args.single_count, "server": single["server"], "info": info}, True)
 
 
+def first_requests(url: str, texts: list[str]) -> dict:
+    """Each text as its own request, one at a time, from the first on (no warm-up): what the first users after
+    /readyz see, including any request that pays a compile."""
+    latencies = []
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for text in texts:
+            t = time.perf_counter()
+            client.post("/infer", json={"inputs": text}).raise_for_status()
+            latencies.append(time.perf_counter() - t)
+    q = statistics.quantiles(latencies, n=100)
+    return {"requests": len(texts), "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "max_ms": max(latencies) * 1e3}
+
+
+def startup_scenario(args: argparse.Namespace, save) -> None:
+    """Time to ready of a server started on an empty cache directory (cold: what a new pod of the GPU image does,
+    its CUDA extension prebuilt) and again on the cache the first start left (warm: a restart, a second replica
+    on the node), with the default settings and the suite's batch limits; after the cold start, the first 1,000
+    sequential single requests of 5-200 words (does any pay a compile?)."""
+    cache = tempfile.mkdtemp(prefix="fusedserve-cache-")
+    env = {"cache_dir": cache, **server_settings(args)}
+    rows = []
+    for start in ("cold", "warm"):
+        started = time.monotonic()
+        with running_servers(1, _log(args, f"startup-{start}"), **env) as servers:
+            row = {"start": start, "ready_s": time.monotonic() - started}
+            url = servers[0][1]
+            if start == "cold":
+                row["first_requests"] = first_requests(url, mixed_texts(args.first_requests, seed=1, low=5,
+                                                                        high=200))
+        rows.append(row)
+        print(f"{start} start: ready in {row['ready_s']:.1f} s" + (
+            f"; first {row['first_requests']['requests']} single requests p50 {row['first_requests']['p50_ms']:.2f} "
+            f"ms, p99 {row['first_requests']['p99_ms']:.2f} ms, max {row['first_requests']['max_ms']:.1f} ms"
+            if "first_requests" in row else ""), file=sys.stderr, flush=True)
+        save(rows, {"cache_dir": "a fresh temporary directory"}, False)
+    save(rows, {"cache_dir": "a fresh temporary directory"}, True)
+
+
 def _mps() -> bool:
     """A CUDA MPS control daemon answers on this process's pipe directory (the servers' contexts then share the GPU
     through it)."""
@@ -579,6 +621,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sentence-transformers", dest="st", action="store_false",
                         help="closed-loop: skip sentence-transformers' encode on the same texts")
     parser.add_argument("--single-count", type=int, default=200, help="single: requests per client")
+    parser.add_argument("--first-requests", type=int, default=1000,
+                        help="startup: sequential single requests timed after the cold start")
     parser.add_argument("--soak-clients", type=int, default=200)
     parser.add_argument("--cancel-rate", type=float, default=0.1, help="soak: share of requests given up early")
     parser.add_argument("--soak-atol", type=float,
@@ -597,7 +641,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     out = args.out or store.default_path("serve", args.device)
     gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device)) if _cuda(args) else None)
     scenarios = {"closed-loop": closed_loop_scenario, "single": single_scenario, "replicas": replicas_scenario,
-                 "soak": soak_scenario}
+                 "soak": soak_scenario, "startup": startup_scenario}
     started = time.monotonic()
     for scenario in args.scenarios or DEFAULT_SCENARIOS:
         head = store.header(args.device, argv)
@@ -607,7 +651,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         settings.update({"closed-loop": {"servers": args.servers, "clients": args.clients, "payloads": args.payloads},
                          "single": {"requests": args.single_count},
                          "replicas": {"replica_counts": args.replica_counts, "clients": args.replica_clients},
-                         "soak": {"clients": args.soak_clients, "cancel_rate": args.cancel_rate}}[scenario])
+                         "soak": {"clients": args.soak_clients, "cancel_rate": args.cancel_rate},
+                         "startup": {"first_requests": args.first_requests}}[scenario])
 
         def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,
                  settings: dict = settings) -> None:

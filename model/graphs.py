@@ -6,8 +6,8 @@ steps, eighth steps above 1024 tokens); filler tokens and
 sequences go to scratch rows (see model.encoder.Packed). With varlen attention (fp16/bf16 on CUDA, the default;
 "fused" attention buckets the same way)
 the row count is rounded up to a power of 4 and seq is min(model's longest, tokens): the longest row only bounds
-the attention grid, so a bucket is really (tokens, batch) and every reachable one can be captured at start-up
-(`capture_all`, the service's warm-up). With pad attention the row count goes to a power of two and the longest
+the attention grid, so a bucket is really (tokens, batch) and every reachable one can be captured ahead of traffic
+(`capture_all` up to some token count before ready, `capture_next` for the rest after, between batches). With pad attention the row count goes to a power of two and the longest
 row to SEQ_BUCKETS (the padded block is batch x seq): too many to capture ahead, so those are captured on first
 use. `dense` marks a batch that fills its bucket exactly (equal-length rows, e.g. one input truncated at the
 model's limit): its graph runs attention without a mask and without the scatter/gather (with varlen attention
@@ -144,17 +144,31 @@ class CudaGraphs:
                 b *= 2
         return keys
 
-    def capture_all(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Capture every reachable bucket now (the service's warm-up, before it reports ready), so traffic never
-        waits for a capture: a capture runs the forward twice first, and a first-seen row count autotunes the
-        Triton kernels and sweeps the CUDA launch configs. At most max_graphs (smallest token counts first).
-        Returns the number captured."""
-        keys = [k for k in self.reachable_keys() if k not in self.graphs][: self.max_graphs - len(self.graphs)]
+    def pending(self, up_to_tokens: int | None = None) -> list[tuple[int, int, int, bool]]:
+        """The reachable buckets not captured yet, as many as max_graphs leaves room for, smallest token counts
+        first (the single requests and small batches that latency is about); with up_to_tokens, only those."""
+        keys = sorted((k for k in self.reachable_keys() if k not in self.graphs), key=lambda k: (k[0], k[1], k[3]))
+        keys = keys[: max(self.max_graphs - len(self.graphs), 0)]
+        return [k for k in keys if up_to_tokens is None or k[0] <= up_to_tokens]
+
+    def capture_all(self, progress: Callable[[int, int], None] | None = None, up_to_tokens: int | None = None) -> int:
+        """Capture the pending buckets now (up to `up_to_tokens` tokens where given), so traffic never waits for a
+        capture: a capture runs the forward twice first, and a first-seen row count autotunes the Triton kernels
+        and sweeps the CUDA launch configs. Returns the number captured."""
+        keys = self.pending(up_to_tokens)
         for i, key in enumerate(keys):
             self._capture(key)
             if progress is not None:
                 progress(i + 1, len(keys))
         return len(keys)
+
+    def capture_next(self) -> bool:
+        """Capture the smallest pending bucket; False when none is left (the service's captures after ready, one at
+        a time between batches)."""
+        keys = self.pending()
+        if keys:
+            self._capture(keys[0])
+        return bool(keys)
 
     def run(self, rows: list[list[int]]) -> Tensor | None:
         """The head's output [len(rows), dim] float32 on the device (unnormalized), or None when the batch

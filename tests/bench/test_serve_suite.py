@@ -13,12 +13,13 @@ def test_scenarios_against_real_servers(tmp_path):
     common = ["--device", "cpu", "--model", "tiny", "--setting", "torch_threads=1", "--setting", "backend=torch",
               "--seconds", "1.5",
               "--texts", "48", "--max-words", "12", "--per-request", "2", "--out", str(out)]
-    assert main(["serve", "closed-loop", "single", "replicas", "soak", *common, "--clients", "4",
+    assert main(["serve", "closed-loop", "single", "replicas", "soak", "startup", *common, "--clients", "4",
                  "--payloads", "text", "ids", "--single-count", "12", "--replica-counts", "2",
-                 "--replica-clients", "4", "--soak-clients", "8", "--cancel-rate", "0.2",
+                 "--replica-clients", "4", "--soak-clients", "8", "--cancel-rate", "0.2", "--first-requests", "8",
                  "--log-dir", str(tmp_path)]) == 0
     doc = store.load(out)
-    assert store.validate(doc) == [] and list(doc["scenarios"]) == ["closed-loop", "replicas", "single", "soak"]
+    assert store.validate(doc) == [] and list(doc["scenarios"]) == ["closed-loop", "replicas", "single", "soak",
+                                                                 "startup"]
     assert all(b["complete"] for b in doc["scenarios"].values())
 
     loop = doc["scenarios"]["closed-loop"]
@@ -44,3 +45,8 @@ def test_scenarios_against_real_servers(tmp_path):
     (soak,) = doc["scenarios"]["soak"]["results"]
     assert soak["wrong_answers"] == 0 and set(soak["statuses"]) == {"200"} and soak["answered"] >= 8
     assert (tmp_path / "serve-soak.log").is_file() and (tmp_path / "serve-replicas-2.log").is_file()
+
+    cold, warm = doc["scenarios"]["startup"]["results"]
+    assert (cold["start"], warm["start"]) == ("cold", "warm") and cold["ready_s"] > 0 and warm["ready_s"] > 0
+    assert cold["first_requests"]["requests"] == 8 and "first_requests" not in warm
+    assert (tmp_path / "serve-startup-cold.log").is_file() and (tmp_path / "serve-startup-warm.log").is_file()
