@@ -77,8 +77,8 @@ class _TooLarge(Exception):
 class RequestObserver:
     """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the handlers), around every
     request: its RequestRecord (server.observability) for the service to fill in; the response headers x-request-id
-    and the timings; fusedserve_requests_total{route,status} and fusedserve_request_duration_seconds{route}; and,
-    with tracing on, the request's server span."""
+    and the timings; fusedserve_requests_total{model,route,status} and fusedserve_request_duration_seconds{model,route}
+    (model: the one the request was routed to, "" for none); and, with tracing on, the request's server span."""
 
     def __init__(self, app: ASGIApp, service: Service) -> None:
         self.app, self.metrics, self.tracing = app, service.metrics, service.tracing
@@ -109,10 +109,10 @@ class RequestObserver:
             CURRENT.reset(token)
             route = getattr(scope.get("route"), "path", "unmatched")
             if route != "/metrics":
-                self.metrics.requests.labels(route, str(status)).inc()
-                self.metrics.request_duration.labels(route).observe(time.monotonic() - started)
+                self.metrics.requests.labels(record.model, route, str(status)).inc()
+                self.metrics.request_duration.labels(record.model, route).observe(time.monotonic() - started)
             if record.span is not None:
-                self.tracing.end_request(record.span, route, status, record.id)
+                self.tracing.end_request(record.span, route, status, record.id, record.model)
 
 
 # open without an API key: the docs (a browser cannot send a bearer token for a page load), and /admin/*, which

@@ -31,7 +31,7 @@ import torch
 from model.runner import Embedder, Pending
 from server.config import Settings
 from server.errors import Overloaded, ServiceError, Timeout, Unavailable
-from server.metrics import Metrics
+from server.metrics import ModelMetrics
 
 log = logging.getLogger("fusedserve.batcher")
 
@@ -102,8 +102,9 @@ class Item:
 
 
 class Batcher:
-    def __init__(self, embedder: Embedder, settings: Settings, metrics: Metrics,
+    def __init__(self, embedder: Embedder, settings: Settings, metrics: ModelMetrics,
                  on_batch: Callable[[list[list[int]], torch.Tensor], None] | None = None) -> None:
+        """metrics: the model's own series (Metrics.for_model); one batcher per model."""
         self.embedder, self.settings, self.metrics = embedder, settings, metrics
         self.on_batch = on_batch  # sampled batches go to the verifier through this
         self._pending: list[Item] = []
@@ -112,7 +113,7 @@ class Batcher:
         self._stopping = False
         self._draining = False
         self._busy = False
-        self._thread = threading.Thread(target=self._run, name="fusedserve-batcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"fusedserve-batcher[{metrics.model}]", daemon=True)
         self.batches = 0
         self.overlapped = 0  # batches launched while the one before was still in flight (overlap_batches)
         self._packed = embedder.layout == "packed"

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
                                TomlConfigSettingsSource, YamlConfigSettingsSource)
 
@@ -27,6 +28,22 @@ REMOVED_SETTINGS = {
 }
 
 
+Pooling = Literal["cls", "mean", "max", "mean_sqrt_len_tokens"]
+# a model's name is a path segment of KServe's /v2/models/{name}/... and an OpenAI model id
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class ModelSpec(BaseModel):
+    """One entry of `models`: where the model is, and the settings that may differ per model (unset: the
+    server-wide setting of the same name)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(..., min_length=1, description="'default', a preset, or a checkpoint dir (as `model`)")
+    pooling: Pooling | None = None
+    max_seq_length: int | None = Field(None, ge=1)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FUSEDSERVE_", extra="forbid", frozen=True)
 
@@ -34,6 +51,17 @@ class Settings(BaseSettings):
     model: str = Field("default", description="'default' (packaged all-MiniLM-L6-v2), a preset (tiny, minilm-l6, "
                        "bert-base, xlm-roberta-base: random weights), or a checkpoint dir")
     model_name: str = Field("", description="name clients use in requests and responses (default: derived from model)")
+    models: Annotated[dict[str, ModelSpec], NoDecode] = Field(
+        default_factory=dict, description="several models in one server, e.g. `minilm=default,reranker=/models/ce`: "
+        "each `name=path` (path as `model` takes it) gets its own batcher on the shared device; requests pick one by "
+        "name (the `model` field, KServe's path), and without a name go to the first model of the kind their route "
+        "serves. Empty: the one `model`, named `model_name`. Not together with `model` / `model_name`",
+        json_schema_extra={"values": "`name=path` pairs separated by commas; in a config file a mapping of name to a "
+                                     "path or to a table `{path, pooling, max_seq_length}`"})
+    model_load_failure: Literal["stop", "skip"] = Field(
+        "stop", description="a model that fails to load: `stop` ends the start (exit code 1, the error names the "
+        "model); `skip` logs it, reports it failed (start-up report, /readyz, /info) and serves the others, requests "
+        "naming it get 503 saying why. The start fails when no model loads")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="where the model runs; `auto`: CUDA when available, else the CPU; `cuda:N` picks "
                         "a GPU")
@@ -46,10 +74,12 @@ class Settings(BaseSettings):
         "that pass; a forced backend that fails its self-test stops the start")
     backend_overrides: Annotated[dict[str, Literal["auto", "triton", "cuda", "torch"]], NoDecode] = Field(
         default_factory=dict, description="per-op backend, e.g. 'add_layer_norm=cuda,bias_gelu=triton'")
-    max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's)")
-    pooling: Literal["cls", "mean", "max", "mean_sqrt_len_tokens"] | None = Field(
+    max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's); with "
+                                       "`models`, every model's unless its entry says otherwise")
+    pooling: Pooling | None = Field(
         None, description="an embedding model's pooling, overriding its own (sentence-transformers' 1_Pooling); "
-        "a plain Hugging Face directory without it is mean-pooled")
+        "a plain Hugging Face directory without it is mean-pooled. With `models`, every model's unless its entry "
+        "says otherwise (a classifier refuses it)")
     attention: Literal["auto", "pad", "varlen", "fused"] = Field(
         "auto", description="packed attention: varlen flash (fp16/bf16 on CUDA), pad-for-SDPA, or fused (batches of "
                             "<= 64 tokens as four kernels per layer, varlen above); auto: fused on CUDA fp16/bf16 "
@@ -71,7 +101,8 @@ class Settings(BaseSettings):
     overlap_batches: bool = Field(
         True, description="launch the next batch before waiting for the last one's result (CUDA graphs): the GPU "
         "runs while the worker delivers and waits for the GIL", json_schema_extra={"advanced": True})
-    max_queue: int = Field(4096, ge=1, description="queued inputs beyond which requests get 429")
+    max_queue: int = Field(4096, ge=1, description="queued inputs beyond which requests get 429 (each model has its "
+                           "own queue and batcher, under the same limits)")
     max_client_batch: int = Field(256, ge=1, description="inputs per request")
     request_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take; inputs still waiting then "
                                      "are answered 504 and never run (a batch already running gets 1 s of grace)")
@@ -149,11 +180,44 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown op(s) {sorted(unknown)}; ops are {', '.join(KERNEL_OPS)}")
         return value
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _parse_models(cls, value):
+        """`name=path,name2=path2` (the environment), or a mapping of name to a path or a table (a config file)."""
+        if isinstance(value, str):
+            pairs = [p.strip() for p in value.split(",") if p.strip()]
+            parsed: dict[str, str] = {}
+            for pair in pairs:
+                name, sep, path = pair.partition("=")
+                name, path = name.strip(), path.strip()
+                if not sep or not name or not path:
+                    raise ValueError(f"expected name=path pairs separated by commas, got {pair!r}")
+                if name in parsed:
+                    raise ValueError(f"model name {name!r} given twice")
+                parsed[name] = path
+            value = parsed
+        if isinstance(value, dict):
+            for name in value:
+                if not isinstance(name, str) or not MODEL_NAME.match(name):
+                    raise ValueError(f"model name {name!r}: use letters, digits, '.', '_' and '-' (at most 128, "
+                                     "starting with a letter or digit): it is a URL path segment")
+            value = {name: {"path": spec} if isinstance(spec, str) else spec for name, spec in value.items()}
+        return value
+
     @model_validator(mode="after")
     def _check(self):
         if self.max_batch_requests > self.max_queue:
             raise ValueError("max_batch_requests must not exceed max_queue")
+        if self.models and {"model", "model_name"} & self.model_fields_set:
+            raise ValueError("set either models (several models) or model / model_name (one), not both")
         return self
+
+    def served_models(self) -> list[tuple[str | None, ModelSpec]]:
+        """(name, spec) of each model to serve, the default first: the `models` setting, or the one `model`
+        (named model_name, or None: the name its checkpoint gives)."""
+        if self.models:
+            return list(self.models.items())
+        return [(self.model_name or None, ModelSpec(path=self.model))]
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -37,6 +37,17 @@ verify_sample_rate: 0.01
 verify_action: fallback
 ```
 
+Several models in one server: `{PREFIX}MODELS=minilm=default,reranker=/models/ce` in the environment, or in the file
+a mapping, whose entries may also set the settings that can differ per model (the others hold for every model):
+
+```yaml
+models:
+  minilm: default                  # the first model: unnamed embedding requests go here
+  e5: {{path: /models/multilingual-e5-small, max_seq_length: 512}}
+  reranker: /models/ms-marco-MiniLM-L6-v2
+model_load_failure: skip           # a model that fails to load is reported; the others serve
+```
+
 The kernel layer reads a few environment variables of its own (build cache, tuning, Triton launch options); they
 are not service settings: [kernels.md](kernels.md#environment-variables).
 """
@@ -70,7 +81,11 @@ def _literal(values) -> str:
 
 
 def values_text(field: FieldInfo) -> str:
-    """What the setting accepts, from its type and constraints."""
+    """What the setting accepts, from its type and constraints (or as the field says it, `values` in its
+    json_schema_extra, where the type alone would not tell)."""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    if extra.get("values"):
+        return str(extra["values"])
     annotation = field.annotation
     optional = False
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):

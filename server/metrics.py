@@ -1,7 +1,9 @@
-"""Every Prometheus metric of the service: one prefix, units in names, buckets defined here.
-Each app instance owns its own registry (tests run several apps in one process)."""
+"""Every Prometheus metric of the service: one prefix, units in names, buckets defined here, a `model` label on
+everything a model does. Each app instance owns its own registry (tests run several apps in one process)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -19,41 +21,103 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class Metrics:
+    """The server's registry. Every family about a model's work carries a `model` label (its first); a request not
+    routed to a model (a probe, an unknown model's 404) counts under model="". ModelMetrics is one model's view."""
+
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter(PREFIX + "requests", "HTTP requests by route and status", ["route", "status"], registry=r)
-        self.request_duration = Histogram(PREFIX + "request_duration_seconds", "Request latency", ["route"],
+        self.requests = Counter(PREFIX + "requests", "HTTP requests by model, route and status",
+                                ["model", "route", "status"], registry=r)
+        self.request_duration = Histogram(PREFIX + "request_duration_seconds", "Request latency", ["model", "route"],
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.queue_duration = Histogram(PREFIX + "queue_duration_seconds", "Time an input waited for its batch",
-                                        buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_depth = Gauge(PREFIX + "queue_depth", "Inputs waiting for a batch", registry=r)
-        self.rejected = Counter(PREFIX + "rejected_requests", "Requests refused or dropped, by reason", ["reason"],
-                                registry=r)
-        self.batch_size = Histogram(PREFIX + "batch_size", "Inputs per batch", buckets=SIZE_BUCKETS, registry=r)
-        self.batch_tokens = Histogram(PREFIX + "batch_tokens", "Padded tokens per batch", buckets=TOKEN_BUCKETS,
-                                      registry=r)
-        self.batch_padding_ratio = Histogram(PREFIX + "batch_padding_ratio", "Padding share of a batch's tokens",
-                                             buckets=RATIO_BUCKETS, registry=r)
-        self.kernel_duration = Histogram(PREFIX + "kernel_duration_seconds", "Fused-op latency on sampled batches",
-                                         ["op", "backend"], buckets=KERNEL_BUCKETS, registry=r)
-        self.forward_duration = Histogram(PREFIX + "forward_duration_seconds", "Encoder forward per batch", ["path"],
-                                          buckets=LATENCY_BUCKETS, registry=r)
-        self.reference_checks = Counter(PREFIX + "reference_checks", "Sampled fused-vs-reference checks", ["result"],
-                                        registry=r)
-        self.reference_max_abs_error = Gauge(PREFIX + "reference_max_abs_error",
-                                             "Max abs error of the last reference check", registry=r)
-        self.reference_cosine_distance = Gauge(PREFIX + "reference_cosine_distance",
-                                               "Max cosine distance of the last reference check", registry=r)
-        self.fallbacks = Counter(PREFIX + "fallbacks", "Switches of ops to the reference path", ["op", "reason"],
-                                 registry=r)
-        self.batch_splits = Counter(PREFIX + "batch_splits", "Batches split in two after running out of device memory",
+                                        ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge(PREFIX + "queue_depth", "Inputs waiting for a batch", ["model"], registry=r)
+        self.rejected = Counter(PREFIX + "rejected_requests", "Requests refused or dropped, by reason",
+                                ["model", "reason"], registry=r)
+        self.batch_size = Histogram(PREFIX + "batch_size", "Inputs per batch", ["model"], buckets=SIZE_BUCKETS,
                                     registry=r)
-        self.backend_info = Gauge(PREFIX + "backend_info", "1 for the backend serving each op", ["op", "backend"],
-                                  registry=r)
-        self.fused_enabled = Gauge(PREFIX + "fused_enabled", "1 when the fused path is on", registry=r)
+        self.batch_tokens = Histogram(PREFIX + "batch_tokens", "Padded tokens per batch", ["model"],
+                                      buckets=TOKEN_BUCKETS, registry=r)
+        self.batch_padding_ratio = Histogram(PREFIX + "batch_padding_ratio", "Padding share of a batch's tokens",
+                                             ["model"], buckets=RATIO_BUCKETS, registry=r)
+        self.kernel_duration = Histogram(PREFIX + "kernel_duration_seconds", "Fused-op latency on sampled batches",
+                                         ["model", "op", "backend"], buckets=KERNEL_BUCKETS, registry=r)
+        self.forward_duration = Histogram(PREFIX + "forward_duration_seconds", "Encoder forward per batch",
+                                          ["model", "path"], buckets=LATENCY_BUCKETS, registry=r)
+        self.reference_checks = Counter(PREFIX + "reference_checks", "Sampled fused-vs-reference checks",
+                                        ["model", "result"], registry=r)
+        self.reference_max_abs_error = Gauge(PREFIX + "reference_max_abs_error",
+                                             "Max abs error of the last reference check", ["model"], registry=r)
+        self.reference_cosine_distance = Gauge(PREFIX + "reference_cosine_distance",
+                                               "Max cosine distance of the last reference check", ["model"], registry=r)
+        self.fallbacks = Counter(PREFIX + "fallbacks", "Switches of ops to the reference path",
+                                 ["model", "op", "reason"], registry=r)
+        self.batch_splits = Counter(PREFIX + "batch_splits", "Batches split in two after running out of device memory",
+                                    ["model"], registry=r)
+        self.backend_info = Gauge(PREFIX + "backend_info", "1 for the backend serving each op",
+                                  ["model", "op", "backend"], registry=r)
+        self.fused_enabled = Gauge(PREFIX + "fused_enabled", "1 when the fused path is on", ["model"], registry=r)
+        self.model_ready = Gauge(PREFIX + "model_ready", "1 while the model serves; 0 while it loads or after it "
+                                 "failed to load", ["model"], registry=r)
         self.device_memory = Gauge(PREFIX + "device_memory_bytes", "GPU memory held by the process (CUDA only)",
                                    ["kind"], registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        self._watched_devices: set[torch.device] = set()
+
+    def for_model(self, model: str) -> ModelMetrics:
+        return ModelMetrics(self, model)
+
+    def watch_device_memory(self, device: torch.device) -> None:
+        """Read CUDA allocator numbers at scrape time (nothing to report on the CPU). The models share the device:
+        these are the process's numbers, not a model's."""
+        if device.type != "cuda" or device in self._watched_devices:
+            return
+        self._watched_devices.add(device)
+        self.device_memory.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
+        self.device_memory.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
+
+    def watch_cuda_graphs(self, graphs: Callable[[], Iterable[tuple[str, dict]]]) -> None:
+        """Export each loaded model's CUDA-graph counters at scrape time: `graphs()` yields (model, stats) pairs,
+        stats empty for a model without graphs (the CPU, or graphs off), whose series then read 0, so dashboards
+        and alerts see them either way."""
+        self.registry.register(_GraphCollector(graphs))
+
+
+class _Labelled:
+    """A family with further labels, its `model` label filled in: `.labels(*the rest)`."""
+
+    __slots__ = ("family", "model")
+
+    def __init__(self, family, model: str) -> None:
+        self.family, self.model = family, model
+
+    def labels(self, *values: str):
+        return self.family.labels(self.model, *values)
+
+
+class ModelMetrics:
+    """One model's series: the attributes of Metrics that the batcher, the verifier and the model's service write,
+    with model=<name> filled in (a family without further labels is its child; one with more is `_Labelled`)."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.model = model
+        self.queue_duration = metrics.queue_duration.labels(model)
+        self.queue_depth = metrics.queue_depth.labels(model)
+        self.rejected = _Labelled(metrics.rejected, model)
+        self.batch_size = metrics.batch_size.labels(model)
+        self.batch_tokens = metrics.batch_tokens.labels(model)
+        self.batch_padding_ratio = metrics.batch_padding_ratio.labels(model)
+        self.kernel_duration = _Labelled(metrics.kernel_duration, model)
+        self.forward_duration = _Labelled(metrics.forward_duration, model)
+        self.reference_checks = _Labelled(metrics.reference_checks, model)
+        self.reference_max_abs_error = metrics.reference_max_abs_error.labels(model)
+        self.reference_cosine_distance = metrics.reference_cosine_distance.labels(model)
+        self.fallbacks = _Labelled(metrics.fallbacks, model)
+        self.batch_splits = metrics.batch_splits.labels(model)
+        self.fused_enabled = metrics.fused_enabled.labels(model)
+        self._backend_info = metrics.backend_info
+        self._backends: list[tuple[str, str]] = []
         for result in ("match", "mismatch", "error", "dropped"):
             self.reference_checks.labels(result)
         for reason in ("queue_full", "timeout", "cancelled", "draining"):
@@ -64,38 +128,31 @@ class Metrics:
         for op in KERNEL_OPS:
             self.fallbacks.labels(op, "verify_mismatch")
 
-    def watch_device_memory(self, device: torch.device) -> None:
-        """Read CUDA allocator numbers at scrape time (nothing to report on the CPU)."""
-        if device.type != "cuda":
-            return
-        self.device_memory.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
-        self.device_memory.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
-
-    def watch_cuda_graphs(self, graphs) -> None:
-        """Export a model.graphs.CudaGraphs' counters at scrape time (the embedder has none on the CPU or with
-        graphs off; the families then read 0, so dashboards and alerts see the series either way)."""
-        self.registry.register(_GraphCollector(graphs))
-
     def set_backends(self, choices: dict[str, str], fused: bool) -> None:
-        self.backend_info.clear()
-        for op, backend in choices.items():
-            self.backend_info.labels(op, backend).set(1)
+        """backend_info: 1 for each op's backend now; this model's earlier series go (other models' stay)."""
+        for op, backend in self._backends:
+            self._backend_info.remove(self.model, op, backend)
+        self._backends = list(choices.items())
+        for op, backend in self._backends:
+            self._backend_info.labels(self.model, op, backend).set(1)
         self.fused_enabled.set(1 if fused else 0)
 
 
 class _GraphCollector:
-    """fusedserve_cuda_graphs (held) and the capture / replay / eager-fallback counters of the CUDA-graph
+    """fusedserve_cuda_graphs (held) and the capture / replay / eager-fallback counters of each model's CUDA-graph
     runner; capture thrash (captures rising under steady traffic) is what to watch."""
 
-    def __init__(self, graphs) -> None:
+    def __init__(self, graphs: Callable[[], Iterable[tuple[str, dict]]]) -> None:
         self.graphs = graphs
 
     def collect(self):
-        stats = self.graphs.stats() if self.graphs is not None else {}
-        held = GaugeMetricFamily(PREFIX + "cuda_graphs", "CUDA graphs held (one per shape bucket)")
-        held.add_metric([], stats.get("graphs", 0))
-        pool = GaugeMetricFamily(PREFIX + "cuda_graph_pool_bytes", "Device memory the CUDA graphs hold")
-        pool.add_metric([], stats.get("pool_bytes", 0))
+        models = list(self.graphs())
+        held = GaugeMetricFamily(PREFIX + "cuda_graphs", "CUDA graphs held (one per shape bucket)", labels=["model"])
+        pool = GaugeMetricFamily(PREFIX + "cuda_graph_pool_bytes", "Device memory the CUDA graphs hold",
+                                 labels=["model"])
+        for model, stats in models:
+            held.add_metric([model], stats.get("graphs", 0))
+            pool.add_metric([model], stats.get("pool_bytes", 0))
         yield held
         yield pool
         for name, key, help_text in (
@@ -103,6 +160,7 @@ class _GraphCollector:
             ("cuda_graph_replays", "replays", "Batches served by replaying a CUDA graph"),
             ("cuda_graph_eager_fallbacks", "eager_fallbacks", "Batches outside every CUDA-graph bucket, run eagerly"),
         ):
-            family = CounterMetricFamily(PREFIX + name, help_text)
-            family.add_metric([], stats.get(key, 0))
+            family = CounterMetricFamily(PREFIX + name, help_text, labels=["model"])
+            for model, stats in models:
+                family.add_metric([model], stats.get(key, 0))
             yield family

@@ -36,6 +36,7 @@ def request_id(given: str | None) -> str:
 class RequestRecord:
     id: str
     started: float  # time.monotonic()
+    model: str = ""  # the model the request was routed to (Service.model), for its metrics and span
     tokenization_s: float | None = None
     queue_s: float | None = None
     inference_s: float | None = None

@@ -50,11 +50,13 @@ class Tracing:
                                       start_time=epoch_ns(start_s),
                                       attributes={"http.request.method": method, "url.path": path})
 
-    def end_request(self, span, route: str, status: int, request_id: str) -> None:
+    def end_request(self, span, route: str, status: int, request_id: str, model: str = "") -> None:
         span.update_name(f"{span.attributes.get('http.request.method', '')} {route}".strip())
         span.set_attribute("http.route", route)
         span.set_attribute("http.response.status_code", status)
         span.set_attribute("fusedserve.request_id", request_id)
+        if model:
+            span.set_attribute("fusedserve.model", model)
         if status >= 500:
             span.set_status(self._status(self._error))
         span.end()

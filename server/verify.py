@@ -17,19 +17,21 @@ import torch.nn.functional as F
 
 from model.runner import Embedder
 from server.config import Settings
-from server.metrics import Metrics
+from server.metrics import ModelMetrics
 
 log = logging.getLogger("fusedserve.verify")
 
 
 class Verifier:
-    def __init__(self, reference: Embedder, settings: Settings, metrics: Metrics,
+    def __init__(self, reference: Embedder, settings: Settings, metrics: ModelMetrics,
                  on_mismatch: Callable[[str], None]) -> None:
-        """reference: this thread's own model on the reference path (Embedder.reference_copy())."""
+        """reference: this thread's own model on the reference path (Embedder.reference_copy()); metrics: the
+        model's own series. One verifier per model."""
         self.settings, self.metrics, self.on_mismatch = settings, metrics, on_mismatch
         self.reference = reference
         self._queue: queue.Queue = queue.Queue(maxsize=settings.verify_queue)
-        self._thread = threading.Thread(target=self._run, name="fusedserve-verify", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"fusedserve-verify[{metrics.model}]",
+                                        daemon=True)
         self.checked = 0
 
     def start(self) -> None:

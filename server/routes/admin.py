@@ -1,14 +1,13 @@
 """Admin routes: only with `Authorization: Bearer <FUSEDSERVE_ADMIN_TOKEN>`, and absent (404) when no
-token is configured."""
+token is configured. POST /admin/fused switches one model's kernel path (`model`) or every model's."""
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header
-from pydantic import BaseModel, StrictBool
+from pydantic import BaseModel, Field, StrictBool
 
 from server.deps import ServiceDep
 from server.errors import NotFound, Unauthorized
@@ -30,12 +29,16 @@ Admin = Depends(require_admin)
 
 class FusedSwitch(BaseModel):
     enabled: StrictBool
+    model: str | None = Field(None, description="the model to switch; absent: every model")
 
 
 @router.post("/fused", dependencies=[Admin])
 async def set_fused(body: FusedSwitch, service: ServiceDep) -> dict:
-    service.check_ready()
-    state = await asyncio.to_thread(service.set_fused, body.enabled)
+    """Each model switched reports its path; the top level repeats the first one's (a one-model server's answer)."""
+    switched = await service.set_fused(body.enabled, body.model)
     # auto attention follows the switch (the few-token layer only while its ops are fused)
-    return {"fused": state["fused"], "attention": state["attention"], "attention_reason": state["attention_reason"],
-            "kernels": state["kernels"]}
+    states = {m.name: {"fused": state["fused"], "attention": state["attention"],
+                       "attention_reason": state["attention_reason"], "kernels": state["kernels"]}
+              for m, state in switched}
+    first = next(iter(states))
+    return {"model": first, **states[first], "models": states}

@@ -13,6 +13,7 @@ from server.responses import EmbeddingResponse, LeanRoute
 router = APIRouter(tags=["inference"], route_class=LeanRoute)
 
 Encoding = Literal["float", "base64", "int8", "uint8", "binary", "ubinary"]
+MODEL_HELP = "which of the server's models (GET /v1/models); absent: the first embedding model"
 ENCODING_HELP = ("output type: `float`; `base64` (each row's float32 bytes, little-endian); `int8` / `uint8` "
                  "(per-dimension calibrated ranges); `binary` / `ubinary` (sign bits packed 8 to a byte, as int8 / "
                  "uint8); sentence-transformers' quantize_embeddings semantics")
@@ -26,6 +27,7 @@ class InferRequest(BaseModel):
     encoding_format: Encoding = Field("float", description=ENCODING_HELP)
     prompt_name: str | None = Field(None, description="one of the model's prompts (sentence-transformers' prompts), "
                                     "put before each input; absent: the model's default prompt, if it has one")
+    model: str | None = Field(None, description=MODEL_HELP)
 
 
 class Usage(BaseModel):
@@ -41,10 +43,11 @@ class InferResponse(BaseModel):
 
 @router.post("/infer", response_model=InferResponse)
 async def infer(body: InferRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
+    model = service.model(body.model, "embedding")
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    result = await service.embed_texts(texts, normalize=body.normalize, truncate=body.truncate, request=request,
-                                       prompt_name=body.prompt_name)
+    result = await model.embed_texts(texts, normalize=body.normalize, truncate=body.truncate, request=request,
+                                     prompt_name=body.prompt_name)
     embeddings = result.embeddings if body.encoding_format == "float" else \
-        await service.output(result.embeddings, body.encoding_format, normalize=body.normalize)
-    return EmbeddingResponse({"embeddings": embeddings, "model": service.model_name,
-                              "dim": service.dim, "usage": {"tokens": result.tokens}})
+        await model.output(result.embeddings, body.encoding_format, normalize=body.normalize)
+    return EmbeddingResponse({"embeddings": embeddings, "model": model.name,
+                              "dim": model.dim, "usage": {"tokens": result.tokens}})

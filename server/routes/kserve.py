@@ -1,5 +1,6 @@
 """KServe v2 / Open Inference Protocol, as tritonclient speaks it: server metadata, health, model metadata,
-readiness, config and statistics, and infer with a BYTES input of texts returning an FP32 [n, dim] output.
+readiness, config and statistics, and infer with a BYTES input of texts returning an FP32 [n, dim] output. Each of
+the server's models is /v2/models/{its name}; infer and config serve embedding models.
 
 The binary tensor data extension works both ways: a request whose `Inference-Header-Content-Length` header says
 where its JSON ends carries each binary input's bytes after it (`parameters.binary_data_size`; BYTES elements as a
@@ -22,7 +23,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from server.deps import ServiceDep
-from server.errors import BadRequest, NotFound, PayloadTooLarge, Unprocessable
+from server.errors import BadRequest, PayloadTooLarge, Unprocessable
 from server.responses import EmbeddingResponse, OrjsonRoute
 from server.service import VERSION
 
@@ -55,7 +56,7 @@ class InferenceRequest(BaseModel):
 
 @dataclass
 class Stats:
-    """Per-server counters for GET /v2/models/{name}/stats (Triton's statistics extension, the parts that apply)."""
+    """Per-model counters for GET /v2/models/{name}/stats (Triton's statistics extension, the parts that apply)."""
 
     success: int = 0
     success_ns: int = 0
@@ -65,17 +66,11 @@ class Stats:
     last_ms: int = 0
 
 
-def _stats(service) -> Stats:
-    stats = getattr(service, "kserve_stats", None)
+def _stats(model) -> Stats:
+    stats = getattr(model, "kserve_stats", None)
     if stats is None:
-        stats = service.kserve_stats = Stats()
+        stats = model.kserve_stats = Stats()
     return stats
-
-
-def _model(service, name: str) -> None:
-    service.check_ready()
-    if name != service.model_name:
-        raise NotFound(f"model {name!r} is not served here; this server serves {service.model_name!r}")
 
 
 @router.get("")
@@ -97,33 +92,38 @@ async def ready(service: ServiceDep) -> dict:
 
 @router.get("/models/{name}")
 async def metadata(name: str, service: ServiceDep) -> dict:
-    _model(service, name)
+    """A model's metadata: an embedding model's BYTES input `text` and FP32 output `embedding` [n, dim]. A
+    classifier is served on /rerank, /v1/rerank and /predict, not here: its metadata names no tensors."""
+    model = service.model(name)
+    if model.kind != "embedding":
+        return {"name": model.name, "versions": ["1"], "platform": "pytorch", "inputs": [], "outputs": [],
+                "parameters": {"kind": model.kind, "routes": "/rerank, /v1/rerank, /predict"}}
     return {
-        "name": service.model_name, "versions": ["1"], "platform": "pytorch",
+        "name": model.name, "versions": ["1"], "platform": "pytorch",
         "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
-        "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [-1, service.dim]}],
+        "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [-1, model.dim]}],
     }
 
 
 @router.get("/models/{name}/ready")
 async def model_ready(name: str, service: ServiceDep) -> dict:
-    _model(service, name)
-    return {"name": name, "ready": True}
+    model = service.model(name)
+    return {"name": model.name, "ready": True}
 
 
 @router.get("/models/{name}/config")
 async def model_config(name: str, service: ServiceDep) -> dict:
-    """The model configuration in Triton's form."""
-    _model(service, name)
+    """The model configuration in Triton's form (an embedding model's)."""
+    model = service.model(name, "embedding")
     s = service.settings
     return {
-        "name": service.model_name, "platform": "pytorch", "backend": "fusedserve", "version_policy": {"latest": {
+        "name": model.name, "platform": "pytorch", "backend": "fusedserve", "version_policy": {"latest": {
             "num_versions": 1}}, "max_batch_size": s.max_client_batch,
         "input": [{"name": INPUT_NAME, "data_type": "TYPE_STRING", "dims": [-1]}],
-        "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [-1, service.dim]}],
+        "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [-1, model.dim]}],
         "dynamic_batching": {"max_queue_delay_microseconds": int(s.max_wait_ms * 1000),
                              "preferred_batch_size": [s.max_batch_requests]},
-        "parameters": {"max_seq_length": {"string_value": str(service.embedder.config.max_seq_length)},
+        "parameters": {"max_seq_length": {"string_value": str(model.embedder.config.max_seq_length)},
                        "normalize": {"string_value": "true"}},
     }
 
@@ -131,11 +131,11 @@ async def model_config(name: str, service: ServiceDep) -> dict:
 @router.get("/models/{name}/stats")
 async def model_stats(name: str, service: ServiceDep) -> dict:
     """Inference statistics in Triton's form: successes and failures of POST .../infer with their total time."""
-    _model(service, name)
-    st = _stats(service)
+    model = service.model(name)
+    st = _stats(model)
     zero = {"count": 0, "ns": 0}
     return {"model_stats": [{
-        "name": service.model_name, "version": "1", "last_inference": st.last_ms, "inference_count": st.inferences,
+        "name": model.name, "version": "1", "last_inference": st.last_ms, "inference_count": st.inferences,
         "execution_count": st.success, "inference_stats": {
             "success": {"count": st.success, "ns": st.success_ns}, "fail": {"count": st.fail, "ns": st.fail_ns},
             "queue": zero, "compute_input": zero, "compute_infer": zero, "compute_output": zero},
@@ -248,8 +248,8 @@ async def infer(name: str, service: ServiceDep, request: Request) -> Response:
     # Parsed by hand: Open Inference Protocol clients do not all send a JSON content type, and the binary
     # extension's bodies are JSON followed by raw bytes.
     started = time.perf_counter_ns()
-    _model(service, name)
-    stats = _stats(service)
+    model = service.model(name, "embedding")
+    stats = _stats(model)
     try:
         raw = _decompress(await request.body(), request.headers.get("content-encoding"),
                           service.settings.max_body_bytes)
@@ -260,7 +260,7 @@ async def infer(name: str, service: ServiceDep, request: Request) -> Response:
         binary = _flag(body.parameters, "binary_data_output", False)
         for output in body.outputs or ():
             binary = _flag(output.parameters, "binary_data", binary)
-        result = await service.embed_texts(texts, normalize=normalize, truncate=True, request=request)
+        result = await model.embed_texts(texts, normalize=normalize, truncate=True, request=request)
     except Exception:
         stats.fail += 1
         stats.fail_ns += time.perf_counter_ns() - started
@@ -269,8 +269,8 @@ async def infer(name: str, service: ServiceDep, request: Request) -> Response:
     stats.inferences += len(texts)
     stats.success_ns += time.perf_counter_ns() - started
     stats.last_ms = int(time.time() * 1000)
-    output: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(texts), service.dim]}
-    response: dict[str, Any] = {"model_name": service.model_name, "model_version": "1", "outputs": [output]}
+    output: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(texts), model.dim]}
+    response: dict[str, Any] = {"model_name": model.name, "model_version": "1", "outputs": [output]}
     if body.id is not None:
         response["id"] = body.id
     if not binary:

@@ -1,6 +1,7 @@
 """OpenAI-compatible embeddings and models: POST /v1/embeddings (texts or token ids; `encoding_format` float, base64 or
-a quantized type; `dimensions`; `truncate` as on /infer), GET /v1/models and GET /v1/models/{model_id}. Errors on
-/v1/* come in OpenAI's shape (server.errors)."""
+a quantized type; `dimensions`; `truncate` as on /infer; `model` picks one of the server's models), GET /v1/models
+(every model that loaded) and GET /v1/models/{model_id}. Errors on /v1/* come in OpenAI's shape (server.errors); an unknown
+model is a 404 with code model_not_found, as OpenAI answers it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, StrictBool
 
 from server.deps import ServiceDep
-from server.errors import NotFound
 from server.responses import EmbeddingResponse, LeanRoute
 from server.routes.infer import ENCODING_HELP, Encoding
 
@@ -20,7 +20,8 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 class EmbeddingsRequest(BaseModel):
     input: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="a text, texts, one input's token ids, or several inputs' token ids")
-    model: str | None = Field(None, description="the served model's id (GET /v1/models); empty or absent: that one")
+    model: str | None = Field(None, description="one of the served models' ids (GET /v1/models); empty or absent: the "
+                              "first embedding model")
     encoding_format: Encoding = Field("float", description=ENCODING_HELP)
     dimensions: int | None = Field(None, description="keep the first N dimensions (renormalized)")
     truncate: StrictBool = Field(True, description="cut inputs at max_seq_length tokens; false makes an over-long "
@@ -60,35 +61,27 @@ class ModelList(BaseModel):
     data: list[Model]
 
 
-def _check_model(service, name: str | None) -> None:
-    if name not in (None, "", service.model_name):
-        raise NotFound(f"model {name!r} is not served here; this server serves {service.model_name!r}",
-                       param="model", code="model_not_found")
-
-
-def _model(service) -> dict:
-    return {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "fusedserve"}
+def _model(model, created: int) -> dict:
+    return {"id": model.name, "object": "model", "created": created, "owned_by": "fusedserve"}
 
 
 async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
-    service.check_ready()
-    _check_model(service, body.model)
-    service.check_dimensions(body.dimensions)
+    model = service.model(body.model, "embedding")
+    model.check_dimensions(body.dimensions)
     data = body.input
     if isinstance(data, str):
-        result = await service.embed_texts([data], normalize=True, truncate=body.truncate, request=request,
-                                           prompt_name=body.prompt_name)
+        result = await model.embed_texts([data], normalize=True, truncate=body.truncate, request=request,
+                                         prompt_name=body.prompt_name)
     elif data and all(isinstance(x, int) for x in data):
-        result = await service.embed_ids(service.validate_ids([data], body.truncate), normalize=True,
-                                         request=request)
+        result = await model.embed_ids(model.validate_ids([data], body.truncate), normalize=True, request=request)
     elif data and all(isinstance(x, list) for x in data):
-        result = await service.embed_ids(service.validate_ids(data, body.truncate), normalize=True, request=request)
+        result = await model.embed_ids(model.validate_ids(data, body.truncate), normalize=True, request=request)
     else:
-        result = await service.embed_texts(list(data), normalize=True, truncate=body.truncate, request=request,
-                                           prompt_name=body.prompt_name)
-    rows = await service.output(result.embeddings, body.encoding_format, normalize=True, dimensions=body.dimensions)
+        result = await model.embed_texts(list(data), normalize=True, truncate=body.truncate, request=request,
+                                         prompt_name=body.prompt_name)
+    rows = await model.output(result.embeddings, body.encoding_format, normalize=True, dimensions=body.dimensions)
     items = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
-    return EmbeddingResponse({"object": "list", "data": items, "model": service.model_name,
+    return EmbeddingResponse({"object": "list", "data": items, "model": model.name,
                               "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}})
 
 
@@ -99,14 +92,11 @@ router.add_api_route("/embeddings", embeddings, methods=["POST"], response_model
 
 @router.get("/models", response_model=ModelList)
 async def models(service: ServiceDep) -> dict:
+    """Every model the server serves (one that failed to load under model_load_failure=skip is left out)."""
     service.check_ready()
-    return {"object": "list", "data": [_model(service)]}
+    return {"object": "list", "data": [_model(m, service.created) for m in service.serving]}
 
 
 @router.get("/models/{model_id:path}", response_model=Model)
 async def model(model_id: str, service: ServiceDep) -> dict:
-    service.check_ready()
-    if model_id != service.model_name:
-        raise NotFound(f"model {model_id!r} is not served here; this server serves {service.model_name!r}",
-                       param="model", code="model_not_found")
-    return _model(service)
+    return _model(service.model(model_id), service.created)

@@ -1,7 +1,8 @@
 """Classifier routes: text-embeddings-inference's `POST /rerank` and `POST /predict`, and the Cohere/Jina-style
 `POST /v1/rerank`. Pairs are tokenized as pairs (the model's template, token types, longest_first truncation),
 exactly as sentence-transformers' CrossEncoder does; scores go through the model's activation (sigmoid for one
-label, softmax otherwise, or what its config names) unless `raw_scores` asks for the logits."""
+label, softmax otherwise, or what its config names) unless `raw_scores` asks for the logits. TEI's routes have no
+model field: they go to the server's first classifier; `/v1/rerank` takes a `model` (absent: that same one)."""
 
 from __future__ import annotations
 
@@ -13,24 +14,27 @@ from pydantic import BaseModel, Field, StrictBool
 from model.modules import activate
 from model.tokenizer import InputTooLong
 from server.deps import ServiceDep
-from server.errors import NotFound, PayloadTooLarge, Unprocessable
+from server.errors import PayloadTooLarge, Unprocessable
+from server.model_service import ModelService
 from server.service import Service
 
 router = APIRouter(tags=["classification"])
 
-def _classifier(service: Service, route: str, *, rerank: bool) -> None:
-    service.check_ready()
-    service.check_kind("classifier")
-    e = service.embedder
+
+def _classifier(service: Service, route: str, *, rerank: bool, name: str | None = None) -> ModelService:
+    """The classifier the request names, or the server's first; a re-rank needs one with one output label."""
+    model = service.model(name, "classifier")
+    e = model.embedder
     if rerank and len(e.classifier.labels) != 1:
-        raise Unprocessable(f"{route} needs a re-ranker (one output label); {service.model_name} has "
+        raise Unprocessable(f"{route} needs a re-ranker (one output label); {model.name} has "
                             f"{len(e.classifier.labels)} labels ({', '.join(e.classifier.labels)}): use /predict")
+    return model
 
 
-async def _scores(service: Service, pairs: list[tuple[str, str]] | list[str], truncate: bool, raw: bool,
+async def _scores(model: ModelService, pairs: list[tuple[str, str]] | list[str], truncate: bool, raw: bool,
                   request: Request) -> np.ndarray:
-    service.check_count(len(pairs))
-    e = service.embedder
+    model.check_count(len(pairs))
+    e = model.embedder
     try:
         if pairs and not isinstance(pairs[0], str):
             ids = e.tokenize_pairs(pairs, truncate)
@@ -38,7 +42,7 @@ async def _scores(service: Service, pairs: list[tuple[str, str]] | list[str], tr
             ids = e.tokenizer.encode(list(pairs), truncate=truncate)
     except InputTooLong as exc:
         raise PayloadTooLarge(str(exc)) from None
-    logits = (await service.embed_ids(ids, normalize=False, request=request, kind="classifier")).embeddings
+    logits = (await model.embed_ids(ids, normalize=False, request=request, kind="classifier")).embeddings
     if raw:
         return logits
     return activate(torch.from_numpy(np.ascontiguousarray(logits)), e.classifier.activation).numpy()
@@ -58,8 +62,8 @@ class RerankRequest(BaseModel):
 @router.post("/rerank")
 async def rerank(body: RerankRequest, service: ServiceDep, request: Request) -> list[dict]:
     """text-embeddings-inference's re-rank: each text scored against the query, best first."""
-    _classifier(service, "/rerank", rerank=True)
-    scores = await _scores(service, [(body.query, t) for t in body.texts], body.truncate, body.raw_scores, request)
+    model = _classifier(service, "/rerank", rerank=True)
+    scores = await _scores(model, [(body.query, t) for t in body.texts], body.truncate, body.raw_scores, request)
     order = np.argsort(-scores[:, 0], kind="stable")
     return [{"index": int(i), "score": float(scores[i, 0]), **({"text": body.texts[i]} if body.return_text else {})}
             for i in order]
@@ -70,7 +74,7 @@ class Document(BaseModel):
 
 
 class CohereRerankRequest(BaseModel):
-    model: str | None = None
+    model: str | None = Field(None, description="one of the server's classifiers; absent: the first")
     query: str
     documents: list[str | Document] = Field(..., min_length=1)
     top_n: int | None = Field(None, ge=1)
@@ -81,14 +85,11 @@ class CohereRerankRequest(BaseModel):
 @router.post("/v1/rerank")
 async def cohere_rerank(body: CohereRerankRequest, service: ServiceDep, request: Request) -> dict:
     """Cohere / Jina-style re-rank: `results` best first, `relevance_score` in [0, 1] (the model's activation)."""
-    _classifier(service, "/v1/rerank", rerank=True)
-    if body.model not in (None, "", service.model_name):
-        raise NotFound(f"model {body.model!r} is not served here; this server serves {service.model_name!r}",
-                       param="model", code="model_not_found")
+    model = _classifier(service, "/v1/rerank", rerank=True, name=body.model)
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
-    scores = await _scores(service, [(body.query, t) for t in texts], body.truncate, False, request)
+    scores = await _scores(model, [(body.query, t) for t in texts], body.truncate, False, request)
     order = np.argsort(-scores[:, 0], kind="stable")[: body.top_n]
-    return {"model": service.model_name,
+    return {"model": model.name,
             "results": [{"index": int(i), "relevance_score": float(scores[i, 0]),
                          **({"document": {"text": texts[i]}} if body.return_documents else {})} for i in order],
             "usage": {"total_tokens": None}}
@@ -122,9 +123,9 @@ def _as_inputs(value) -> tuple[list, bool]:
 @router.post("/predict")
 async def predict(body: PredictRequest, service: ServiceDep, request: Request) -> list:
     """text-embeddings-inference's classify: per input, every label with its score, best first."""
-    _classifier(service, "/predict", rerank=False)
+    model = _classifier(service, "/predict", rerank=False)
     batch, single = _as_inputs(body.inputs)
-    scores = await _scores(service, batch, body.truncate, body.raw_scores, request)
-    labels = service.embedder.classifier.labels
+    scores = await _scores(model, batch, body.truncate, body.raw_scores, request)
+    labels = model.embedder.classifier.labels
     rows = [[{"label": labels[j], "score": float(row[j])} for j in np.argsort(-row, kind="stable")] for row in scores]
     return rows[0] if single else rows

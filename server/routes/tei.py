@@ -1,7 +1,9 @@
 """text-embeddings-inference's API, with its request and response shapes: POST /embed, /embed_all, /similarity,
 /tokenize, /decode, GET /health, and POST / (which, as on a TEI server serving an embedding model, embeds; it also
 answers TEI's sentence-similarity shape, the one huggingface_hub's InferenceClient.sentence_similarity sends).
-Errors come in TEI's shape, `{"error", "error_type"}` (server.errors)."""
+Errors come in TEI's shape, `{"error", "error_type"}` (server.errors). TEI serves one model and its requests name
+none: on a server of several, the embedding routes go to the first embedding model, /tokenize and /decode to the
+first model."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from pydantic import BaseModel, Field, RootModel, StrictBool
 
 from server.deps import ServiceDep
 from server.errors import Unprocessable
+from server.model_service import INLINE_TOKENIZE_CHARS, ModelService
 from server.responses import EmbeddingResponse, LeanRoute
 from server.routes.infer import ENCODING_HELP, Encoding
-from server.service import INLINE_TOKENIZE_CHARS
 
 router = APIRouter(tags=["text-embeddings-inference"], route_class=LeanRoute)
 
@@ -102,19 +104,19 @@ def _direction(value: str) -> str:
     return value.lower()
 
 
-async def _token_ids(service, items: list[str | list[int]], *, truncate: bool, direction: str,
+async def _token_ids(model: ModelService, items: list[str | list[int]], *, truncate: bool, direction: str,
                      prompt_name: str | None) -> list[list[int]]:
     """Texts tokenized (with the prompt), token-id inputs validated; both cut to max_seq_length, in input order."""
-    service.check_ready()
-    service.check_count(len(items))
+    model.check_ready()
+    model.check_count(len(items))
     texts = [x for x in items if isinstance(x, str)]
     if prompt_name is not None and len(texts) < len(items):
         raise Unprocessable("prompt_name applies to texts, not to token-id inputs", param="prompt_name")
-    texts = service.apply_prompt(texts, prompt_name)
+    texts = model.apply_prompt(texts, prompt_name)
     if len(texts) == len(items):
-        return await service.tokenize(texts, truncate=truncate, direction=direction)
-    tokenized = iter(await service.tokenize(texts, truncate=truncate, direction=direction) if texts else [])
-    given = iter(service.validate_ids([x for x in items if not isinstance(x, str)], truncate, direction))
+        return await model.tokenize(texts, truncate=truncate, direction=direction)
+    tokenized = iter(await model.tokenize(texts, truncate=truncate, direction=direction) if texts else [])
+    given = iter(model.validate_ids([x for x in items if not isinstance(x, str)], truncate, direction))
     return [next(tokenized) if isinstance(x, str) else next(given) for x in items]
 
 
@@ -123,22 +125,23 @@ def _truncate(value: bool | None) -> bool:
 
 
 async def _embed(body: EmbedRequest, service, request: Request) -> EmbeddingResponse:
-    service.check_ready()
-    service.check_dimensions(body.dimensions)
-    ids = await _token_ids(service, _items(body.inputs), truncate=_truncate(body.truncate),
+    model = service.model(None, "embedding")
+    model.check_dimensions(body.dimensions)
+    ids = await _token_ids(model, _items(body.inputs), truncate=_truncate(body.truncate),
                            direction=_direction(body.truncation_direction), prompt_name=body.prompt_name)
-    result = await service.embed_ids(ids, normalize=body.normalize, request=request)
-    rows = await service.output(result.embeddings, body.encoding_format, normalize=body.normalize,
+    result = await model.embed_ids(ids, normalize=body.normalize, request=request)
+    rows = await model.output(result.embeddings, body.encoding_format, normalize=body.normalize,
                                 dimensions=body.dimensions)
     return EmbeddingResponse(rows)
 
 
 async def _similarity(body: SimilarityRequest, service, request: Request) -> EmbeddingResponse:
+    model = service.model(None, "embedding")
     params = body.parameters or SimilarityParameters()
     texts = [body.inputs.source_sentence, *body.inputs.sentences]
-    ids = await _token_ids(service, texts, truncate=_truncate(params.truncate),
+    ids = await _token_ids(model, texts, truncate=_truncate(params.truncate),
                            direction=_direction(params.truncation_direction), prompt_name=params.prompt_name)
-    result = await service.embed_ids(ids, normalize=True, request=request)
+    result = await model.embed_ids(ids, normalize=True, request=request)
     source, others = result.embeddings[0], result.embeddings[1:]
     return EmbeddingResponse(others @ source)  # cosine similarity of unit vectors
 
@@ -167,9 +170,10 @@ async def similarity(body: SimilarityRequest, service: ServiceDep, request: Requ
 @router.post("/embed_all", response_model=list[list[list[float]]])
 async def embed_all(body: EmbedAllRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     """Per-token hidden states of each input, special tokens included: `[[[float]]]` (inputs x tokens x dim)."""
-    ids = await _token_ids(service, _items(body.inputs), truncate=_truncate(body.truncate),
+    model = service.model(None, "embedding")
+    ids = await _token_ids(model, _items(body.inputs), truncate=_truncate(body.truncate),
                            direction=_direction(body.truncation_direction), prompt_name=body.prompt_name)
-    return EmbeddingResponse(await service.embed_tokens(ids))
+    return EmbeddingResponse(await model.embed_tokens(ids))
 
 
 def _byte_offsets(text: str):
@@ -202,14 +206,14 @@ def _tokens(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[
 async def tokenize(body: TokenizeRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     """Each text's tokens: `id`, `text` (the input's text it covers; the token itself for special tokens),
     `special`, and `start` / `stop` (UTF-8 byte offsets in the input, null for special tokens)."""
-    service.check_ready()
+    model = service.model()
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    service.check_count(len(texts))
-    texts = service.apply_prompt(texts, body.prompt_name)
-    pipeline = service.embedder.pipeline
+    model.check_count(len(texts))
+    texts = model.apply_prompt(texts, body.prompt_name)
+    pipeline = model.embedder.pipeline
     if pipeline is not None and pipeline.do_lower_case:  # the ids /embed runs (offsets then index the lower-cased text)
         texts = [t.lower() for t in texts]
-    tokenizer = service.embedder.tokenizer
+    tokenizer = model.embedder.tokenizer
     if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
         return EmbeddingResponse(_tokens(tokenizer, texts, body.add_special_tokens))
     return EmbeddingResponse(await asyncio.to_thread(_tokens, tokenizer, texts, body.add_special_tokens))
@@ -218,10 +222,10 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep, request: Request)
 @router.post("/decode", response_model=list[str])
 async def decode(body: DecodeRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     """The text of each token-id list."""
-    service.check_ready()
+    model = service.model()
     rows = [body.ids] if body.ids and all(isinstance(x, int) for x in body.ids) else body.ids
-    service.check_count(len(rows))
-    tokenizer = service.embedder.tokenizer.untruncated
+    model.check_count(len(rows))
+    tokenizer = model.embedder.tokenizer.untruncated
     vocab = tokenizer.get_vocab_size()
     for i, row in enumerate(rows):
         if row and (min(row) < 0 or max(row) >= vocab):

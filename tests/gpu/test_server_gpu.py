@@ -23,11 +23,13 @@ pytestmark = pytest.mark.gpu
 GPU_READY_S = 480
 
 
-MATCHES = 'fusedserve_reference_checks_total{result="match"}'
+MATCHES = "fusedserve_reference_checks_total", 'result="match"'
 
 
-def _counted(metrics: str, series: str) -> bool:
-    return any(line.startswith(series + " ") and not line.endswith(" 0.0") for line in metrics.splitlines())
+def _counted(metrics: str, series: tuple[str, str]) -> bool:
+    name, label = series
+    return any(line.startswith(name + "{") and label in line and not line.endswith(" 0.0")
+               for line in metrics.splitlines())
 
 
 def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
@@ -64,8 +66,8 @@ def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
     checks = [line for line in metrics.splitlines() if line.startswith("fusedserve_reference_checks_total")]
     assert any('result="match"' in line and not line.endswith(" 0.0") for line in checks), checks
     assert not any('result="mismatch"' in line and not line.endswith(" 0.0") for line in checks), checks
-    graph_lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
-                   if line.startswith("fusedserve_cuda_graph")}
+    graph_lines = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("fusedserve_cuda_graph")}  # one model: one series each
     assert graph_lines["fusedserve_cuda_graph_captures_total"] >= 1  # the warm-up batch at least
     assert graph_lines["fusedserve_cuda_graph_pool_bytes"] > 0
     memory = [line for line in metrics.splitlines() if line.startswith("fusedserve_device_memory_bytes")]

@@ -39,7 +39,7 @@ def test_200_clients_mixed_lengths_with_cancellations(make_server):
     assert rss_after - rss_before < 300 * 2**20
     # the server is healthy and idle afterwards
     metrics = httpx.get(server.url + "/metrics").text
-    assert "fusedserve_queue_depth 0.0" in metrics
+    assert 'fusedserve_queue_depth{model="all-MiniLM-L6-v2"} 0.0' in metrics
 
 
 def test_overload_answers_429_then_recovers(make_server):
@@ -60,4 +60,4 @@ def test_overload_answers_429_then_recovers(make_server):
     assert all(r.headers["retry-after"] == "1" for r in responses if r.status_code == 429)
     # recovers once the flood is over: answered, and nothing left waiting
     assert httpx.post(server.url + "/infer", json={"inputs": ["calm again"]}, timeout=30).status_code == 200
-    assert "fusedserve_queue_depth 0.0" in httpx.get(server.url + "/metrics").text
+    assert 'fusedserve_queue_depth{model="all-MiniLM-L6-v2"} 0.0' in httpx.get(server.url + "/metrics").text

@@ -23,7 +23,8 @@ def loop():
 
 def _batcher(layout: str, max_batch_tokens: int) -> Batcher:
     embedder, _ = Embedder.load("tiny", device="cpu", layout=layout)
-    return Batcher(embedder, Settings(max_batch_tokens=max_batch_tokens, max_batch_requests=64), Metrics())
+    return Batcher(embedder, Settings(max_batch_tokens=max_batch_tokens, max_batch_requests=64),
+                   Metrics().for_model("tiny"))
 
 
 def _queue(batcher: Batcher, loop, lengths: list[int]) -> list[Item]:

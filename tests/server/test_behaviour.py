@@ -35,11 +35,12 @@ def metric(server, name: str, **labels) -> float:
 
 
 def _value(text: str, name: str, **labels) -> float:
+    """The series of `name` with exactly these labels, besides the `model` label (these servers serve one model)."""
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in text.splitlines():
         m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
         if m and m.group(1) == name:
-            got = ",".join(sorted((m.group(2) or "").split(","))) if m.group(2) else ""
+            got = ",".join(sorted(p for p in (m.group(2) or "").split(",") if p and not p.startswith("model=")))
             if got == want:
                 return float(m.group(3))
     raise KeyError(f"{name}{{{want}}} not in /metrics")

@@ -1,5 +1,7 @@
 """Settings: a setting removed in this release starts with a warning naming it (from the environment or the
-config file), for one release; anything else unknown still fails at start naming it."""
+config file), for one release; anything else unknown still fails at start naming it. Several models: `models` from
+the environment (`name=path,...`) or a file (a mapping, with per-model settings), in order; bad values fail naming
+the setting."""
 
 from __future__ import annotations
 
@@ -32,3 +34,46 @@ def test_an_unknown_setting_in_the_file_still_fails_naming_it(monkeypatch, tmp_p
     monkeypatch.setenv("FUSEDSERVE_CONFIG", str(config))
     with pytest.raises(ValidationError, match="max_wait_msec"):
         Settings()
+
+
+def test_models_from_the_environment_and_from_a_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSEDSERVE_MODELS", "minilm=default, reranker=/models/ce")
+    settings = Settings()
+    assert [(name, spec.path) for name, spec in settings.served_models()] == [("minilm", "default"),
+                                                                              ("reranker", "/models/ce")]
+    monkeypatch.delenv("FUSEDSERVE_MODELS")
+    config = tmp_path / "fusedserve.yaml"
+    config.write_text("models:\n  e5: {path: /models/e5, max_seq_length: 512, pooling: cls}\n  minilm: default\n"
+                      "model_load_failure: skip\npooling: mean\n")
+    monkeypatch.setenv("FUSEDSERVE_CONFIG", str(config))
+    settings = Settings()
+    (first, e5), (second, minilm) = settings.served_models()  # in the file's order: the first is the default
+    assert (first, e5.path, e5.max_seq_length, e5.pooling) == ("e5", "/models/e5", 512, "cls")
+    assert (second, minilm.path, minilm.pooling) == ("minilm", "default", None)  # the server-wide pooling applies
+    assert settings.model_load_failure == "skip"
+
+
+def test_one_model_when_models_is_empty():
+    assert [(name, spec.path) for name, spec in Settings().served_models()] == [(None, "default")]
+    assert [(name, spec.path) for name, spec in Settings(model="tiny", model_name="t").served_models()] == \
+        [("t", "tiny")]
+
+
+@pytest.mark.parametrize("value,error", [
+    ("minilm", "expected name=path pairs"),
+    ("a=x,a=y", "model name 'a' given twice"),
+    ("org/model=x", "model name 'org/model'"),
+    ("=x", "expected name=path pairs"),
+])
+def test_bad_models_fail_naming_the_setting(value, error):
+    with pytest.raises(ValidationError, match="models") as failure:
+        Settings(models=value)
+    assert error in str(failure.value)
+
+
+def test_models_and_model_are_not_set_together(monkeypatch):
+    monkeypatch.setenv("FUSEDSERVE_MODEL", "tiny")
+    with pytest.raises(ValidationError, match="set either models"):
+        Settings(models="a=default")
+    with pytest.raises(ValidationError, match="model_load_failure"):
+        Settings(model_load_failure="ignore")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from server.config import Settings
+from server.model_service import ModelService
 from server.service import Service
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -26,7 +27,8 @@ def _serve(settings: Settings) -> Service:
     return service
 
 
-def _embed(service: Service, rows: list[list[int]]):
+def _embed(service: Service | ModelService, rows: list[list[int]]):
+    service = service.default if isinstance(service, Service) else service
     async def run():
         job = service.batcher.submit(rows, True, 60)
         return await job.future
@@ -37,6 +39,7 @@ def _embed(service: Service, rows: list[list[int]]):
 def _fall_back_by_verifier(service: Service, op: str = "linear_add_layer_norm") -> None:
     """Make the served path drift (one op's output tilted, as tests.support.server's faults do), send a batch, and
     wait for the verifier to see the mismatch and fall back."""
+    service = service.default
     e = service.embedder
     original = e.selection.impls[op]
 

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import require_tool
 from tests.server.conftest import free_port
@@ -33,19 +34,24 @@ def busy_server(tmp_path_factory):
                           timeout=60).status_code == 200
     httpx.post(server.url + "/infer", json={"inputs": []})
     deadline = time.monotonic() + 20  # the verifier runs in the background
-    while "fusedserve_reference_checks_total{result=\"match\"} 0.0" in httpx.get(server.url + "/metrics").text:
+    while 'fusedserve_reference_checks_total{model="all-MiniLM-L6-v2",result="match"} 0.0' in \
+            httpx.get(server.url + "/metrics").text:
         assert time.monotonic() < deadline
         time.sleep(0.1)
     yield server
     server.stop()
 
 
+MODEL = "all-MiniLM-L6-v2"
+
+
 def _samples(text: str) -> dict[str, float]:
+    """Each sample by its name and labels as the exposition writes them, labels sorted: name{a="1",b="2"}."""
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
 
 
@@ -54,26 +60,33 @@ def test_every_family_with_sensible_values(busy_server):
     for family in FAMILIES:
         assert f"# TYPE {family.removesuffix('_total')} " in text or f"# TYPE {family} " in text, family
     s = _samples(text)
-    assert s['fusedserve_requests_total{route="/infer",status="200"}'] == 5
-    assert s['fusedserve_requests_total{route="/infer",status="400"}'] == 1
-    assert s["fusedserve_batch_size_count"] >= 1 and s["fusedserve_batch_size_sum"] == 10
-    assert 0 < s["fusedserve_batch_padding_ratio_sum"] < s["fusedserve_batch_padding_ratio_count"]
-    assert s['fusedserve_forward_duration_seconds_count{path="reference"}'] == s["fusedserve_batch_size_count"]
+    m = f'model="{MODEL}"'
+    assert s[f'fusedserve_requests_total{{{m},route="/infer",status="200"}}'] == 5
+    assert s[f'fusedserve_requests_total{{{m},route="/infer",status="400"}}'] == 1  # no inputs, to the model
+    assert s[f"fusedserve_batch_size_count{{{m}}}"] >= 1 and s[f"fusedserve_batch_size_sum{{{m}}}"] == 10
+    assert 0 < s[f"fusedserve_batch_padding_ratio_sum{{{m}}}"] < s[f"fusedserve_batch_padding_ratio_count{{{m}}}"]
+    batches = s[f"fusedserve_batch_size_count{{{m}}}"]
+    assert s[f'fusedserve_forward_duration_seconds_count{{{m},path="reference"}}'] == batches
     layers = 6
-    batches = s["fusedserve_batch_size_count"]
-    assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="linear_add_layer_norm"}'] == 2 * layers * batches
-    assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="embedding_layer_norm"}'] == batches
-    assert s['fusedserve_kernel_duration_seconds_count{backend="torch",op="linear_bias_gelu"}'] == layers * batches
-    assert s['fusedserve_reference_checks_total{result="match"}'] >= 1
-    assert s['fusedserve_reference_checks_total{result="mismatch"}'] == 0
-    assert 0 <= s["fusedserve_reference_max_abs_error"] <= tolerance().max_abs  # the verifier's fp32 copy vs served
-    assert s['fusedserve_backend_info{backend="torch",op="linear_bias_gelu"}'] == 1
+    kernel = "fusedserve_kernel_duration_seconds_count"
+    assert s[f'{kernel}{{backend="torch",{m},op="linear_add_layer_norm"}}'] == 2 * layers * batches
+    assert s[f'{kernel}{{backend="torch",{m},op="embedding_layer_norm"}}'] == batches
+    assert s[f'{kernel}{{backend="torch",{m},op="linear_bias_gelu"}}'] == layers * batches
+    assert s[f'fusedserve_reference_checks_total{{{m},result="match"}}'] >= 1
+    assert s[f'fusedserve_reference_checks_total{{{m},result="mismatch"}}'] == 0
+    assert 0 <= s[f"fusedserve_reference_max_abs_error{{{m}}}"] <= tolerance().max_abs  # the verifier's fp32 copy
+    assert s[f'fusedserve_backend_info{{backend="torch",{m},op="linear_bias_gelu"}}'] == 1
     assert not any('op="bias_gelu"' in k for k in s if k.startswith("fusedserve_backend_info"))  # not called
-    assert s["fusedserve_fused_enabled"] == 1
-    assert s["fusedserve_queue_depth"] == 0
+    assert s[f"fusedserve_fused_enabled{{{m}}}"] == 1 and s[f"fusedserve_model_ready{{{m}}}"] == 1
+    assert s[f"fusedserve_queue_depth{{{m}}}"] == 0
     # CUDA-graph families exist on the CPU too (no graphs here: all zero), so dashboards see the series
-    assert s["fusedserve_cuda_graphs"] == 0 and s["fusedserve_cuda_graph_captures_total"] == 0
-    assert s["fusedserve_cuda_graph_replays_total"] == 0 and s["fusedserve_cuda_graph_eager_fallbacks_total"] == 0
+    assert s[f"fusedserve_cuda_graphs{{{m}}}"] == 0 and s[f"fusedserve_cuda_graph_captures_total{{{m}}}"] == 0
+    assert s[f"fusedserve_cuda_graph_replays_total{{{m}}}"] == 0
+    assert s[f"fusedserve_cuda_graph_eager_fallbacks_total{{{m}}}"] == 0
+    # every series of a model's work says which model: only the requests no model was chosen for have none
+    unlabelled = {k for k in s if k.startswith("fusedserve_") and "model=" not in k
+                  and not k.startswith("fusedserve_device_memory")}
+    assert not unlabelled, unlabelled
 
 
 # promtool and prometheus come with the Debian package prometheus; CI installs it and sets

@@ -117,13 +117,13 @@ def test_timing_headers_agree_with_the_metrics(server, path, body):
     assert all(v >= 0 for v in ms.values())
     assert ms["x-total-time"] >= ms["x-tokenization-time"] + ms["x-queue-time"] + ms["x-inference-time"] - 0.01
     # one input: its wait in the queue is the one observation fusedserve_queue_duration_seconds got
-    count = "fusedserve_queue_duration_seconds_count"
-    assert metric(after, count) - metric(before, count) == 1
-    queued = metric(after, "fusedserve_queue_duration_seconds_sum") - metric(before,
-                                                                               "fusedserve_queue_duration_seconds_sum")
+    count, model = "fusedserve_queue_duration_seconds_count", f'{{model="{MODEL}"}}'
+    assert metric(after, count, model) - metric(before, count, model) == 1
+    queued = metric(after, "fusedserve_queue_duration_seconds_sum", model) - \
+        metric(before, "fusedserve_queue_duration_seconds_sum", model)
     assert abs(queued * 1e3 - ms["x-queue-time"]) < 0.01
     # the request's duration is observed once the body is sent: the total-time header, plus that
-    label = f'{{route="{route}"}}'
+    label = f'{{model="{MODEL}",route="{route}"}}'
     total = metric(after, "fusedserve_request_duration_seconds_sum", label) - \
         metric(before, "fusedserve_request_duration_seconds_sum", label)
     # (the gap is sending the body: small beside the request itself, however loaded the machine)
@@ -143,6 +143,7 @@ def test_spans_are_exported_with_the_callers_trace(server, collector):
     assert attributes["http.route"].string_value == "/infer"
     assert attributes["http.response.status_code"].int_value == 200
     assert attributes["fusedserve.request_id"].string_value == "traced-1"
+    assert attributes["fusedserve.model"].string_value == MODEL
     for name in ("tokenize", "queue", "forward"):
         _, child = spans[name]
         assert child.parent_span_id == root.span_id

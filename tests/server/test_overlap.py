@@ -50,7 +50,7 @@ def _run(embedder, monkeypatch, overlap: bool, fail_first: bool = False):
     monkeypatch.setattr(embedder, "launch_ids", launch_later)
     settings = Settings(model="tiny", device="cpu", max_batch_requests=1, overlap_batches=overlap,
                         kernel_timing_sample_rate=0)
-    batcher = Batcher(embedder, settings, Metrics())
+    batcher = Batcher(embedder, settings, Metrics().for_model("tiny"))
     rows = [[101, 7592 + i, 2088 + 3 * i, 102] for i in range(3)]
 
     async def main():

@@ -64,7 +64,7 @@ def test_readyz_says_what_is_loading_then_ready(tmp_path):
                 phases.append(r.json()["phase"])
             time.sleep(0.05)
         assert r.status_code == 200 and r.json() == {"status": "ready"}, (phases, open(log_path).read())
-        order = ["starting", "loading", "warmup", "cuda_graphs", "calibration"]
+        order = ["starting", "loading", "warmup", "cuda_graphs", "calibration", "loaded"]
         assert phases == sorted(phases, key=order.index), phases  # phases only move forward
         assert httpx.post(url + "/infer", json={"inputs": "now"}, timeout=60).status_code == 200
     finally:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from server import service as service_module
+from server import model_service as service_module
 from server.config import Settings
-from server.service import INLINE_TOKENIZE_CHARS, Service
+from server.model_service import INLINE_TOKENIZE_CHARS
+from server.service import Service
 from tests.tolerances import assert_embeddings_close
 
 
@@ -25,9 +26,10 @@ def test_short_inputs_skip_the_thread_hop(monkeypatch):
         return await original(fn, *args, **kwargs)
 
     monkeypatch.setattr(service_module.asyncio, "to_thread", counting_to_thread)
-    svc = Service(Settings(model="tiny", device="cpu", max_wait_ms=0))
-    svc.load()
-    svc.mark_ready()
+    server = Service(Settings(model="tiny", device="cpu", max_wait_ms=0, warmup=False))
+    server.load()
+    server.mark_ready()
+    svc = server.default
     short = ["a short sentence"]
     long_ = ["word " * (INLINE_TOKENIZE_CHARS // 5 + 1)]
 
@@ -42,4 +44,4 @@ def test_short_inputs_skip_the_thread_hop(monkeypatch):
         assert_embeddings_close(a.embeddings, svc.embedder.embed(short))
         assert_embeddings_close(b.embeddings, svc.embedder.embed(long_))
     finally:
-        svc.shutdown()
+        server.shutdown()

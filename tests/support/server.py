@@ -2,15 +2,16 @@
 injection; these routes wrap one op of the running model's selection (Embedder.use with Selection.with_impl), on
 the batcher's thread between batches, exactly as the product changes its path.
 
-POST /admin/faults {"op", "mode", "factor"}: make the op raise, scale its output by `factor`, emit NaN, stall
-`factor` seconds per call, or run out of memory on inputs of more than `factor` rows. DELETE /admin/faults: back to
-the selection from before the first fault."""
+POST /admin/faults {"op", "mode", "factor", "model"}: make the op of the model (absent: the first) raise, scale its
+output by `factor`, emit NaN, stall `factor` seconds per call, or run out of memory on inputs of more than `factor`
+rows. DELETE /admin/faults: every model back to its selection from before its first fault."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 import time
+from functools import partial
 from typing import Literal
 
 import torch
@@ -30,6 +31,7 @@ class Fault(BaseModel):
     op: str
     mode: Literal["scale", "raise", "nan", "delay", "oom"] = "scale"
     factor: float = Field(1.05, description="scale: output multiplier; delay: seconds per call; oom: max rows")
+    model: str | None = None
 
 
 def faulty(op: str, mode: str, factor: float, original):
@@ -56,10 +58,11 @@ def faulty(op: str, mode: str, factor: float, original):
 
 @router.post("/faults")
 async def add_fault(body: Fault, service: ServiceDep) -> dict:
-    embedder = service.embedder
+    model = service.model(body.model)
+    embedder = model.embedder
     if body.op not in embedder.selection.impls:
         raise Unprocessable(f"unknown op {body.op!r}")
-    faults = service.test_faults = getattr(service, "test_faults", {"before": None, "ops": {}})
+    faults = model.test_faults = getattr(model, "test_faults", {"before": None, "ops": {}})
 
     def apply() -> None:
         selection = embedder.selection
@@ -68,17 +71,18 @@ async def add_fault(body: Fault, service: ServiceDep) -> dict:
         embedder.use(selection.with_impl(body.op, wrapped, f"test fault: {body.mode} x{body.factor:g}"))
         faults["ops"][body.op] = {"mode": body.mode, "factor": body.factor}
 
-    await asyncio.to_thread(lambda: service.batcher.call_between_batches(apply).result(timeout=10))
+    await asyncio.to_thread(lambda: model.batcher.call_between_batches(apply).result(timeout=10))
     return {"faults": faults["ops"]}
 
 
 @router.delete("/faults")
 async def clear_faults(service: ServiceDep) -> dict:
-    faults = getattr(service, "test_faults", None)
-    if faults and faults["before"] is not None:
-        before, embedder = faults["before"], service.embedder
-        await asyncio.to_thread(lambda: service.batcher.call_between_batches(lambda: embedder.use(before)).result(10))
-        faults["before"], faults["ops"] = None, {}
+    for model in service.serving:
+        faults = getattr(model, "test_faults", None)
+        if faults and faults["before"] is not None:
+            restore = partial(model.embedder.use, faults["before"])
+            await asyncio.to_thread(model.batcher.call_between_batches(restore).result, 10)
+            faults["before"], faults["ops"] = None, {}
     return {"faults": {}}
 
 
