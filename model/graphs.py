@@ -7,7 +7,7 @@ sequences go to scratch rows (see model.encoder.Packed). With varlen attention (
 "fused" attention buckets the same way)
 the row count is rounded up to a power of 4 and seq is min(model's longest, tokens): the longest row only bounds
 the attention grid, so a bucket is really (tokens, batch) and every reachable one can be captured ahead of traffic
-(`capture_all` up to some token count before ready, `capture_next` for the rest after, between batches). With pad attention the row count goes to a power of two and the longest
+(`capture_all` for the first few before ready, `capture_next` for the rest after, while the model is idle). With pad attention the row count goes to a power of two and the longest
 row to SEQ_BUCKETS (the padded block is batch x seq): too many to capture ahead, so those are captured on first
 use. `dense` marks a batch that fills its bucket exactly (equal-length rows, e.g. one input truncated at the
 model's limit): its graph runs attention without a mask and without the scatter/gather (with varlen attention
@@ -102,6 +102,9 @@ class CudaGraphs:
         self.pool = None  # created at the first capture (so the bucket arithmetic works without a GPU)
         self.graphs: OrderedDict[tuple[int, int, int, bool], _Graph] = OrderedDict()
         self.fingerprint: tuple | None = None
+        # a batch whose bucket is not held is captured on the spot, unless the owner captures them ahead (then it
+        # runs eagerly: a request never waits for a capture)
+        self.capture_misses = True
         self.captures = self.evictions = self.eager_fallbacks = self.replays = 0
         self.capture_seconds = 0.0
         self.pool_bytes = 0  # growth of reserved device memory while capturing: what the graphs hold
@@ -144,18 +147,17 @@ class CudaGraphs:
                 b *= 2
         return keys
 
-    def pending(self, up_to_tokens: int | None = None) -> list[tuple[int, int, int, bool]]:
-        """The reachable buckets not captured yet, as many as max_graphs leaves room for, smallest token counts
-        first (the single requests and small batches that latency is about); with up_to_tokens, only those."""
-        keys = sorted((k for k in self.reachable_keys() if k not in self.graphs), key=lambda k: (k[0], k[1], k[3]))
-        keys = keys[: max(self.max_graphs - len(self.graphs), 0)]
-        return [k for k in keys if up_to_tokens is None or k[0] <= up_to_tokens]
+    def pending(self) -> list[tuple[int, int, int, bool]]:
+        """The reachable buckets not captured yet, as many as max_graphs leaves room for, in order of need: single
+        requests first (batch bucket 1, shortest first), then ever larger batches."""
+        keys = sorted((k for k in self.reachable_keys() if k not in self.graphs), key=lambda k: (k[1], k[0], k[3]))
+        return keys[: max(self.max_graphs - len(self.graphs), 0)]
 
-    def capture_all(self, progress: Callable[[int, int], None] | None = None, up_to_tokens: int | None = None) -> int:
-        """Capture the pending buckets now (up to `up_to_tokens` tokens where given), so traffic never waits for a
+    def capture_all(self, progress: Callable[[int, int], None] | None = None, limit: int | None = None) -> int:
+        """Capture the pending buckets now (the first `limit` of them where given), so traffic never waits for a
         capture: a capture runs the forward twice first, and a first-seen row count autotunes the Triton kernels
         and sweeps the CUDA launch configs. Returns the number captured."""
-        keys = self.pending(up_to_tokens)
+        keys = self.pending()[:limit]
         for i, key in enumerate(keys):
             self._capture(key)
             if progress is not None:
@@ -163,8 +165,8 @@ class CudaGraphs:
         return len(keys)
 
     def capture_next(self) -> bool:
-        """Capture the smallest pending bucket; False when none is left (the service's captures after ready, one at
-        a time between batches)."""
+        """Capture the first pending bucket; False when none is left (the service's captures after ready, one at a
+        time while the model is idle)."""
         keys = self.pending()
         if keys:
             self._capture(keys[0])
@@ -179,6 +181,9 @@ class CudaGraphs:
             return None
         entry = self.graphs.get(key)
         if entry is None:
+            if not self.capture_misses:  # captured ahead, in the background: this batch runs eagerly meanwhile
+                self.eager_fallbacks += 1
+                return None
             entry = self._capture(key)
         self.graphs.move_to_end(key)
         tokens, batch, seq, _ = key

@@ -378,18 +378,16 @@ class Embedder:
             normalize = self.pipeline.normalize if self.pipeline is not None else False
         return torch.nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled
 
-    def capture_graphs(self, progress: Callable[[int, int], None] | None = None,
-                       up_to_tokens: int | None = None) -> int:
-        """Capture the reachable CUDA-graph buckets not held yet (model.graphs.CudaGraphs.capture_all), those of at
-        most `up_to_tokens` tokens where given, on this selection; returns how many were captured (0 without
-        graphs)."""
+    def capture_graphs(self, progress: Callable[[int, int], None] | None = None, limit: int | None = None) -> int:
+        """Capture the reachable CUDA-graph buckets not held yet (model.graphs.CudaGraphs.capture_all), the first
+        `limit` in order of need where given, on this selection; returns how many were captured (0 without graphs)."""
         if self.graphs is None:
             return 0
         with kernels.use(self.selection):
-            return self.graphs.capture_all(progress, up_to_tokens)
+            return self.graphs.capture_all(progress, limit)
 
     def capture_next_graph(self) -> bool:
-        """Capture the smallest reachable bucket not held yet; False when there is none (or no graphs)."""
+        """Capture the next reachable bucket not held yet; False when there is none (or no graphs)."""
         if self.graphs is None:
             return False
         with kernels.use(self.selection):

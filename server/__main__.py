@@ -37,8 +37,9 @@ class DrainingServer(uvicorn.Server):
         timer.start()
 
 
-def main(argv: list[str] | None = None, app_factory=None) -> int:
-    """app_factory: Settings -> app (default server.app.create_app; the tests mount their hooks through it)."""
+def main(argv: list[str] | None = None, app_factory=None, sockets: list | None = None) -> int:
+    """app_factory: Settings -> app (default server.app.create_app; the tests mount their hooks through it).
+    sockets: a worker of WORKERS > 1 (server.workers) serves on its parent's listening socket."""
     parser = argparse.ArgumentParser(prog="python -m server", description="fusedserve embedding service. Settings "
                                      "come from FUSEDSERVE_* environment variables or a YAML/TOML file (--config); "
                                      "see docs/configuration.md for every setting.")
@@ -63,13 +64,18 @@ def main(argv: list[str] | None = None, app_factory=None) -> int:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, settings.log_format)
+    if settings.workers > 1 and sockets is None:
+        from server import workers
+
+        return workers.supervise(settings.workers, list(sys.argv[1:] if argv is None else argv), args.host,
+                                 args.port, workers.run_worker)
     app = (app_factory or create_app)(settings)
     # JSON logs: uvicorn's loggers propagate to the root's JSON handler instead of configuring their own format
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
                             timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
     service = app.state.service
-    DrainingServer(config, service, settings.drain_delay_s).run()
+    DrainingServer(config, service, settings.drain_delay_s).run(sockets=sockets)
     if service.load_error is not None:
         print(f"start-up failed: {service.load_error}", file=sys.stderr)
         return 1

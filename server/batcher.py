@@ -110,6 +110,7 @@ class Batcher:
         self._pending: list[Item] = []
         self._cond = threading.Condition()
         self._control: list[tuple[Callable[[], object], concurrent.futures.Future]] = []
+        self._idle_work: list[tuple[Callable[[], object], concurrent.futures.Future]] = []  # call_when_idle
         self._stopping = False
         self._draining = False
         self._busy = False
@@ -168,6 +169,19 @@ class Batcher:
             self._cond.notify()
         return future
 
+    def call_when_idle(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn` on the worker thread when no input is waiting and no batch is in flight (background work, such
+        as capturing the rest of the CUDA graphs after ready: a request arriving meanwhile waits for this one call
+        at most)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping or self._draining:
+                future.set_exception(Unavailable("the server is shutting down", headers={"Retry-After": "1"}))
+                return future
+            self._idle_work.append((fn, future))
+            self._cond.notify()
+        return future
+
     def drain(self, timeout_s: float) -> bool:
         """Refuse new work, finish everything accepted, then stop the worker. True if all finished."""
         deadline = time.monotonic() + timeout_s
@@ -177,6 +191,9 @@ class Batcher:
                 self._cond.wait(timeout=0.05)
             drained = not self._pending and not self._busy
             self._stopping = True
+            for _, future in self._idle_work:  # background work never started: its caller stops waiting
+                future.set_exception(Unavailable("the server is shutting down", headers={"Retry-After": "1"}))
+            self._idle_work.clear()
             self._cond.notify_all()
         self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
         return drained
@@ -225,6 +242,9 @@ class Batcher:
                 if self._stopping:
                     return None
                 if not block:
+                    return []
+                if self._idle_work and not self._draining:  # idle: nothing waiting, nothing in flight
+                    self._control.append(self._idle_work.pop(0))
                     return []
                 self._cond.wait()
                 continue

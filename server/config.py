@@ -86,9 +86,20 @@ class Settings(BaseSettings):
                             "while the few-token ops are on a fused backend, else varlen, pad on the CPU", json_schema_extra={"advanced": True})
     cuda_graphs: bool = Field(True, description="replay the packed forward from CUDA graphs per shape bucket (GPU)"
 , json_schema_extra={"advanced": True})
-    cuda_graph_warmup: bool = Field(True, description="capture every reachable graph bucket before ready (varlen and "
-                                    "fused attention; pad attention captures each bucket on first use)",
-                                    json_schema_extra={"advanced": True})
+    cuda_graph_warmup: bool = Field(True, description="capture every reachable graph bucket ahead of traffic (varlen "
+                                    "and fused attention): `cuda_graphs_before_ready` of them before ready, the rest "
+                                    "after, while the model is idle; `false`, and pad attention, capture each bucket "
+                                    "on first use", json_schema_extra={"advanced": True})
+    cuda_graphs_before_ready: int = Field(
+        32, ge=0, description="graph buckets captured before ready, in order of need (single requests, shortest first, "
+        "then ever larger batches); until the rest are captured a batch without its graph runs eagerly",
+        json_schema_extra={"advanced": True})
+    cache_dir: str = Field("", description="where compiled and tuned kernels are kept for the next start (Triton's "
+                           "cache, the CUDA launch tuning, the backend races; keyed by GPU model, versions and kernel "
+                           "sources; replicas may share it). Empty: ~/.cache/fusedserve (the GPU image: /cache)")
+    workers: int = Field(1, ge=1, description="server processes on one listening socket, each with its own models on "
+                         "the same device (one process is host-bound long before a GPU is busy; run the CUDA MPS "
+                         "daemon so their kernels share the GPU); metrics are summed over the workers")
     max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)",
                                  json_schema_extra={"advanced": True})
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default)")
@@ -107,8 +118,9 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take; inputs still waiting then "
                                      "are answered 504 and never run (a batch already running gets 1 s of grace)")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit in bytes (413 beyond)")
-    warmup: bool = Field(True, description="run the model's warm-up batches (the largest batch the limits allow, and a "
-                         "short one) before ready", json_schema_extra={"advanced": True})
+    warmup: bool = Field(True, description="before ready: run the model once at every launch shape a batch can meet "
+                         "(so no request pays a kernel compile or autotune), capture the first CUDA graphs, "
+                         "calibrate the int8 outputs", json_schema_extra={"advanced": True})
     drain_delay_s: float = Field(0.0, ge=0, description="after SIGTERM: report not-ready and refuse new work "
                                  "this long before closing the listener (lets load balancers catch up)")
 

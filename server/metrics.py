@@ -1,12 +1,22 @@
 """Every Prometheus metric of the service: one prefix, units in names, buckets defined here, a `model` label on
-everything a model does. Each app instance owns its own registry (tests run several apps in one process)."""
+everything a model does. Each app instance owns its own registry (tests run several apps in one process).
+
+With WORKERS > 1 (server.workers) prometheus-client runs in multiprocess mode (PROMETHEUS_MULTIPROC_DIR): every
+worker writes its values to files there and any worker's /metrics reads them all. Counters and histograms are
+summed; each gauge says how its workers' values combine (`multiprocess_mode`: queue depth and memory are summed over
+live workers, the fused switch and readiness are the least of them, the last reference check is the most recent).
+What is read at scrape time in one process (CUDA-graph counters, device memory) is copied into such files by each
+worker once a second instead. The process_* families then describe the worker that answered."""
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest, multiprocess)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from model.runner import KERNEL_OPS
@@ -25,6 +35,8 @@ class Metrics:
     routed to a model (a probe, an unknown model's 404) counts under model="". ModelMetrics is one model's view."""
 
     def __init__(self) -> None:
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self._refreshers: list[Callable[[], None]] = []
         self.registry = r = CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "HTTP requests by model, route and status",
                                 ["model", "route", "status"], registry=r)
@@ -32,7 +44,8 @@ class Metrics:
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.queue_duration = Histogram(PREFIX + "queue_duration_seconds", "Time an input waited for its batch",
                                         ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_depth = Gauge(PREFIX + "queue_depth", "Inputs waiting for a batch", ["model"], registry=r)
+        self.queue_depth = Gauge(PREFIX + "queue_depth", "Inputs waiting for a batch", ["model"], registry=r,
+                                 multiprocess_mode="livesum")
         self.rejected = Counter(PREFIX + "rejected_requests", "Requests refused or dropped, by reason",
                                 ["model", "reason"], registry=r)
         self.batch_size = Histogram(PREFIX + "batch_size", "Inputs per batch", ["model"], buckets=SIZE_BUCKETS,
@@ -48,21 +61,56 @@ class Metrics:
         self.reference_checks = Counter(PREFIX + "reference_checks", "Sampled fused-vs-reference checks",
                                         ["model", "result"], registry=r)
         self.reference_max_abs_error = Gauge(PREFIX + "reference_max_abs_error",
-                                             "Max abs error of the last reference check", ["model"], registry=r)
+                                             "Max abs error of the last reference check", ["model"], registry=r,
+                                             multiprocess_mode="mostrecent")
         self.reference_cosine_distance = Gauge(PREFIX + "reference_cosine_distance",
-                                               "Max cosine distance of the last reference check", ["model"], registry=r)
+                                               "Max cosine distance of the last reference check", ["model"],
+                                               registry=r, multiprocess_mode="mostrecent")
         self.fallbacks = Counter(PREFIX + "fallbacks", "Switches of ops to the reference path",
                                  ["model", "op", "reason"], registry=r)
         self.batch_splits = Counter(PREFIX + "batch_splits", "Batches split in two after running out of device memory",
                                     ["model"], registry=r)
         self.backend_info = Gauge(PREFIX + "backend_info", "1 for the backend serving each op",
-                                  ["model", "op", "backend"], registry=r)
-        self.fused_enabled = Gauge(PREFIX + "fused_enabled", "1 when the fused path is on", ["model"], registry=r)
+                                  ["model", "op", "backend"], registry=r, multiprocess_mode="max")
+        self.fused_enabled = Gauge(PREFIX + "fused_enabled", "1 when the fused path is on", ["model"], registry=r,
+                                   multiprocess_mode="min")
         self.model_ready = Gauge(PREFIX + "model_ready", "1 while the model serves; 0 while it loads or after it "
-                                 "failed to load", ["model"], registry=r)
+                                 "failed to load", ["model"], registry=r, multiprocess_mode="min")
         self.device_memory = Gauge(PREFIX + "device_memory_bytes", "GPU memory held by the process (CUDA only)",
-                                   ["kind"], registry=r)
+                                   ["kind"], registry=r, multiprocess_mode="livesum")
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        if self.multiprocess:
+            self._graph_families = {
+                "graphs": Gauge(PREFIX + "cuda_graphs", _GRAPH_HELP["graphs"], ["model"], registry=None,
+                                multiprocess_mode="livesum"),
+                "pool_bytes": Gauge(PREFIX + "cuda_graph_pool_bytes", _GRAPH_HELP["pool_bytes"], ["model"],
+                                    registry=None, multiprocess_mode="livesum"),
+                **{key: Counter(PREFIX + name, _GRAPH_HELP[key], ["model"], registry=None)
+                   for name, key in _GRAPH_COUNTERS}}
+            self._graph_seen: dict[tuple[str, str], float] = {}
+
+    def exposition(self) -> tuple[bytes, str]:
+        """/metrics' body and content type: this registry, or every worker's files in multiprocess mode."""
+        if not self.multiprocess:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        ProcessCollector(registry=registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
+    def _refresh_every_second(self, fn: Callable[[], None]) -> None:
+        """Multiprocess mode: run `fn` now and once a second on a daemon thread (values read at scrape time in a
+        single process are written to the shared files instead)."""
+        fn()
+        self._refreshers.append(fn)
+        if len(self._refreshers) == 1:
+            def loop() -> None:
+                while True:
+                    threading.Event().wait(1.0)
+                    for refresh in list(self._refreshers):
+                        refresh()
+
+            threading.Thread(target=loop, name="fusedserve-metrics", daemon=True).start()
         self._watched_devices: set[torch.device] = set()
 
     def for_model(self, model: str) -> ModelMetrics:
@@ -74,6 +122,13 @@ class Metrics:
         if device.type != "cuda" or device in self._watched_devices:
             return
         self._watched_devices.add(device)
+        if self.multiprocess:
+            def refresh() -> None:
+                self.device_memory.labels("allocated").set(torch.cuda.memory_allocated(device))
+                self.device_memory.labels("reserved").set(torch.cuda.memory_reserved(device))
+
+            self._refresh_every_second(refresh)
+            return
         self.device_memory.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
         self.device_memory.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
 
@@ -81,7 +136,22 @@ class Metrics:
         """Export each loaded model's CUDA-graph counters at scrape time: `graphs()` yields (model, stats) pairs,
         stats empty for a model without graphs (the CPU, or graphs off), whose series then read 0, so dashboards
         and alerts see them either way."""
-        self.registry.register(_GraphCollector(graphs))
+        if not self.multiprocess:
+            self.registry.register(_GraphCollector(graphs))
+            return
+
+        def refresh() -> None:
+            for model, stats in graphs():
+                for key, family in self._graph_families.items():
+                    value = float(stats.get(key, 0))
+                    if isinstance(family, Gauge):
+                        family.labels(model).set(value)
+                    else:  # a counter: what it grew by since the last refresh
+                        seen = self._graph_seen.get((model, key), 0.0)
+                        family.labels(model).inc(max(value - seen, 0.0))
+                        self._graph_seen[model, key] = value
+
+        self._refresh_every_second(refresh)
 
 
 class _Labelled:
@@ -131,11 +201,23 @@ class ModelMetrics:
     def set_backends(self, choices: dict[str, str], fused: bool) -> None:
         """backend_info: 1 for each op's backend now; this model's earlier series go (other models' stay)."""
         for op, backend in self._backends:
+            self._backend_info.labels(self.model, op, backend).set(0)  # what multiprocess mode's files keep
             self._backend_info.remove(self.model, op, backend)
         self._backends = list(choices.items())
         for op, backend in self._backends:
             self._backend_info.labels(self.model, op, backend).set(1)
         self.fused_enabled.set(1 if fused else 0)
+
+
+_GRAPH_HELP = {
+    "graphs": "CUDA graphs held (one per shape bucket)",
+    "pool_bytes": "Device memory the CUDA graphs hold",
+    "captures": "CUDA graphs captured (new shape buckets, or after eviction)",
+    "replays": "Batches served by replaying a CUDA graph",
+    "eager_fallbacks": "Batches outside every CUDA-graph bucket (or not captured yet), run eagerly",
+}
+_GRAPH_COUNTERS = (("cuda_graph_captures", "captures"), ("cuda_graph_replays", "replays"),
+                   ("cuda_graph_eager_fallbacks", "eager_fallbacks"))
 
 
 class _GraphCollector:
@@ -147,20 +229,15 @@ class _GraphCollector:
 
     def collect(self):
         models = list(self.graphs())
-        held = GaugeMetricFamily(PREFIX + "cuda_graphs", "CUDA graphs held (one per shape bucket)", labels=["model"])
-        pool = GaugeMetricFamily(PREFIX + "cuda_graph_pool_bytes", "Device memory the CUDA graphs hold",
-                                 labels=["model"])
+        held = GaugeMetricFamily(PREFIX + "cuda_graphs", _GRAPH_HELP["graphs"], labels=["model"])
+        pool = GaugeMetricFamily(PREFIX + "cuda_graph_pool_bytes", _GRAPH_HELP["pool_bytes"], labels=["model"])
         for model, stats in models:
             held.add_metric([model], stats.get("graphs", 0))
             pool.add_metric([model], stats.get("pool_bytes", 0))
         yield held
         yield pool
-        for name, key, help_text in (
-            ("cuda_graph_captures", "captures", "CUDA graphs captured (new shape buckets, or after eviction)"),
-            ("cuda_graph_replays", "replays", "Batches served by replaying a CUDA graph"),
-            ("cuda_graph_eager_fallbacks", "eager_fallbacks", "Batches outside every CUDA-graph bucket, run eagerly"),
-        ):
-            family = CounterMetricFamily(PREFIX + name, help_text, labels=["model"])
+        for name, key in _GRAPH_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, _GRAPH_HELP[key], labels=["model"])
             for model, stats in models:
                 family.add_metric([model], stats.get(key, 0))
             yield family

@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -69,7 +70,9 @@ class ModelService:
         self.metrics: ModelMetrics | None = None  # once loaded, under the model's name
         self.batcher: Batcher | None = None
         self.verifier: Verifier | None = None
-        self.graph_warmup: tuple[int, float] | None = None  # (graphs captured at start-up, seconds)
+        self.graph_warmup: tuple[int, float] | None = None  # (graphs captured before ready, seconds)
+        self.graphs_after_ready: tuple[int, float] | None = None  # (the rest, captured while idle; seconds)
+        self.warmup_seconds: dict[str, float] = {}  # phase -> seconds, for the start-up report
         # start-up as /readyz and /info report it; written by the loading thread only
         self.phase, self.progress = "waiting", None
         self.load_error: str | None = None  # why it failed to load (model_load_failure=skip)
@@ -134,36 +137,71 @@ class ModelService:
                                                             self.verifier.reference.head)
 
     def warm_up(self) -> None:
-        """The model's warm-up batches (the largest shape, and a small one), so autotuning and allocation happen
-        before ready, then the CUDA graphs, then the calibration of the int8/uint8 output types."""
+        """Before ready, each phase logged with its time: the shape sweep (an eager forward at every launch shape a
+        batch can meet, Embedder.shape_sweep: what is compiled and tuned then, no request pays for later), the first
+        `cuda_graphs_before_ready` CUDA graphs in order of need, the calibration of the int8/uint8 output types.
+        The other graphs are captured after ready (capture_rest); until then a batch without its graph runs
+        eagerly."""
         s, e = self.settings, self.embedder
         started = time.perf_counter()
-        batches = e.warmup_batches()
-        for i, batch in enumerate(batches):
-            self._enter("warmup", i / len(batches))
-            log.info("warm-up of %s: batch of %d x %d tokens", self.name, len(batch), max(map(len, batch)))
-            self.batcher.call_between_batches(lambda batch=batch: e.embed_ids(batch)).result()
+        # on the CPU nothing is compiled or tuned per shape: the largest batch and a short one warm the allocator
+        sweep = e.shape_sweep() if e.device.type == "cuda" else e.warmup_batches()
+        for i, batch in enumerate(sweep):
+            self._enter("warmup", i / len(sweep))
+            self.batcher.call_between_batches(lambda batch=batch: e.embed_ids(batch, graphs=False)).result()
+        self.warmup_seconds["shape sweep"] = time.perf_counter() - started
+        log.warning("warm-up of %s: %d launch shapes run in %.1fs", self.name, len(sweep),
+                    self.warmup_seconds["shape sweep"])
         if e.graphs is not None and s.cuda_graph_warmup:
+            e.graphs.capture_misses = False  # captured ahead from here on: a batch never waits for a capture
             self._enter("cuda_graphs", 0.0)
-            self._capture_graphs()
+            self._capture_graphs(s.cuda_graphs_before_ready)
         self._enter("calibration")
+        phase = time.perf_counter()
         self._calibration = self.batcher.call_between_batches(self._embed_calibration).result()
-        log.info("warm-up of %s done in %.1fs", self.name, time.perf_counter() - started)
+        self.warmup_seconds["calibration"] = time.perf_counter() - phase
+        log.warning("warm-up of %s done in %.1fs", self.name, time.perf_counter() - started)
 
-    def _capture_graphs(self) -> None:
-        """Every reachable CUDA-graph bucket, on the worker thread, before ready: under traffic a capture would
-        stall its batch for the capture (and the autotuning of a first-seen row count)."""
+    def _capture_graphs(self, limit: int) -> None:
+        """The first `limit` CUDA-graph buckets in order of need, on the worker thread, before ready."""
         started = time.perf_counter()
 
         def progress(done: int, todo: int) -> None:
             self.progress = done / max(todo, 1)
-            if done % max(todo // 10, 1) == 0 or done == todo:
+            if done % max(todo // 4, 1) == 0 or done == todo:
                 log.warning("capturing CUDA graphs of %s: %d/%d (%.1fs)", self.name, done, todo,
                             time.perf_counter() - started)
 
-        captured = self.batcher.call_between_batches(lambda: self.embedder.capture_graphs(progress)).result()
-        if captured:
-            self.graph_warmup = (captured, time.perf_counter() - started)
+        captured = self.batcher.call_between_batches(lambda: self.embedder.capture_graphs(progress, limit)).result()
+        self.warmup_seconds["cuda graphs"] = time.perf_counter() - started
+        self.graph_warmup = (captured, self.warmup_seconds["cuda graphs"])
+
+    def capture_rest(self) -> threading.Thread | None:
+        """After ready: the remaining reachable CUDA-graph buckets, one at a time whenever the model is idle (no
+        input waiting, no batch in flight), on a thread of its own that only waits; logged when done."""
+        e = self.embedder
+        if e is None or e.graphs is None or not self.settings.cuda_graph_warmup or not self.settings.warmup:
+            return None
+
+        def run() -> None:
+            started, count = time.perf_counter(), 0
+            try:
+                while self.batcher.call_when_idle(e.capture_next_graph).result():
+                    count += 1
+            except Unavailable:  # shutting down
+                return
+            except Exception:
+                log.exception("capturing the CUDA graphs of %s after ready failed; batches without a graph run "
+                              "eagerly, or capture it when they come", self.name)
+            finally:
+                e.graphs.capture_misses = True  # from now on (an evicted bucket, a new selection) on first use
+            self.graphs_after_ready = (count, time.perf_counter() - started)
+            log.warning("CUDA graphs of %s: %d more buckets captured after ready in %.1fs (while idle)", self.name,
+                        count, self.graphs_after_ready[1])
+
+        thread = threading.Thread(target=run, name=f"fusedserve-graphs[{self.name}]", daemon=True)
+        thread.start()
+        return thread
 
     def fail(self, exc: BaseException) -> None:
         """model_load_failure=skip: this model failed to load or warm up. Logged once with its traceback, reported
@@ -190,8 +228,11 @@ class ModelService:
     def startup_report(self) -> str:
         if self.load_error is not None:
             return f"model {self.name} ({self.spec.path}): FAILED to load, skipped: {self.load_error}"
-        warmup = (f"\nCUDA graphs: {self.graph_warmup[0]} buckets captured at start-up in {self.graph_warmup[1]:.1f}s"
-                  if self.graph_warmup is not None else "")
+        phases = ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in self.warmup_seconds.items())
+        warmup = f"\nwarm-up: {phases}" if phases else ""
+        if self.graph_warmup is not None:
+            warmup += (f"\nCUDA graphs: {self.graph_warmup[0]} buckets captured before ready, "
+                       f"{self.embedder.graphs_pending} more to capture while idle")
         memory = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {v / 2**20:.1f} MiB"
                            for k, v in self.memory.items())
         named = f"serving as {self.name}: " if self.name != self.report.model else ""

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
+from server import workers
 from server.config import Settings
 from server.errors import NotFound, Unavailable
 from server.metrics import Metrics
@@ -27,6 +29,8 @@ VERSION = "0.1.0"
 class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        if settings.cache_dir:  # the kernel layer reads it from the environment (kernels.cache), so do the workers
+            os.environ["FUSEDSERVE_CACHE_DIR"] = settings.cache_dir
         self.metrics = Metrics()
         # set once each (loaded, then draining) and read from the event loop, the signal handler and the drain
         # timer: Events, so no reader depends on when another thread's write becomes visible
@@ -115,6 +119,7 @@ class Service:
             self.metrics.model_ready.labels(m.name).set(1)
         self.phase = "ready"
         self._ready.set()
+        workers.mark_ready()
 
     def start_draining(self) -> None:
         """Readiness and new requests answer 503 from now on (safe from a signal handler or a timer)."""
@@ -150,7 +155,9 @@ class Service:
             self.load()
             if not self.draining:
                 self.mark_ready()
-                log.warning("ready\n%s", self.startup_report())
+                log.warning("ready in %.1fs\n%s", time.monotonic() - self._started, self.startup_report())
+                for m in self.serving:
+                    m.capture_rest()
         except BaseException as exc:
             failing = self.loading
             named = f"model {failing.name!r} ({failing.spec.path}): " if failing is not None else ""
@@ -185,6 +192,9 @@ class Service:
         loading with the model, its phase and its progress (0..1 where known)."""
         if self.draining:
             return {"status": "draining"}
+        if self.ready and not workers.all_ready():  # WORKERS > 1: a probe must not see a worker still loading
+            return {"status": "loading", "phase": "workers", "progress": None,
+                    "elapsed_s": round(time.monotonic() - self._started, 1)}
         if self.ready:
             failed = {m.name: m.load_error for m in self.models if m.load_error is not None}
             return {"status": "ready", **({"failed": failed} if failed else {})}
@@ -245,5 +255,6 @@ class Service:
             "verify": {"sample_rate": s.verify_sample_rate, "action": s.verify_action,
                        "tolerance": s.verify_tolerance},
             "model_load_failure": s.model_load_failure,
+            "worker": {"pid": os.getpid(), "workers": s.workers},  # the process that answered, of how many
             "models": entries,
         }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.deps import ServiceDep
 from server.errors import error_body
@@ -41,4 +40,5 @@ async def info(service: ServiceDep) -> dict:
 
 @router.get("/metrics")
 async def metrics(service: ServiceDep) -> Response:
-    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    body, media_type = service.metrics.exposition()
+    return Response(body, media_type=media_type)

@@ -288,16 +288,16 @@ def test_every_batch_lands_in_a_reachable_bucket(max_tokens, max_batch):
     assert len(keys) <= 6 * len(graphs.tokens) + 64 and len(seen) > len(keys) // 4
 
 
-def test_pending_buckets_come_smallest_first_and_stop_at_the_limits():
-    """The start-up captures pending(up_to_tokens) before ready and the rest one at a time after (capture_next):
-    the small buckets first, never past max_graphs."""
+def test_pending_buckets_come_in_order_of_need_and_stop_at_the_limits():
+    """The start-up captures the first pending buckets before ready and the rest one at a time after (capture_next):
+    single requests first, shortest first, then ever larger batches; never past max_graphs."""
     enc = Encoder(EncoderConfig.from_name("minilm-l6"))
     graphs = CudaGraphs(enc, torch.device("cpu"), max_tokens=8192, max_batch=64, attention="varlen")
     every = graphs.pending()
     assert sorted(every) == sorted(graphs.reachable_keys())
-    assert [k[0] for k in every] == sorted(k[0] for k in every)
-    early = graphs.pending(up_to_tokens=512)
-    assert early == every[: len(early)] and 0 < len(early) < len(every) and max(k[0] for k in early) <= 512
-    assert any(k[0] == 512 for k in early)
+    singles = [k for k in every if k[1] == 1]
+    assert every[: len(singles)] == singles and [k[0] for k in singles] == sorted(k[0] for k in singles)
+    assert {k[0] for k in singles} >= {16, 128, 256}  # one request of any length MiniLM takes
+    assert [k[1] for k in every] == sorted(k[1] for k in every)
     few = CudaGraphs(enc, torch.device("cpu"), max_tokens=8192, max_batch=64, attention="varlen", max_graphs=5)
     assert few.pending() == every[:5]

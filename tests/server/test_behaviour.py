@@ -177,12 +177,12 @@ def test_startup_ends_with_one_report_of_model_device_kernels_and_attention(make
     mode and why (on the CPU: pad, since varlen needs fp16/bf16 on CUDA), CUDA graphs, batching."""
     server = make_server()
     log = server.log()
-    report = log[log.index("ready\n"):]
+    report = log[log.index("fusedserve: ready in "):]
     for line in ("model all-MiniLM-L6-v2: 6 layers, hidden 384", "device cpu, dtype float32",
                  "kernel backends (device cpu, dtypes float32, fused path on",
                  "not called by this model (reference, not tested)",
                  "layout packed, attention pad (auto: varlen attention needs fp16/bf16 on CUDA), CUDA graphs off",
-                 "batching: max_batch_tokens 2048"):
+                 "warm-up: shape sweep ", "batching: max_batch_tokens 2048"):
         assert line in report, (line, report)
     for op in kernel_ops("packed", "pad", torch.device("cpu"), torch.float32):
         assert f"  {op} " in report, (op, report)  # each op the model calls on its own line, with its backend

@@ -159,7 +159,7 @@ def test_info_lists_every_model_with_its_memory(multi, models):
         expected = 4 * sum(p.numel() for n, p in parameters if name == "reranker" or "pooler" not in n)
         assert entries[name]["memory"]["parameters_bytes"] == expected, name
     report = multi.log()
-    report = report[report.index("ready\n"):]
+    report = report[report.index("fusedserve: ready in "):]
     assert "serving as minilm: model all-MiniLM-L6-v2: 6 layers" in report  # named otherwise than its checkpoint
     assert "model xlmr: 2 layers, hidden 64" in report and "model reranker: 6 layers" in report, report
     assert report.count("memory on cpu: parameters ") == 3

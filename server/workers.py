@@ -1,0 +1,116 @@
+"""WORKERS=N: N server processes on one listening socket, each with its own models on the same device.
+
+One Python process is host-bound long before an H200 is busy (its event loop parses, tokenizes and answers every
+request), so the throughput of one GPU comes from several processes feeding it, as replicas under CUDA MPS did by
+hand. The parent binds the socket once and spawns the workers (spawn, not fork: CUDA must not be initialized in a
+forked child); the kernel spreads accepted connections over them. With the CUDA MPS daemon running (docs/operations.md)
+their kernels share the GPU concurrently instead of time-slicing.
+
+- Readiness: a worker answers /readyz 200 only once every worker is ready (each marks itself in the shared state
+  directory), so a probe never sees a pod ready whose next connection lands on a worker still loading.
+- Metrics: prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, one directory per start): any worker's
+  /metrics answers for all of them, counters and histograms summed, gauges as each declares (server.metrics). The
+  alternative, a `worker` label per process, would leave each scrape with one worker's numbers.
+- Failure: a worker that exits stops the others and the parent exits non-zero; the orchestrator restarts the pod
+  (a half-serving pod with a dead worker would be slower than it reports).
+- Signals: SIGTERM/SIGINT on the parent go to every worker, each drains as a single server does.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger("fusedserve")
+
+STATE_ENV = "FUSEDSERVE_WORKERS_STATE"  # the shared state directory, set by the parent for its workers
+
+
+def state_dir() -> Path | None:
+    """The workers' shared directory, or None in a single-process server."""
+    value = os.environ.get(STATE_ENV)
+    return Path(value) if value else None
+
+
+def mark_ready() -> None:
+    """This worker is ready (no-op in a single-process server)."""
+    directory = state_dir()
+    if directory is not None:
+        (directory / f"ready-{os.getpid()}").touch()
+
+
+def all_ready() -> bool:
+    """Every worker of this server is ready (True in a single-process server: the caller checks its own state)."""
+    directory = state_dir()
+    if directory is None:
+        return True
+    return len(list(directory.glob("ready-*"))) >= int(os.environ.get("FUSEDSERVE_WORKERS", "1"))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
+    """Bind host:port, run `target(argv, sock)` in `count` spawned processes, and wait: the first worker to exit
+    stops the others. Returns the exit status (0 when all ended cleanly after a signal)."""
+    state = Path(tempfile.mkdtemp(prefix="fusedserve-workers-"))
+    (state / "metrics").mkdir()
+    os.environ.update({STATE_ENV: str(state), "FUSEDSERVE_WORKERS": str(count),
+                       "PROMETHEUS_MULTIPROC_DIR": str(state / "metrics")})
+    sock = bind(host, port)
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=target, args=(argv, sock), name=f"fusedserve-worker-{i}", daemon=False)
+               for i in range(count)]
+    stopping = False
+
+    def forward(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+        for worker in workers:
+            if worker.is_alive():
+                os.kill(worker.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for worker in workers:
+            worker.start()
+        log.warning("%d workers on http://%s:%d (pids %s)", count, host, port, " ".join(str(w.pid) for w in workers))
+        while all(worker.is_alive() for worker in workers):
+            time.sleep(0.2)
+        first = next(w for w in workers if not w.is_alive())
+        if not stopping:
+            log.critical("worker %s (pid %d) exited with %s; stopping the others", first.name, first.pid,
+                         first.exitcode)
+            forward(signal.SIGTERM, None)
+        for worker in workers:
+            worker.join()
+        # after a forwarded signal a worker ends by it (uvicorn re-raises the signal once it has shut down)
+        clean = (0, -signal.SIGTERM, -signal.SIGINT)
+        codes = [worker.exitcode for worker in workers]
+        return 0 if stopping and all(code in clean for code in codes) else max(1, *(abs(c or 0) for c in codes))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def run_worker(argv: list[str], sock: socket.socket) -> None:
+    """A worker process: the same start as `python -m server`, on the parent's socket."""
+    from server.__main__ import main
+
+    raise SystemExit(main(argv, sockets=[sock]))

@@ -1,0 +1,56 @@
+"""WORKERS=2 on a real `python -m server`: two processes on one port, each with its own model; /readyz turns 200 only
+once both are ready; connections land on both; any worker's /metrics counts every worker's requests (multiprocess
+mode); answers equal a single server's; SIGTERM stops the parent and both workers cleanly."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import numpy as np
+
+from tests.server.test_startup import launch
+
+TEXTS = [f"sentence number {i} about workers sharing one port" for i in range(24)]
+
+
+def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
+    process, url, log_path = launch(tmp_path, workers=2, model="tiny", backend="torch", torch_threads=1,
+                                    max_batch_tokens=512)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert process.poll() is None, open(log_path).read()
+            try:
+                r = httpx.get(url + "/readyz", timeout=2)
+                if r.status_code == 200:
+                    break
+                assert r.json()["status"] == "loading", r.text
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, open(log_path).read()
+            time.sleep(0.1)
+        pids, vectors = set(), {}
+        for text in TEXTS:  # a new connection each: the kernel spreads them over the workers
+            with httpx.Client(base_url=url, timeout=30) as client:
+                vectors[text] = np.asarray(client.post("/infer", json={"inputs": text}).json()["embeddings"][0])
+                info = client.get("/info").json()
+                assert info["worker"]["workers"] == 2 and info["ready"]
+                pids.add(info["worker"]["pid"])
+        assert len(pids) == 2, "every connection went to one worker"
+        # the same text gets the same vector from either worker (same random init: the preset's fixed seed)
+        for _ in range(4):
+            with httpx.Client(base_url=url, timeout=30) as client:
+                again = np.asarray(client.post("/infer", json={"inputs": TEXTS[0]}).json()["embeddings"][0])
+            np.testing.assert_allclose(again, vectors[TEXTS[0]], rtol=0, atol=1e-6)
+        time.sleep(1.2)  # the workers' once-a-second copies of scrape-time values
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        answered = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                       if line.startswith("fusedserve_requests_total{") and 'route="/infer"' in line
+                       and 'status="200"' in line)
+        assert answered == len(TEXTS) + 4  # both workers' counts, from whichever answered the scrape
+        assert 'fusedserve_model_ready{model="tiny (random init)"} 1.0' in metrics
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, open(log_path).read()
