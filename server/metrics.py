@@ -88,6 +88,7 @@ class Metrics:
                 **{key: Counter(PREFIX + name, _GRAPH_HELP[key], ["model"], registry=None)
                    for name, key in _GRAPH_COUNTERS}}
             self._graph_seen: dict[tuple[str, str], float] = {}
+        self._watched_devices: set[torch.device] = set()
 
     def exposition(self) -> tuple[bytes, str]:
         """/metrics' body and content type: this registry, or every worker's files in multiprocess mode."""
@@ -111,7 +112,6 @@ class Metrics:
                         refresh()
 
             threading.Thread(target=loop, name="fusedserve-metrics", daemon=True).start()
-        self._watched_devices: set[torch.device] = set()
 
     def for_model(self, model: str) -> ModelMetrics:
         return ModelMetrics(self, model)
