@@ -8,10 +8,13 @@ Scenarios:
                encode on the same texts, same run; with the server's own account of where a request's time went
   single       one client, one request at a time: latency from httpx and from http.client, the server's share of
                it and a GET /healthz round trip as the HTTP floor
-  replicas     several servers sharing the device (as pods share a GPU; under CUDA MPS when its daemon runs),
-               token ids at a fixed client count: served tokens/s against the runner's raw rate
+  workers      one server with WORKERS=n processes on its port (under CUDA MPS when its daemon runs), token ids
+               at a fixed client count: served tokens/s against the runner's raw rate, per n
+  replicas     the same with n separate servers started side by side (as pods share a GPU), each on its port
   soak         many clients of mixed-length requests, some giving up early, for a long run: every answer checked
                against its input's single-request embedding, status counts, the server's memory growth
+  startup      time to ready on an empty cache directory and again on the cache it left, and the first 1,000
+               sequential single requests after the cold start
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ import httpx
 
 from bench import results as store
 
-SCENARIOS = ("closed-loop", "single", "replicas", "soak", "startup")
-DEFAULT_SCENARIOS = ("closed-loop", "single", "replicas")
+SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup")
+DEFAULT_SCENARIOS = ("closed-loop", "single", "workers")
 
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or had not but "
          "one all their there been has more when who will would into them its some could time these two may "
@@ -194,6 +197,7 @@ SERVER_SUMS = {
     "batch_size": ("fusedserve_batch_size_sum", {}), "batches": ("fusedserve_batch_size_count", {}),
     "forward": ("fusedserve_forward_duration_seconds_sum", {}),
     "cpu": ("process_cpu_seconds_total", {}),  # the server process's user + system CPU time (prometheus_client)
+    "workers_cpu": ("fusedserve_worker_cpu_seconds", {}),  # the same summed over WORKERS > 1 (multiprocess mode)
 }
 
 
@@ -215,12 +219,17 @@ def server_sums(urls: str | list[str], route: str = "/infer") -> dict[str, float
     totals: collections.Counter = collections.Counter({k: 0.0 for k in SERVER_SUMS})
     for url in [urls] if isinstance(urls, str) else urls:
         text = httpx.get(url + "/metrics", timeout=30).text
+        server: collections.Counter = collections.Counter()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 for what, (name, labels) in SERVER_SUMS.items():
                     if sample.name == name and all(sample.labels.get(k) == v.format(route=route)
                                                    for k, v in labels.items()):
-                        totals[what] += sample.value
+                        server[what] += sample.value
+        if server["workers_cpu"]:  # several workers: process_* describes only the one that answered the scrape
+            server["cpu"] = server["workers_cpu"]
+        totals.update(server)
+    del totals["workers_cpu"]
     return dict(totals)
 
 
@@ -550,6 +559,28 @@ def replicas_scenario(args: argparse.Namespace, save) -> None:
     save(rows, summary, True)
 
 
+def workers_scenario(args: argparse.Namespace, save) -> None:
+    """One server with WORKERS=n (n processes on one port, each with its model on the device; under CUDA MPS when
+    its daemon runs), token ids from `--replica-clients` clients, one point per n in --worker-counts."""
+    texts = _traffic(args)
+    ids, raw = raw_runner(args, texts)
+    tokens = list(map(len, ids))
+    summary = {"texts": len(texts), "tokens": sum(tokens), "runner_raw_tokens_per_s": raw, "mps": _mps()}
+    rows: list[dict] = []
+    for count in args.worker_counts:
+        settings = {**server_settings(args), "workers": str(count)}
+        with running_servers(1, _log(args, f"workers-{count}"), **settings) as servers:
+            urls = [servers[0][1]]
+            load(urls, ids, args.replica_clients, 3, args.per_request, processes=args.client_processes,
+                 payload="ids")  # warm
+            run, inside = measured_load(urls, ids, args.replica_clients, args.seconds, args.per_request, tokens,
+                                        args.client_processes, "ids")
+            rows.append(_point(run, inside, raw, None, workers=count, payload="ids", clients=args.replica_clients))
+            _say(f"WORKERS={count}{' (MPS)' if summary['mps'] else ''}", rows[-1])
+            save(rows, summary, False)
+    save(rows, summary, True)
+
+
 def soak_scenario(args: argparse.Namespace, save) -> None:
     import torch
 
@@ -603,7 +634,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--servers", type=int, default=1, help="closed-loop: servers sharing the device")
     parser.add_argument("--replica-counts", type=int, nargs="+", default=[4, 6],
                         help="replicas: servers sharing the device, one point each")
-    parser.add_argument("--replica-clients", type=int, default=64, help="replicas: concurrent clients")
+    parser.add_argument("--worker-counts", type=int, nargs="+", default=[2, 4, 6],
+                        help="workers: WORKERS of the one server, one point each")
+    parser.add_argument("--replica-clients", type=int, default=64, help="workers, replicas: concurrent clients")
     parser.add_argument("--texts", type=int, default=4096 if cuda else 512, help="the traffic: this many texts")
     parser.add_argument("--max-words", type=int, default=200 if cuda else 40,
                         help="the traffic: 1 to this many words per text")
@@ -640,8 +673,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     out = args.out or store.default_path("serve", args.device)
     gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device)) if _cuda(args) else None)
-    scenarios = {"closed-loop": closed_loop_scenario, "single": single_scenario, "replicas": replicas_scenario,
-                 "soak": soak_scenario, "startup": startup_scenario}
+    scenarios = {"closed-loop": closed_loop_scenario, "single": single_scenario, "workers": workers_scenario,
+                 "replicas": replicas_scenario, "soak": soak_scenario, "startup": startup_scenario}
     started = time.monotonic()
     for scenario in args.scenarios or DEFAULT_SCENARIOS:
         head = store.header(args.device, argv)
@@ -650,6 +683,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                     "texts": args.texts, "max_words": args.max_words}
         settings.update({"closed-loop": {"servers": args.servers, "clients": args.clients, "payloads": args.payloads},
                          "single": {"requests": args.single_count},
+                         "workers": {"worker_counts": args.worker_counts, "clients": args.replica_clients},
                          "replicas": {"replica_counts": args.replica_counts, "clients": args.replica_clients},
                          "soak": {"clients": args.soak_clients, "cancel_rate": args.cancel_rate},
                          "startup": {"first_requests": args.first_requests}}[scenario])

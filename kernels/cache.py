@@ -5,8 +5,9 @@ timings (`races-<gpu>.json`) and, unless FUSEDSERVE_CUDA_CACHE names a prebuilt 
 FUSEDSERVE_CACHE_DIR sets it (the service's CACHE_DIR setting exports it; default ~/.cache/fusedserve). A file is
 named by what its entries depend on: the GPU model and a hash of the torch/Triton/CUDA versions and the kernels'
 sources (`fingerprint()`), so a new GPU, a new release or an edited kernel starts a new file instead of reusing
-(Triton keys its own cache the same way). Replicas on one node may share it: files are written to a per-process temporary file and renamed into
-place, so a reader sees a whole file or none, and a file that cannot be read is reported once and rebuilt.
+(Triton keys its own cache the same way). Replicas on one node may share it: files are written to a per-process
+temporary file and renamed into place, so a reader sees a whole file or none, and a file that cannot be read is
+reported once and rebuilt.
 """
 
 from __future__ import annotations

@@ -2,17 +2,16 @@
 instead of ~10 kernel launches per layer from Python.
 
 A bucket is (tokens, batch, seq, dense): the packed token count rounded up to token_buckets() (quarter-power-of-two
-steps, eighth steps above 1024 tokens); filler tokens and
-sequences go to scratch rows (see model.encoder.Packed). With varlen attention (fp16/bf16 on CUDA, the default;
-"fused" attention buckets the same way)
-the row count is rounded up to a power of 4 and seq is min(model's longest, tokens): the longest row only bounds
-the attention grid, so a bucket is really (tokens, batch) and every reachable one can be captured ahead of traffic
-(`capture_all` for the first few before ready, `capture_next` for the rest after, while the model is idle). With pad attention the row count goes to a power of two and the longest
-row to SEQ_BUCKETS (the padded block is batch x seq): too many to capture ahead, so those are captured on first
-use. `dense` marks a batch that fills its bucket exactly (equal-length rows, e.g. one input truncated at the
-model's limit): its graph runs attention without a mask and without the scatter/gather (with varlen attention
-these are captured at start-up too). At most `max_graphs` are held (least recently used
-evicted). All graphs share one memory pool: they never run concurrently (one worker owns the model) and each
+steps, eighth steps above 1024 tokens); filler tokens and sequences go to scratch rows (see model.encoder.Packed).
+With varlen attention (fp16/bf16 on CUDA, the default; "fused" attention buckets the same way) the row count is
+rounded up to a power of 4 and seq is min(model's longest, tokens): the longest row only bounds the attention grid,
+so a bucket is really (tokens, batch) and every reachable one can be captured ahead of traffic (`capture_all` for
+the first few before ready, `capture_next` for the rest after, while the model is idle). With pad attention the row
+count goes to a power of two and the longest row to SEQ_BUCKETS (the padded block is batch x seq): too many to
+capture ahead, so those are captured on first use. `dense` marks a batch that fills its bucket exactly (equal-length
+rows, e.g. one input truncated at the model's limit): its graph runs attention without a mask and without the
+scatter/gather (with varlen attention these are captured at start-up too). At most `max_graphs` are held (least
+recently used evicted). All graphs share one memory pool: they never run concurrently (one worker owns the model) and each
 graph's only live outputs are its static buffers, so the pool costs about as much as the largest graph's
 activations; `stats()` reports it.
 

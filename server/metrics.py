@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -88,6 +89,10 @@ class Metrics:
                 **{key: Counter(PREFIX + name, _GRAPH_HELP[key], ["model"], registry=None)
                    for name, key in _GRAPH_COUNTERS}}
             self._graph_seen: dict[tuple[str, str], float] = {}
+            # process_cpu_seconds_total describes the worker answering the scrape: this sums every worker's
+            cpu = Gauge(PREFIX + "worker_cpu_seconds", "User + system CPU time of the server's workers, summed",
+                        registry=None, multiprocess_mode="livesum")
+            self._refresh_every_second(lambda: cpu.set(time.process_time()))
         self._watched_devices: set[torch.device] = set()
 
     def exposition(self) -> tuple[bytes, str]:

@@ -1,8 +1,8 @@
-"""Launch-configuration choice for the CUDA kernels: the first call of a kernel at a new shape class times
-every candidate configuration (kernels.timing.device_us: CUDA-graph replays, so it is device time, not Python
-overhead) and keeps the fastest; results are cached in memory and in a JSON file per GPU model in the cache directory
-(kernels.cache), so later processes on the same kind of GPU start tuned. A cache file that cannot be read is reported once and rebuilt by the next
-save. `table()` is what was chosen (the bench JSON and /info record it).
+"""Launch-configuration choice for the CUDA kernels: the first call of a kernel at a new shape class times every
+candidate configuration (kernels.timing.device_us: CUDA-graph replays, so it is device time, not Python overhead)
+and keeps the fastest; results are cached in memory and in a JSON file per GPU model in the cache directory
+(kernels.cache), so later processes on the same kind of GPU start tuned. A cache file that cannot be read is
+reported once and rebuilt by the next save. `table()` is what was chosen (the bench JSON and /info record it).
 
 Shape class: (kernel, dtype, cols, power-of-two bucket of the row count). Below TUNE_MIN_ROWS rows every
 configuration is a single wave bound by launch latency, so the heuristic is taken without a sweep (this also

@@ -13,13 +13,13 @@ def test_scenarios_against_real_servers(tmp_path):
     common = ["--device", "cpu", "--model", "tiny", "--setting", "torch_threads=1", "--setting", "backend=torch",
               "--seconds", "1.5",
               "--texts", "48", "--max-words", "12", "--per-request", "2", "--out", str(out)]
-    assert main(["serve", "closed-loop", "single", "replicas", "soak", "startup", *common, "--clients", "4",
-                 "--payloads", "text", "ids", "--single-count", "12", "--replica-counts", "2",
-                 "--replica-clients", "4", "--soak-clients", "8", "--cancel-rate", "0.2", "--first-requests", "8",
+    assert main(["serve", "closed-loop", "single", "workers", "replicas", "soak", "startup", *common, "--clients",
+                 "4", "--payloads", "text", "ids", "--single-count", "12", "--replica-counts", "2",
+                 "--worker-counts", "2", "--replica-clients", "4", "--soak-clients", "8", "--cancel-rate", "0.2", "--first-requests", "8",
                  "--log-dir", str(tmp_path)]) == 0
     doc = store.load(out)
     assert store.validate(doc) == [] and list(doc["scenarios"]) == ["closed-loop", "replicas", "single", "soak",
-                                                                 "startup"]
+                                                                 "startup", "workers"]
     assert all(b["complete"] for b in doc["scenarios"].values())
 
     loop = doc["scenarios"]["closed-loop"]
@@ -41,6 +41,9 @@ def test_scenarios_against_real_servers(tmp_path):
     (point,) = doc["scenarios"]["replicas"]["results"]
     assert point["replicas"] == 2 and point["errors"] == 0 and point["server"]["requests"] == point["requests"]
     assert doc["scenarios"]["replicas"]["summary"]["mps"] is False
+    (point,) = doc["scenarios"]["workers"]["results"]  # one port, two processes: the metrics count both
+    assert point["workers"] == 2 and point["errors"] == 0 and point["server"]["requests"] == point["requests"]
+    assert point["server"]["cpu_ms_per_request"] > 0
 
     (soak,) = doc["scenarios"]["soak"]["results"]
     assert soak["wrong_answers"] == 0 and set(soak["statuses"]) == {"200"} and soak["answered"] >= 8
