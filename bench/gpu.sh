@@ -5,7 +5,8 @@
 #   sanitize  compute-sanitizer memcheck and racecheck over the CUDA kernel tests
 #   kernels   python -m bench kernels (fused-ops in fp16 and bf16, gemm-epilogues) -> bench/results/<gpu>/kernels.json
 #   encoder   python -m bench encoder (the four batch shapes)  -> bench/results/<gpu>/encoder.json
-#   serve     python -m bench serve closed-loop single, then replicas under CUDA MPS -> bench/results/<gpu>/serve.json
+#   serve     python -m bench serve closed-loop single, then workers under CUDA MPS -> bench/results/<gpu>/serve.json
+#   startup   python -m bench serve startup (cold and warm time to ready, first requests) -> serve.json
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
 #
 # Here (the development machine), once: ../shared/tools/gpu-wheels.sh orjson httptools fastapi-offline (the
@@ -16,7 +17,7 @@
 # $OUT comes back: the suite's log and, for a benchmark suite, its updated results file (copy it over
 # bench/results/<gpu>/ and commit it).
 set -uo pipefail
-suite=${1:?usage: bash bench/gpu.sh tests|sanitize|kernels|encoder|serve|profile}
+suite=${1:?usage: bash bench/gpu.sh tests|sanitize|kernels|encoder|serve|startup|profile}
 OUT=${OUT:-/tmp/bench-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -59,7 +60,7 @@ case "$suite" in
       python3 -m pytest -m gpu -q -rfs -p no:cacheprovider -n 8 tests/kernels > "$OUT/tests-kernels.log" 2>&1 &
     kernel_tests=$!
     timeout --signal=INT --kill-after=30 480 python3 -m pytest -m gpu -v -rfs --durations=15 -p no:cacheprovider \
-      -n 3 tests/gpu > "$OUT/tests-model.log" 2>&1
+      -n 3 tests/gpu tests/model > "$OUT/tests-model.log" 2>&1
     echo "== model and server tests: exit $?"
     pytest_summary "$OUT/tests-model.log"
     wait "$kernel_tests"
@@ -104,20 +105,27 @@ case "$suite" in
     # one server (its first start on a fresh machine compiles and tunes the kernels the later starts find cached)
     timeout 360 python3 -m bench serve closed-loop single --model "$MODEL" --clients 16 64 --log-dir "$OUT" 2>&1 \
       | tee "$OUT/serve.log" | grep -vE "^(INFO|Loading)"
-    # then replicas sharing the GPU through CUDA MPS (what the device plugin's MPS sharing gives pods); the daemon
-    # is this run's own, in /tmp, and quits at the end
+    # then one server with WORKERS=n sharing the GPU through CUDA MPS; the daemon is this run's own, in /tmp, and
+    # quits at the end
     if command -v nvidia-cuda-mps-control > /dev/null; then
       export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
       mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
       nvidia-cuda-mps-control -d && echo "MPS daemon started"
     fi
-    timeout 180 python3 -m bench serve replicas --model "$MODEL" --log-dir "$OUT" 2>&1 \
+    timeout 180 python3 -m bench serve workers --model "$MODEL" --log-dir "$OUT" 2>&1 \
       | tee -a "$OUT/serve.log" | grep -vE "^(INFO|Loading)"
     if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then echo quit | nvidia-cuda-mps-control; fi
     results serve
     ;;
+  startup)
+    build
+    # the cold start compiles and tunes into an empty cache directory of its own; the warm one reuses it
+    timeout 540 python3 -m bench serve startup --model "$MODEL" --log-dir "$OUT" 2>&1 | tee "$OUT/startup.log" \
+      | grep -vE "^(INFO|Loading)"
+    results serve
+    ;;
   *)
-    echo "unknown suite $suite: tests|sanitize|kernels|encoder|serve|profile" >&2
+    echo "unknown suite $suite: tests|sanitize|kernels|encoder|serve|startup|profile" >&2
     exit 2
     ;;
 esac
