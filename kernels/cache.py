@@ -42,14 +42,18 @@ def use_for_triton() -> None:
 
 @functools.cache
 def fingerprint() -> str:
-    """The versions and kernel sources a cached decision depends on, as one short hash."""
+    """The versions, the kernel layer's switches (autotune, PDL, CUDA tuning) and the kernel sources a cached decision
+    depends on, as one short hash."""
     digest = hashlib.sha256()
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:  # the reference and CUDA backends run without it
         triton_version = ""
-    for part in (torch.__version__, str(torch.version.cuda), triton_version):
+    # the kernel layer's own switches change what a tuned choice or a race measured
+    switches = [os.environ.get(name, "") for name in ("FUSEDSERVE_TRITON_AUTOTUNE", "FUSEDSERVE_TRITON_PDL",
+                                                      "FUSEDSERVE_CUDA_TUNE")]
+    for part in (torch.__version__, str(torch.version.cuda), triton_version, *switches):
         digest.update(part.encode())
     package = Path(__file__).parent
     for path in sorted(p for p in package.rglob("*") if p.suffix in _SOURCES):

@@ -101,9 +101,9 @@ class CudaGraphs:
         self.pool = None  # created at the first capture (so the bucket arithmetic works without a GPU)
         self.graphs: OrderedDict[tuple[int, int, int, bool], _Graph] = OrderedDict()
         self.fingerprint: tuple | None = None
-        # a batch whose bucket is not held is captured on the spot, unless the owner captures them ahead (then it
-        # runs eagerly: a request never waits for a capture)
-        self.capture_misses = True
+        # a batch whose bucket is not held is captured on the spot, except until this time.monotonic() deadline,
+        # while the owner captures them ahead of traffic (it runs eagerly then: a request does not wait for a capture)
+        self.defer_captures_until = 0.0
         self.captures = self.evictions = self.eager_fallbacks = self.replays = 0
         self.capture_seconds = 0.0
         self.pool_bytes = 0  # growth of reserved device memory while capturing: what the graphs hold
@@ -180,7 +180,7 @@ class CudaGraphs:
             return None
         entry = self.graphs.get(key)
         if entry is None:
-            if not self.capture_misses:  # captured ahead, in the background: this batch runs eagerly meanwhile
+            if time.monotonic() < self.defer_captures_until:  # captured ahead: this batch runs eagerly meanwhile
                 self.eager_fallbacks += 1
                 return None
             entry = self._capture(key)

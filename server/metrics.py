@@ -4,12 +4,13 @@ everything a model does. Each app instance owns its own registry (tests run seve
 With WORKERS > 1 (server.workers) prometheus-client runs in multiprocess mode (PROMETHEUS_MULTIPROC_DIR): every
 worker writes its values to files there and any worker's /metrics reads them all. Counters and histograms are
 summed; each gauge says how its workers' values combine (`multiprocess_mode`: queue depth and memory are summed over
-live workers, the fused switch and readiness are the least of them, the last reference check is the most recent).
+the workers, the fused switch and readiness are the least of them, the last reference check is the most recent).
 What is read at scrape time in one process (CUDA-graph counters, device memory) is copied into such files by each
 worker once a second instead. The process_* families then describe the worker that answered."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -21,6 +22,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from model.runner import KERNEL_OPS
+
+log = logging.getLogger("fusedserve")
 
 PREFIX = "fusedserve_"
 
@@ -111,10 +114,17 @@ class Metrics:
         self._refreshers.append(fn)
         if len(self._refreshers) == 1:
             def loop() -> None:
+                failing: set[int] = set()
                 while True:
                     threading.Event().wait(1.0)
-                    for refresh in list(self._refreshers):
-                        refresh()
+                    for i, refresh in enumerate(list(self._refreshers)):
+                        try:
+                            refresh()
+                            failing.discard(i)
+                        except Exception:  # logged once per failing refresher; the others keep going
+                            if i not in failing:
+                                log.exception("copying scrape-time metrics for the other workers failed")
+                            failing.add(i)
 
             threading.Thread(target=loop, name="fusedserve-metrics", daemon=True).start()
 

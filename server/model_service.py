@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -58,6 +59,10 @@ def _bytes_of(*modules: torch.nn.Module) -> int:
             seen.add(tensor.data_ptr())
             total += tensor.numel() * tensor.element_size()
     return total
+
+
+# after ready, the longest that batches without their CUDA graph run eagerly while the rest are captured when idle
+CAPTURE_AHEAD_S = 120.0
 
 
 class ModelService:
@@ -153,7 +158,7 @@ class ModelService:
         log.warning("warm-up of %s: %d launch shapes run in %.1fs", self.name, len(sweep),
                     self.warmup_seconds["shape sweep"])
         if e.graphs is not None and s.cuda_graph_warmup:
-            e.graphs.capture_misses = False  # captured ahead from here on: a batch never waits for a capture
+            e.graphs.defer_captures_until = math.inf  # captured ahead from here on: no batch waits for a capture
             self._enter("cuda_graphs", 0.0)
             self._capture_graphs(s.cuda_graphs_before_ready)
         self._enter("calibration")
@@ -183,6 +188,10 @@ class ModelService:
         if e is None or e.graphs is None or not self.settings.cuda_graph_warmup or not self.settings.warmup:
             return None
 
+        # under traffic that never leaves the model idle, a bucket still missing after this long is captured when
+        # its batch comes, as without warm-up
+        e.graphs.defer_captures_until = time.monotonic() + CAPTURE_AHEAD_S
+
         def run() -> None:
             started, count = time.perf_counter(), 0
             try:
@@ -194,7 +203,7 @@ class ModelService:
                 log.exception("capturing the CUDA graphs of %s after ready failed; batches without a graph run "
                               "eagerly, or capture it when they come", self.name)
             finally:
-                e.graphs.capture_misses = True  # from now on (an evicted bucket, a new selection) on first use
+                e.graphs.defer_captures_until = 0.0  # from now on (an evicted bucket, a new selection) on first use
             self.graphs_after_ready = (count, time.perf_counter() - started)
             log.warning("CUDA graphs of %s: %d more buckets captured after ready in %.1fs (while idle)", self.name,
                         count, self.graphs_after_ready[1])

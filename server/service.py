@@ -125,6 +125,12 @@ class Service:
         """Readiness and new requests answer 503 from now on (safe from a signal handler or a timer)."""
         self._draining.set()
 
+    def check_probe(self) -> None:
+        """A readiness probe's check (KServe's, TEI's): check_ready, and with WORKERS > 1 every worker ready."""
+        self.check_ready()
+        if not workers.all_ready():
+            raise Unavailable("still loading: not every worker is ready", headers={"Retry-After": "5"})
+
     def check_ready(self) -> None:
         if self.draining:
             raise Unavailable("the server is shutting down", headers={"Retry-After": "1"})
@@ -155,9 +161,12 @@ class Service:
             self.load()
             if not self.draining:
                 self.mark_ready()
-                log.warning("ready in %.1fs\n%s", time.monotonic() - self._started, self.startup_report())
                 for m in self.serving:
                     m.capture_rest()
+                try:
+                    log.warning("ready in %.1fs\n%s", time.monotonic() - self._started, self.startup_report())
+                except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
+                    log.exception("ready in %.1fs; the start-up report failed", time.monotonic() - self._started)
         except BaseException as exc:
             failing = self.loading
             named = f"model {failing.name!r} ({failing.spec.path}): " if failing is not None else ""

@@ -11,9 +11,12 @@ their kernels share the GPU concurrently instead of time-slicing.
 - Metrics: prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, one directory per start): any worker's
   /metrics answers for all of them, counters and histograms summed, gauges as each declares (server.metrics). The
   alternative, a `worker` label per process, would leave each scrape with one worker's numbers.
-- Failure: a worker that exits stops the others and the parent exits non-zero; the orchestrator restarts the pod
-  (a half-serving pod with a dead worker would be slower than it reports).
-- Signals: SIGTERM/SIGINT on the parent go to every worker, each drains as a single server does.
+- Failure: a worker that exits stops the others and the parent exits non-zero (the failing worker's code, 1 for a
+  model that failed to load); the orchestrator restarts the pod (a half-serving pod with a dead worker would be
+  slower than it reports).
+- Signals: SIGTERM or SIGINT on the parent sends SIGTERM to every worker (each in its own process group, so it gets
+  one signal, not the terminal's too), and each drains as a single server does.
+- The admin fused switch answers 409: a request reaches one worker of several.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
     """Bind host:port, run `target(argv, sock)` in `count` spawned processes, and wait: the first worker to exit
-    stops the others. Returns the exit status (0 when all ended cleanly after a signal)."""
+    stops the others. Returns 0 when a signal stopped them and each ended cleanly; else the first failure's code
+    (1 for a worker killed by a signal nobody sent through the parent)."""
     state = Path(tempfile.mkdtemp(prefix="fusedserve-workers-"))
     (state / "metrics").mkdir()
     os.environ.update({STATE_ENV: str(state), "FUSEDSERVE_WORKERS": str(count),
@@ -75,33 +79,42 @@ def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=target, args=(argv, sock), name=f"fusedserve-worker-{i}", daemon=False)
                for i in range(count)]
-    stopping = False
+    signalled = False
 
-    def forward(signum, frame) -> None:
-        nonlocal stopping
-        stopping = True
+    def stop_all() -> None:  # SIGTERM whatever the parent got: each worker drains as a single server does
         for worker in workers:
-            if worker.is_alive():
-                os.kill(worker.pid, signum)
+            if worker.pid is not None and worker.is_alive():
+                os.kill(worker.pid, signal.SIGTERM)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def on_signal(signum, frame) -> None:
+        nonlocal signalled
+        signalled = True
+        stop_all()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for worker in workers:
+            if signalled:
+                break
             worker.start()
-        log.warning("%d workers on http://%s:%d (pids %s)", count, host, port, " ".join(str(w.pid) for w in workers))
-        while all(worker.is_alive() for worker in workers):
+        started = [w for w in workers if w.pid is not None]
+        log.warning("%d workers on http://%s:%d (pids %s)", len(started), host, port,
+                    " ".join(str(w.pid) for w in started))
+        while not signalled and all(worker.is_alive() for worker in started):
             time.sleep(0.2)
-        first = next(w for w in workers if not w.is_alive())
-        if not stopping:
+        first = next((w for w in started if not w.is_alive()), None)
+        unexpected = not signalled and first is not None
+        if unexpected:
             log.critical("worker %s (pid %d) exited with %s; stopping the others", first.name, first.pid,
                          first.exitcode)
-            forward(signal.SIGTERM, None)
-        for worker in workers:
+        stop_all()
+        for worker in started:
             worker.join()
-        # after a forwarded signal a worker ends by it (uvicorn re-raises the signal once it has shut down)
-        clean = (0, -signal.SIGTERM, -signal.SIGINT)
-        codes = [worker.exitcode for worker in workers]
-        return 0 if stopping and all(code in clean for code in codes) else max(1, *(abs(c or 0) for c in codes))
+        if unexpected:
+            return first.exitcode if first.exitcode and first.exitcode > 0 else 1
+        # after the parent's SIGTERM a worker ends by it (uvicorn re-raises the signal once it has shut down)
+        failed = [w.exitcode for w in started if w.exitcode not in (0, -signal.SIGTERM)]
+        return next((code for code in failed if code > 0), 1) if failed else 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -110,7 +123,9 @@ def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
 
 
 def run_worker(argv: list[str], sock: socket.socket) -> None:
-    """A worker process: the same start as `python -m server`, on the parent's socket."""
+    """A worker process: the same start as `python -m server`, on the parent's socket. In a process group of its
+    own, so a terminal's Ctrl-C or a service manager's group-wide signal reaches it once, through the parent."""
     from server.__main__ import main
 
+    os.setpgrp()
     raise SystemExit(main(argv, sockets=[sock]))

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Header
 from pydantic import BaseModel, Field, StrictBool
 
 from server.deps import ServiceDep
-from server.errors import NotFound, Unauthorized
+from server.errors import Conflict, NotFound, Unauthorized
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -34,7 +34,11 @@ class FusedSwitch(BaseModel):
 
 @router.post("/fused", dependencies=[Admin])
 async def set_fused(body: FusedSwitch, service: ServiceDep) -> dict:
-    """Each model switched reports its path; the top level repeats the first one's (a one-model server's answer)."""
+    """Each model switched reports its path; the top level repeats the first one's (a one-model server's answer).
+    With WORKERS > 1 a 409: the request would reach one worker of several, leaving the others on their path."""
+    if service.settings.workers > 1:
+        raise Conflict(f"the fused switch acts on one process and this server runs {service.settings.workers} "
+                       "workers: set FUSEDSERVE_FUSED=false (or WORKERS=1) and restart")
     switched = await service.set_fused(body.enabled, body.model)
     # auto attention follows the switch (the few-token layer only while its ops are fused)
     states = {m.name: {"fused": state["fused"], "attention": state["attention"],

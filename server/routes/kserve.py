@@ -86,7 +86,7 @@ async def live() -> dict:
 
 @router.get("/health/ready")
 async def ready(service: ServiceDep) -> dict:
-    service.check_ready()
+    service.check_probe()
     return {"ready": True}
 
 

@@ -237,7 +237,7 @@ async def decode(body: DecodeRequest, service: ServiceDep, request: Request) -> 
 async def health(service: ServiceDep) -> Response:
     """200 (empty) once the model is loaded and warmed up; 503 while it loads, after a failed start, or while the
     server drains."""
-    service.check_ready()
+    service.check_probe()
     return Response(status_code=200)
 
 

@@ -76,8 +76,8 @@ def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
 
 
 def test_gpu_server_overlapped_batches_answer_their_own_requests(tmp_path):
-    # the serving defaults (no timing, no verification: every batch replays a graph and overlap_batches holds one
-    # in flight); small batches so that many follow each other while 48 requests of distinct texts are in flight
+    # the serving defaults (no timing, no verification: batches replay graphs, or run eagerly while their bucket
+    # waits for its capture after ready, and overlap_batches holds one in flight); small batches so that many follow each other while 48 requests of distinct texts are in flight
     server = start_server(tmp_path, ready_timeout_s=GPU_READY_S, model=str(_model_dir().resolve()), device="cuda",
                           dtype="float16", kernel_timing_sample_rate="0", max_batch_requests="4")
     requests = [[SENTENCES[i % len(SENTENCES)], SENTENCES[(7 * i + 3) % len(SENTENCES)]] for i in range(48)]

@@ -70,12 +70,12 @@ def test_after_the_shape_sweep_no_eager_forward_tunes_or_compiles(device):
         e.embed_ids(batch, graphs=False)
     tuned, compiled = _state()
     assert any(tuned.values()), "the sweep ran no autotuned Triton kernel: the test would prove nothing"
-    seen = []
+    seen, seed = [], int(torch.randint(1 << 30, ()))
     with e.timed(lambda op, backend, seconds: seen.append(backend)):
-        for batch in _random_batches(e, 6 if device == "cpu" else 40, seed=int(torch.randint(1 << 30, ()))):
+        for batch in _random_batches(e, 6 if device == "cpu" else 40, seed=seed):
             e.embed_ids(batch, graphs=False)
     assert "triton" in seen
     after, compiled_after = _state()
     new = {k: after[k] - tuned.get(k, set()) for k in after if after[k] - tuned.get(k, set())}
-    assert not new, f"an eager forward after the sweep autotuned: {new}"
-    assert compiled_after == compiled, "an eager forward after the sweep compiled a kernel"
+    assert not new, f"an eager forward after the sweep autotuned (batches of seed {seed}): {new}"
+    assert compiled_after == compiled, f"an eager forward after the sweep compiled a kernel (seed {seed})"

@@ -89,3 +89,35 @@ def test_overlap_off_waits_for_each_batch_before_the_next(embedder, monkeypatch)
 def test_eager_results_are_delivered_at_once(embedder):
     pending = embedder.launch_ids([[101, 7592, 102]])
     assert pending.ready()  # nothing in flight on the CPU: the worker never holds such a batch back
+
+
+def test_idle_work_waits_for_the_queue_and_is_refused_after_the_drain(embedder, monkeypatch):
+    """call_when_idle (the graph captures after ready) runs only when nothing is queued or in flight, and after a
+    drain it is refused at once (its waiter returns)."""
+    from server.errors import Unavailable
+
+    order: list = []
+    launch = embedder.launch_ids
+
+    def recorded(ids, **kw):
+        order.append("batch")
+        return launch(ids, **kw)
+
+    monkeypatch.setattr(embedder, "launch_ids", recorded)
+    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=0),
+                      Metrics().for_model("tiny"))
+    rows = [[101, 7592 + i, 102] for i in range(3)]
+
+    async def main():
+        jobs = [batcher.submit([row], normalize=False, timeout_s=30) for row in rows]  # queued first
+        idle = batcher.call_when_idle(lambda: order.append("idle") or "done")
+        batcher.start()
+        for job in jobs:
+            await asyncio.wait_for(job.future, 30)
+        return await asyncio.wait_for(asyncio.wrap_future(idle), 30)
+
+    assert asyncio.run(main()) == "done"
+    assert order[-1] == "idle" and order.count("batch") >= 1  # after every queued batch
+    assert batcher.drain(5)
+    with pytest.raises(Unavailable):
+        batcher.call_when_idle(lambda: "too late").result(timeout=5)

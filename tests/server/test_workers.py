@@ -1,6 +1,7 @@
 """WORKERS=2 on a real `python -m server`: two processes on one port, each with its own model; /readyz turns 200 only
 once both are ready; connections land on both; any worker's /metrics counts every worker's requests (multiprocess
-mode); answers equal a single server's; SIGTERM stops the parent and both workers cleanly."""
+mode); answers equal a single server's; the admin switch answers 409; SIGTERM stops the parent and both workers
+cleanly."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ TEXTS = [f"sentence number {i} about workers sharing one port" for i in range(24
 
 def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
     process, url, log_path = launch(tmp_path, workers=2, model="tiny", backend="torch", torch_threads=1,
-                                    max_batch_tokens=512)
+                                    max_batch_tokens=512, admin_token="secret")
     try:
         deadline = time.monotonic() + 240
         while True:
@@ -51,6 +52,9 @@ def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
                        and 'status="200"' in line)
         assert answered == len(TEXTS) + 4  # both workers' counts, from whichever answered the scrape
         assert 'fusedserve_model_ready{model="tiny (random init)"} 1.0' in metrics
+        # the fused switch would reach one worker of two: refused, saying what to do instead
+        r = httpx.post(url + "/admin/fused", json={"enabled": False}, headers={"Authorization": "Bearer secret"})
+        assert r.status_code == 409 and "FUSEDSERVE_FUSED=false" in r.json()["error"]["message"], r.text
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, open(log_path).read()
