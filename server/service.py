@@ -157,6 +157,7 @@ class Service:
         try:
             if self.settings.torch_threads:
                 torch.set_num_threads(self.settings.torch_threads)
+            workers.wait_for_the_first()
             self.phase = "loading"
             self.load()
             if not self.draining:

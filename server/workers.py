@@ -6,6 +6,8 @@ hand. The parent binds the socket once and spawns the workers (spawn, not fork: 
 forked child); the kernel spreads accepted connections over them. With the CUDA MPS daemon running (docs/operations.md)
 their kernels share the GPU concurrently instead of time-slicing.
 
+- Start: the first worker loads alone and fills the kernel cache (compiles, autotuning, races); the others load
+  once it is ready, from the cache.
 - Readiness: a worker answers /readyz 200 only once every worker is ready (each marks itself in the shared state
   directory), so a probe never sees a pod ready whose next connection lands on a worker still loading.
 - Metrics: prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, one directory per start): any worker's
@@ -34,6 +36,7 @@ from pathlib import Path
 log = logging.getLogger("fusedserve")
 
 STATE_ENV = "FUSEDSERVE_WORKERS_STATE"  # the shared state directory, set by the parent for its workers
+INDEX_ENV = "FUSEDSERVE_WORKER_INDEX"  # this worker's number, 0 for the first
 
 
 def state_dir() -> Path | None:
@@ -47,6 +50,20 @@ def mark_ready() -> None:
     directory = state_dir()
     if directory is not None:
         (directory / f"ready-{os.getpid()}").touch()
+
+
+def wait_for_the_first() -> None:
+    """Workers after the first wait until it is ready before they load: the first compiles, tunes and races the
+    kernels into the cache directory, and the others then take all of it from there in seconds, instead of every
+    worker autotuning and timing races on one GPU beside the others' start-up work (noisy races could make workers
+    choose different backends). No-op in a single-process server and in the first worker."""
+    directory = state_dir()
+    if directory is None or os.environ.get(INDEX_ENV, "0") == "0":
+        return
+    log.warning("worker %s: waiting for the first worker to be ready (it fills the kernel cache)",
+                os.environ[INDEX_ENV])
+    while not any(directory.glob("ready-*")):
+        time.sleep(0.2)
 
 
 def all_ready() -> bool:
@@ -68,7 +85,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
-    """Bind host:port, run `target(argv, sock)` in `count` spawned processes, and wait: the first worker to exit
+    """Bind host:port, run `target(argv, sock, index)` in `count` spawned processes, and wait: the first worker to exit
     stops the others. Returns 0 when a signal stopped them and each ended cleanly; else the first failure's code
     (1 for a worker killed by a signal nobody sent through the parent)."""
     state = Path(tempfile.mkdtemp(prefix="fusedserve-workers-"))
@@ -77,7 +94,7 @@ def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
                        "PROMETHEUS_MULTIPROC_DIR": str(state / "metrics")})
     sock = bind(host, port)
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=target, args=(argv, sock), name=f"fusedserve-worker-{i}", daemon=False)
+    workers = [context.Process(target=target, args=(argv, sock, i), name=f"fusedserve-worker-{i}", daemon=False)
                for i in range(count)]
     signalled = False
 
@@ -122,10 +139,11 @@ def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
         shutil.rmtree(state, ignore_errors=True)
 
 
-def run_worker(argv: list[str], sock: socket.socket) -> None:
+def run_worker(argv: list[str], sock: socket.socket, index: int) -> None:
     """A worker process: the same start as `python -m server`, on the parent's socket. In a process group of its
     own, so a terminal's Ctrl-C or a service manager's group-wide signal reaches it once, through the parent."""
     from server.__main__ import main
 
     os.setpgrp()
+    os.environ[INDEX_ENV] = str(index)
     raise SystemExit(main(argv, sockets=[sock]))

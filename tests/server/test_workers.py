@@ -40,6 +40,7 @@ def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
                 assert info["worker"]["workers"] == 2 and info["ready"]
                 pids.add(info["worker"]["pid"])
         assert len(pids) == 2, "every connection went to one worker"
+        assert "worker 1: waiting for the first worker to be ready" in open(log_path).read()  # it fills the cache
         # the same text gets the same vector from either worker (same random init: the preset's fixed seed)
         for _ in range(4):
             with httpx.Client(base_url=url, timeout=30) as client:
