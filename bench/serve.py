@@ -537,48 +537,47 @@ def _mps() -> bool:
     return pipe.exists()
 
 
-def replicas_scenario(args: argparse.Namespace, save) -> None:
+def _sharing_point(args: argparse.Namespace, urls: list[str], ids: list, tokens: list[int], raw: float,
+                   **labels) -> dict:
+    """Token ids from --replica-clients clients at the servers `urls` (warmed first): one point, served tokens/s
+    against the runner's raw rate."""
+    load(urls, ids, args.replica_clients, 3, args.per_request, processes=args.client_processes, payload="ids")
+    run, inside = measured_load(urls, ids, args.replica_clients, args.seconds, args.per_request, tokens,
+                                args.client_processes, "ids")
+    return _point(run, inside, raw, None, payload="ids", clients=args.replica_clients, **labels)
+
+
+def _sharing_scenario(args: argparse.Namespace, save, label: str, counts: list[int], start) -> None:
+    """One point per count: `start(count)` is a context yielding [(process, url)] of the servers sharing the
+    device (several servers, or one with several workers)."""
     texts = _traffic(args)
     ids, raw = raw_runner(args, texts)
     tokens = list(map(len, ids))
     summary = {"texts": len(texts), "tokens": sum(tokens), "runner_raw_tokens_per_s": raw, "mps": _mps()}
     rows: list[dict] = []
-    for count in args.replica_counts:
-        with running_servers(count, _log(args, f"replicas-{count}"), **server_settings(args)) as servers:
+    for count in counts:
+        with start(count) as servers:
             urls = [url for _, url in servers]
-            choices = kernel_choices(urls)
-            split = {op: c for op, c in choices.items() if len(c) > 1}
-            load(urls, ids, args.replica_clients, 3, args.per_request, processes=args.client_processes,
-                 payload="ids")  # warm
-            run, inside = measured_load(urls, ids, args.replica_clients, args.seconds, args.per_request, tokens,
-                                        args.client_processes, "ids")
-            rows.append(_point(run, inside, raw, None, replicas=count, payload="ids", clients=args.replica_clients,
-                               kernel_choices_differ=split))
-            _say(f"{count} replicas{' (MPS)' if summary['mps'] else ''}", rows[-1])
+            extra = {}
+            if len(urls) > 1:  # separate servers race their kernels apart: say where they chose differently
+                extra["kernel_choices_differ"] = {op: c for op, c in kernel_choices(urls).items() if len(c) > 1}
+            rows.append(_sharing_point(args, urls, ids, tokens, raw, **{label: count}, **extra))
+            _say(f"{label} {count}{' (MPS)' if summary['mps'] else ''}", rows[-1])
             save(rows, summary, False)
     save(rows, summary, True)
+
+
+def replicas_scenario(args: argparse.Namespace, save) -> None:
+    _sharing_scenario(args, save, "replicas", args.replica_counts,
+                      lambda n: running_servers(n, _log(args, f"replicas-{n}"), **server_settings(args)))
 
 
 def workers_scenario(args: argparse.Namespace, save) -> None:
     """One server with WORKERS=n (n processes on one port, each with its model on the device; under CUDA MPS when
-    its daemon runs), token ids from `--replica-clients` clients, one point per n in --worker-counts."""
-    texts = _traffic(args)
-    ids, raw = raw_runner(args, texts)
-    tokens = list(map(len, ids))
-    summary = {"texts": len(texts), "tokens": sum(tokens), "runner_raw_tokens_per_s": raw, "mps": _mps()}
-    rows: list[dict] = []
-    for count in args.worker_counts:
-        settings = {**server_settings(args), "workers": str(count)}
-        with running_servers(1, _log(args, f"workers-{count}"), **settings) as servers:
-            urls = [servers[0][1]]
-            load(urls, ids, args.replica_clients, 3, args.per_request, processes=args.client_processes,
-                 payload="ids")  # warm
-            run, inside = measured_load(urls, ids, args.replica_clients, args.seconds, args.per_request, tokens,
-                                        args.client_processes, "ids")
-            rows.append(_point(run, inside, raw, None, workers=count, payload="ids", clients=args.replica_clients))
-            _say(f"WORKERS={count}{' (MPS)' if summary['mps'] else ''}", rows[-1])
-            save(rows, summary, False)
-    save(rows, summary, True)
+    its daemon runs), one point per n in --worker-counts."""
+    _sharing_scenario(args, save, "workers", args.worker_counts,
+                      lambda n: running_servers(1, _log(args, f"workers-{n}"),
+                                                **{**server_settings(args), "workers": str(n)}))
 
 
 def soak_scenario(args: argparse.Namespace, save) -> None:
