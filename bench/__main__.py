@@ -14,7 +14,7 @@ import torch
 SUITES = {
     "kernels": "each fused op vs eager and torch.compile, per backend, against the copy ceiling",
     "encoder": "the encoder forward vs eager PyTorch, torch.compile and torch.compile + CUDA graphs",
-    "serve": "the real server under load: closed-loop, single, replicas, soak",
+    "serve": "the real server: closed-loop, single, workers, replicas, soak, startup",
     "report": "markdown tables (stdout) and PNG plots from the committed results",
 }
 

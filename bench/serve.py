@@ -15,6 +15,11 @@ Scenarios:
                against its input's single-request embedding, status counts, the server's memory growth
   startup      time to ready on an empty cache directory and again on the cache it left, and the first 1,000
                sequential single requests after the cold start
+  peer         Infinity (infinity-emb 0.0.78, torch engine, its best of --peer-batch-sizes) beside one server of ours,
+               same run, same model directory and texts, the same OpenAI request (POST /v1/embeddings, base64) from
+               the same clients, at each of --peer-clients: tokens/s, texts/s, p50/p99 and ours/Infinity per count
+               (bench/peer.py). Infinity's wheels: `bash bench/peer-wheels.sh` (-> .whl-infinity/), installed with
+               pip's --target into the folder --infinity-site names
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ from pathlib import Path
 
 import httpx
 
+from bench import peer
 from bench import results as store
 
-SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup")
+SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer")
 DEFAULT_SCENARIOS = ("closed-loop", "single", "workers")
 
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or had not but "
@@ -71,6 +77,7 @@ def running_servers(count: int, log_path: str = os.devnull, *, command: list[str
     pods), all writing to `log_path`. Yields [(process, url)] once every one is ready (a first start on a fresh GPU
     machine compiles, self-tests and races the kernels before it is)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
+    env.pop("TRITON_INTERPRET", None)  # the harness's own switch on a CPU: a server chooses kernels as deployed
     command = command or [sys.executable, "-m", "server"]
     servers, log = [], open(log_path, "a")
     try:
@@ -120,6 +127,8 @@ def request_body(payload: str, rows: list) -> tuple[str, dict]:
     """The route and JSON body of one request: "text" sends texts to /infer; "ids" sends token ids to the
     OpenAI route with base64 vectors (what a client that tokenizes itself sends: no tokenizer on the server)."""
     if payload == "ids":
+        return "/v1/embeddings", {"input": rows, "encoding_format": "base64"}
+    if payload == "openai":  # texts, as OpenAI's own client sends them: any OpenAI-compatible server takes it (peer)
         return "/v1/embeddings", {"input": rows, "encoding_format": "base64"}
     return "/infer", {"inputs": rows}
 
@@ -505,6 +514,18 @@ def first_requests(url: str, texts: list[str]) -> dict:
     return {"requests": len(texts), "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "max_ms": max(latencies) * 1e3}
 
 
+def _cache_contents(cache: Path) -> dict:
+    """What a start left in its cache directory: Triton's compiled kernels (one .cubin per compiled variant) and the
+    tuning tables' entries."""
+    tables = {}
+    for path in cache.glob("*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            table = json.loads(path.read_text())
+            tables[path.name.split("-")[0]] = (sum(map(len, table.values())) if path.name.startswith("triton-")
+                                               else len(table))
+    return {"compiled_kernels": len(list(cache.glob("triton/**/*.cubin"))), "table_entries": tables}
+
+
 def startup_scenario(args: argparse.Namespace, save) -> None:
     """Time to ready of a server started on an empty cache directory (cold: what a new pod of the GPU image does,
     its CUDA extension prebuilt) and again on the cache the first start left (warm: a restart, a second replica
@@ -516,13 +537,14 @@ def startup_scenario(args: argparse.Namespace, save) -> None:
     for start in ("cold", "warm"):
         started = time.monotonic()
         with running_servers(1, _log(args, f"startup-{start}"), **env) as servers:
-            row = {"start": start, "ready_s": time.monotonic() - started}
+            row = {"start": start, "ready_s": time.monotonic() - started, **_cache_contents(Path(cache))}
             url = servers[0][1]
             if start == "cold":
                 row["first_requests"] = first_requests(url, mixed_texts(args.first_requests, seed=1, low=5,
                                                                         high=200))
         rows.append(row)
-        print(f"{start} start: ready in {row['ready_s']:.1f} s" + (
+        print(f"{start} start: ready in {row['ready_s']:.1f} s ({row['compiled_kernels']} compiled kernels and "
+              f"tables {row['table_entries']} in {cache})" + (
             f"; first {row['first_requests']['requests']} single requests p50 {row['first_requests']['p50_ms']:.2f} "
             f"ms, p99 {row['first_requests']['p99_ms']:.2f} ms, max {row['first_requests']['max_ms']:.1f} ms"
             if "first_requests" in row else ""), file=sys.stderr, flush=True)
@@ -662,6 +684,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "right (default 1e-5 in fp32 on the CPU, 2e-3 otherwise)")
     parser.add_argument("--log-dir", help="write each scenario's server log here")
     parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/serve.json)")
+    peer.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -673,6 +696,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     out = args.out or store.default_path("serve", args.device)
     gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device)) if _cuda(args) else None)
     scenarios = {"closed-loop": closed_loop_scenario, "single": single_scenario, "workers": workers_scenario,
+                 "peer": peer.peer_scenario,
                  "replicas": replicas_scenario, "soak": soak_scenario, "startup": startup_scenario}
     started = time.monotonic()
     for scenario in args.scenarios or DEFAULT_SCENARIOS:
@@ -685,6 +709,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                          "workers": {"worker_counts": args.worker_counts, "clients": args.replica_clients},
                          "replicas": {"replica_counts": args.replica_counts, "clients": args.replica_clients},
                          "soak": {"clients": args.soak_clients, "cancel_rate": args.cancel_rate},
+                         "peer": peer.settings(args),
                          "startup": {"first_requests": args.first_requests}}[scenario])
 
         def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,

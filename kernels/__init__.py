@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import importlib.util
 import os
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -91,8 +92,8 @@ partial_add_layer_norm = _public("partial_add_layer_norm")
 assert {name for name, value in globals().items() if getattr(value, "__module__", None) == __name__
         and getattr(value, "__signature__", None) is not None} == set(OPS), "kernels/__init__.py and kernels.spec differ"
 
-__all__ = ["OPS", "REFERENCE", "BackendError", "Selection", "current", "reference_selection", "registry", "select",
-           "use", *OPS]
+__all__ = ["OPS", "REFERENCE", "BackendError", "Selection", "current", "reference_selection", "registry",
+           "save_tuning", "select", "use", *OPS]
 
 
 def _load_triton(device: torch.device):
@@ -106,8 +107,20 @@ def _load_triton(device: torch.device):
     from kernels.triton import LAUNCHERS
 
     cache.use_for_triton()
-
+    if device.type == "cuda":
+        cache.seed_triton(device)
     return library.custom_ops("triton", LAUNCHERS)
+
+
+def save_tuning(device: torch.device | str) -> None:
+    """Keep what the Triton autotuners chose in this process (kernels.cache's Triton table) for the next start on
+    this GPU model; nothing off CUDA or before the Triton backend was loaded. The CUDA launch tuning and the races
+    are saved as they are made."""
+    device = torch.device(device)
+    if device.type == "cuda" and "kernels.triton._common" in sys.modules:
+        from kernels import cache
+
+        cache.save_triton(device)
 
 
 registry.register_backend("triton", _load_triton)

@@ -8,6 +8,12 @@ sources (`fingerprint()`), so a new GPU, a new release or an edited kernel start
 (Triton keys its own cache the same way). Replicas on one node may share it: files are written to a per-process
 temporary file and renamed into place, so a reader sees a whole file or none, and a file that cannot be read is
 reported once and rebuilt.
+
+Shipped tuning: `kernels/tuning/<gpu>.json` holds the same tables for a GPU model, exported from a tuned start on
+that GPU (`python -m kernels.tuning export`). A start whose own table is missing begins from the shipped one, so a
+fresh machine compiles only the chosen configurations and races nothing it shipped with. It is used only when it was
+made from these kernel sources with these switches (a different torch or Triton release keeps it: a chosen block
+size stays valid, and the self-tests still run on fresh inputs at every start).
 """
 
 from __future__ import annotations
@@ -40,6 +46,27 @@ def use_for_triton() -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", str(root() / "triton"))
 
 
+# the kernel layer's own switches: each changes what a tuned choice or a race measured
+SWITCHES = ("FUSEDSERVE_TRITON_AUTOTUNE", "FUSEDSERVE_TRITON_PDL", "FUSEDSERVE_CUDA_TUNE")
+SHIPPED = Path(__file__).parent / "tuning"
+TABLES = ("triton", "tuning", "races")  # Triton's chosen configs, the CUDA launch configs, the backend races
+
+
+def switches() -> dict[str, bool]:
+    return {name: os.environ.get(name, "1") != "0" for name in SWITCHES}
+
+
+@functools.cache
+def sources_hash() -> str:
+    """A short hash of the kernel sources (every .py/.cu/.cuh/.h/.cpp under kernels/)."""
+    digest = hashlib.sha256()
+    package = Path(__file__).parent
+    for path in sorted(p for p in package.rglob("*") if p.suffix in _SOURCES):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @functools.cache
 def fingerprint() -> str:
     """The versions, the kernel layer's switches (autotune, PDL, CUDA tuning) and the kernel sources a cached decision
@@ -50,22 +77,70 @@ def fingerprint() -> str:
         triton_version = triton.__version__
     except ImportError:  # the reference and CUDA backends run without it
         triton_version = ""
-    # the kernel layer's own switches change what a tuned choice or a race measured
-    switches = [os.environ.get(name, "") for name in ("FUSEDSERVE_TRITON_AUTOTUNE", "FUSEDSERVE_TRITON_PDL",
-                                                      "FUSEDSERVE_CUDA_TUNE")]
-    for part in (torch.__version__, str(torch.version.cuda), triton_version, *switches):
+    for part in (torch.__version__, str(torch.version.cuda), triton_version, json.dumps(switches(), sort_keys=True),
+                 sources_hash()):
         digest.update(part.encode())
-    package = Path(__file__).parent
-    for path in sorted(p for p in package.rglob("*") if p.suffix in _SOURCES):
-        digest.update(path.relative_to(package).as_posix().encode())
-        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def gpu_name(device: torch.device | None = None) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def gpu_slug(device: torch.device | None = None) -> str:
+    """The GPU model as a file name part: "NVIDIA H200" -> "nvidia-h200"."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", gpu_name(device)).strip("-").lower()
 
 
 def gpu_file(prefix: str, device: torch.device | None = None) -> Path:
     """root()/<prefix>-<gpu model>-<fingerprint>.json for the given (default: current) CUDA device."""
-    gpu = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name(device)).strip("-").lower()
-    return root() / f"{prefix}-{gpu}-{fingerprint()}.json"
+    return root() / f"{prefix}-{gpu_slug(device)}-{fingerprint()}.json"
+
+
+_shipped_said: set[str] = set()
+
+
+def shipped(prefix: str, device: torch.device | None = None) -> dict:
+    """The shipped table `prefix` (one of TABLES) for this GPU model: empty when none ships for it, or when it was
+    made from other kernel sources or switches (said once)."""
+    gpu = gpu_slug(device)
+    path = SHIPPED / f"{gpu}.json"
+    if not path.exists():
+        return {}
+    table = read_table(path, lambda t: isinstance(t, dict) and isinstance(t.get("tables"), dict), "shipped tuning")
+    if not table:
+        return {}
+    if table.get("sources") != sources_hash() or table.get("switches") != switches():
+        if gpu not in _shipped_said:
+            _shipped_said.add(gpu)
+            log.warning("shipped tuning %s was made from other kernel sources or switches; this start tunes "
+                        "and races on the machine", path)
+        return {}
+    entries = table["tables"].get(prefix, {})
+    return entries if isinstance(entries, dict) else {}
+
+
+def export(device: torch.device | None = None) -> Path:
+    """Write SHIPPED/<gpu>.json from this cache directory's tables for the current GPU model, versions and
+    sources (what a tuned start left there)."""
+    tables = {prefix: read_table(gpu_file(prefix, device), lambda t: isinstance(t, dict), prefix)
+              for prefix in TABLES}
+    if not any(tables.values()):
+        raise SystemExit(f"nothing to export: no {'/'.join(TABLES)} table for {gpu_slug(device)} and fingerprint "
+                         f"{fingerprint()} in {root()} (start a server with this cache directory first)")
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = ""
+    path = SHIPPED / f"{gpu_slug(device)}.json"
+    shipped_table = {"gpu": gpu_name(device), "sources": sources_hash(), "switches": switches(),
+                     "made_with": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version},
+                     "tables": tables}
+    error = write_table(path, shipped_table)
+    if error is not None:
+        raise SystemExit(f"cannot write {path}: {error}")
+    return path
 
 
 def read_table(path: Path, valid: Callable[[object], bool], what: str) -> dict:
@@ -96,3 +171,34 @@ def write_table(path: Path, table: dict) -> OSError | None:
             tmp.unlink(missing_ok=True)
         return exc
     return None
+
+
+def _valid_triton(table: object) -> bool:
+    return isinstance(table, dict) and all(isinstance(entries, dict) for entries in table.values())
+
+
+def seed_triton(device: torch.device) -> int:
+    """Before the Triton kernels tune anything on `device`: the autotuners take this cache directory's chosen configs,
+    then the shipped ones for keys it lacks. Returns how many keys were seeded."""
+    from kernels.triton._common import seed_tuning
+
+    local = read_table(gpu_file("triton", device), _valid_triton, "Triton tuning cache")
+    seeded = seed_tuning(local) + seed_tuning(shipped("triton", device))
+    if seeded:
+        log.info("Triton: %d tuned configurations taken from the cache and the shipped tuning", seeded)
+    return seeded
+
+
+def save_triton(device: torch.device) -> None:
+    """This process's Triton choices into the cache directory's table, merged with what other processes saved."""
+    from kernels.triton._common import tuning_table
+
+    path = gpu_file("triton", device)
+    table = read_table(path, _valid_triton, "Triton tuning cache")
+    for name, entries in tuning_table().items():
+        table.setdefault(name, {}).update(entries)
+    error = write_table(path, table)
+    if error is not None:
+        log.warning("cannot save the Triton tuning table %s (%s: %s); the next start tunes again", path,
+                    type(error).__name__, error)
+

@@ -301,8 +301,9 @@ def _saved_races(device: torch.device) -> dict[str, dict]:
     if device.type != "cuda":
         return {}
     path = str(cache.gpu_file("races", device))
-    if path not in _saved:
-        _saved[path] = cache.read_table(Path(path), _valid_races, "race timings cache")
+    if path not in _saved:  # this GPU model's shipped races, under what this machine saved
+        shipped = {k: v for k, v in cache.shipped("races", device).items() if _valid_races({k: v})}
+        _saved[path] = {**shipped, **cache.read_table(Path(path), _valid_races, "race timings cache")}
     return _saved[path]
 
 

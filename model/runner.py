@@ -287,9 +287,9 @@ class Embedder:
         batch outside every graph bucket, serving without CUDA graphs) pays an autotune or a compile.
 
         Per power-of-two bucket of the token count (the key of every tuned launch config, kernels.row_bucket), up to
-        max_batch_tokens: its first count (a multiple of 16 from 16 on) and one more (Triton compiles an integer
-        argument's divisibility by 16 apart), as full rows of the model's longest input (rows of equal length take
-        the dense path) and, where two rows fit, as two rows of unequal length (the masked path)."""
+        max_batch_tokens: its first count, as full rows of the model's longest input (rows of equal length take the
+        dense path) and, where two rows fit, as two rows of unequal length (the masked path). One count per bucket
+        is enough because the Triton kernels take their counts unspecialized (kernels.triton._common.autotune)."""
         seq = self.config.max_seq_length
         longest = self.tokenizer.encode(["warm up " * seq])[0]
         seq = len(longest)
@@ -301,15 +301,17 @@ class Embedder:
 
         batches = []
         for bits in range(1, most.bit_length() + 1):
-            first = 1 << (bits - 1)
-            for tokens in dict.fromkeys((first, min(first + 1, (1 << bits) - 1))):
-                if tokens > most:
-                    continue
-                batches.append(rows_of(tokens))
-                if 3 <= tokens <= seq:  # two unequal rows (more than a row's worth already makes them)
-                    short = (tokens - 1) // 2
-                    batches.append([longest[:tokens - short], longest[:short]])
+            tokens = 1 << (bits - 1)
+            batches.append(rows_of(tokens))
+            if 3 <= tokens <= seq:  # two unequal rows (more than a row's worth already makes them)
+                short = (tokens - 1) // 2
+                batches.append([longest[:tokens - short], longest[:short]])
         return batches
+
+    def save_tuning(self) -> None:
+        """Keep what the kernels tuned in this process for the next start on this GPU model (kernels.save_tuning):
+        after the shape sweep, when every launch shape has been met."""
+        kernels.save_tuning(self.device)
 
     # ---- what it runs on -------------------------------------------------------------------------------------
     @property

@@ -154,6 +154,7 @@ class ModelService:
         for i, batch in enumerate(sweep):
             self._enter("warmup", i / len(sweep))
             self.batcher.call_between_batches(lambda batch=batch: e.embed_ids(batch, graphs=False)).result()
+        e.save_tuning()
         self.warmup_seconds["shape sweep"] = time.perf_counter() - started
         log.warning("warm-up of %s: %d launch shapes run in %.1fs", self.name, len(sweep),
                     self.warmup_seconds["shape sweep"])

@@ -85,6 +85,8 @@ class Tuner:
         every later start re-tuning with nobody told why)."""
         if self._file is None:
             self._file = cache.gpu_file("tuning")
+            shipped = cache.shipped("tuning")  # this GPU model's shipped table, under what this machine saved
+            self._table.update({k: v for k, v in shipped.items() if _valid_table({k: v})})
             self._table.update(cache.read_table(self._file, _valid_table, "CUDA tuning cache"))
         return self._file
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import os
 import statistics
 import time
@@ -97,7 +98,12 @@ def _cpu_do_bench(fn, quantiles=None, reps: int = 1):
 def autotune(configs: list[triton.Config], key: list[str], prune=None):
     """triton.autotune with our defaults. Under the interpreter the cost is per program, not per byte:
     keep the two surviving configs with the largest tiles and time them with a CPU benchmark, so the
-    autotuning path itself runs in CI in seconds."""
+    autotuning path itself runs in CI in seconds.
+
+    The kernels pass their token counts (M, T, and the bucket that is only an autotune key) with
+    `do_not_specialize`: Triton otherwise compiles a kernel apart for a count of 1, a multiple of 16 and any other
+    count, which triples what a server's start compiles, and a count only bounds masks here (the vectorized
+    accesses run along the columns, whose width stays specialized)."""
 
     def early_prune(configs, named_args, **kwargs):
         kept = prune(configs, named_args, **kwargs) if prune else list(configs)
@@ -109,7 +115,50 @@ def autotune(configs: list[triton.Config], key: list[str], prune=None):
         return kept
 
     extra = {"do_bench": _cpu_do_bench} if INTERPRET else dict(_AUTOTUNE_CACHE)
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": early_prune}, **extra)
+
+    def decorate(fn):
+        tuner = triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": early_prune},
+                                **extra)(fn)
+        TUNERS[fn.fn.__name__] = tuner
+        return tuner
+
+    return decorate
+
+
+# Every autotuned kernel by name: its chosen config per key is the Triton table of kernels.cache (saved beside
+# the other tuning tables, shipped per GPU model, and seeded into the autotuners before they tune anything).
+TUNERS: dict[str, triton.runtime.autotuner.Autotuner] = {}
+
+
+def tuning_table() -> dict[str, dict[str, dict]]:
+    """kernel -> autotune key (as JSON) -> the chosen config, for every key tuned or seeded in this process."""
+    def entry(c: triton.Config) -> dict:
+        return {"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages,
+                "num_ctas": c.num_ctas, "maxnreg": c.maxnreg}
+
+    return {name: {json.dumps(list(key)): entry(config) for key, config in tuner.cache.items()}
+            for name, tuner in TUNERS.items() if tuner.cache}
+
+
+def seed_tuning(table: dict) -> int:
+    """Put a saved table's configs into the autotuners (keys they have not tuned yet): a seeded key runs its config
+    without benchmarking or compiling the other candidates. Returns how many keys were seeded."""
+    seeded = 0
+    for name, entries in table.items():
+        tuner = TUNERS.get(name)
+        if tuner is None or not isinstance(entries, dict):
+            continue  # a kernel that no longer exists
+        for key, c in entries.items():
+            try:
+                config = triton.Config(c["kwargs"], num_warps=c["num_warps"], num_stages=c["num_stages"],
+                                       num_ctas=c.get("num_ctas", 1), maxnreg=c.get("maxnreg"))
+                tuned_key = tuple(json.loads(key))
+            except (KeyError, TypeError, ValueError):
+                continue  # an entry written by another layout of the table: tuned again
+            if tuned_key not in tuner.cache:
+                tuner.cache[tuned_key] = config
+                seeded += 1
+    return seeded
 
 
 # Autotune timings are kept on disk (Triton 3.4+: `cache_results`, in TRITON_CACHE_DIR beside the compiled kernels),

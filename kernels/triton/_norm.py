@@ -54,7 +54,7 @@ _CONFIGS = [
 
 
 @autotune(_CONFIGS, key=["N", "M_BUCKET", "HAS_RESIDUAL", "HAS_BIAS", "STORE_SUM", "GELU", "PARTS"], prune=_prune)
-@triton.jit
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])  # counts: see _common.autotune
 def _norm_kernel(
     X,  # [M, N] input; with PARTS, [P, M, N] partial sums (summed in order, then as one input)
     R,  # [M, N] residual (unused unless HAS_RESIDUAL)

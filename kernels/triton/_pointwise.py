@@ -35,7 +35,7 @@ _CONFIGS = [
 
 
 @autotune(_CONFIGS, key=["N", "M_BUCKET", "HAS_RESIDUAL", "GELU"], prune=_prune)
-@triton.jit
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])  # counts: see _common.autotune
 def _bias_gelu_kernel(
     X,  # [M, N] input
     BIAS,  # [N] bias

@@ -15,7 +15,7 @@ from kernels.triton._norm import _CONFIGS, _prune, layer_norm_stats
 
 
 @autotune(_CONFIGS, key=["N", "M_BUCKET"], prune=_prune)
-@triton.jit
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])  # counts: see _common.autotune
 def _embedding_layer_norm_kernel(
     IDS,  # [M] token ids
     POS,  # [M] position ids

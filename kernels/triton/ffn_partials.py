@@ -30,7 +30,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_CHUNK = 128  # intermediate columns one program holds ([rows, chunk] fp32 in registers); wider chunks: torch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # counts: see _common.autotune
 def _ffn_partials_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, p_ptr, T, H, CHUNK, stride_x, stride_w1, stride_w2,
                          MODE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):

@@ -81,7 +81,7 @@ def _tile_position(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @autotune(CONFIGS, key=["M_CLASS", "N", "K", "IEEE"], prune=_fits_shared_memory)
-@triton.jit
+@triton.jit(do_not_specialize=["M", "M_CLASS"])  # counts: see _common.autotune
 def _linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, M_CLASS,
                         stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
                         MODE: tl.constexpr, IEEE: tl.constexpr,

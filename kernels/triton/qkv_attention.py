@@ -146,7 +146,7 @@ def _store_out_projection(ctx, wo_ptr, p_ptr, rows, end, head, H, D, stride_wo,
                  mask=(rows[:, None] < end) & (ns[None, :] < H))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # counts: see _common.autotune
 def _qkv_attention_kernel(x_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, wo_ptr, T, H, D, qk_scale, stride_x, stride_w,
                           stride_y, stride_wo,
                           BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,

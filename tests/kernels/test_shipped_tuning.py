@@ -1,0 +1,113 @@
+"""The tuning tables a start reuses (kernels.cache): Triton's chosen configs saved and seeded back without
+benchmarking, the shipped table per GPU model taken only for the kernel sources and switches it was made from, and
+the export that writes it from a cache directory. On the CPU: the Triton interpreter's autotuner, a stand-in GPU
+name."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kernels import cache, registry
+from kernels.cuda import tuning
+
+GPU = "test-gpu-h200"
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    """An empty cache directory and shipped folder, and a GPU name for the tables (no CUDA needed)."""
+    monkeypatch.setenv(cache.ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "SHIPPED", tmp_path / "shipped")
+    monkeypatch.setattr(cache, "gpu_name", lambda device=None: "Test GPU H200")
+    monkeypatch.setattr(cache, "_shipped_said", set())
+    for name in cache.SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def _ship(dirs, tables: dict, **overrides) -> None:
+    body = {"gpu": GPU, "sources": cache.sources_hash(), "switches": cache.switches(), "tables": tables, **overrides}
+    (dirs / "shipped").mkdir(exist_ok=True)
+    (dirs / "shipped" / f"{GPU}.json").write_text(json.dumps(body))
+
+
+RACES = {"layer_norm|float16|384|256": {"us": {"triton": 3.5, "cuda": 4.25}, "how": "device"}}
+CUDA_TUNING = {"norm|float16|384|1024": {"config": [2, 128], "us": 5.0, "heuristic_us": 6.0, "candidates": 4}}
+
+
+def test_the_shipped_table_is_taken_for_its_sources_and_switches_only(dirs, monkeypatch, caplog):
+    _ship(dirs, {"races": RACES, "tuning": CUDA_TUNING, "triton": {}})
+    assert cache.shipped("races") == RACES and cache.shipped("tuning") == CUDA_TUNING
+
+    monkeypatch.setenv("FUSEDSERVE_TRITON_AUTOTUNE", "0")  # tuned with autotuning on: not for this start
+    with caplog.at_level(logging.WARNING, logger="fusedserve.kernels"):
+        assert cache.shipped("races") == {}
+    assert "made from other kernel sources or switches" in caplog.text
+
+    monkeypatch.delenv("FUSEDSERVE_TRITON_AUTOTUNE")
+    _ship(dirs, {"races": RACES}, sources="0" * 16)  # edited kernels: their old choices are not shipped
+    assert cache.shipped("races") == {}
+    (dirs / "shipped" / f"{GPU}.json").write_text("{not json")
+    assert cache.shipped("races") == {}  # unreadable: reported, ignored
+
+
+def test_a_start_without_its_own_tables_begins_from_the_shipped_ones(dirs, monkeypatch):
+    local_race = {"bias_gelu|float16|1536|256": {"us": {"triton": 2.0, "cuda": 2.5}, "how": "device"}}
+    _ship(dirs, {"races": {**RACES, "bias_gelu|float16|1536|256": {"us": {"triton": 9.0}, "how": "device"}},
+                 "tuning": CUDA_TUNING})
+    assert cache.write_table(cache.gpu_file("races"), local_race) is None
+    monkeypatch.setattr(registry, "_saved", {})
+    saved = registry._saved_races(torch.device("cuda"))
+    assert saved == {**RACES, **local_race}  # the machine's own timing wins over the shipped one
+
+    tuner = tuning.Tuner()
+    tuner._cache_file()
+    assert tuner.table() == CUDA_TUNING
+
+
+def test_export_writes_the_cache_directory_tables_for_this_gpu(dirs):
+    with pytest.raises(SystemExit, match="nothing to export"):
+        cache.export()
+    triton_table = {"_norm_kernel": {json.dumps([384, 256, False, "torch.float16"]): {
+        "kwargs": {"BLOCK_M": 4}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}}}
+    for prefix, table in (("races", RACES), ("tuning", CUDA_TUNING), ("triton", triton_table)):
+        assert cache.write_table(cache.gpu_file(prefix), table) is None
+    path = cache.export()
+    assert path == dirs / "shipped" / f"{GPU}.json"
+    body = json.loads(path.read_text())
+    assert body["sources"] == cache.sources_hash() and body["switches"] == cache.switches()
+    assert body["made_with"]["torch"] == torch.__version__
+    assert {name: cache.shipped(name) for name in cache.TABLES} == {
+        "races": RACES, "tuning": CUDA_TUNING, "triton": triton_table}
+
+
+def test_triton_choices_are_saved_and_seeded_back_without_benchmarking(monkeypatch):
+    from kernels.triton import LAUNCHERS, _common
+
+    tuner = _common.TUNERS["_norm_kernel"]
+    monkeypatch.setattr(tuner, "cache", {})
+    x = torch.randn(37, 384, generator=torch.Generator().manual_seed(1))
+    w, b = torch.randn(384), torch.randn(384)
+    want = LAUNCHERS["layer_norm"](x, w, b, 1e-12)
+    table = _common.tuning_table()
+    assert table["_norm_kernel"], "the launch tuned no key: the test would prove nothing"
+    chosen = dict(tuner.cache)
+
+    monkeypatch.setattr(tuner, "cache", {})  # a new process: only the table remains
+    assert _common.seed_tuning(json.loads(json.dumps(table))) == len(chosen)
+    assert _common.seed_tuning(table) == 0  # keys already there are kept
+    assert {k: (c.kwargs, c.num_warps, c.num_stages) for k, c in tuner.cache.items()} == {
+        k: (c.kwargs, c.num_warps, c.num_stages) for k, c in chosen.items()}
+
+    def no_bench(*args, **kwargs):
+        raise AssertionError("benchmarked a key the table held")
+
+    monkeypatch.setattr(tuner, "_bench", no_bench)
+    got = LAUNCHERS["layer_norm"](x, w, b, 1e-12)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # a table from another layout of the kernels: an unknown kernel or a malformed entry is tuned again, not fatal
+    assert _common.seed_tuning({"_gone_kernel": {"[1]": {}}, "_norm_kernel": {"[2]": {"kwargs": {}}}}) == 0
