@@ -40,6 +40,11 @@ def l2_normalize(matrix: np.ndarray) -> np.ndarray:
     return matrix / np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
 
 
+# call_when_idle's pause: longer than a client's turnaround between back-to-back requests (a loopback round trip and
+# its own work, well under a millisecond to a few), short enough that the work runs soon after traffic stops
+IDLE_PAUSE_S = 0.05
+
+
 @dataclass(eq=False)
 class Job:
     """One client request: its inputs' token ids and where their embeddings go.
@@ -114,6 +119,7 @@ class Batcher:
         self._stopping = False
         self._draining = False
         self._busy = False
+        self._last_activity = 0.0  # the latest submit or batch end (call_when_idle waits for a pause after it)
         self._thread = threading.Thread(target=self._run, name=f"fusedserve-batcher[{metrics.model}]", daemon=True)
         self.batches = 0
         self.overlapped = 0  # batches launched while the one before was still in flight (overlap_batches)
@@ -144,7 +150,7 @@ class Batcher:
                 raise Overloaded(f"queue full ({len(self._pending)} inputs waiting); retry later",
                                  headers={"Retry-After": "1"})
             # stamped under the lock: _pending stays in arrival order (the oldest first; _choose relies on it)
-            now = job.enqueued = time.monotonic()
+            now = job.enqueued = self._last_activity = time.monotonic()
             self._pending.extend(Item(job, i, len(row), now) for i, row in enumerate(ids))
             self.metrics.queue_depth.set(len(self._pending))
             self._cond.notify()
@@ -170,9 +176,10 @@ class Batcher:
         return future
 
     def call_when_idle(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """Run `fn` on the worker thread when no input is waiting and no batch is in flight (background work, such
-        as capturing the rest of the CUDA graphs after ready: a request arriving meanwhile waits for this one call
-        at most)."""
+        """Run `fn` on the worker thread when no input is waiting, no batch is in flight and none has come or ended
+        for IDLE_PAUSE_S (background work, such as capturing the rest of the CUDA graphs after ready). The pause keeps
+        it out of a client's back-to-back requests, whose gaps are a round trip long: a request arriving meanwhile
+        waits for this one call at most."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopping or self._draining:
@@ -220,12 +227,15 @@ class Batcher:
                 except Exception as exc:  # reported to whoever asked
                     future.set_exception(exc)
             launched = self._start(batch) if batch else None
+            worked = bool(batch) or inflight is not None
             if inflight is not None:
                 self.overlapped += launched is not None
                 self._finish(inflight)
             inflight = launched
             with self._cond:
                 self._busy = inflight is not None
+                if worked:
+                    self._last_activity = time.monotonic()
                 self._cond.notify_all()
         if inflight is not None:
             self._finish(inflight)
@@ -243,9 +253,13 @@ class Batcher:
                     return None
                 if not block:
                     return []
-                if self._idle_work and not self._draining:  # idle: nothing waiting, nothing in flight
-                    self._control.append(self._idle_work.pop(0))
-                    return []
+                if self._idle_work and not self._draining:  # nothing waiting, nothing in flight
+                    quiet = time.monotonic() - self._last_activity
+                    if quiet >= IDLE_PAUSE_S:
+                        self._control.append(self._idle_work.pop(0))
+                        return []
+                    self._cond.wait(timeout=IDLE_PAUSE_S - quiet)
+                    continue
                 self._cond.wait()
                 continue
             oldest = self._pending[0]  # arrival order

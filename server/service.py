@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,16 @@ from server.observability import CURRENT
 log = logging.getLogger("fusedserve")
 
 VERSION = "0.1.0"
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc), for the start-up report's share before the service
+    existed; None elsewhere."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: start time
+        return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Service:
@@ -164,8 +175,12 @@ class Service:
                 self.mark_ready()
                 for m in self.serving:
                     m.capture_rest()
+                age = _process_age_s()
+                before = f" ({age - (time.monotonic() - self._started):.1f}s earlier the process started: " \
+                         "interpreter, imports, settings)" if age is not None else ""
                 try:
-                    log.warning("ready in %.1fs\n%s", time.monotonic() - self._started, self.startup_report())
+                    log.warning("ready in %.1fs%s\n%s", time.monotonic() - self._started, before,
+                                self.startup_report())
                 except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
                     log.exception("ready in %.1fs; the start-up report failed", time.monotonic() - self._started)
         except BaseException as exc:

@@ -5,11 +5,13 @@ behind a stand-in for the CUDA event, so the worker's ordering, delivery and fai
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
 
 from model.runner import Embedder, Pending
+from server import batcher as batcher_module
 from server.batcher import Batcher
 from server.config import Settings
 from server.metrics import Metrics
@@ -99,9 +101,14 @@ def test_idle_work_waits_for_the_queue_and_is_refused_after_the_drain(embedder, 
     order: list = []
     launch = embedder.launch_ids
 
+    idle_started: list[float] = []
+    batch_ended: list[float] = []
+
     def recorded(ids, **kw):
         order.append("batch")
-        return launch(ids, **kw)
+        pending = launch(ids, **kw)
+        batch_ended.append(time.monotonic())  # eager on the CPU: done when launched
+        return pending
 
     monkeypatch.setattr(embedder, "launch_ids", recorded)
     batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=0),
@@ -110,7 +117,7 @@ def test_idle_work_waits_for_the_queue_and_is_refused_after_the_drain(embedder, 
 
     async def main():
         jobs = [batcher.submit([row], normalize=False, timeout_s=30) for row in rows]  # queued first
-        idle = batcher.call_when_idle(lambda: order.append("idle") or "done")
+        idle = batcher.call_when_idle(lambda: idle_started.append(time.monotonic()) or order.append("idle") or "done")
         batcher.start()
         for job in jobs:
             await asyncio.wait_for(job.future, 30)
@@ -118,6 +125,9 @@ def test_idle_work_waits_for_the_queue_and_is_refused_after_the_drain(embedder, 
 
     assert asyncio.run(main()) == "done"
     assert order[-1] == "idle" and order.count("batch") >= 1  # after every queued batch
+    # and only after a pause as long as a client's back-to-back requests never leave (a lower bound: load only
+    # makes it later)
+    assert idle_started[0] - batch_ended[-1] >= batcher_module.IDLE_PAUSE_S * 0.99
     assert batcher.drain(5)
     with pytest.raises(Unavailable):
         batcher.call_when_idle(lambda: "too late").result(timeout=5)
