@@ -287,9 +287,10 @@ class Embedder:
         batch outside every graph bucket, serving without CUDA graphs) pays an autotune or a compile.
 
         Per power-of-two bucket of the token count (the key of every tuned launch config, kernels.row_bucket), up to
-        max_batch_tokens: its first count, as full rows of the model's longest input (rows of equal length take the
-        dense path) and, where two rows fit, as two rows of unequal length (the masked path). One count per bucket
-        is enough because the Triton kernels take their counts unspecialized (kernels.triton._common.autotune)."""
+        max_batch_tokens: its first count (and the first count past the few-token layer), as full rows of the model's
+        longest input (rows of equal length take the dense path) and, where two rows fit, as two rows of unequal
+        length (the masked path). One count per bucket is enough because the Triton kernels take their counts
+        unspecialized (kernels.triton._common.autotune)."""
         seq = self.config.max_seq_length
         longest = self.tokenizer.encode(["warm up " * seq])[0]
         seq = len(longest)
@@ -299,9 +300,11 @@ class Embedder:
             full, rest = divmod(tokens, seq)
             return [longest] * full + ([longest[:rest]] if rest else [])
 
+        # the first count of each bucket, and the first count past the few-token layer, whose bucket the layered
+        # path shares with it (its kernels tune their own keys there)
+        counts = sorted({1 << (bits - 1) for bits in range(1, most.bit_length() + 1)} | {FUSED_LAYER_TOKENS + 1})
         batches = []
-        for bits in range(1, most.bit_length() + 1):
-            tokens = 1 << (bits - 1)
+        for tokens in (t for t in counts if t <= most):
             batches.append(rows_of(tokens))
             if 3 <= tokens <= seq:  # two unequal rows (more than a row's worth already makes them)
                 short = (tokens - 1) // 2
