@@ -50,11 +50,16 @@ def current() -> Selection:
     return _active.get()[0]
 
 
-@torch.compiler.assume_constant_result
 def _traced_backend(op: str) -> str:
     """The backend of `op` in the current selection, a constant to torch.compile: Dynamo (torch 2.11) cannot trace
     ContextVar.get, and a string is the one result every version keeps as a constant."""
     return _active.get()[0].choices[op].backend
+
+
+# What torch.compiler.assume_constant_result does, without the import of torch._dynamo it starts with: that import is
+# a fifth of a server's start before its service exists, for a path only torch.compile takes (tests/kernels/
+# test_compile_marker.py checks that the mark is still the decorator's).
+_traced_backend._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _public(op: str) -> Callable:

@@ -56,12 +56,19 @@ def switches() -> dict[str, bool]:
     return {name: os.environ.get(name, "1") != "0" for name in SWITCHES}
 
 
+# What decides what is compiled, tuned and raced: the kernels of both backends, the row buckets, the op specs (the
+# races' inputs), the race and its timer. Not the dispatch layer, this cache or the references: editing those keeps
+# every tuned choice (and the shipped tuning) valid.
+_TUNED_SOURCES = ("triton", "cuda", "_layout.py", "spec.py", "registry.py", "timing.py")
+
+
 @functools.cache
 def sources_hash() -> str:
-    """A short hash of the kernel sources (every .py/.cu/.cuh/.h/.cpp under kernels/)."""
+    """A short hash of the kernel sources a tuned choice depends on (_TUNED_SOURCES: their .py/.cu/.cuh/.h/.cpp)."""
     digest = hashlib.sha256()
     package = Path(__file__).parent
-    for path in sorted(p for p in package.rglob("*") if p.suffix in _SOURCES):
+    for path in sorted(p for name in _TUNED_SOURCES for p in [package / name, *(package / name).rglob("*")]
+                       if p.is_file() and p.suffix in _SOURCES):
         digest.update(path.relative_to(package).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -111,3 +112,22 @@ def test_triton_choices_are_saved_and_seeded_back_without_benchmarking(monkeypat
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     # a table from another layout of the kernels: an unknown kernel or a malformed entry is tuned again, not fatal
     assert _common.seed_tuning({"_gone_kernel": {"[1]": {}}, "_norm_kernel": {"[2]": {"kwargs": {}}}}) == 0
+
+
+@pytest.mark.parametrize("path", sorted(cache.SHIPPED.glob("*.json")), ids=lambda p: p.name)
+def test_each_shipped_file_is_a_whole_table_for_these_kernels(path):
+    """A shipped file parses, names its GPU as its file name does, and every table holds entries of the layout the
+    readers take, for kernels that exist (a stale one would be ignored at start: re-export it on that GPU after a
+    kernel change, `python -m kernels.tuning export`)."""
+    from kernels.triton import _common
+
+    body = json.loads(path.read_text())
+    assert path.stem == re.sub(r"[^A-Za-z0-9]+", "-", body["gpu"]).strip("-").lower()
+    assert set(body["switches"]) == set(cache.SWITCHES) and len(body["sources"]) == 16
+    tables = body["tables"]
+    assert tables["races"] and registry._valid_races(tables["races"])
+    assert tables["tuning"] and tuning._valid_table(tables["tuning"])
+    assert tables["triton"] and set(tables["triton"]) <= set(_common.TUNERS)
+    for entries in tables["triton"].values():
+        for key, config in entries.items():
+            assert isinstance(json.loads(key), list) and set(config) >= {"kwargs", "num_warps", "num_stages"}
