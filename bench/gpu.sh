@@ -7,9 +7,10 @@
 #   encoder   python -m bench encoder (the four batch shapes)  -> bench/results/<gpu>/encoder.json
 #   serve     python -m bench serve closed-loop single, then workers under CUDA MPS -> bench/results/<gpu>/serve.json
 #   startup   python -m bench serve startup (cold and warm time to ready, first requests) -> serve.json
+#   peer      python -m bench serve peer (Infinity beside our server; carry .whl-infinity too) -> serve.json
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
 #
-# Here (the development machine), once: ../shared/tools/gpu-wheels.sh orjson httptools fastapi-offline (the
+# Here (the development machine), once: ../shared/tools/gpu-wheels.sh orjson httptools fastapi-offline py-spy (the
 # server's packages the GPU image lacks -> .whl/), and before each call: python -m bench.gpu_assets (the fp16 MiniLM copy and this
 # checkout's commit -> .gpu-assets/). The device call, carrying [".whl", ".gpu-assets"]:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -17,7 +18,7 @@
 # $OUT comes back: the suite's log and, for a benchmark suite, its updated results file (copy it over
 # bench/results/<gpu>/ and commit it).
 set -uo pipefail
-suite=${1:?usage: bash bench/gpu.sh tests|sanitize|kernels|encoder|serve|startup|profile}
+suite=${1:?usage: bash bench/gpu.sh tests|sanitize|kernels|encoder|serve|startup|peer|profile}
 OUT=${OUT:-/tmp/bench-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -103,7 +104,15 @@ case "$suite" in
   serve)
     build
     # one server (its first start on a fresh machine compiles and tunes the kernels the later starts find cached)
-    timeout 360 python3 -m bench serve closed-loop single --model "$MODEL" --clients 16 64 --log-dir "$OUT" 2>&1 \
+    # py-spy comes with the carried wheels (../shared/tools/gpu-wheels.sh py-spy): a flame graph of the server during
+    # the first closed-loop point
+    flame=()
+    if [ -x /tmp/site/bin/py-spy ]; then
+      export PY_SPY=/tmp/site/bin/py-spy
+      flame=(--flame-graph "$OUT/server-flame.svg")
+    fi
+    timeout 360 python3 -m bench serve closed-loop single --model "$MODEL" --clients 16 64 --log-dir "$OUT" \
+      ${flame[@]+"${flame[@]}"} 2>&1 \
       | tee "$OUT/serve.log" | grep -vE "^(INFO|Loading)"
     # then one server with WORKERS=n sharing the GPU through CUDA MPS; the daemon is this run's own, in /tmp, and
     # quits at the end
@@ -124,8 +133,18 @@ case "$suite" in
       | grep -vE "^(INFO|Loading)"
     results serve
     ;;
+  peer)
+    build
+    # Infinity beside one server of ours; its wheels (bash bench/peer-wheels.sh -> .whl-infinity/, carried too) go to
+    # an install folder of their own: its pins conflict with the server's packages
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/infinity-site \
+      .whl-infinity/*.whl || exit
+    timeout 400 python3 -m bench serve peer --model "$MODEL" --peer-batch-sizes 64 128 --log-dir "$OUT" 2>&1 \
+      | tee "$OUT/peer.log" | grep -vE "^(INFO|Loading)"
+    results serve
+    ;;
   *)
-    echo "unknown suite $suite: tests|sanitize|kernels|encoder|serve|startup|profile" >&2
+    echo "unknown suite $suite: tests|sanitize|kernels|encoder|serve|startup|peer|profile" >&2
     exit 2
     ;;
 esac

@@ -32,6 +32,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -452,6 +453,27 @@ def _say(label: str, row: dict) -> None:
           f"CPU {s['cpu_ms_per_request']:.2f} ms/request", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def flame_graph(pid: int, seconds: float, path: str | None):
+    """With `path`: py-spy records the server process `pid` and its workers for `seconds` into that SVG while the
+    block runs (py-spy from $PY_SPY or the PATH; on the GPU machine it comes with the carried wheels)."""
+    if not path:
+        yield
+        return
+    exe = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    if not exe:
+        raise SystemExit("--flame-graph needs py-spy: pip install py-spy, or set PY_SPY to its binary")
+    record = subprocess.Popen([exe, "record", "--subprocesses", "--nonblocking", "-r", "200", "-d", str(int(seconds)),
+                               "-p", str(pid), "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        yield
+    finally:
+        _, err = record.communicate(timeout=seconds + 60)
+        print(f"flame graph of the server: {path}" if record.returncode == 0 else
+              f"py-spy failed ({record.returncode}): {err.strip()[-300:]}", file=sys.stderr, flush=True)
+
+
 def closed_loop_scenario(args: argparse.Namespace, save) -> None:
     texts = _traffic(args)
     ids, raw = raw_runner(args, texts)
@@ -468,8 +490,10 @@ def closed_loop_scenario(args: argparse.Namespace, save) -> None:
             traffic = ids if payload == "ids" else texts
             load(urls, traffic, 64, 3, args.per_request, processes=args.client_processes, payload=payload)  # warm
             for clients in args.clients:
-                run, inside = measured_load(urls, traffic, clients, args.seconds, args.per_request, tokens,
-                                            args.client_processes, payload)
+                first = payload == args.payloads[0] and clients == args.clients[0]
+                with flame_graph(servers[0][0].pid, args.seconds, args.flame_graph if first else None):
+                    run, inside = measured_load(urls, traffic, clients, args.seconds, args.per_request, tokens,
+                                                args.client_processes, payload)
                 rows.append(_point(run, inside, raw, st_rate, servers=args.servers, payload=payload, clients=clients))
                 _say(f"{args.servers} server(s), {payload}", rows[-1])
                 save(rows, summary, False)
@@ -683,6 +707,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="soak: largest element difference from the single-request embedding that counts as "
                              "right (default 1e-5 in fp32 on the CPU, 2e-3 otherwise)")
     parser.add_argument("--log-dir", help="write each scenario's server log here")
+    parser.add_argument("--flame-graph", metavar="SVG",
+                        help="closed-loop: a py-spy flame graph of the server (and its workers) during the first "
+                             "measured point, written here")
     parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/serve.json)")
     peer.add_arguments(parser)
 
