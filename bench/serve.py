@@ -480,7 +480,7 @@ def closed_loop_scenario(args: argparse.Namespace, save) -> None:
     tokens = list(map(len, ids))
     st_rate = sentence_transformers_rate(args, texts, sum(tokens))
     summary = {"texts": len(texts), "tokens": sum(tokens), "runner_raw_tokens_per_s": raw,
-               "sentence_transformers_tokens_per_s": st_rate}
+               "sentence_transformers_tokens_per_s": st_rate, "mps": _mps()}
     rows: list[dict] = []
     with running_servers(args.servers, _log(args, "closed-loop"), **server_settings(args)) as servers:
         urls = [url for _, url in servers]

@@ -12,8 +12,9 @@ reported once and rebuilt.
 Shipped tuning: `kernels/tuning/<gpu>.json` holds the same tables for a GPU model, exported from a tuned start on
 that GPU (`python -m kernels.tuning export`). A start whose own table is missing begins from the shipped one, so a
 fresh machine compiles only the chosen configurations and races nothing it shipped with. It is used only when it was
-made from these kernel sources with these switches (a different torch or Triton release keeps it: a chosen block
-size stays valid, and the self-tests still run on fresh inputs at every start).
+made from these kernel sources with these switches; its Triton configs only on the same Triton minor release (a
+config that fits one release's shared memory may not fit another's), and only those that are still candidates.
+The self-tests still run on fresh inputs at every start.
 """
 
 from __future__ import annotations
@@ -79,13 +80,8 @@ def fingerprint() -> str:
     """The versions, the kernel layer's switches (autotune, PDL, CUDA tuning) and the kernel sources a cached decision
     depends on, as one short hash."""
     digest = hashlib.sha256()
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:  # the reference and CUDA backends run without it
-        triton_version = ""
-    for part in (torch.__version__, str(torch.version.cuda), triton_version, json.dumps(switches(), sort_keys=True),
-                 sources_hash()):
+    for part in (torch.__version__, str(torch.version.cuda), _triton_version(),
+                 json.dumps(switches(), sort_keys=True), sources_hash()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -135,14 +131,9 @@ def export(device: torch.device | None = None) -> Path:
     if not any(tables.values()):
         raise SystemExit(f"nothing to export: no {'/'.join(TABLES)} table for {gpu_slug(device)} and fingerprint "
                          f"{fingerprint()} in {root()} (start a server with this cache directory first)")
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = ""
     path = SHIPPED / f"{gpu_slug(device)}.json"
     shipped_table = {"gpu": gpu_name(device), "sources": sources_hash(), "switches": switches(),
-                     "made_with": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version},
+                     "made_with": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": _triton_version()},
                      "tables": tables}
     error = write_table(path, shipped_table)
     if error is not None:
@@ -180,6 +171,44 @@ def write_table(path: Path, table: dict) -> OSError | None:
     return None
 
 
+def _triton_version() -> str:
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:  # the reference and CUDA backends run without it
+        return ""
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def _shipped_made_with(device: torch.device | None) -> dict:
+    path = SHIPPED / f"{gpu_slug(device)}.json"
+    body = read_table(path, lambda t: isinstance(t, dict), "shipped tuning") if path.exists() else {}
+    made_with = body.get("made_with")
+    return made_with if isinstance(made_with, dict) else {}
+
+
+def _candidates_only(table: dict) -> dict:
+    """The entries whose config is still one of its kernel's candidates (an edited candidate list is tuned again)."""
+    from kernels.triton._common import TUNERS
+
+    def signature(kwargs: dict, warps, stages, ctas, maxnreg) -> tuple:
+        return tuple(sorted(kwargs.items())), warps, stages, ctas, maxnreg
+
+    kept = {}
+    for name, entries in table.items():
+        tuner = TUNERS.get(name)
+        if tuner is None or not isinstance(entries, dict):
+            continue
+        allowed = {signature(c.kwargs, c.num_warps, c.num_stages, c.num_ctas, c.maxnreg) for c in tuner.configs}
+        kept[name] = {key: c for key, c in entries.items() if isinstance(c, dict) and isinstance(c.get("kwargs"), dict)
+                      and signature(c["kwargs"], c.get("num_warps"), c.get("num_stages"), c.get("num_ctas", 1),
+                                    c.get("maxnreg")) in allowed}
+    return kept
+
+
 def _valid_triton(table: object) -> bool:
     return isinstance(table, dict) and all(isinstance(entries, dict) for entries in table.values())
 
@@ -187,10 +216,15 @@ def _valid_triton(table: object) -> bool:
 def seed_triton(device: torch.device) -> int:
     """Before the Triton kernels tune anything on `device`: the autotuners take this cache directory's chosen configs,
     then the shipped ones for keys it lacks. Returns how many keys were seeded."""
-    from kernels.triton._common import seed_tuning
+    from kernels.triton._common import INTERPRET, seed_tuning
 
+    if INTERPRET:  # the interpreter's choices (CPU timings, every config "fits") are not a GPU's
+        return 0
     local = read_table(gpu_file("triton", device), _valid_triton, "Triton tuning cache")
-    seeded = seed_tuning(local) + seed_tuning(shipped("triton", device))
+    seeded = seed_tuning(_candidates_only(local))
+    if _minor(_triton_version()) == _minor(_shipped_made_with(device).get("triton", "")):
+        # a config that fits one Triton release's shared-memory layout may not fit another's
+        seeded += seed_tuning(_candidates_only(shipped("triton", device)))
     if seeded:
         log.info("Triton: %d tuned configurations taken from the cache and the shipped tuning", seeded)
     return seeded
@@ -198,8 +232,10 @@ def seed_triton(device: torch.device) -> int:
 
 def save_triton(device: torch.device) -> None:
     """This process's Triton choices into the cache directory's table, merged with what other processes saved."""
-    from kernels.triton._common import tuning_table
+    from kernels.triton._common import INTERPRET, tuning_table
 
+    if INTERPRET:
+        return
     path = gpu_file("triton", device)
     table = read_table(path, _valid_triton, "Triton tuning cache")
     for name, entries in tuning_table().items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import itertools
 import logging
 import math
@@ -63,6 +64,16 @@ def _bytes_of(*modules: torch.nn.Module) -> int:
 
 # after ready, the longest that batches without their CUDA graph run eagerly while the rest are captured when idle
 CAPTURE_AHEAD_S = 120.0
+
+
+def refreeze() -> None:
+    """After a switch dropped the start's selection and graphs: what the start froze out of the collector
+    (Service._start_up) is collectable again for one full collection, then the survivors are frozen again, so
+    cycles among the dropped objects (graphs holding device memory) are freed. On the worker thread, between
+    batches: the pause delays the next batch once per switch."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 class ModelService:
@@ -462,6 +473,7 @@ class ModelService:
                 return
             ops = list(e.selection.used)
             e.fall_back("all", reason)
+            refreeze()
             for op in ops:
                 self.metrics.fallbacks.labels(op, reason).inc()
             self._publish_backends()
@@ -474,6 +486,7 @@ class ModelService:
         be made (a forced backend failing its self-test) leaves the path as it was and answers 503 saying why."""
         def apply() -> dict:
             self.embedder.set_fused(enabled)
+            refreeze()
             self._publish_backends()
             return self.embedder.describe()
 

@@ -33,9 +33,11 @@ def _process_age_s() -> float | None:
     existed; None elsewhere."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: start time
-        return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+        age = float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+    # a container whose /proc/uptime is its own while the start time counts from the host's boot: no answer
+    return age if 0 <= age < time.monotonic() + 1 else None
 
 
 class Service:

@@ -131,3 +131,16 @@ def test_each_shipped_file_is_a_whole_table_for_these_kernels(path):
     for entries in tables["triton"].values():
         for key, config in entries.items():
             assert isinstance(json.loads(key), list) and set(config) >= {"kwargs", "num_warps", "num_stages"}
+
+
+def test_only_current_candidates_are_seeded_and_never_under_the_interpreter():
+    from kernels.triton import _common
+
+    candidate = _common.TUNERS["_norm_kernel"].configs[0]
+    entry = {"kwargs": dict(candidate.kwargs), "num_warps": candidate.num_warps, "num_stages": candidate.num_stages,
+             "num_ctas": candidate.num_ctas, "maxnreg": candidate.maxnreg}
+    stranger = {**entry, "num_warps": 3}  # no candidate has three warps
+    table = {"_norm_kernel": {"[1]": entry, "[2]": stranger}, "_gone_kernel": {"[1]": entry}}
+    assert cache._candidates_only(table) == {"_norm_kernel": {"[1]": entry}}
+    assert _common.INTERPRET and cache.seed_triton(torch.device("cpu")) == 0  # CPU timings never reach a GPU table
+    assert cache._minor("3.6.0") == cache._minor("3.6.1") != cache._minor("3.8.0")

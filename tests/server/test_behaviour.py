@@ -111,7 +111,8 @@ def test_expired_requests_get_504_and_are_not_run(make_server):
     assert late.status_code == 504 and late.json()["error"]["type"] == "timeout"
     assert first.status_code == 504 and first.json()["error"]["type"] == "timeout"  # past budget + grace
     assert wait_for_metric(server, "fusedserve_rejected_requests_total", 2, reason="timeout") == 2
-    # the late input never ran: once the stalled batch ends, the next request is the second batch
+    # the late input never ran: once the stalled batch ends (clearing the fault waits for it, between batches), the
+    # next request, with a fresh budget, is the second batch
     assert httpx.delete(server.url + "/admin/faults", headers=admin_headers(), timeout=30).status_code == 200
     assert httpx.post(server.url + "/infer", json={"inputs": ["after"]}, timeout=30).status_code == 200
     assert metric(server, "fusedserve_batch_size_count") == 2  # warm-up is not a batch
