@@ -93,18 +93,10 @@ def running_infinity(site: str, model: Path, *, device: str, dtype: str, batch_s
     with open(log_path, "a") as log:
         process = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or process.poll() is not None:
-                tail = Path(log_path).read_text(errors="replace")[-3000:] if log_path != os.devnull else ""
-                raise RuntimeError(f"Infinity did not become ready (exit code {process.poll()}); its log "
-                                   f"{log_path} ends:\n{tail}")
-            time.sleep(0.3)
+        if not serve.wait_until_ready(process, url + "/health", time.monotonic() + ready_timeout_s):
+            tail = Path(log_path).read_text(errors="replace")[-3000:] if log_path != os.devnull else ""
+            raise RuntimeError(f"Infinity did not become ready (exit code {process.poll()}); its log "
+                               f"{log_path} ends:\n{tail}")
         yield process, url
     finally:
         process.send_signal(signal.SIGTERM)

@@ -70,6 +70,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_ready(process: subprocess.Popen, url: str, deadline: float) -> bool:
+    """Poll `url` until it answers 200 (True), or until `deadline` passes or `process` exits (False)."""
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or process.poll() is not None:
+            return False
+        time.sleep(0.3)
+
+
 @contextlib.contextmanager
 def running_servers(count: int, log_path: str = os.devnull, *, command: list[str] | None = None,
                     ready_timeout_s: float = 480, **settings: str):
@@ -89,15 +102,8 @@ def running_servers(count: int, log_path: str = os.devnull, *, command: list[str
             servers.append((process, f"http://127.0.0.1:{port}"))
         deadline = time.monotonic() + ready_timeout_s
         for process, url in servers:
-            while True:
-                try:
-                    if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("server did not become ready")
-                time.sleep(0.3)
+            if not wait_until_ready(process, url + "/readyz", deadline):
+                raise RuntimeError("server did not become ready")
         yield servers
     finally:
         for process, _ in servers:
@@ -127,9 +133,7 @@ def kernel_choices(urls: list[str]) -> dict[str, dict[str, int]]:
 def request_body(payload: str, rows: list) -> tuple[str, dict]:
     """The route and JSON body of one request: "text" sends texts to /infer; "ids" sends token ids to the
     OpenAI route with base64 vectors (what a client that tokenizes itself sends: no tokenizer on the server)."""
-    if payload == "ids":
-        return "/v1/embeddings", {"input": rows, "encoding_format": "base64"}
-    if payload == "openai":  # texts, as OpenAI's own client sends them: any OpenAI-compatible server takes it (peer)
+    if payload in ("ids", "openai"):  # openai: texts, as OpenAI's client sends them (any compatible server: peer)
         return "/v1/embeddings", {"input": rows, "encoding_format": "base64"}
     return "/infer", {"inputs": rows}
 

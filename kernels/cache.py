@@ -103,14 +103,23 @@ def gpu_file(prefix: str, device: torch.device | None = None) -> Path:
 _shipped_said: set[str] = set()
 
 
+@functools.cache
+def _read_shipped(path: Path, stamp: tuple[int, int]) -> dict:
+    """The parsed shipped file, once per version of it on disk (`stamp`: mtime and size)."""
+    return read_table(path, lambda t: isinstance(t, dict) and isinstance(t.get("tables"), dict), "shipped tuning")
+
+
 def shipped(prefix: str, device: torch.device | None = None) -> dict:
     """The shipped table `prefix` (one of TABLES) for this GPU model: empty when none ships for it, or when it was
-    made from other kernel sources or switches (said once)."""
+    made from other kernel sources or switches (said once); the Triton table also only on the Triton minor release
+    that chose it (a config that fits one release's shared-memory layout may not fit another's)."""
     gpu = gpu_slug(device)
     path = SHIPPED / f"{gpu}.json"
-    if not path.exists():
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
         return {}
-    table = read_table(path, lambda t: isinstance(t, dict) and isinstance(t.get("tables"), dict), "shipped tuning")
+    table = _read_shipped(path, (stat.st_mtime_ns, stat.st_size))
     if not table:
         return {}
     if table.get("sources") != sources_hash() or table.get("switches") != switches():
@@ -118,6 +127,9 @@ def shipped(prefix: str, device: torch.device | None = None) -> dict:
             _shipped_said.add(gpu)
             log.warning("shipped tuning %s was made from other kernel sources or switches; this start tunes "
                         "and races on the machine", path)
+        return {}
+    made_with = table.get("made_with") if isinstance(table.get("made_with"), dict) else {}
+    if prefix == "triton" and _minor(_triton_version()) != _minor(str(made_with.get("triton", ""))):
         return {}
     entries = table["tables"].get(prefix, {})
     return entries if isinstance(entries, dict) else {}
@@ -183,13 +195,6 @@ def _minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
-def _shipped_made_with(device: torch.device | None) -> dict:
-    path = SHIPPED / f"{gpu_slug(device)}.json"
-    body = read_table(path, lambda t: isinstance(t, dict), "shipped tuning") if path.exists() else {}
-    made_with = body.get("made_with")
-    return made_with if isinstance(made_with, dict) else {}
-
-
 def _candidates_only(table: dict) -> dict:
     """The entries whose config is still one of its kernel's candidates (an edited candidate list is tuned again)."""
     from kernels.triton._common import TUNERS
@@ -221,10 +226,7 @@ def seed_triton(device: torch.device) -> int:
     if INTERPRET:  # the interpreter's choices (CPU timings, every config "fits") are not a GPU's
         return 0
     local = read_table(gpu_file("triton", device), _valid_triton, "Triton tuning cache")
-    seeded = seed_tuning(_candidates_only(local))
-    if _minor(_triton_version()) == _minor(_shipped_made_with(device).get("triton", "")):
-        # a config that fits one Triton release's shared-memory layout may not fit another's
-        seeded += seed_tuning(_candidates_only(shipped("triton", device)))
+    seeded = seed_tuning(_candidates_only(local)) + seed_tuning(_candidates_only(shipped("triton", device)))
     if seeded:
         log.info("Triton: %d tuned configurations taken from the cache and the shipped tuning", seeded)
     return seeded

@@ -67,10 +67,10 @@ CAPTURE_AHEAD_S = 120.0
 
 
 def refreeze() -> None:
-    """After a switch dropped the start's selection and graphs: what the start froze out of the collector
-    (Service._start_up) is collectable again for one full collection, then the survivors are frozen again, so
-    cycles among the dropped objects (graphs holding device memory) are freed. On the worker thread, between
-    batches: the pause delays the next batch once per switch."""
+    """One full collection, then every surviving object frozen out of the collector's sight: before ready (the
+    start's objects), and after a switch dropped the start's selection and graphs, so cycles among the dropped objects
+    (graphs holding device memory) are freed. After a switch it runs on the worker thread, between batches: the pause
+    delays the next batch once per switch."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()

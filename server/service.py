@@ -6,7 +6,6 @@ shutdown."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import threading
@@ -20,7 +19,7 @@ from server import workers
 from server.config import Settings
 from server.errors import NotFound, Unavailable
 from server.metrics import Metrics
-from server.model_service import ModelService
+from server.model_service import ModelService, refreeze
 from server.observability import CURRENT
 
 log = logging.getLogger("fusedserve")
@@ -177,9 +176,8 @@ class Service:
             if not self.draining:
                 # What the start made (modules, weights' Python objects, compiled kernels, graphs) lives as long as
                 # the process: frozen out of the collector's sight, a later full collection walks only what requests
-                # leave behind, where a walk of the start's objects paused a request for tens of milliseconds
-                gc.collect()
-                gc.freeze()
+                # leave behind instead of pausing a request to walk the start's objects too
+                refreeze()
                 self.mark_ready()
                 for m in self.serving:
                     m.capture_rest()
