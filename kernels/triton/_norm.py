@@ -1,10 +1,15 @@
-"""The one LayerNorm-family kernel behind layer_norm, layer_norm_gelu and add_layer_norm, and the row statistics
-(`layer_norm_stats`) every Triton LayerNorm computes with, embedding + LayerNorm's included.
+"""The one LayerNorm-family kernel behind layer_norm, layer_norm_gelu, add_layer_norm, partial_add_layer_norm and
+embedding_layer_norm.
 
-Each program normalizes BLOCK_M whole rows held in registers (one read of every input, one write of
-every output); constexpr flags switch the residual/bias add, the pre-norm-sum store and the GELU, so each
-op compiles to exactly the code it needs. One kernel body instead of three near-copies of the same
-reduction: the per-op files hold only launchers.
+Each program normalizes BLOCK_M whole rows held in registers (one read of every input, one write of every output).
+constexpr flags switch the sources (one matrix, its partial sums, a residual, three gathered table rows), the bias
+add, the pre-norm-sum store and the GELU, so each op compiles to exactly the code it needs.
+
+A row is held as NCHUNK column blocks of CHUNK (a power of two, as Triton's blocks must be): widths of 3 x 2^k
+(384, 768, 1536, 3072: the encoders' hidden sizes) as three exact blocks, so no lane loads, computes or holds a
+padding column, and the loads need no column mask; any other width as one block padded to the next power of two
+(masked). Padding 768 to 1024 costed a quarter of the issue slots and registers, and the GELU kernels are
+issue-bound.
 """
 
 from __future__ import annotations
@@ -14,8 +19,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton._common import autotune, block_cols, needs_wide, pdl_args, pdl_sync, row_bucket, tile_configs
+from kernels.triton._common import autotune, needs_wide, pdl_args, pdl_sync, row_bucket
 from kernels.triton._gelu import gelu
+
+
+def column_chunks(cols: int) -> tuple[int, int]:
+    """(NCHUNK, CHUNK) for a row of `cols`: three exact blocks for 3 x 2^k >= 48 columns, else one padded block."""
+    third = cols // 3
+    if cols % 3 == 0 and third >= 16 and third & (third - 1) == 0:
+        return 3, third
+    return 1, triton.next_power_of_2(cols)
 
 
 # Below this many rows the candidates also hold 512-2048 elements (1-4 rows of a 384-768-wide model): a 4096-element
@@ -23,27 +36,28 @@ from kernels.triton._gelu import gelu
 SMALL_ROWS = 256
 
 
+def norm_configs(row: int, chunk: int, rows: int) -> list[tuple[int, int]]:
+    """(BLOCK_M, num_warps) candidates for rows of `row` elements held in blocks of `chunk`, the heuristic first:
+    tiles of up to 2048 / 4096 / 16384 elements (a few rows also 512 and 1024), 16, 8 or 32 elements of a block per
+    thread (16-byte vectors of a half type). Few warps over few rows won on the H200: many small programs keep more
+    loads in flight than a few wide ones."""
+    tiles = (2048, 4096, 16384) + ((512, 1024) if rows <= SMALL_ROWS else ())
+    out = []
+    for tile in tiles:
+        block_m = 1
+        while block_m * 2 * row <= tile:
+            block_m *= 2
+        block_m = min(block_m, 4096)
+        for per_thread in (16, 8, 32):
+            warps = min(max(block_m * chunk // (32 * per_thread), 1), 16)
+            if (block_m, warps) not in out:
+                out.append((block_m, warps))
+    return out
+
+
 def _prune(configs, named_args, **kwargs):
-    # Tiles of 4096 / 8192 / 16384 elements (heuristic: 4096; a few rows also try 512 / 1024 / 2048), 8 or 16
-    # elements per thread (16-byte vectors of half types, no spills); BLOCK_N is fixed by the row width.
-    tiles = (4096, 8192, 16384) + ((512, 1024, 2048) if named_args["M"] <= SMALL_ROWS else ())
-    wanted = tile_configs(kwargs["BLOCK_N"], tiles=tiles, per_thread=(16, 8))
-    return [c for w in wanted for c in configs
-            if c.kwargs["BLOCK_M"] == w.kwargs["BLOCK_M"] and c.num_warps == w.num_warps]
-
-
-@triton.jit
-def layer_norm_stats(h, mask, N, eps):
-    """Mean and 1/std of each row of the [BLOCK_M, BLOCK_N] tile `h`, in h's dtype (fp32 statistics; fp64 for fp64
-    inputs). `mask` marks the tile's real elements, and h must be 0 outside it (loads with other=0.0): the mean's sum
-    then needs no mask, the variance's does. Two passes over registers, no re-read of the input: the centered pass
-    is the exact one (no E[h^2] - mean^2 cancellation)."""
-    # mean = sum(h) / N; var = sum((h - mean)^2) / N; rstd = 1 / sqrt(var + eps)
-    mean = tl.sum(h, axis=1) / N
-    centered = tl.where(mask, h - mean[:, None], 0.0)
-    var = tl.sum(centered * centered, axis=1) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
-    return mean, rstd
+    wanted = norm_configs(kwargs["NCHUNK"] * kwargs["CHUNK"], kwargs["CHUNK"], named_args["M"])
+    return [c for w in wanted for c in configs if (c.kwargs["BLOCK_M"], c.num_warps) == w]
 
 
 _CONFIGS = [
@@ -53,28 +67,62 @@ _CONFIGS = [
 ]
 
 
-@autotune(_CONFIGS, key=["N", "M_BUCKET", "HAS_RESIDUAL", "HAS_BIAS", "STORE_SUM", "GELU", "PARTS"], prune=_prune)
+@triton.jit
+def _sum_block(X, x_rows, stride_p, R, r_rows, T, t_rows, BIAS, cols, col_ok, mask, PARTS: tl.constexpr,
+               SOURCES: tl.constexpr, HAS_BIAS: tl.constexpr, F64: tl.constexpr):
+    """One column block of the rows' pre-norm sums, [BLOCK_M, CHUNK] in fp32 (fp64 for fp64), 0 outside `mask`.
+    The loads are unrolled: independent, so in flight together (a runtime loop over a split GEMM's partial sums
+    waits out one memory latency per part, which dominates a few-token batch's LayerNorm)."""
+    h = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    h = h.to(tl.float64) if F64 else h.to(tl.float32)
+    for part in tl.static_range(1, PARTS):  # the other partial products of a split GEMM, in a fixed order
+        h += tl.load(X + part * stride_p + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(h.dtype)
+    if SOURCES > 1:
+        h += tl.load(R + r_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(h.dtype)
+    if SOURCES > 2:
+        h += tl.load(T + t_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(h.dtype)
+    if HAS_BIAS:
+        h += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(h.dtype)[None, :]
+    return h
+
+
+@triton.jit
+def _store_block(c, rstd, W, B, Y, y_rows, cols, col_ok, mask, GELU: tl.constexpr):
+    """y = (h - mean) * rstd * w + b [-> GELU] for one column block, `c` = h - mean."""
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(c.dtype)
+    b = tl.load(B + cols, mask=col_ok, other=0.0).to(c.dtype)
+    y = gelu(c * rstd[:, None] * w[None, :] + b[None, :], GELU)
+    tl.store(Y + y_rows[:, None] + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@autotune(_CONFIGS, key=["N", "M_BUCKET", "SOURCES", "GATHER", "HAS_BIAS", "STORE_SUM", "GELU", "PARTS"],
+          prune=_prune)
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # counts: see _common.autotune
 def _norm_kernel(
-    X,  # [M, N] input; with PARTS, [P, M, N] partial sums (summed in order, then as one input)
-    R,  # [M, N] residual (unused unless HAS_RESIDUAL)
+    X,  # [M, N] input; with PARTS, [P, M, N] partial sums (summed in order); with GATHER, a table indexed by IDX_X
+    R,  # [M, N] residual, or with GATHER a second table (unused unless SOURCES > 1)
+    T,  # with GATHER, a third table (unused unless SOURCES > 2)
+    IDX_X, IDX_R, IDX_T,  # [M] row ids into X, R, T (unused unless GATHER)
     BIAS,  # [N] bias added before the norm (unused unless HAS_BIAS)
     W,  # [N] LayerNorm weight
     B,  # [N] LayerNorm bias
     Y,  # [M, N] output
     S,  # [M, N] pre-norm sum output (unused unless STORE_SUM)
-    stride_x, stride_r, stride_y, stride_s,  # row strides; columns are unit-stride
+    stride_x, stride_r, stride_t, stride_y, stride_s,  # row strides; columns are unit-stride
     stride_p,  # with PARTS: the stride between X's partial sums
     M, N, eps,
     M_BUCKET,  # autotune key only
     PARTS: tl.constexpr,  # how many partial sums X holds (1: a plain [M, N] input)
-    HAS_RESIDUAL: tl.constexpr,
+    SOURCES: tl.constexpr,  # 1: X; 2: X + R; 3: X + R + T
+    GATHER: tl.constexpr,  # the sources' rows are looked up by id (embedding_layer_norm)
     HAS_BIAS: tl.constexpr,
     STORE_SUM: tl.constexpr,
     GELU: tl.constexpr,
     F64: tl.constexpr,
     WIDE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    NCHUNK: tl.constexpr,  # 1 or 3 column blocks (column_chunks)
+    CHUNK: tl.constexpr,
+    EVEN_COLS: tl.constexpr,  # NCHUNK * CHUNK == N: no column is padding
     BLOCK_M: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_common.pdl_args)
 ):
@@ -82,56 +130,90 @@ def _norm_kernel(
     if WIDE:  # offsets past 2^31 elements need 64-bit arithmetic; otherwise 32-bit is cheaper per element
         pid = pid.to(tl.int64)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    mask = (rows < M)[:, None] & col_ok[None, :]
+    row_ok = rows < M
+    cols = tl.arange(0, CHUNK)
+    if EVEN_COLS:
+        mask = row_ok[:, None]  # broadcast along the columns: the loads stay 16-byte vectors
+    else:
+        mask = row_ok[:, None] & (cols < N)[None, :]
     pdl_sync(USE_PDL)
 
-    h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    h = h.to(tl.float64) if F64 else h.to(tl.float32)
-    # the other partial products of a split GEMM, in a fixed order (deterministic). Unrolled: the loads are
-    # independent and in flight together (a runtime loop waits out one memory latency per part, which dominates a
-    # few-token batch's LayerNorm)
-    for part in tl.static_range(1, PARTS):
-        h += tl.load(X + part * stride_p + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(h.dtype)
-    if HAS_RESIDUAL:
-        h += tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(h.dtype)
-    if HAS_BIAS:
-        h += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(h.dtype)[None, :]
-    if STORE_SUM:
-        tl.store(S + rows[:, None] * stride_s + cols[None, :], h.to(S.dtype.element_ty), mask=mask)
+    if GATHER:
+        x_rows = tl.load(IDX_X + rows, mask=row_ok, other=0).to(tl.int64) * stride_x
+        r_rows = tl.load(IDX_R + rows, mask=row_ok, other=0).to(tl.int64) * stride_r
+        t_rows = tl.load(IDX_T + rows, mask=row_ok, other=0).to(tl.int64) * stride_t
+    else:
+        x_rows = rows * stride_x
+        r_rows = rows * stride_r
+        t_rows = rows * stride_t
+    y_rows = rows * stride_y
+    s_rows = rows * stride_s
 
-    mean, rstd = layer_norm_stats(h, mask, N, eps)
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(h.dtype)
-    b = tl.load(B + cols, mask=col_ok, other=0.0).to(h.dtype)
-    # y = (h - mean) * rstd * w + b, from the same masked (h - mean) the variance was summed over: the compiler
-    # computes it once, so this kernel compiles to the code it had with the statistics written inline
-    y = tl.where(mask, h - mean[:, None], 0.0) * rstd[:, None] * w[None, :] + b[None, :]
-    y = gelu(y, GELU)
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    # mean = sum(h) / N; var = sum((h - mean)^2) / N (the centered pass over registers: no E[h^2] - mean^2
+    # cancellation, no re-read); y = (h - mean) / sqrt(var + eps) * w + b
+    h0 = _sum_block(X, x_rows, stride_p, R, r_rows, T, t_rows, BIAS, cols, cols < N, mask, PARTS, SOURCES, HAS_BIAS,
+                    F64)
+    if STORE_SUM:
+        tl.store(S + s_rows[:, None] + cols[None, :], h0.to(S.dtype.element_ty), mask=mask)
+    total = tl.sum(h0, axis=1)
+    if NCHUNK > 1:
+        # NCHUNK 3 only for exact widths: every column of these blocks is real
+        h1 = _sum_block(X + CHUNK, x_rows, stride_p, R + CHUNK, r_rows, T + CHUNK, t_rows, BIAS + CHUNK, cols,
+                        cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64)
+        h2 = _sum_block(X + 2 * CHUNK, x_rows, stride_p, R + 2 * CHUNK, r_rows, T + 2 * CHUNK, t_rows,
+                        BIAS + 2 * CHUNK, cols, cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64)
+        if STORE_SUM:
+            tl.store(S + CHUNK + s_rows[:, None] + cols[None, :], h1.to(S.dtype.element_ty), mask=mask)
+            tl.store(S + 2 * CHUNK + s_rows[:, None] + cols[None, :], h2.to(S.dtype.element_ty), mask=mask)
+        total += tl.sum(h1, axis=1) + tl.sum(h2, axis=1)
+    mean = total / N
+    if EVEN_COLS:
+        c0 = h0 - mean[:, None]
+    else:  # the padding columns hold 0, so the mean's sum needed no mask; the variance's does
+        c0 = tl.where(mask, h0 - mean[:, None], 0.0)
+    sq = tl.sum(c0 * c0, axis=1)
+    if NCHUNK > 1:
+        c1 = h1 - mean[:, None]
+        c2 = h2 - mean[:, None]
+        sq += tl.sum(c1 * c1, axis=1) + tl.sum(c2 * c2, axis=1)
+    rstd = 1.0 / tl.sqrt(sq / N + eps)
+    _store_block(c0, rstd, W, B, Y, y_rows, cols, cols < N, mask, GELU)
+    if NCHUNK > 1:
+        _store_block(c1, rstd, W + CHUNK, B + CHUNK, Y + CHUNK, y_rows, cols, cols < CHUNK, mask, GELU)
+        _store_block(c2, rstd, W + 2 * CHUNK, B + 2 * CHUNK, Y + 2 * CHUNK, y_rows, cols, cols < CHUNK, mask, GELU)
 
 
 def launch_norm(x: Tensor, residual: Tensor | None, bias: Tensor | None, weight: Tensor, ln_bias: Tensor,
-                y: Tensor, pre_norm_sum: Tensor | None, eps: float, gelu_mode: int, parts: Tensor | None = None) -> None:
+                y: Tensor, pre_norm_sum: Tensor | None, eps: float, gelu_mode: int, parts: Tensor | None = None,
+                gather: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> None:
     """All tensors already validated: x, residual, y, pre_norm_sum are [M, N] with unit column stride. `parts`
-    ([P, M, N], contiguous, x = parts[0]): the input is the sum of its P slices."""
-    rows, cols = x.shape
+    ([P, M, N], contiguous, x = parts[0]): the input is the sum of its P slices. `gather` (ids, pos, types, third
+    table): y's rows are LayerNorm(x[ids] + residual[pos] + third[types]), x and residual being tables."""
+    rows, cols = y.shape
     if rows == 0:
         return
+    nchunk, chunk = column_chunks(cols)
+    if gather is not None:
+        ids, pos, types, third = gather
+        sources = 3
+    else:
+        ids = pos = types = y
+        third = x
+        sources = 2 if residual is not None else 1
 
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_M"]),)
 
     _norm_kernel[grid](
-        x, residual if residual is not None else x, bias if bias is not None else weight, weight, ln_bias,
-        y, pre_norm_sum if pre_norm_sum is not None else y,
-        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        x, residual if residual is not None else x, third, ids, pos, types,
+        bias if bias is not None else weight, weight, ln_bias, y, pre_norm_sum if pre_norm_sum is not None else y,
+        x.stride(0), residual.stride(0) if residual is not None else 0, third.stride(0), y.stride(0),
         pre_norm_sum.stride(0) if pre_norm_sum is not None else 0,
         parts.stride(0) if parts is not None else 0,
         rows, cols, eps, row_bucket(rows), PARTS=parts.shape[0] if parts is not None else 1,
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, STORE_SUM=pre_norm_sum is not None,
+        SOURCES=sources, GATHER=gather is not None, HAS_BIAS=bias is not None, STORE_SUM=pre_norm_sum is not None,
         GELU=gelu_mode, F64=x.dtype == torch.float64,
-        WIDE=needs_wide(x, residual, y, pre_norm_sum) or (parts is not None and parts.numel() >= 2**31),
-        BLOCK_N=block_cols(cols), **pdl_args(x),
+        WIDE=needs_wide(y, pre_norm_sum) or (gather is None and needs_wide(x, residual))
+        or (parts is not None and parts.numel() >= 2**31),
+        NCHUNK=nchunk, CHUNK=chunk, EVEN_COLS=nchunk * chunk == cols, **pdl_args(y),
     )
-

@@ -12,25 +12,36 @@ from kernels.triton._common import autotune, block_cols, needs_wide, row_bucket
 from kernels.triton._gelu import gelu
 
 
-def _prune(configs, named_args, **kwargs):
-    # Column block: the row width rounded up to a power of two, at most 1024; tiles of 4096 / 8192 /
-    # 2048 elements (heuristic: 4096) with 8 elements per thread.
-    block_n = min(block_cols(named_args["N"]), 1024)
-    kept = []
-    for tile in (4096, 8192, 2048):
+def column_block(cols: int) -> int:
+    """The column block: the largest power of two (at most 1024) that divides the width when that is at least 64
+    (384 -> 128, 768 -> 256, 1536 -> 512: exact blocks, no padding lanes and no column mask), else the width rounded
+    up to a power of two, at most 1024 (masked)."""
+    exact = min(cols & -cols, 1024)
+    return exact if exact >= 64 else min(block_cols(cols), 1024)
+
+
+def pointwise_configs(block_n: int) -> list[tuple[int, int]]:
+    """(BLOCK_M, num_warps) candidates, the heuristic first: tiles of 4096 / 2048 / 8192 elements, 16 or 32 elements
+    per thread."""
+    out = []
+    for tile in (4096, 2048, 8192):
         block_m = max(tile // block_n, 1)
-        warps = min(max(block_m * block_n // 256, 1), 16)
-        kept += [c for c in configs if c.kwargs["BLOCK_N"] == block_n and c.kwargs["BLOCK_M"] == block_m
-                 and c.num_warps == warps and c not in kept]
-    return kept
+        for per_thread in (16, 32):
+            warps = min(max(block_m * block_n // (32 * per_thread), 1), 16)
+            if (block_m, warps) not in out:
+                out.append((block_m, warps))
+    return out
+
+
+def _prune(configs, named_args, **kwargs):
+    wanted = pointwise_configs(kwargs["BLOCK_N"])
+    return [c for w in wanted for c in configs if (c.kwargs["BLOCK_M"], c.num_warps) == w]
 
 
 _CONFIGS = [
-    triton.Config({"BLOCK_M": 2**m, "BLOCK_N": 2**n}, num_warps=2**w)
-    for n in range(11)  # BLOCK_N 1 .. 1024
+    triton.Config({"BLOCK_M": 2**m}, num_warps=2**w)
     for m in range(14)  # BLOCK_M 1 .. 8192
     for w in range(5)  # 1 .. 16 warps
-    if 2**m * 2**n <= 8192
 ]
 
 
@@ -48,8 +59,9 @@ def _bias_gelu_kernel(
     GELU: tl.constexpr,
     F64: tl.constexpr,
     WIDE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # column_block(N)
+    EVEN_N: tl.constexpr,  # BLOCK_N divides N: no column mask
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if WIDE:  # offsets past 2^31 elements need 64-bit arithmetic; otherwise 32-bit is cheaper per element
@@ -57,7 +69,10 @@ def _bias_gelu_kernel(
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    mask = (rows < M)[:, None] & col_ok[None, :]
+    if EVEN_N:
+        mask = (rows < M)[:, None]  # broadcast along the columns: the accesses stay 16-byte vectors
+    else:
+        mask = (rows < M)[:, None] & col_ok[None, :]
 
     # h = x + bias [+ residual]; y = gelu(h)
     h = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
@@ -73,6 +88,7 @@ def launch_bias_gelu(x: Tensor, bias: Tensor, residual: Tensor | None, y: Tensor
     rows, cols = x.shape
     if rows == 0:
         return
+    block_n = column_block(cols)
 
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(cols, meta["BLOCK_N"]))
@@ -82,5 +98,5 @@ def launch_bias_gelu(x: Tensor, bias: Tensor, residual: Tensor | None, y: Tensor
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         rows, cols, row_bucket(rows),
         HAS_RESIDUAL=residual is not None, GELU=gelu_mode, F64=x.dtype == torch.float64,
-        WIDE=needs_wide(x, residual, y),
+        WIDE=needs_wide(x, residual, y), BLOCK_N=block_n, EVEN_N=cols % block_n == 0,
     )

@@ -45,21 +45,54 @@ def cases():
         if name.split()[1] == "fp16" and ("seq=16" in name or "chunk=64" in name or "parts=12" in name):
             yield f"{name} pdl", fn, types, {**constexprs, "USE_PDL": True}, warps
     yield from _pdl_cases()
+    yield from _gelu_cases()
+
+
+_NORM_TYPES = {"X": "*fp16", "R": "*fp16", "T": "*fp16", "IDX_X": "*i64", "IDX_R": "*i64", "IDX_T": "*i64",
+               "BIAS": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "S": "*fp16", "stride_x": "i32",
+               "stride_r": "i32", "stride_t": "i32", "stride_y": "i32", "stride_s": "i32", "stride_p": "i32",
+               "M": "i32", "N": "i32", "eps": "fp32", "M_BUCKET": "i32"}
+
+
+def _norm_case(ptr: str = "*fp16", **constexprs) -> tuple[dict, dict]:
+    """Argument types and constexprs of the LayerNorm-family kernel: a plain fp16 layer_norm of 768 columns
+    (three exact blocks) unless `constexprs` says otherwise; `ptr` is the activations' type."""
+    types = {name: ptr if t == "*fp16" else t for name, t in _NORM_TYPES.items()}
+    base = {"PARTS": 1, "SOURCES": 1, "GATHER": False, "HAS_BIAS": False, "STORE_SUM": False, "GELU": 0,
+            "F64": False, "WIDE": False, "NCHUNK": 3, "CHUNK": 256, "EVEN_COLS": True, "BLOCK_M": 2,
+            "USE_PDL": False}
+    return types, {**base, **constexprs}
 
 
 def _pdl_cases():
-    from kernels.triton.embedding_layer_norm import _embedding_layer_norm_kernel
+    from kernels.triton._norm import _norm_kernel
     from kernels.triton.segment_mean import _segment_mean_kernel
 
-    i32, f32, ptr = "i32", "fp32", "*fp16"
-    types = {"IDS": "*i64", "POS": "*i64", "TYPES": "*i64", "WORD": ptr, "POSITION": ptr, "TOKEN_TYPE": ptr, "W": ptr,
-             "B": ptr, "Y": ptr, "stride_word": i32, "stride_pos": i32, "stride_type": i32, "stride_y": i32,
-             "M": i32, "N": i32, "eps": f32, "M_BUCKET": i32}
-    yield ("embedding_layer_norm fp16 pdl", _embedding_layer_norm_kernel.fn, types,
-           {"F64": False, "WIDE": False, "BLOCK_N": 512, "BLOCK_M": 1, "USE_PDL": True}, 2)
+    types, constexprs = _norm_case(SOURCES=3, GATHER=True, NCHUNK=3, CHUNK=128, BLOCK_M=1, USE_PDL=True)
+    yield "embedding_layer_norm fp16 pdl", _norm_kernel.fn, types, constexprs, 2
+    i32, ptr = "i32", "*fp16"
     types = {"x_ptr": ptr, "cu_ptr": "*i32", "y_ptr": "*fp32", "T": i32, "H": i32, "stride_x": i32, "stride_y": i32}
     yield ("segment_mean fp16 pdl", _segment_mean_kernel, types,
            {"BLOCK_T": 32, "BLOCK_H": 128, "OUT_F64": False, "USE_PDL": True}, 4)
+
+
+def _gelu_cases():
+    """The GELU kernels at the widths the encoders use: exact column blocks and a padded one."""
+    from kernels.triton._norm import _norm_kernel
+    from kernels.triton._pointwise import _bias_gelu_kernel
+
+    for dname, ptr in DTYPES.items():
+        for gelu in (1, 2):
+            types, constexprs = _norm_case(ptr, GELU=gelu)
+            yield f"layer_norm_gelu {dname} 768 gelu={gelu}", _norm_kernel.fn, types, constexprs, 1
+        types, constexprs = _norm_case(ptr, GELU=1, NCHUNK=1, CHUNK=512, EVEN_COLS=False, BLOCK_M=4)
+        yield f"layer_norm_gelu {dname} 300", _norm_kernel.fn, types, constexprs, 4
+        types = {"X": ptr, "BIAS": ptr, "R": ptr, "Y": ptr, "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
+                 "M": "i32", "N": "i32", "M_BUCKET": "i32"}
+        for block_n, even in ((512, True), (512, False)):
+            yield (f"bias_residual_gelu {dname} block {block_n}{'' if even else ' padded'}", _bias_gelu_kernel.fn,
+                   types, {"HAS_RESIDUAL": True, "GELU": 1, "F64": False, "WIDE": False, "BLOCK_N": block_n,
+                           "EVEN_N": even, "BLOCK_M": 8}, 4)
 
 
 def _few_token_cases():
@@ -87,12 +120,10 @@ def _few_token_cases():
             yield (f"ffn_partials {dname} chunk={chunk}", _ffn_partials_kernel, types,
                    {"MODE": 1, "IEEE": ieee, "BLOCK_M": 16, "BLOCK_I": chunk, "BLOCK_K": 64, "BLOCK_N": 64}, 4)
         for parts in (12, 24):
-            types = {"X": "*fp32", "R": ptr, "BIAS": ptr, "W": ptr, "B": ptr, "Y": ptr, "S": ptr, "stride_x": i32,
-                     "stride_r": i32, "stride_y": i32, "stride_s": i32, "stride_p": i32, "M": i32, "N": i32,
-                     "eps": f32, "M_BUCKET": i32}
-            yield (f"partial_add_layer_norm {dname} parts={parts}", _norm_kernel.fn, types,
-                   {"PARTS": parts, "HAS_RESIDUAL": True, "HAS_BIAS": True, "STORE_SUM": False, "GELU": 0,
-                    "F64": False, "WIDE": False, "BLOCK_N": 512, "BLOCK_M": 1}, 2)
+            types, constexprs = _norm_case(ptr, PARTS=parts, SOURCES=2, HAS_BIAS=True, NCHUNK=3, CHUNK=128,
+                                           BLOCK_M=1)
+            types["X"] = "*fp32"
+            yield f"partial_add_layer_norm {dname} parts={parts}", _norm_kernel.fn, types, constexprs, 2
 
 
 def _check_pdl_ptx(ptx: str) -> None:

@@ -192,16 +192,41 @@ def test_offsets_past_two_to_the_31(op):
 
 
 def test_norm_candidates_spread_few_rows_over_programs():
-    """At a b1 batch's 16 rows the LayerNorm autotuner also tries one-to-four-row tiles (16 programs instead of 2);
-    the untuned default (the first candidate) is the same for every row count."""
+    """At a b1 batch's 16 rows the LayerNorm autotuner also tries one-row tiles (16 programs instead of 4); the
+    untuned default (the first candidate) is the same for every row count: two rows of 768 on one warp."""
     from kernels.triton import _norm
 
-    few = _norm._prune(_norm._CONFIGS, {"M": 16}, BLOCK_N=512)
-    many = _norm._prune(_norm._CONFIGS, {"M": 4096}, BLOCK_N=512)
-    assert (few[0].kwargs, few[0].num_warps) == (many[0].kwargs, many[0].num_warps) == ({"BLOCK_M": 8}, 8)
-    assert {c.kwargs["BLOCK_M"] for c in few} == {1, 2, 4, 8, 16, 32}
-    assert {c.kwargs["BLOCK_M"] for c in many} == {8, 16, 32}
-    assert {c.num_warps for c in few if c.kwargs["BLOCK_M"] == 1} == {1, 2}  # 16 or 8 elements per thread
+    few = _norm.norm_configs(768, 256, rows=16)
+    many = _norm.norm_configs(768, 256, rows=4096)
+    assert few[0] == many[0] == (2, 1)
+    assert {m for m, _ in few} == {1, 2, 4, 16} and {m for m, _ in many} == {2, 4, 16}
+    for block_m, warps in few + many:
+        assert block_m * 768 <= 16384 and 1 <= warps <= 16
+
+
+def test_column_blocks():
+    """Rows of 3 x 2^k are held as three exact blocks (no padding lanes), other widths as one padded block; the
+    elementwise GELU kernels take the largest power of two dividing the width, else a padded block."""
+    from kernels.triton._norm import column_chunks
+    from kernels.triton._pointwise import column_block
+
+    assert [column_chunks(n) for n in (384, 768, 1536, 48, 1024, 4096, 300, 769, 24)] == [
+        (3, 128), (3, 256), (3, 512), (3, 16), (1, 1024), (1, 4096), (1, 512), (1, 1024), (1, 32)]
+    assert [column_block(n) for n in (384, 768, 1536, 4096, 300, 4097, 96)] == [128, 256, 512, 1024, 512, 1024, 128]
+
+
+EXACT_BLOCK_OPS = ("layer_norm", "layer_norm_gelu", "add_layer_norm", "embedding_layer_norm", "bias_gelu",
+                   "bias_residual_gelu")
+
+
+@pytest.mark.parametrize("op,cols,dtype", list(itertools.product(EXACT_BLOCK_OPS, (48, 384), (torch.float32,
+                                                                                               torch.bfloat16))),
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_exact_column_blocks_match_float64_reference(device, op, cols, dtype):
+    """The generic sweep's odd widths all take the padded path; the encoders' widths take the exact blocks."""
+    for rows in (1, 33):
+        report = check_op(triton_launchers[op], op, rows, cols, dtype, device, seed=_seed("exact", op, rows, cols))
+        assert report.ok, (rows, report)
 
 
 def test_programmatic_dependent_launch_only_where_the_device_has_it(device):
