@@ -169,23 +169,6 @@ def seed_tuning(table: dict) -> int:
 _AUTOTUNE_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
-def tile_configs(block_n: int, tiles: tuple[int, ...], per_thread: tuple[int, ...],
-                 max_block_m: int = 4096) -> list[triton.Config]:
-    """Candidate configs for a row tile of `block_n` columns: BLOCK_M rows so the tile holds each of
-    `tiles` elements (at least one row), and enough warps for `per_thread` elements per thread.
-    The first one is the heuristic default."""
-    out, seen = [], set()
-    for tile in tiles:
-        tile = max(tile, block_n)
-        block_m = min(tile // block_n, max_block_m)
-        for elems in per_thread:
-            warps = min(max(block_m * block_n // (32 * elems), 1), 16)
-            if (block_m, warps) not in seen:
-                seen.add((block_m, warps))
-                out.append(triton.Config({"BLOCK_M": block_m}, num_warps=warps))
-    return out
-
-
 def _tile(config: triton.Config, kwargs: dict) -> int:
     meta = {**kwargs, **config.kwargs}
     return meta.get("BLOCK_M", 1) * meta.get("BLOCK_N", 1)

@@ -31,17 +31,19 @@ def column_chunks(cols: int) -> tuple[int, int]:
     return 1, triton.next_power_of_2(cols)
 
 
-# Below this many rows the candidates also hold 512-2048 elements (1-4 rows of a 384-768-wide model): a 4096-element
-# tile puts a b1 s16 batch's 16 rows of 384 into 2 programs, i.e. on 2 SMs, where 16 one-row programs spread it.
-SMALL_ROWS = 256
+# Up to this row bucket (row counts below 256) the candidates also hold 512 or 1024 elements (1-2 rows of a 384-768-wide
+# model): a 2048-element tile puts a b1 s16 batch's 16 rows of 384 into 4 programs, i.e. on 4 SMs, where 16 one-row
+# programs spread it. Decided by the bucket, the autotune key, so every count of a bucket has the same candidates.
+SMALL_ROWS_BUCKET = row_bucket(255)
 
 
-def norm_configs(row: int, chunk: int, rows: int) -> list[tuple[int, int]]:
-    """(BLOCK_M, num_warps) candidates for rows of `row` elements held in blocks of `chunk`, the heuristic first:
+def norm_configs(row: int, chunk: int, bucket: int) -> list[tuple[int, int]]:
+    """(BLOCK_M, num_warps) candidates for rows of `row` elements held in blocks of `chunk`, at a row count of
+    `bucket` (row_bucket), the heuristic first:
     tiles of up to 2048 / 4096 / 16384 elements (a few rows also 512 and 1024), 16, 8 or 32 elements of a block per
     thread (16-byte vectors of a half type). Few warps over few rows won on the H200: many small programs keep more
     loads in flight than a few wide ones."""
-    tiles = (2048, 4096, 16384) + ((512, 1024) if rows <= SMALL_ROWS else ())
+    tiles = (2048, 4096, 16384) + ((512, 1024) if bucket <= SMALL_ROWS_BUCKET else ())
     out = []
     for tile in tiles:
         block_m = 1
@@ -56,7 +58,7 @@ def norm_configs(row: int, chunk: int, rows: int) -> list[tuple[int, int]]:
 
 
 def _prune(configs, named_args, **kwargs):
-    wanted = norm_configs(kwargs["NCHUNK"] * kwargs["CHUNK"], kwargs["CHUNK"], named_args["M"])
+    wanted = norm_configs(kwargs["NCHUNK"] * kwargs["CHUNK"], kwargs["CHUNK"], named_args["M_BUCKET"])
     return [c for w in wanted for c in configs if (c.kwargs["BLOCK_M"], c.num_warps) == w]
 
 
@@ -129,6 +131,7 @@ def _norm_kernel(
     pid = tl.program_id(0)
     if WIDE:  # offsets past 2^31 elements need 64-bit arithmetic; otherwise 32-bit is cheaper per element
         pid = pid.to(tl.int64)
+        stride_p = stride_p.to(tl.int64)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.arange(0, CHUNK)

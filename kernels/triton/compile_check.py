@@ -10,7 +10,9 @@ Covered: the kernels of the few-token layer (qkv_attention and attention_partial
 kernel summing partials) at the model's shapes, in fp16, bf16 and fp32; and in fp16 every kernel that can be
 launched with programmatic dependent launch (those, embedding + LayerNorm, segment_mean) with it, whose PTX must
 then hold the grid-dependency wait and release (kernels/triton/_common.py, pdl_sync), the wait before any load or
-store. Must run without TRITON_INTERPRET (under it `triton.jit` builds interpreter objects the compiler cannot
+store; and the GELU kernels (LayerNorm + GELU in both GELU forms at 768 columns in three exact blocks and at a
+padded width, bias + residual + GELU on an exact and a padded column block: the inline-PTX reciprocal is compiled
+only here). Must run without TRITON_INTERPRET (under it `triton.jit` builds interpreter objects the compiler cannot
 take); tests/kernels/test_triton_compile.py runs it in a subprocess.
 """
 

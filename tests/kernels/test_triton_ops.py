@@ -82,9 +82,10 @@ def test_nan_and_inf_propagate_like_reference(device, op):
     assert compare(out, ref, torch.float32).ok
 
 
-def test_add_layer_norm_sum_and_no_bias(device):
+@pytest.mark.parametrize("cols", [769, 384])  # a padded block; three exact blocks
+def test_add_layer_norm_sum_and_no_bias(device, cols):
     gen = torch.Generator().manual_seed(11)
-    (x, residual, bias, w, b, eps), _ = OP_SPECS["add_layer_norm"].make_inputs(33, 769, torch.bfloat16, device, gen)
+    (x, residual, bias, w, b, eps), _ = OP_SPECS["add_layer_norm"].make_inputs(33, cols, torch.bfloat16, device, gen)
     y, s = triton_launchers["add_layer_norm"](x, residual, bias, w, b, eps, return_sum=True)
     y_ref, s_ref = reference.add_layer_norm(*(t.double() for t in (x, residual, bias, w, b)), eps, return_sum=True)
     assert compare(y, y_ref, torch.bfloat16).ok and compare(s, s_ref, torch.bfloat16).ok
@@ -93,10 +94,11 @@ def test_add_layer_norm_sum_and_no_bias(device):
                    torch.bfloat16).ok
 
 
-@pytest.mark.parametrize("op", ["layer_norm_gelu", "bias_gelu", "bias_residual_gelu"])
-def test_tanh_gelu_option(device, op):
-    gen = torch.Generator().manual_seed(_seed("tanh", op))
-    args, _ = OP_SPECS[op].make_inputs(17, 300, torch.float32, device, gen)
+@pytest.mark.parametrize("op,cols", list(itertools.product(["layer_norm_gelu", "bias_gelu", "bias_residual_gelu"],
+                                                          [300, 384])))
+def test_tanh_gelu_option(device, op, cols):
+    gen = torch.Generator().manual_seed(_seed("tanh", op, cols))
+    args, _ = OP_SPECS[op].make_inputs(17, cols, torch.float32, device, gen)
     out = triton_launchers[op](*args, approximate="tanh")
     assert compare(out, float64_reference(op, args, {"approximate": "tanh"}), torch.float32).ok
     exact = triton_launchers[op](*args)
@@ -192,12 +194,16 @@ def test_offsets_past_two_to_the_31(op):
 
 
 def test_norm_candidates_spread_few_rows_over_programs():
-    """At a b1 batch's 16 rows the LayerNorm autotuner also tries one-row tiles (16 programs instead of 4); the
+    """At a b1 batch's 16 rows the LayerNorm autotuner also tries one-row tiles (16 programs instead of 8); the
     untuned default (the first candidate) is the same for every row count: two rows of 768 on one warp."""
+    from kernels._layout import row_bucket
     from kernels.triton import _norm
 
-    few = _norm.norm_configs(768, 256, rows=16)
-    many = _norm.norm_configs(768, 256, rows=4096)
+    few = _norm.norm_configs(768, 256, row_bucket(16))
+    many = _norm.norm_configs(768, 256, row_bucket(4096))
+    # by bucket, the autotune key: every count of a bucket has the same candidates
+    assert _norm.norm_configs(768, 256, row_bucket(255)) == few
+    assert _norm.norm_configs(768, 256, row_bucket(256)) == many
     assert few[0] == many[0] == (2, 1)
     assert {m for m, _ in few} == {1, 2, 4, 16} and {m for m, _ in many} == {2, 4, 16}
     for block_m, warps in few + many:
