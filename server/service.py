@@ -178,17 +178,17 @@ class Service:
                 # the process: frozen out of the collector's sight, a later full collection walks only what requests
                 # leave behind instead of pausing a request to walk the start's objects too
                 refreeze()
+                # the report is written before readiness flips, so whoever sees the server ready finds it in the log
+                elapsed, age = time.monotonic() - self._started, _process_age_s()
+                before = f" ({age - elapsed:.1f}s earlier the process started: interpreter, imports, settings)" \
+                    if age is not None else ""
+                try:
+                    log.warning("ready in %.1fs%s\n%s", elapsed, before, self.startup_report())
+                except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
+                    log.exception("ready in %.1fs; the start-up report failed", elapsed)
                 self.mark_ready()
                 for m in self.serving:
                     m.capture_rest()
-                age = _process_age_s()
-                before = f" ({age - (time.monotonic() - self._started):.1f}s earlier the process started: " \
-                         "interpreter, imports, settings)" if age is not None else ""
-                try:
-                    log.warning("ready in %.1fs%s\n%s", time.monotonic() - self._started, before,
-                                self.startup_report())
-                except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
-                    log.exception("ready in %.1fs; the start-up report failed", time.monotonic() - self._started)
         except BaseException as exc:
             failing = self.loading
             named = f"model {failing.name!r} ({failing.spec.path}): " if failing is not None else ""
