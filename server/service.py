@@ -27,6 +27,15 @@ log = logging.getLogger("fusedserve")
 VERSION = "0.1.0"
 
 
+def _worker_threads(workers: int) -> int:
+    """Intra-op threads per worker when TORCH_THREADS is not set: 0 (torch's default) for one worker, else the
+    process's cores shared out. Each worker would otherwise take every core, and on the CPU their matmuls would fight
+    over them (the CPU workers measurement in docs/performance.md)."""
+    if workers <= 1:
+        return 0
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
 def _process_age_s() -> float | None:
     """Seconds since this process started (Linux: /proc), for the start-up report's share before the service
     existed; None elsewhere."""
@@ -168,8 +177,9 @@ class Service:
 
     def _start_up(self) -> None:
         try:
-            if self.settings.torch_threads:
-                torch.set_num_threads(self.settings.torch_threads)
+            threads = self.settings.torch_threads or _worker_threads(self.settings.workers)
+            if threads:
+                torch.set_num_threads(threads)
             workers.wait_for_the_first()
             self.phase = "loading"
             self.load()

@@ -59,3 +59,12 @@ def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, open(log_path).read()
+
+
+def test_workers_share_out_the_cores_unless_torch_threads_is_set(monkeypatch):
+    """Without TORCH_THREADS each of N workers takes cores / N intra-op threads (at least one); one worker keeps torch's
+    default (0: not set)."""
+    from server import service
+
+    monkeypatch.setattr(service.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert [service._worker_threads(n) for n in (1, 2, 3, 4, 16, 32)] == [0, 8, 5, 4, 1, 1]
