@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import inspect
@@ -105,24 +106,61 @@ def autotune(configs: list[triton.Config], key: list[str], prune=None):
     count, which triples what a server's start compiles, and a count only bounds masks here (the vectorized
     accesses run along the columns, whose width stays specialized)."""
 
+    jit = []  # the decorated kernel, once decorate has it
+
     def early_prune(configs, named_args, **kwargs):
+        # called for a key the autotuner has not tuned (nor been seeded with), before it times the candidates
         kept = prune(configs, named_args, **kwargs) if prune else list(configs)
         kept = kept or list(configs)[:1]
         if INTERPRET:
             kept = sorted(kept, key=lambda c: -_tile(c, kwargs))[:2]
         elif not AUTOTUNE:
             kept = kept[:1]
+        elif len(kept) > 1:
+            args = list(named_args.values())  # the positional arguments, in order
+            device = next((a.device for a in args if isinstance(a, Tensor)), None)
+            if device is not None and device.type == "cuda":
+                compile_ahead(jit[0], kept, args, kwargs, device)
         return kept
 
     extra = {"do_bench": _cpu_do_bench} if INTERPRET else dict(_AUTOTUNE_CACHE)
 
     def decorate(fn):
+        jit.append(fn)
         tuner = triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": early_prune},
                                 **extra)(fn)
         TUNERS[fn.fn.__name__] = tuner
         return tuner
 
     return decorate
+
+
+# Threads that compile an untuned key's candidates side by side. The autotuner compiles each candidate as it first
+# times it, one after another, and without shipped tuning those compiles were most of a cold start. Triton's
+# compiler releases the GIL through its MLIR passes and ptxas, so the candidates compile in parallel on a pool first
+# and the autotuner then finds them compiled and only times them.
+COMPILE_THREADS = min(16, len(os.sched_getaffinity(0)))
+_compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def compile_ahead(jit, configs: list[triton.Config], args: list, kwargs: dict, device: torch.device) -> None:
+    """Compile `jit` for each config at these arguments on `device` (JITFunction.warmup: compiled and cached, not
+    launched), in parallel; returns when all are done. A compile that fails is left to the autotuner, which compiles
+    it again and handles the failure as it always does."""
+    global _compile_pool
+    if COMPILE_THREADS < 2:
+        return
+
+    def compile_one(config: triton.Config) -> None:
+        try:
+            with torch.cuda.device(device):  # the pool's threads start on device 0; the kernel cache is per device
+                jit.warmup(*args, grid=(1,), **kwargs, **config.all_kwargs())
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
+
+    if _compile_pool is None:
+        _compile_pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="triton-compile")
+    list(_compile_pool.map(compile_one, configs))
 
 
 # Every autotuned kernel by name: its chosen config per key is the Triton table of kernels.cache (saved beside
