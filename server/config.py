@@ -102,8 +102,9 @@ class Settings(BaseSettings):
                          "daemon so their kernels share the GPU); metrics are summed over the workers")
     max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)",
                                  json_schema_extra={"advanced": True})
-    torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default, the "
-                               "process's cores, shared out among the workers when WORKERS > 1)")
+    torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default; with "
+                               "WORKERS > 1, the process's CPUs (affinity, cgroup quota) shared out among the "
+                               "workers, unless OMP_NUM_THREADS or MKL_NUM_THREADS is set)")
 
     # batching and limits
     max_batch_tokens: int = Field(16384, ge=1, description="real tokens per batch (the packed layout runs no padding)")

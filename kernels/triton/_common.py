@@ -8,9 +8,12 @@ import contextlib
 import functools
 import inspect
 import json
+import logging
 import os
 import statistics
+import threading
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -20,6 +23,7 @@ from torch import Tensor
 # as_rows/as_vector/output_like/row_bucket are shared with the CUDA backend; re-exported for the launchers here.
 from kernels._layout import MAX_COLS, as_rows, as_vector, common_device, output_like, row_bucket  # noqa: F401
 
+log = logging.getLogger(__name__)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # FUSEDSERVE_TRITON_AUTOTUNE=0 skips benchmarking and takes each kernel's heuristic config (the first
 # candidate): for test sweeps over many shapes, where every new shape would otherwise be tuned.
@@ -118,9 +122,9 @@ def autotune(configs: list[triton.Config], key: list[str], prune=None):
             kept = kept[:1]
         elif len(kept) > 1:
             args = list(named_args.values())  # the positional arguments, in order
-            device = next((a.device for a in args if isinstance(a, Tensor)), None)
-            if device is not None and device.type == "cuda":
-                compile_ahead(jit[0], kept, args, kwargs, device)
+            if any(isinstance(a, Tensor) and a.is_cuda for a in args):
+                # Triton keys its kernel cache by the launching thread's current device, not the tensors'
+                compile_ahead(jit[0], kept, args, kwargs, torch.cuda.current_device())
         return kept
 
     extra = {"do_bench": _cpu_do_bench} if INTERPRET else dict(_AUTOTUNE_CACHE)
@@ -138,28 +142,48 @@ def autotune(configs: list[triton.Config], key: list[str], prune=None):
 # Threads that compile an untuned key's candidates side by side. The autotuner compiles each candidate as it first
 # times it, one after another, and without shipped tuning those compiles were most of a cold start. Triton's
 # compiler releases the GIL through its MLIR passes and ptxas, so the candidates compile in parallel on a pool first
-# and the autotuner then finds them compiled and only times them.
-COMPILE_THREADS = min(16, len(os.sched_getaffinity(0)))
+# and the autotuner then finds them compiled and only times them. At most 16, and no more than the CPUs this
+# process may use (its affinity, and a container's CPU quota: each compile is a core's work and LLVM's memory).
+def _cpu_budget() -> int:
+    cpus = len(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError, ValueError):
+        # cgroup v2: "max 100000" (no quota) or "200000 100000" (two CPUs' worth)
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    return cpus
+
+
+COMPILE_THREADS = min(16, _cpu_budget())
 _compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_compile_pool_lock = threading.Lock()
+# the launch's own keywords, which the autotuner hands its pruning with the kernel's: warmup takes its own grid
+_LAUNCH_KEYWORDS = ("grid", "warmup")
 
 
-def compile_ahead(jit, configs: list[triton.Config], args: list, kwargs: dict, device: torch.device) -> None:
-    """Compile `jit` for each config at these arguments on `device` (JITFunction.warmup: compiled and cached, not
-    launched), in parallel; returns when all are done. A compile that fails is left to the autotuner, which compiles
-    it again and handles the failure as it always does."""
+def compile_ahead(jit, configs: list[triton.Config], args: list, kwargs: dict, device: int) -> None:
+    """Compile `jit` for each config at these arguments for CUDA device `device` (JITFunction.warmup: compiled and
+    cached, not launched), in parallel; returns when all are done. A compile that fails is left to the autotuner,
+    which compiles it again and handles the failure as it always does."""
     global _compile_pool
     if COMPILE_THREADS < 2:
         return
+    kwargs = {k: v for k, v in kwargs.items() if k not in _LAUNCH_KEYWORDS}
+    caches = getattr(jit, "device_caches", None)
+    if caches is not None:
+        caches[device]  # noqa: B018 - made here, once: threads creating it together would each keep their own
 
     def compile_one(config: triton.Config) -> None:
         try:
-            with torch.cuda.device(device):  # the pool's threads start on device 0; the kernel cache is per device
+            with torch.cuda.device(device):  # a pool thread starts on device 0
                 jit.warmup(*args, grid=(1,), **kwargs, **config.all_kwargs())
-        except Exception:  # noqa: BLE001 - see the docstring
-            pass
+        except Exception as exc:  # see the docstring
+            log.debug("compile ahead of %s failed (the autotuner compiles it again): %s", config, exc)
 
-    if _compile_pool is None:
-        _compile_pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="triton-compile")
+    with _compile_pool_lock:
+        if _compile_pool is None:
+            _compile_pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
+                                                                  thread_name_prefix="triton-compile")
     list(_compile_pool.map(compile_one, configs))
 
 

@@ -4,6 +4,7 @@ what it is asked to compile and proves two compiles run at once."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 
@@ -22,7 +23,10 @@ def test_candidates_compile_in_parallel_and_a_failure_is_left_to_the_autotuner(m
     calls = []
 
     class Kernel:
+        device_caches = collections.defaultdict(list)  # made once, before the threads
+
         def warmup(self, *args, grid, **kwargs):
+            assert list(self.device_caches) == [1]
             calls.append((args, grid, kwargs))
             if kwargs["BLOCK_M"] == 4:
                 raise RuntimeError("out of resources")
@@ -32,12 +36,14 @@ def test_candidates_compile_in_parallel_and_a_failure_is_left_to_the_autotuner(m
     passed = []
     configs = [triton.Config({"BLOCK_M": m}, num_warps=w) for m, w in ((1, 1), (2, 2), (4, 4))]
     x = torch.randn(3, 8)
-    cuda = torch.device("cuda", 1)
-    _common.compile_ahead(Kernel(), configs, [x, 3, 8], {"N_CHUNK": 1, "launch_pdl": True}, cuda)
+    # what the autotuner hands its pruning: the kernel's keywords and the launch's own (grid, warmup), which warmup
+    # must not get twice
+    launch = {"N_CHUNK": 1, "launch_pdl": True, "grid": lambda meta: (1,), "warmup": False}
+    _common.compile_ahead(Kernel(), configs, [x, 3, 8], launch, 1)
     assert sorted(passed) == [1, 2]  # both met at the barrier: compiled side by side
-    assert len(calls) == 3 and devices == [cuda] * 3
+    assert len(calls) == 3 and devices == [1] * 3
     for args, grid, kwargs in calls:
-        assert args[0] is x and args[1:] == (3, 8) and grid == (1,)
+        assert args[0] is x and args[1:] == (3, 8) and grid == (1,) and "warmup" not in kwargs
         assert kwargs["N_CHUNK"] == 1 and kwargs["launch_pdl"] is True and kwargs["num_warps"] == kwargs["BLOCK_M"]
 
 
@@ -49,4 +55,4 @@ def test_nothing_is_compiled_ahead_with_one_thread(monkeypatch):
             raise AssertionError("compiled ahead with one thread")
 
     configs = [triton.Config({"BLOCK_M": m}) for m in (1, 2)]
-    _common.compile_ahead(Kernel(), configs, [torch.randn(2)], {}, torch.device("cuda", 0))
+    _common.compile_ahead(Kernel(), configs, [torch.randn(2)], {}, 0)

@@ -61,10 +61,22 @@ def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
         assert process.wait(timeout=60) == 0, open(log_path).read()
 
 
-def test_workers_share_out_the_cores_unless_torch_threads_is_set(monkeypatch):
-    """Without TORCH_THREADS each of N workers takes cores / N intra-op threads (at least one); one worker keeps torch's
-    default (0: not set)."""
+def test_workers_share_out_the_cores_unless_torch_threads_is_set(monkeypatch, tmp_path):
+    """Without TORCH_THREADS each of N workers takes cores / N intra-op threads (at least one), the cores being the
+    affinity capped by a cgroup CPU quota; one worker, or an operator's OMP_NUM_THREADS, keeps torch's default (0)."""
     from server import service
 
     monkeypatch.setattr(service.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    quota = tmp_path / "cpu.max"
+    real_path = service.Path
+    monkeypatch.setattr(service, "Path", lambda p: quota if p == "/sys/fs/cgroup/cpu.max" else real_path(p))
+    quota.write_text("max 100000\n")
     assert [service._worker_threads(n) for n in (1, 2, 3, 4, 16, 32)] == [0, 8, 5, 4, 1, 1]
+    quota.write_text("400000 100000\n")  # a pod limited to four CPUs on a 16-core node
+    assert [service._worker_threads(n) for n in (2, 4, 8)] == [2, 1, 1]
+    quota.unlink()  # no cgroup v2 file: the affinity alone
+    assert service._worker_threads(2) == 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert service._worker_threads(4) == 0
