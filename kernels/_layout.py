@@ -4,11 +4,27 @@ contiguous output, and keys its tuned launch configuration on the row count's bu
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
 # Widest row the fused LayerNorm kernels keep in registers (both backends).
 MAX_COLS = 16384
+
+
+def cpu_budget() -> int:
+    """The CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a container's limit, where the
+    affinity still lists every core of the node)."""
+    cpus = len(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError, ValueError):
+        # "max 100000" (no quota) or "200000 100000" (two CPUs' worth)
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    return cpus
 
 
 def row_bucket(rows: int) -> int:

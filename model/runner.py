@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 import kernels
+from kernels._layout import cpu_budget  # noqa: F401  (the server sizes its workers' threads with it)
 from kernels.registry import REFERENCE_BACKEND
 from kernels.timing import OpTimer
 from model.config import PRESETS, EncoderConfig, UnsupportedModel

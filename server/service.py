@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from model.runner import cpu_budget
 from server import workers
 from server.config import Settings
 from server.errors import NotFound, Unavailable
@@ -29,20 +30,12 @@ VERSION = "0.1.0"
 
 def _worker_threads(workers: int) -> int:
     """Intra-op threads per worker when TORCH_THREADS is not set: 0 (torch's default) for one worker or where the
-    operator set OMP_NUM_THREADS / MKL_NUM_THREADS, else the CPUs this process may use shared out (its affinity, capped
-    by a cgroup v2 CPU quota: a pod's limit, where the affinity still lists every core of the node). Each worker
-    would otherwise take every core, and on the CPU their matmuls would fight over them (the CPU workers measurement
-    in docs/performance.md)."""
+    operator set OMP_NUM_THREADS / MKL_NUM_THREADS, else the CPUs this process may use (cpu_budget) shared out.
+    Each worker would otherwise take every core, and on the CPU their matmuls would fight over them (the CPU workers
+    measurement in docs/performance.md)."""
     if workers <= 1 or os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
         return 0
-    cpus = len(os.sched_getaffinity(0))
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, int(quota) // int(period))
-    except (OSError, ValueError):
-        pass  # no cgroup v2 quota to read: the affinity alone
-    return max(1, cpus // workers)
+    return max(1, cpu_budget() // workers)
 
 
 def _process_age_s() -> float | None:

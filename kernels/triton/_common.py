@@ -13,7 +13,6 @@ import os
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
 import triton
@@ -21,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 # as_rows/as_vector/output_like/row_bucket are shared with the CUDA backend; re-exported for the launchers here.
-from kernels._layout import MAX_COLS, as_rows, as_vector, common_device, output_like, row_bucket  # noqa: F401
+from kernels._layout import MAX_COLS, as_rows, as_vector, common_device, cpu_budget, output_like, row_bucket  # noqa: F401
 
 log = logging.getLogger(__name__)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -144,17 +143,7 @@ def autotune(configs: list[triton.Config], key: list[str], prune=None):
 # compiler releases the GIL through its MLIR passes and ptxas, so the candidates compile in parallel on a pool first
 # and the autotuner then finds them compiled and only times them. At most 16, and no more than the CPUs this
 # process may use (its affinity, and a container's CPU quota: each compile is a core's work and LLVM's memory).
-def _cpu_budget() -> int:
-    cpus = len(os.sched_getaffinity(0))
-    with contextlib.suppress(OSError, ValueError):
-        # cgroup v2: "max 100000" (no quota) or "200000 100000" (two CPUs' worth)
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, int(quota) // int(period)))
-    return cpus
-
-
-COMPILE_THREADS = min(16, _cpu_budget())
+COMPILE_THREADS = min(16, cpu_budget())
 _compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _compile_pool_lock = threading.Lock()
 # the launch's own keywords, which the autotuner hands its pruning with the kernel's: warmup takes its own grid

@@ -66,12 +66,14 @@ def test_workers_share_out_the_cores_unless_torch_threads_is_set(monkeypatch, tm
     affinity capped by a cgroup CPU quota; one worker, or an operator's OMP_NUM_THREADS, keeps torch's default (0)."""
     from server import service
 
-    monkeypatch.setattr(service.os, "sched_getaffinity", lambda pid: set(range(16)))
+    from kernels import _layout
+
+    monkeypatch.setattr(_layout.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     quota = tmp_path / "cpu.max"
-    real_path = service.Path
-    monkeypatch.setattr(service, "Path", lambda p: quota if p == "/sys/fs/cgroup/cpu.max" else real_path(p))
+    real_path = _layout.Path
+    monkeypatch.setattr(_layout, "Path", lambda p: quota if p == "/sys/fs/cgroup/cpu.max" else real_path(p))
     quota.write_text("max 100000\n")
     assert [service._worker_threads(n) for n in (1, 2, 3, 4, 16, 32)] == [0, 8, 5, 4, 1, 1]
     quota.write_text("400000 100000\n")  # a pod limited to four CPUs on a 16-core node
