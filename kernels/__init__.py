@@ -97,8 +97,8 @@ partial_add_layer_norm = _public("partial_add_layer_norm")
 assert {name for name, value in globals().items() if getattr(value, "__module__", None) == __name__
         and getattr(value, "__signature__", None) is not None} == set(OPS), "kernels/__init__.py and kernels.spec differ"
 
-__all__ = ["OPS", "REFERENCE", "BackendError", "Selection", "current", "reference_selection", "registry",
-           "save_tuning", "select", "use", *OPS]
+__all__ = ["OPS", "REFERENCE", "BackendError", "Selection", "compile_only", "current", "reference_selection",
+           "registry", "save_tuning", "select", "use", *OPS]
 
 
 def _load_triton(device: torch.device):
@@ -126,6 +126,21 @@ def save_tuning(device: torch.device | str) -> None:
         from kernels import cache
 
         cache.save_triton(device)
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[None]:
+    """Inside, on this thread, our Triton kernels' launches compile what they would run, side by side, and run
+    nothing (their outputs are left unwritten); on exit every compile is done (kernels.triton._common.compile_only).
+    For a throw-away pass ahead of the same launches for real, such as the server's shape sweep. Other backends' ops
+    run as usual; nothing changes before the Triton backend was loaded."""
+    if "kernels.triton._common" not in sys.modules:
+        yield
+        return
+    from kernels.triton._common import compile_only as triton_compile_only
+
+    with triton_compile_only():
+        yield
 
 
 registry.register_backend("triton", _load_triton)

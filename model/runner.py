@@ -312,6 +312,16 @@ class Embedder:
                 batches.append([longest[:tokens - short], longest[:short]])
         return batches
 
+    @torch.inference_mode()
+    def compile_ahead(self, batches: list[list[list[int]]]) -> None:
+        """Compile the Triton kernels the eager forwards of `batches` launch, side by side, without running them
+        (kernels.compile_only; their outputs are thrown away): the same forwards run next find them compiled."""
+        with kernels.use(self.selection), kernels.compile_only():
+            for batch in batches:
+                self._forward_eager(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def save_tuning(self) -> None:
         """Keep what the kernels tuned in this process for the next start on this GPU model (kernels.save_tuning):
         after the shape sweep, when every launch shape has been met."""

@@ -153,8 +153,9 @@ class ModelService:
                                                             self.verifier.reference.head)
 
     def warm_up(self) -> None:
-        """Before ready, each phase logged with its time: the shape sweep (an eager forward at every launch shape a
-        batch can meet, Embedder.shape_sweep: what is compiled and tuned then, no request pays for later), the first
+        """Before ready, each phase logged with its time: on a GPU, the sweep's kernels compiled side by side
+        (Embedder.compile_ahead), then the shape sweep (an eager forward at every launch shape a batch can meet,
+        Embedder.shape_sweep: what is compiled and tuned then, no request pays for later), the first
         `cuda_graphs_before_ready` CUDA graphs in order of need, the calibration of the int8/uint8 output types.
         The other graphs are captured after ready (capture_rest); until then a batch without its graph runs
         eagerly."""
@@ -162,11 +163,18 @@ class ModelService:
         started = time.perf_counter()
         # on the CPU nothing is compiled or tuned per shape: the largest batch and a short one warm the allocator
         sweep = e.shape_sweep() if e.device.type == "cuda" else e.warmup_batches()
+        if e.device.type == "cuda":  # its kernels compiled side by side first, not one by one as the sweep meets them
+            self._enter("warmup", 0.0)
+            self.batcher.call_between_batches(lambda: e.compile_ahead(sweep)).result()
+            self.warmup_seconds["compiles"] = time.perf_counter() - started
+            log.warning("warm-up of %s: kernels of %d launch shapes compiled in %.1fs", self.name, len(sweep),
+                        self.warmup_seconds["compiles"])
+        phase = time.perf_counter()
         for i, batch in enumerate(sweep):
             self._enter("warmup", i / len(sweep))
             self.batcher.call_between_batches(lambda batch=batch: e.embed_ids(batch, graphs=False)).result()
         e.save_tuning()
-        self.warmup_seconds["shape sweep"] = time.perf_counter() - started
+        self.warmup_seconds["shape sweep"] = time.perf_counter() - phase
         log.warning("warm-up of %s: %d launch shapes run in %.1fs", self.name, len(sweep),
                     self.warmup_seconds["shape sweep"])
         if e.graphs is not None and s.cuda_graph_warmup:

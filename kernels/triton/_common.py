@@ -116,22 +116,31 @@ def autotune(configs: list[triton.Config], key: list[str], prune=None):
         kept = prune(configs, named_args, **kwargs) if prune else list(configs)
         kept = kept or list(configs)[:1]
         if INTERPRET:
-            kept = sorted(kept, key=lambda c: -_tile(c, kwargs))[:2]
-        elif not AUTOTUNE:
+            return sorted(kept, key=lambda c: -_tile(c, kwargs))[:2]
+        if not AUTOTUNE:
             kept = kept[:1]
-        elif len(kept) > 1:
-            args = list(named_args.values())  # the positional arguments, in order
-            if any(isinstance(a, Tensor) and a.is_cuda for a in args):
-                # Triton keys its kernel cache by the launching thread's current device, not the tensors'
-                compile_ahead(jit[0], kept, args, kwargs, torch.cuda.current_device())
+        if len(kept) > 1 or _current_pass() is not None:
+            # Triton keys its kernel cache by the launching thread's current device, not the tensors'
+            compile_ahead(jit[0], kept, list(named_args.values()), kwargs, torch.cuda.current_device())
+        if _current_pass() is not None:
+            raise _Untuned  # compile_only(): the candidates are compiling; the real launch times them
         return kept
 
     extra = {"do_bench": _cpu_do_bench} if INTERPRET else dict(_AUTOTUNE_CACHE)
 
     def decorate(fn):
-        jit.append(fn)
+        jit.append(deferrable(fn))
         tuner = triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": early_prune},
                                 **extra)(fn)
+        run = tuner.run
+
+        def run_or_skip(*args, **kwargs):
+            try:
+                return run(*args, **kwargs)
+            except _Untuned:
+                return None
+
+        tuner.run = run_or_skip  # kernel[grid](...) and the autotuner's callers reach run through the instance
         TUNERS[fn.fn.__name__] = tuner
         return tuner
 
@@ -150,30 +159,122 @@ _compile_pool_lock = threading.Lock()
 _LAUNCH_KEYWORDS = ("grid", "warmup")
 
 
-def compile_ahead(jit, configs: list[triton.Config], args: list, kwargs: dict, device: int) -> None:
-    """Compile `jit` for each config at these arguments for CUDA device `device` (JITFunction.warmup: compiled and
-    cached, not launched), in parallel; returns when all are done. A compile that fails is left to the autotuner,
-    which compiles it again and handles the failure as it always does."""
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
     global _compile_pool
-    if COMPILE_THREADS < 2:
-        return
-    kwargs = {k: v for k, v in kwargs.items() if k not in _LAUNCH_KEYWORDS}
-    caches = getattr(jit, "device_caches", None)
-    if caches is not None:
-        caches[device]  # noqa: B018 - made here, once: threads creating it together would each keep their own
-
-    def compile_one(config: triton.Config) -> None:
-        try:
-            with torch.cuda.device(device):  # a pool thread starts on device 0
-                jit.warmup(*args, grid=(1,), **kwargs, **config.all_kwargs())
-        except Exception as exc:  # see the docstring
-            log.debug("compile ahead of %s failed (the autotuner compiles it again): %s", config, exc)
-
     with _compile_pool_lock:
         if _compile_pool is None:
             _compile_pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
                                                                   thread_name_prefix="triton-compile")
-    list(_compile_pool.map(compile_one, configs))
+    return _compile_pool
+
+
+def _compile(jit, args: list, kwargs: dict, device: int, what: object) -> None:
+    """JITFunction.warmup on a pool thread: compiled and cached, not launched. A compile that fails here is left to
+    the launch, which compiles it again and handles the failure as it always does."""
+    try:
+        with torch.cuda.device(device):  # a pool thread starts on device 0
+            jit.warmup(*args, **kwargs)
+    except Exception as exc:  # see the docstring
+        log.debug("compile ahead of %s failed (its launch compiles it again): %s", what, exc)
+
+
+def _specialization(value) -> object:
+    """What of a positional argument can make Triton compile a kernel apart, roughly (a tensor's dtype and 16-byte
+    alignment, an int's 1 / multiple of 16 / 64-bit classes): launches alike here compile once in a compile pass. A
+    class finer than Triton's costs a duplicate compile, a coarser one a compile left to the launch: never a wrong
+    kernel, since every compile is Triton's own."""
+    if isinstance(value, Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return int, value == 1, value % 16 == 0, -2**31 <= value < 2**31
+    if isinstance(value, float):
+        return float
+    return repr(value)
+
+
+class _CompilePass:
+    """compile_only()'s state on its thread: the compiles in flight, each submitted once."""
+
+    def __init__(self) -> None:
+        self.futures: list[concurrent.futures.Future] = []
+        self.submitted: set = set()
+
+    def submit(self, jit, args: list, kwargs: dict, device: int, what: object) -> None:
+        key = (id(jit), device, tuple(map(_specialization, args)),  # keywords: constexprs and launch options
+               tuple(sorted((k, _specialization(v) if isinstance(v, Tensor) else repr(v))
+                            for k, v in kwargs.items() if k != "grid")))
+        if key not in self.submitted:
+            self.submitted.add(key)
+            _own_cache(jit, device)
+            self.futures.append(_pool().submit(_compile, jit, args, kwargs, device, what))
+
+
+def _own_cache(jit, device: int) -> None:
+    caches = getattr(jit, "device_caches", None)
+    if caches is not None:
+        caches[device]  # noqa: B018 - made here, once: threads creating it together would each keep their own
+
+
+def compile_ahead(jit, configs: list[triton.Config], args: list, kwargs: dict, device: int) -> None:
+    """Compile `jit` for each config at these arguments for CUDA device `device`, in parallel; returns when all are
+    done (inside compile_only(): at once, and that pass waits for them)."""
+    if COMPILE_THREADS < 2 and _current_pass() is None:
+        return  # nothing to gain: the autotuner compiles each as it times it
+    kwargs = {k: v for k, v in kwargs.items() if k not in _LAUNCH_KEYWORDS}
+    compiles = _current_pass() or _CompilePass()
+    for config in configs:
+        compiles.submit(jit, args, {"grid": (1,), **kwargs, **config.all_kwargs()}, device, config)
+    if compiles is not _current_pass():
+        concurrent.futures.wait(compiles.futures)
+
+
+_thread = threading.local()  # .compile_pass: the thread's compile-only pass, if it is inside one
+
+
+def _current_pass() -> _CompilePass | None:
+    return getattr(_thread, "compile_pass", None)
+
+
+class _Untuned(Exception):
+    """Inside compile_only(), an autotuned launch whose key has no config yet: its candidates are compiling and
+    nothing runs (the autotuner times them at the real launch)."""
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Inside, on this thread, a launch of one of our Triton kernels runs nothing: it compiles what that launch would
+    run on the compile pool (an autotuned key's chosen config, or all of an untuned key's candidates) and returns,
+    its outputs left unwritten. On exit, waits for every compile. For a pass whose results are thrown away, ahead of
+    the same launches for real: the start-up's shape sweep meets its kernels one after another, and compiling them
+    serially on their first launches was most of a start with shipped tuning. On one thread at a time per
+    kernel: the autotuner keeps per-call state on itself."""
+    if INTERPRET or _current_pass() is not None:
+        yield
+        return
+    _thread.compile_pass = compiles = _CompilePass()
+    try:
+        yield
+    finally:
+        _thread.compile_pass = None
+        concurrent.futures.wait(compiles.futures)
+
+
+def deferrable(jit):
+    """Make the launches of a @triton.jit kernel honour compile_only() (autotune does this for its kernels; a kernel
+    launched directly takes it as a decorator above @triton.jit)."""
+    run = jit.run
+
+    def run_or_compile(*args, grid, warmup, **kwargs):
+        compiles = _current_pass()
+        if compiles is None or warmup:
+            return run(*args, grid=grid, warmup=warmup, **kwargs)
+        compiles.submit(jit, list(args), {"grid": grid, **kwargs}, torch.cuda.current_device(), jit.fn.__name__)
+        return None
+
+    jit.run = run_or_compile  # kernel[grid](...), warmup() and the autotuner all reach run through the instance
+    return jit
 
 
 # Every autotuned kernel by name: its chosen config per key is the Triton table of kernels.cache (saved beside

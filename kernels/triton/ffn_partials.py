@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import reference
-from kernels.triton._common import INTERPRET, check_device, pdl_args, pdl_sync
+from kernels.triton._common import INTERPRET, check_device, deferrable, pdl_args, pdl_sync
 from kernels.triton._gelu import GELU_MODES, gelu
 from kernels.triton.qkv_attention import _dot, _operand, _project
 
@@ -30,6 +30,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_CHUNK = 128  # intermediate columns one program holds ([rows, chunk] fp32 in registers); wider chunks: torch
 
 
+@deferrable
 @triton.jit(do_not_specialize=["T"])  # counts: see _common.autotune
 def _ffn_partials_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, p_ptr, T, H, CHUNK, stride_x, stride_w1, stride_w2,
                          MODE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,

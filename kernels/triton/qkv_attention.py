@@ -33,7 +33,7 @@ from torch import Tensor
 
 from kernels import reference
 from kernels._layout import offsets, segment_arguments
-from kernels.triton._common import INTERPRET, check_device, pdl_args, pdl_sync
+from kernels.triton._common import INTERPRET, check_device, deferrable, pdl_args, pdl_sync
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # one head's [BLOCK, head_dim] q, k, v and accumulator stay in registers; wider: torch
@@ -146,6 +146,7 @@ def _store_out_projection(ctx, wo_ptr, p_ptr, rows, end, head, H, D, stride_wo,
                  mask=(rows[:, None] < end) & (ns[None, :] < H))
 
 
+@deferrable
 @triton.jit(do_not_specialize=["T"])  # counts: see _common.autotune
 def _qkv_attention_kernel(x_ptr, w_ptr, b_ptr, cu_ptr, y_ptr, wo_ptr, T, H, D, qk_scale, stride_x, stride_w,
                           stride_y, stride_wo,

@@ -17,8 +17,9 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels._layout import segment_arguments
-from kernels.triton._common import check_device, pdl_args, pdl_sync
+from kernels.triton._common import check_device, deferrable, pdl_args, pdl_sync
 
+@deferrable
 @triton.jit(do_not_specialize=["T"])  # counts: see _common.autotune
 def _segment_mean_kernel(x_ptr, cu_ptr, y_ptr, T, H, stride_x, stride_y,
                          BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, OUT_F64: tl.constexpr,

@@ -1,6 +1,7 @@
 """No request pays an autotune or a compile: after the start-up's shape sweep (Embedder.shape_sweep), eager forwards
 of batches of any size (what a kernel-timed sample, a batch outside every CUDA-graph bucket or serving without graphs
-runs) meet only kernels already tuned and compiled for their shape.
+runs) meet only kernels already tuned and compiled for their shape. On a GPU, the sweep itself compiles nothing that
+Embedder.compile_ahead (the start-up's compile pass before it) left out.
 
 The Triton autotuners' caches hold one entry per tuned key; the JIT functions' caches one entry per compiled variant.
 On the CPU the interpreter runs the autotuner (with its CPU benchmark) and compiles nothing; on a GPU both count."""
@@ -66,10 +67,18 @@ def test_after_the_shape_sweep_no_eager_forward_tunes_or_compiles(device):
     e.set_fused(True)
     sweep = e.shape_sweep()
     assert {sum(map(len, b)).bit_length() for b in sweep} == set(range(1, e.max_batch_tokens.bit_length() + 1))
+    if device == "cuda":  # the server compiles the sweep's kernels side by side first, tuning nothing
+        before_tuned, before_compiled = _state()
+        e.compile_ahead(sweep)
+        ahead_tuned, ahead_compiled = _state()
+        assert ahead_tuned == before_tuned, "compile_ahead tuned a key: the sweep's real launches must time them"
+        assert ahead_compiled > before_compiled, "compile_ahead compiled nothing"
     for batch in sweep:
         e.embed_ids(batch, graphs=False)
     tuned, compiled = _state()
     assert any(tuned.values()), "the sweep ran no autotuned Triton kernel: the test would prove nothing"
+    if device == "cuda":
+        assert compiled == ahead_compiled, f"the sweep compiled {compiled - ahead_compiled} kernels not compiled ahead"
     seen, seed = [], int(torch.randint(1 << 30, ()))
     with e.timed(lambda op, backend, seconds: seen.append(backend)):
         for batch in _random_batches(e, 6 if device == "cpu" else 40, seed=seed):

@@ -1,0 +1,111 @@
+"""kernels/triton/_common.py, compile_only(): inside it a launch of our Triton kernels compiles what it would run on
+the compile pool and runs nothing; an untuned autotune key compiles all its candidates and is left untuned; alike
+launches compile once; on exit every compile is done. The compile itself needs a GPU's driver, so a stand-in kernel
+(the JITFunction surface these paths use: run, warmup, device_caches, fn) records what it is asked to do."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+
+import pytest
+import torch
+import triton
+
+from kernels.triton import _common
+
+
+class StandIn:
+    """What the wrappers call of a JITFunction. `run(..., warmup=False)` is a launch, `warmup=True` a compile."""
+
+    def __init__(self) -> None:
+        self.launched: list[dict] = []
+        self.compiled: list[tuple] = []
+        self.device_caches = collections.defaultdict(dict)
+        self.lock = threading.Lock()
+
+        def kernel(X, N, BLOCK):  # the Python function behind it: the autotuner reads its name and arguments
+            pass
+
+        self.fn = kernel
+        self.arg_names = ["X", "N", "BLOCK"]
+
+    def run(self, *args, grid, warmup, **kwargs):
+        with self.lock:
+            if warmup:
+                assert threading.current_thread().name.startswith("triton-compile"), "compiled off the pool"
+                self.compiled.append((args, kwargs))
+            else:
+                self.launched.append({"args": args, **kwargs})
+
+    def warmup(self, *args, grid, **kwargs):
+        return self.run(*args, grid=grid, warmup=True, **kwargs)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    """The paths a CUDA launch takes, without one: not the interpreter, device 0, a pool of two."""
+    monkeypatch.setattr(_common, "INTERPRET", False)
+    monkeypatch.setattr(_common, "COMPILE_THREADS", 2)
+    monkeypatch.setattr(_common, "_compile_pool", None)
+    monkeypatch.setattr(_common.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_common.torch.cuda, "device", lambda d: contextlib.nullcontext())
+
+
+def test_a_direct_launch_compiles_once_per_specialization_and_runs_nothing(on_a_gpu):
+    kernel = _common.deferrable(StandIn())
+    x = torch.randn(64)
+    with _common.compile_only():
+        for n in (17, 33, 49):  # one class (not 1, not a multiple of 16): one compile
+            kernel[(1,)](x, n, BLOCK=64)
+        kernel[(1,)](x, 32, BLOCK=64)  # a multiple of 16: Triton may specialize on it
+        kernel[(1,)](x[1:], 17, BLOCK=64)  # a 4-byte aligned view: another specialization
+        kernel[(1,)](x, 17, BLOCK=128)  # another constexpr
+    assert kernel.launched == []
+    assert len(kernel.compiled) == 4  # all done on exit
+    assert {c[1]["BLOCK"] for c in kernel.compiled} == {64, 128}
+    kernel[(1,)](x, 17, BLOCK=64)  # outside: a launch again
+    assert len(kernel.launched) == 1 and kernel.launched[0]["BLOCK"] == 64
+
+
+def test_an_autotuned_launch_compiles_its_config_or_all_candidates_and_tunes_nothing(on_a_gpu):
+    stand_in = StandIn()
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((64, 1), (128, 2), (256, 4))]
+    tuner = _common.autotune(configs, key=["N"])(stand_in)
+    tuned = tuner.cache[(32, "torch.float32")] = configs[1]  # as seeded from saved tuning
+    x = torch.randn(64)
+    with _common.compile_only():
+        tuner[(1,)](x, 32)  # tuned: its config
+        tuner[(1,)](x, 7)  # untuned: every candidate, and the key stays untuned for the real launch to time
+        tuner[(1,)](x, 7)  # met again in the same pass: nothing new
+    assert stand_in.launched == []
+    compiled = sorted((c[1]["BLOCK"], c[1]["num_warps"], c[0][1]) for c in stand_in.compiled)
+    assert compiled == [(64, 1, 7), (128, 2, 7), (128, 2, 32), (256, 4, 7)]
+    assert list(tuner.cache) == [(32, "torch.float32")] and tuner.cache[(32, "torch.float32")] is tuned
+    tuner[(1,)](x, 32)  # outside: the tuned key runs its config
+    assert [(launch["BLOCK"], launch["num_warps"]) for launch in stand_in.launched] == [(128, 2)]
+
+
+def test_a_failed_compile_is_left_to_the_launch(on_a_gpu):
+    class Failing(StandIn):
+        def warmup(self, *args, grid, **kwargs):
+            raise RuntimeError("out of resources")
+
+    kernel = _common.deferrable(Failing())
+    with _common.compile_only():
+        kernel[(1,)](torch.randn(8), 3, BLOCK=8)
+    assert kernel.launched == []
+    kernel[(1,)](torch.randn(8), 3, BLOCK=8)
+    assert len(kernel.launched) == 1
+
+
+def test_the_interpreter_runs_every_launch(monkeypatch):
+    monkeypatch.setattr(_common, "INTERPRET", True)
+    kernel = _common.deferrable(StandIn())
+    with _common.compile_only():
+        kernel[(1,)](torch.randn(8), 3, BLOCK=8)
+    assert len(kernel.launched) == 1 and kernel.compiled == []
