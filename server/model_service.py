@@ -165,7 +165,11 @@ class ModelService:
         sweep = e.shape_sweep() if e.device.type == "cuda" else e.warmup_batches()
         if e.device.type == "cuda":  # its kernels compiled side by side first, not one by one as the sweep meets them
             self._enter("warmup", 0.0)
-            self.batcher.call_between_batches(lambda: e.compile_ahead(sweep)).result()
+            try:
+                self.batcher.call_between_batches(lambda: e.compile_ahead(sweep)).result()
+            except Exception as exc:  # only a head start: the sweep below compiles whatever this did not
+                log.warning("warm-up of %s: compiling ahead failed (%s: %s); the shape sweep compiles its kernels "
+                            "one by one", self.name, type(exc).__name__, exc)
             self.warmup_seconds["compiles"] = time.perf_counter() - started
             log.warning("warm-up of %s: kernels of %d launch shapes compiled in %.1fs", self.name, len(sweep),
                         self.warmup_seconds["compiles"])
