@@ -43,6 +43,9 @@ def l2_normalize(matrix: np.ndarray) -> np.ndarray:
 # call_when_idle's pause: longer than a client's turnaround between back-to-back requests (a loopback round trip and
 # its own work, well under a millisecond to a few), short enough that the work runs soon after traffic stops
 IDLE_PAUSE_S = 0.05
+# A sampled batch's per-op timing (kernel_timing_sample_rate) re-runs its inputs eagerly once the batch is answered:
+# at the next idle moment, or between two batches once it has waited this long under traffic that never pauses
+TIMING_OVERDUE_S = 1.0
 
 
 @dataclass(eq=False)
@@ -116,6 +119,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._control: list[tuple[Callable[[], object], concurrent.futures.Future]] = []
         self._idle_work: list[tuple[Callable[[], object], concurrent.futures.Future]] = []  # call_when_idle
+        self._timing: tuple[list[list[int]], float] | None = None  # a sampled batch's inputs and when it was taken
         self._stopping = False
         self._draining = False
         self._busy = False
@@ -198,6 +202,7 @@ class Batcher:
                 self._cond.wait(timeout=0.05)
             drained = not self._pending and not self._busy
             self._stopping = True
+            self._timing = None  # a sample not timed yet: no answer waits for it
             for _, future in self._idle_work:  # background work never started: its caller stops waiting
                 future.set_exception(Unavailable("the server is shutting down", headers={"Retry-After": "1"}))
             self._idle_work.clear()
@@ -248,15 +253,19 @@ class Batcher:
             if self._control:
                 return []
             self._drop_dead()
+            if self._timing is not None and self._pending and time.monotonic() - self._timing[1] >= TIMING_OVERDUE_S:
+                self._control.append(self._timing_work())  # traffic never pauses: between two batches, then
+                return []
             if not self._pending:
                 if self._stopping:
                     return None
                 if not block:
                     return []
-                if self._idle_work and not self._draining:  # nothing waiting, nothing in flight
+                if (self._idle_work or self._timing is not None) and not self._draining:  # none waiting or in flight
                     quiet = time.monotonic() - self._last_activity
                     if quiet >= IDLE_PAUSE_S:
-                        self._control.append(self._idle_work.pop(0))
+                        self._control.append(self._timing_work() if self._timing is not None
+                                             else self._idle_work.pop(0))
                         return []
                     self._cond.wait(timeout=IDLE_PAUSE_S - quiet)
                     continue
@@ -277,6 +286,30 @@ class Batcher:
             if not block:
                 return []
             self._cond.wait(timeout=s.max_wait_ms / 1e3 - waited)
+
+    def _timing_work(self) -> tuple[Callable[[], object], concurrent.futures.Future]:
+        """Under the lock: the sampled batch's timing, as control work for the worker (nobody waits on its future)."""
+        ids, _ = self._timing
+        self._timing = None
+        return lambda: self._time_ops(ids), concurrent.futures.Future()
+
+    def _time_ops(self, ids: list[list[int]]) -> None:
+        """An answered batch's inputs again, eagerly, every op timed into the kernel-duration histogram. Only
+        instrumentation: a failure is logged, and the answer (already delivered) stands."""
+        try:
+            with self.embedder.timed(self._record_kernel):  # per-op launches: no graph replay
+                self.embedder.embed_ids(ids, normalize=False)
+        except Exception as exc:
+            log.warning("timing the ops of a sampled batch of %d inputs failed (%s: %s)", len(ids),
+                        type(exc).__name__, exc)
+
+    def _sample_timing(self, ids: list[list[int]]) -> None:
+        """Keep this batch's inputs to time its ops later (_time_ops); one sample waits at a time, later ones are
+        not taken meanwhile."""
+        with self._cond:
+            if self._timing is None and not self._draining:
+                self._timing = (ids, time.monotonic())
+                self._cond.notify()
 
     def _drop_dead(self) -> None:
         now = time.monotonic()
@@ -333,8 +366,9 @@ class Batcher:
         m.batch_size.observe(len(batch))
         m.batch_tokens.observe(longest * len(batch))
         m.batch_padding_ratio.observe(1 - real / (longest * len(batch)))
-        timed = random.random() < self.settings.kernel_timing_sample_rate
-        if self.settings.overlap_batches and not timed:
+        if random.random() < self.settings.kernel_timing_sample_rate:
+            self._sample_timing(ids)  # timed after it is answered: the request never waits on the instrumented path
+        if self.settings.overlap_batches:
             started = time.perf_counter()
             try:
                 pending = self.embedder.launch_ids(ids)
@@ -347,7 +381,7 @@ class Batcher:
                     return inflight
                 self._finish(inflight)  # computed already (the eager paths): deliver now, do not hold it
                 return None
-        self._complete(batch, ids, lambda: self._forward(ids, timed))
+        self._complete(batch, ids, lambda: self._forward(ids))
         return None
 
     def _finish(self, inflight: InFlight) -> None:
@@ -392,11 +426,11 @@ class Batcher:
         if self.on_batch is not None and random.random() < self.settings.verify_sample_rate:
             self.on_batch(ids, pooled)
 
-    def _forward(self, ids: list[list[int]], timed: bool = False) -> torch.Tensor:
+    def _forward(self, ids: list[list[int]]) -> torch.Tensor:
         """Pooled, unnormalized embeddings. A batch that runs out of device memory is split in halves and
         retried (a single input that still does not fit fails)."""
         try:
-            return self._forward_once(ids, timed)
+            return self._forward_once(ids)
         except torch.cuda.OutOfMemoryError:
             if len(ids) == 1:
                 raise
@@ -405,19 +439,15 @@ class Batcher:
             if self.embedder.device.type == "cuda":
                 torch.cuda.empty_cache()
             half = len(ids) // 2
-            return torch.cat([self._forward(ids[:half], timed), self._forward(ids[half:], timed)])
+            return torch.cat([self._forward(ids[:half]), self._forward(ids[half:])])
 
-    def _forward_once(self, ids: list[list[int]], timed: bool) -> torch.Tensor:
+    def _forward_once(self, ids: list[list[int]]) -> torch.Tensor:
         """One forward on the current path. A fused forward that raises or yields NaN/Inf is re-run on the
         reference path (counted); non-finite output from the reference itself is an error, never an answer."""
         path = self.embedder.path
         started = time.perf_counter()
         try:
-            if timed:
-                with self.embedder.timed(self._record_kernel):  # per-op launches: no graph replay
-                    pooled = self.embedder.embed_ids(ids, normalize=False)
-            else:
-                pooled = self.embedder.embed_ids(ids, normalize=False)
+            pooled = self.embedder.embed_ids(ids, normalize=False)
             if not np.isfinite(pooled.numpy()).all():
                 raise NonFiniteOutput(f"{path} forward produced NaN/Inf")
         except torch.cuda.OutOfMemoryError:

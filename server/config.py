@@ -135,8 +135,10 @@ class Settings(BaseSettings):
     verify_tolerance: float = Field(1e-3, gt=0, description="max cosine distance between fused and reference")
     verify_queue: int = Field(8, ge=1, description="sampled batches waiting for the verifier; a full queue drops the "
                               "sample (counted as `dropped`)", json_schema_extra={"advanced": True})
-    kernel_timing_sample_rate: float = Field(0.01, ge=0, le=1, description="share of batches run eagerly with every "
-                                             "op timed (`fusedserve_kernel_duration_seconds`)")
+    kernel_timing_sample_rate: float = Field(0.01, ge=0, le=1, description="share of batches whose inputs run "
+                                             "again eagerly after they are answered, every op timed "
+                                             "(`fusedserve_kernel_duration_seconds`); one sample waits at a time, for "
+                                             "an idle moment or at most 1 s")
     admin_token: str = Field("", description="bearer token of the `/admin/*` routes; empty turns them off (404)")
 
     # access, browsers, observability

@@ -42,8 +42,10 @@ def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
             batch = client.post("/infer", json={"inputs": SENTENCES[:8]}).json()["embeddings"]
             assert_embeddings_close(batch, single, "float16", what="batched vs alone")
             info = client.get("/info").json()
-            deadline = time.monotonic() + 120  # the verifier runs in the background: poll for its first match
-            while not _counted(metrics := client.get("/metrics").text, MATCHES) and time.monotonic() < deadline:
+            # the verifier and the sampled batches' op timings run in the background: poll for both
+            deadline = time.monotonic() + 120
+            while not (_counted(metrics := client.get("/metrics").text, MATCHES)
+                       and "fusedserve_kernel_duration_seconds_count{" in metrics) and time.monotonic() < deadline:
                 time.sleep(0.2)
     finally:
         # uvicorn re-raises the captured SIGTERM once its graceful shutdown is complete

@@ -65,6 +65,21 @@ def _kernel_samples(service: Service) -> dict[tuple[str, str], float]:
     return out
 
 
+def _idle(service: Service) -> None:
+    """Until the worker has been idle: a sampled batch's timing still waiting has run (it goes before idle work)."""
+    service.default.batcher.call_when_idle(lambda: None).result(30)
+
+
+def _samples_after(service: Service, before: dict) -> dict[tuple[str, str], float]:
+    """The kernel-duration counts once they differ from `before`: a sampled batch's ops are timed after it is
+    answered, at the worker's next idle moment."""
+    deadline = time.monotonic() + 30
+    while (samples := _kernel_samples(service)) == before:
+        assert time.monotonic() < deadline, "no sampled batch was timed"
+        time.sleep(0.02)
+    return samples
+
+
 def test_kernel_timings_after_a_verify_fallback_are_labelled_with_the_reference():
     """Regression: the verifier's fallback used to swap the ops to the reference behind the registry's back, so
     sampled kernel timings kept the fused backend's label, and /info still showed the fused choices."""
@@ -72,11 +87,12 @@ def test_kernel_timings_after_a_verify_fallback_are_labelled_with_the_reference(
                               verify_sample_rate=1, verify_action="fallback", verify_tolerance=1e-4))
     try:
         _embed(service, [[101, 2023, 102]])
-        assert {backend for _, backend in _kernel_samples(service)} == {"triton"}
+        assert {backend for _, backend in _samples_after(service, {})} == {"triton"}
         _fall_back_by_verifier(service)
+        _idle(service)
         before = _kernel_samples(service)
         _embed(service, [[101, 2023, 2003, 1037, 102]])
-        after = _kernel_samples(service)
+        after = _samples_after(service, before)
         grew = {key for key, count in after.items() if count > before.get(key, 0)}
         assert grew and {backend for _, backend in grew} == {"torch"}, grew
         info = service.info()
@@ -113,13 +129,14 @@ def test_a_verify_fallback_takes_auto_attention_off_the_few_token_layer(monkeypa
     try:
         assert service.info()["attention"] == "fused"
         _embed(service, [[101, 2023, 102]])
-        assert ("attention_partials", "triton") in _kernel_samples(service)
+        assert ("attention_partials", "triton") in _samples_after(service, {})
         _fall_back_by_verifier(service, "partial_add_layer_norm")  # an op of the few-token layer
         info = service.info()
         assert info["attention"] == "varlen" and "reference" in info["attention_reason"], info["attention_reason"]
+        _idle(service)
         before = _kernel_samples(service)
         _embed(service, [[101, 2023, 2003, 102]])  # a few tokens: the few-token layer's batch size
-        grew = {op for (op, _), count in _kernel_samples(service).items() if count > before.get((op, _), 0)}
+        grew = {op for (op, _), count in _samples_after(service, before).items() if count > before.get((op, _), 0)}
         assert grew and not grew & {"attention_partials", "ffn_partials", "partial_add_layer_norm"}, grew
     finally:
         service.shutdown()

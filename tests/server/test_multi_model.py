@@ -182,7 +182,9 @@ def test_metrics_verify_and_kernel_timing_per_model(multi):
     deadline = time.monotonic() + 30  # the verifier checks in the background
     while time.monotonic() < deadline:
         samples = _samples(multi)
-        if all(_value(samples, "fusedserve_reference_checks_total", model=n, result="match") >= 1 for n in NAMES):
+        if all(_value(samples, "fusedserve_reference_checks_total", model=n, result="match") >= 1 for n in NAMES) \
+                and all(_value(samples, "fusedserve_kernel_duration_seconds_count", model=n, op="embedding_layer_norm",
+                               backend="torch") >= 1 for n in NAMES):  # ops timed after the answer, when idle
             break
         time.sleep(0.1)
     for name in NAMES:
