@@ -3,6 +3,8 @@ valid block whose counts agree with themselves. It asserts structure and counts,
 
 from __future__ import annotations
 
+import pytest
+
 from bench import results as store
 from bench.__main__ import main
 
@@ -52,4 +54,7 @@ def test_scenarios_against_real_servers(tmp_path):
     cold, warm = doc["scenarios"]["startup"]["results"]
     assert (cold["start"], warm["start"]) == ("cold", "warm") and cold["ready_s"] > 0 and warm["ready_s"] > 0
     assert cold["first_requests"]["requests"] == 8 and "first_requests" not in warm
+    slowest = cold["first_requests"]["slowest"]
+    assert len(slowest) == 8 and [r["index"] for r in slowest] == list(range(8))  # fewer than 12: all, in order
+    assert max(r["ms"] for r in slowest) == pytest.approx(cold["first_requests"]["max_ms"], abs=0.01)
     assert (tmp_path / "serve-startup-cold.log").is_file() and (tmp_path / "serve-startup-warm.log").is_file()
