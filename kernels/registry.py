@@ -14,6 +14,7 @@ the kernel sources): a later start self-tests again on fresh inputs but takes th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import textwrap
@@ -215,6 +216,24 @@ def _self_test(fn: Callable, op: str, device: torch.device, dtypes: Iterable[tor
     return known[key]
 
 
+def _compile_self_tests(fns: list[tuple[Callable, str]], device: torch.device, dtypes: tuple, cols: tuple) -> None:
+    """Compile the kernels the self-tests of these (fn, op) will launch, side by side, before they run one after
+    another (kernels.compile_only: the launches compile and run nothing; each check's verdict is thrown away). A
+    fn whose verdict is cached runs no self-test and is skipped."""
+    from kernels import compile_only  # the package's: a no-op until the Triton backend is loaded
+
+    with compile_only():
+        for fn, op in fns:
+            with contextlib.suppress(TypeError):
+                if (op, str(device), dtypes, cols) in _verdicts.get(fn, {}):
+                    continue
+            for dtype in dtypes:
+                for rows in SELF_TEST_ROWS:
+                    for n in cols:
+                        with contextlib.suppress(Exception):  # the self-test proper reports any failure
+                            check_op(fn, op, rows, n, dtype, device, seed=0)
+
+
 def _run_self_test(fn: Callable, op: str, device: torch.device, dtypes: tuple, cols: tuple) -> str | None:
     seed = 0
     for dtype in dtypes:
@@ -366,6 +385,16 @@ def select(
     def implementation(name: str, op: str) -> Callable:
         return load(next(b for b in _BACKENDS if b.name == name))[op]
 
+    def candidates_of(op: str) -> list[Backend]:
+        forced = overrides.get(op, "auto")
+        forced = backend if forced == "auto" else forced
+        return [b for b in _BACKENDS if forced in ("auto", b.name)]
+
+    if fused and device.type == "cuda":  # the self-tests' compiles side by side, not one launch at a time
+        fns = [(impl[op], op) for op in OPS if op in wanted for b in candidates_of(op) if b.name != REFERENCE_BACKEND
+               if not isinstance(impl := load(b), str) and op in impl]
+        _compile_self_tests(fns, device, dtypes, test_cols)
+
     choices: dict[str, OpChoice] = {}
     for op in OPS:
         if not fused:
@@ -376,7 +405,7 @@ def select(
             continue
         forced = overrides.get(op, "auto")
         forced = backend if forced == "auto" else forced
-        candidates = [b for b in _BACKENDS if forced in ("auto", b.name)]
+        candidates = candidates_of(op)
         backend_, reason, rejected, timings_us = "", "", {}, {}
         passed: list[str] = []
         for b in candidates:

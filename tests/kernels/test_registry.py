@@ -318,3 +318,32 @@ def test_an_observer_sees_every_op_call_with_its_backend(fake_backends):
         kernels.layer_norm_gelu(x, w, b)
     assert seen == [("layer_norm", "good"), ("layer_norm_gelu", "torch")]
     torch.testing.assert_close(out, reference.layer_norm(x, w, b))
+
+
+def test_the_self_tests_kernels_are_compiled_ahead_inside_one_compile_pass(monkeypatch):
+    """On a GPU, select first runs every candidate's self-test inputs inside kernels.compile_only (so their kernels
+    compile side by side), then the self-tests proper. Here the pass is recorded, and a fn whose verdict is cached
+    (it ran its self-test already) is not run again."""
+    passes, calls = [], []
+
+    class Pass:
+        def __enter__(self):
+            passes.append("open")
+
+        def __exit__(self, *exc):
+            passes.append("closed")
+
+    def recorded(x, w, b, eps, *, out=None):
+        calls.append((passes[-1] if passes else None, tuple(x.shape), x.dtype))
+        return out.copy_(reference.layer_norm(x, w, b, eps))
+
+    monkeypatch.setattr(kernels, "compile_only", Pass)
+    dtypes, cols = (torch.float32, torch.float16), (7, 300)
+    registry._compile_self_tests([(recorded, "layer_norm")], torch.device("cpu"), dtypes, cols)
+    assert passes == ["open", "closed"]
+    expected = {("open", (rows, n), dtype) for dtype in dtypes for rows in registry.SELF_TEST_ROWS for n in cols}
+    assert set(calls) == expected and len(calls) == len(expected)
+    assert registry._self_test(recorded, "layer_norm", torch.device("cpu"), dtypes, cols) is None  # the real one
+    calls.clear()
+    registry._compile_self_tests([(recorded, "layer_norm")], torch.device("cpu"), dtypes, cols)
+    assert calls == []  # its verdict is known: no self-test will run, nothing to compile
