@@ -178,17 +178,17 @@ def _compile(jit, args: list, kwargs: dict, device: int, what: object) -> None:
         log.debug("compile ahead of %s failed (its launch compiles it again): %s", what, exc)
 
 
-def _specialization(value) -> object:
+def _specialization(value, specialized: bool = True) -> object:
     """What of a positional argument can make Triton compile a kernel apart, roughly (a tensor's dtype and 16-byte
-    alignment, an int's 1 / multiple of 16 / 64-bit classes): launches alike here compile once in a compile pass. A
-    class finer than Triton's costs a duplicate compile, a coarser one a compile left to the launch: never a wrong
-    kernel, since every compile is Triton's own."""
+    alignment, an int's 32/64-bit class and, unless the kernel takes it with do_not_specialize, its 1 / multiple of
+    16 classes): launches alike here compile once in a compile pass. A class finer than Triton's costs a duplicate
+    compile, a coarser one a compile left to the launch: never a wrong kernel, since every compile is Triton's own."""
     if isinstance(value, Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, int):
-        return int, value == 1, value % 16 == 0, -2**31 <= value < 2**31
+        return (int, -2**31 <= value < 2**31) + ((value == 1, value % 16 == 0) if specialized else ())
     if isinstance(value, float):
         return float
     return repr(value)
@@ -202,7 +202,9 @@ class _CompilePass:
         self.submitted: set = set()
 
     def submit(self, jit, args: list, kwargs: dict, device: int, what: object) -> None:
-        key = (id(jit), device, tuple(map(_specialization, args)),  # keywords: constexprs and launch options
+        fixed = [getattr(p, "do_not_specialize", False) for p in getattr(jit, "params", ())]
+        specialized = [not (i < len(fixed) and fixed[i]) for i in range(len(args))]
+        key = (id(jit), device, tuple(map(_specialization, args, specialized)),  # keywords: constexprs, options
                tuple(sorted((k, _specialization(v) if isinstance(v, Tensor) else repr(v))
                             for k, v in kwargs.items() if k != "grid")))
         if key not in self.submitted:

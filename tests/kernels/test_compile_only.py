@@ -109,3 +109,20 @@ def test_the_interpreter_runs_every_launch(monkeypatch):
     with _common.compile_only():
         kernel[(1,)](torch.randn(8), 3, BLOCK=8)
     assert len(kernel.launched) == 1 and kernel.compiled == []
+
+
+def test_a_count_the_kernel_does_not_specialize_on_compiles_once_for_every_value(on_a_gpu):
+    """do_not_specialize=["M"]: Triton compiles one variant for every 32-bit M, so the pass submits one compile."""
+    class Param:
+        def __init__(self, fixed: bool) -> None:
+            self.do_not_specialize = fixed
+
+    stand_in = StandIn()
+    stand_in.params = [Param(False), Param(True), Param(False)]  # X, N (not specialized here), BLOCK
+    kernel = _common.deferrable(stand_in)
+    x = torch.randn(64)
+    with _common.compile_only():
+        for n in (1, 7, 16, 33, 2**20):
+            kernel[(1,)](x, n, BLOCK=64)
+        kernel[(1,)](x, 2**40, BLOCK=64)  # a 64-bit count: another signature
+    assert sorted(c[0][1] for c in kernel.compiled) == [1, 2**40]
