@@ -253,7 +253,8 @@ class Batcher:
             if self._control:
                 return []
             self._drop_dead()
-            if self._timing is not None and self._pending and time.monotonic() - self._timing[1] >= TIMING_OVERDUE_S:
+            if (self._timing is not None and self._pending and not self._draining
+                    and time.monotonic() - self._timing[1] >= TIMING_OVERDUE_S):
                 self._control.append(self._timing_work())  # traffic never pauses: between two batches, then
                 return []
             if not self._pending:

@@ -163,16 +163,18 @@ class ModelService:
         started = time.perf_counter()
         # on the CPU nothing is compiled or tuned per shape: the largest batch and a short one warm the allocator
         sweep = e.shape_sweep() if e.device.type == "cuda" else e.warmup_batches()
-        if e.device.type == "cuda":  # its kernels compiled side by side first, not one by one as the sweep meets them
+        if e.device.type == "cuda" and "triton" in e.selection.used.values():
+            # the sweep's Triton kernels compiled side by side first, not one by one as the sweep meets them
             self._enter("warmup", 0.0)
             try:
                 self.batcher.call_between_batches(lambda: e.compile_ahead(sweep)).result()
             except Exception as exc:  # only a head start: the sweep below compiles whatever this did not
                 log.warning("warm-up of %s: compiling ahead failed (%s: %s); the shape sweep compiles its kernels "
                             "one by one", self.name, type(exc).__name__, exc)
+            else:
+                log.warning("warm-up of %s: kernels of %d launch shapes compiled in %.1fs", self.name, len(sweep),
+                            time.perf_counter() - started)
             self.warmup_seconds["compiles"] = time.perf_counter() - started
-            log.warning("warm-up of %s: kernels of %d launch shapes compiled in %.1fs", self.name, len(sweep),
-                        self.warmup_seconds["compiles"])
         phase = time.perf_counter()
         for i, batch in enumerate(sweep):
             self._enter("warmup", i / len(sweep))

@@ -270,10 +270,12 @@ class Service:
 
     # ---- runtime switches and reports ------------------------------------------------------------------
     async def set_fused(self, enabled: bool, name: str | None = None) -> list[tuple[ModelService, dict]]:
-        """The admin switch on the named model, or on every model (each on its own batcher thread, together)."""
+        """The admin switch on the named model, or on every model, one model after another: selecting kernels runs
+        their self-tests through the Triton autotuners, which keep per-call state on themselves and are shared by
+        every model in the process."""
         self.check_ready()
         targets = [self.model(name)] if name else self.serving
-        states = await asyncio.gather(*(asyncio.to_thread(m.set_fused, enabled) for m in targets))
+        states = [await asyncio.to_thread(m.set_fused, enabled) for m in targets]
         return list(zip(targets, states))
 
     def info(self) -> dict:

@@ -52,6 +52,7 @@ def on_a_gpu(monkeypatch):
     monkeypatch.setattr(_common, "INTERPRET", False)
     monkeypatch.setattr(_common, "COMPILE_THREADS", 2)
     monkeypatch.setattr(_common, "_compile_pool", None)
+    monkeypatch.setattr(_common, "TUNERS", {})  # the stand-in's autotuner stays out of the process's tuning table
     monkeypatch.setattr(_common.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(_common.torch.cuda, "device", lambda d: contextlib.nullcontext())
 

@@ -150,6 +150,8 @@ def test_a_sampled_batch_is_answered_first_and_timed_when_the_worker_is_idle(emb
 
     monkeypatch.setattr(embedder, "launch_ids", recorded_launch)
     monkeypatch.setattr(embedder, "timed", recorded_timed)
+    # the loop records each answer before the worker's idle pause ends, even on a stalled machine
+    monkeypatch.setattr(batcher_module, "IDLE_PAUSE_S", 0.5)
     metrics = Metrics().for_model("tiny")
     batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1), metrics)
     rows = [[101, 7592 + i, 2088, 102][: 2 + i] for i in range(3)]  # lengths 2, 3, 4: which batch ran is visible
