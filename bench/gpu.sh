@@ -7,6 +7,8 @@
 #   encoder   python -m bench encoder (the four batch shapes)  -> bench/results/<gpu>/encoder.json
 #   serve     python -m bench serve closed-loop single, then workers under CUDA MPS -> bench/results/<gpu>/serve.json
 #   startup   python -m bench serve startup (cold and warm time to ready, first requests) -> serve.json
+#   retune    the shipped tuning re-exported for this checkout's kernel sources (a start that tunes everything, then
+#             python -m kernels.tuning export), then the startup suite with it -> kernels/tuning/<gpu>.json, serve.json
 #   peer      python -m bench serve peer (Infinity beside our server; carry .whl-infinity too) -> serve.json
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
 #
@@ -18,7 +20,7 @@
 # $OUT comes back: the suite's log and, for a benchmark suite, its updated results file (copy it over
 # bench/results/<gpu>/ and commit it).
 set -uo pipefail
-suite=${1:?usage: bash bench/gpu.sh tests|sanitize|kernels|encoder|serve|startup|peer|profile}
+suite=${1:?usage: bash bench/gpu.sh tests|sanitize|kernels|encoder|serve|startup|retune|peer|profile}
 OUT=${OUT:-/tmp/bench-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -133,6 +135,20 @@ case "$suite" in
       | grep -vE "^(INFO|Loading)"
     results serve
     ;;
+  retune)
+    build
+    # after a change to the kernel sources the shipped file no longer applies: this start tunes, races and compiles
+    # everything into its own cache directory, which the export reads (the start-up report in $OUT/untuned)
+    mkdir -p "$OUT/untuned"
+    timeout 300 python3 -m bench serve startup --model "$MODEL" --log-dir "$OUT/untuned" 2>&1 \
+      | grep -vE "^(INFO|Loading)"
+    FUSEDSERVE_CACHE_DIR=$(ls -td /tmp/fusedserve-cache-* | head -1) python3 -m kernels.tuning export || exit
+    path=$(python3 -c "from kernels import cache; print(cache.SHIPPED / f'{cache.gpu_slug()}.json')")
+    cp "$path" "$OUT/" && echo "shipped tuning: $path (copied to \$OUT; commit it with the start-up below)"
+    timeout 180 python3 -m bench serve startup --model "$MODEL" --log-dir "$OUT" 2>&1 | tee "$OUT/startup.log" \
+      | grep -vE "^(INFO|Loading)"
+    results serve
+    ;;
   peer)
     build
     # Infinity beside one server of ours; its wheels (bash bench/peer-wheels.sh -> .whl-infinity/, carried too) go to
@@ -144,7 +160,7 @@ case "$suite" in
     results serve
     ;;
   *)
-    echo "unknown suite $suite: tests|sanitize|kernels|encoder|serve|startup|peer|profile" >&2
+    echo "unknown suite $suite: tests|sanitize|kernels|encoder|serve|startup|retune|peer|profile" >&2
     exit 2
     ;;
 esac
