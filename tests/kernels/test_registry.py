@@ -347,3 +347,32 @@ def test_the_self_tests_kernels_are_compiled_ahead_inside_one_compile_pass(monke
     calls.clear()
     registry._compile_self_tests([(recorded, "layer_norm")], torch.device("cpu"), dtypes, cols)
     assert calls == []  # its verdict is known: no self-test will run, nothing to compile
+
+
+def test_on_a_gpu_select_compiles_the_fused_candidates_self_tests_first(fake_backends, monkeypatch):
+    """select's CUDA branch, driven here with stand-ins: before any self-test runs, one compile pass gets every
+    fused candidate of every wanted op (forced backends and per-op overrides respected, the reference and backends
+    that do not load or lack the op left out)."""
+    order = []
+    monkeypatch.setattr(registry, "_compile_self_tests",
+                        lambda fns, device, dtypes, cols: order.append(("pass", {op for _, op in fns},
+                                                                        {fn.__name__ for fn, _ in fns}, cols)))
+
+    def self_test(fn, op, device, dtypes, cols):
+        order.append(("self-test", op))
+        return None
+
+    monkeypatch.setattr(registry, "_self_test", self_test)
+    monkeypatch.setattr(registry, "_race", lambda op, impls, *args: ({name: 1.0 for name in impls}, "device"))
+    monkeypatch.setattr(registry, "_BACKENDS", [b for b in registry._BACKENDS if b.name not in ("triton", "cuda")])
+    sel = kernels.select("cuda", (torch.float16,), hidden_sizes=(384,), ops=("layer_norm", "bias_gelu"))
+    assert order[0] == ("pass", {"layer_norm", "bias_gelu"}, {"_drifting_layer_norm", "good_layer_norm", "bias_gelu"},
+                        (*registry.SELF_TEST_COLS, 384))
+    assert all(step[0] == "self-test" for step in order[1:]) and len(order) > 1
+    assert sel.backend_of("layer_norm") in ("broken", "good")  # passed (stubbed) and raced
+    order.clear()
+    kernels.select("cuda", (torch.float16,), ops=("layer_norm",), overrides={"layer_norm": "good"})
+    assert order[0][1:3] == ({"layer_norm"}, {"good_layer_norm"})  # only what is forced is compiled
+    order.clear()
+    kernels.select("cuda", (torch.float16,), ops=("layer_norm",), fused=False)
+    assert order == []  # fused off: nothing probed, nothing compiled
