@@ -46,6 +46,10 @@ results() {  # the suite's results file, as the harness updated it, into $OUT
   path=$(python3 -c "from bench.results import default_path; print(default_path('$1', 'cuda'))")
   cp "$path" "$OUT/" && echo "results: $path (copied to \$OUT)"
 }
+startup_suite() {  # the cold and warm start on a fresh cache directory, logs in $1, results in serve.json
+  timeout "$2" python3 -m bench serve startup --model "$MODEL" --log-dir "$1" 2>&1 | tee "$1/startup.log" \
+    | grep -vE "^(INFO|Loading)"
+}
 pytest_summary() {  # log: the pass/fail line and the failures
   grep -E "passed|failed|error" "$1" | tail -3
   grep -E "^(FAILED|ERROR)" "$1" | head -20
@@ -131,8 +135,7 @@ case "$suite" in
   startup)
     build
     # the cold start compiles and tunes into an empty cache directory of its own; the warm one reuses it
-    timeout 540 python3 -m bench serve startup --model "$MODEL" --log-dir "$OUT" 2>&1 | tee "$OUT/startup.log" \
-      | grep -vE "^(INFO|Loading)"
+    startup_suite "$OUT" 540
     results serve
     ;;
   retune)
@@ -140,13 +143,11 @@ case "$suite" in
     # after a change to the kernel sources the shipped file no longer applies: this start tunes, races and compiles
     # everything into its own cache directory, which the export reads (the start-up report in $OUT/untuned)
     mkdir -p "$OUT/untuned"
-    timeout 300 python3 -m bench serve startup --model "$MODEL" --log-dir "$OUT/untuned" 2>&1 \
-      | grep -vE "^(INFO|Loading)"
+    startup_suite "$OUT/untuned" 300
     FUSEDSERVE_CACHE_DIR=$(ls -td /tmp/fusedserve-cache-* | head -1) python3 -m kernels.tuning export || exit
     path=$(python3 -c "from kernels import cache; print(cache.SHIPPED / f'{cache.gpu_slug()}.json')")
     cp "$path" "$OUT/" && echo "shipped tuning: $path (copied to \$OUT; commit it with the start-up below)"
-    timeout 180 python3 -m bench serve startup --model "$MODEL" --log-dir "$OUT" 2>&1 | tee "$OUT/startup.log" \
-      | grep -vE "^(INFO|Loading)"
+    startup_suite "$OUT" 180
     results serve
     ;;
   peer)
