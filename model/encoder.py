@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,11 +151,17 @@ class Packed:
 
 @functools.cache
 def _varlen_attention():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    """Variable-length flash attention over packed rows, (q, k, v, cu_q, cu_k, max_q, max_k) -> context, or None where
+    torch has none. It is the aten op that torch.nn.attention.varlen.varlen_attn runs for these arguments (no
+    dropout, not causal, default scale), called directly: that wrapper is a torch.library custom op whose first call
+    imports torch._dynamo (seconds of every start-up) and which allocates an RNG state per call."""
+    flash = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if flash is None or not torch.backends.cuda.is_flash_attention_available():
         return None
-    return varlen_attn
+
+    def varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int) -> Tensor:
+        return flash(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False)[0]
+    return varlen
 
 
 ATTENTIONS = ("auto", "pad", "varlen", "fused")
@@ -168,13 +175,13 @@ OFFSET_ATTENTIONS = ("varlen", "fused")  # attend within cu_seqlens: no padded b
 
 
 def _varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """torch's varlen attention runs here: fp16/bf16 on CUDA, torch.nn.attention.varlen importable."""
+    """torch's varlen attention runs here: fp16/bf16 on CUDA, torch's flash attention built in."""
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attention() is not None
 
 
 def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
     """The attention mode to start from. auto -> "fused" where torch's variable-length flash attention runs (fp16/bf16
-    on CUDA with torch.nn.attention.varlen): the few-token layer for batches of at most FUSED_LAYER_TOKENS tokens, the
+    on CUDA, a torch built with it): the few-token layer for batches of at most FUSED_LAYER_TOKENS tokens, the
     varlen path above them (faster than varlen alone for a single short request: docs/performance.md, encoder suite);
     "pad" elsewhere. The runner takes auto's "fused" back to "varlen" when the few-token ops did not land on a fused
     backend (FEW_TOKEN_OPS; model.runner.Embedder._attention_for), since their reference path is slower than
@@ -184,8 +191,8 @@ def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) 
     if attention == "auto":
         return "fused" if usable else "pad"
     if attention == "varlen" and not usable:
-        raise ValueError(f"varlen attention needs fp16/bf16 on CUDA and torch.nn.attention.varlen "
-                         f"(device {device}, dtype {dtype}, torch {torch.__version__})")
+        raise ValueError(f"varlen attention needs fp16/bf16 on CUDA and a torch built with flash "
+                         f"attention (device {device}, dtype {dtype}, torch {torch.__version__})")
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     return attention
@@ -317,14 +324,22 @@ class Encoder(nn.Module):
 
     def forward_packed(self, p: Packed, attention: str = "pad") -> Tensor:
         """Hidden states [T, hidden] of a packed batch (filler tokens' rows are garbage, never read)."""
+        for x in self.packed_steps(p, attention):
+            pass
+        return x
+
+    def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
+        """forward_packed one block at a time: the embeddings' output, then each layer's (the last is the hidden
+        states), for a caller that does other work between blocks."""
         if attention == "varlen":  # the one check of where varlen runs (raises with the reason)
             resolve_attention("varlen", p.input_ids.device, self.embeddings.word_embeddings.dtype)
         if attention in OFFSET_ATTENTIONS and p.cu_seqlens is None:
             raise ValueError(f"{attention} attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
         x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
+        yield x
         for layer in self.layers:
             x = layer.forward_packed(x, p, attention)
-        return x
+            yield x
 
 
 def packed_mean_pool(hidden: Tensor, p: Packed, normalize: bool) -> Tensor:

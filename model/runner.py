@@ -267,6 +267,37 @@ class Embedder:
         for op, backend, seconds in timer.results():
             callback(op, backend, seconds)
 
+    def timed_steps(self, batch: list[list[int]], callback: Callable[[str, str, float], None]) -> Iterator[None]:
+        """`batch`'s eager forward as in timed(), one block per step (the embeddings, each layer, the head: packed
+        layout; the whole forward in one step otherwise), each step inside this Embedder's selection and timer, none
+        across a yield: the server's worker answers the batches that arrive between two steps on their usual path,
+        so they wait for one block's launches at most. callback gets every call's time after the last step."""
+        timer = OpTimer(self.device)
+
+        @contextlib.contextmanager
+        def step() -> Iterator[None]:
+            with torch.inference_mode(), kernels.use(self.selection, timer.call):
+                yield
+
+        if self.layout != "packed":
+            with step():
+                self._forward_eager(batch)
+        else:
+            with step():
+                packed = Packed.from_rows(batch, self.device, **self._token_layout())
+                blocks = self.encoder.packed_steps(packed, self.attention)
+            while True:
+                with step():
+                    hidden = next(blocks, None)
+                    if hidden is None:
+                        break
+                    last = hidden
+                yield
+            with step():
+                self.head(last, packed)
+        for op, backend, seconds in timer.results():
+            callback(op, backend, seconds)
+
     def reference_copy(self) -> Embedder:
         """An fp32 copy of this model on the same device, every op on the torch reference, no CUDA graphs: for a
         background thread's checks (the copy is that thread's own; this Embedder stays the worker's)."""

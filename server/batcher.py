@@ -21,7 +21,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -43,9 +43,19 @@ def l2_normalize(matrix: np.ndarray) -> np.ndarray:
 # call_when_idle's pause: longer than a client's turnaround between back-to-back requests (a loopback round trip and
 # its own work, well under a millisecond to a few), short enough that the work runs soon after traffic stops
 IDLE_PAUSE_S = 0.05
-# A sampled batch's per-op timing (kernel_timing_sample_rate) re-runs its inputs eagerly once the batch is answered:
-# at the next idle moment, or between two batches once it has waited this long under traffic that never pauses
+# A sampled batch's per-op timing (kernel_timing_sample_rate) re-runs its inputs eagerly once the batch is answered,
+# one block of the forward at a time (Embedder.timed_steps): it starts at the next idle moment, or between two batches
+# once it has waited this long under traffic that never pauses; once started, a block runs between two batches while
+# traffic lasts and the next at once when none waits. A request arriving meanwhile waits for one block at most.
 TIMING_OVERDUE_S = 1.0
+
+
+@dataclass
+class _Sample:
+    """A sampled batch waiting for its per-op timing, or part-way through it."""
+    ids: list[list[int]]
+    taken: float  # time.monotonic() when it was sampled
+    steps: Iterator[None] | None = None  # the timed forward, once started
 
 
 @dataclass(eq=False)
@@ -119,7 +129,8 @@ class Batcher:
         self._cond = threading.Condition()
         self._control: list[tuple[Callable[[], object], concurrent.futures.Future]] = []
         self._idle_work: list[tuple[Callable[[], object], concurrent.futures.Future]] = []  # call_when_idle
-        self._timing: tuple[list[list[int]], float] | None = None  # a sampled batch's inputs and when it was taken
+        self._timing: _Sample | None = None
+        self._stepped = False  # a block of the sample ran since the last batch was taken
         self._stopping = False
         self._draining = False
         self._busy = False
@@ -253,9 +264,12 @@ class Batcher:
             if self._control:
                 return []
             self._drop_dead()
-            if (self._timing is not None and self._pending and not self._draining
-                    and time.monotonic() - self._timing[1] >= TIMING_OVERDUE_S):
-                self._control.append(self._timing_work())  # traffic never pauses: between two batches, then
+            timing = self._timing if not self._draining else None
+            if timing is not None and (not self._pending and timing.steps is not None or self._pending and (
+                    not self._stepped and (timing.steps is not None or
+                                           time.monotonic() - timing.taken >= TIMING_OVERDUE_S))):
+                self._control.append(self._timing_work())  # started, or traffic never pauses: between two batches
+                self._stepped = True
                 return []
             if not self._pending:
                 if self._stopping:
@@ -280,6 +294,7 @@ class Batcher:
                 self._cost(len(batch) + 1, longest, total + longest) > s.max_batch_tokens or \
                 len(batch) < len(self._pending)
             if full or waited * 1e3 >= s.max_wait_ms or self._draining:
+                self._stepped = False  # the next block of a sample may run after this batch
                 taken = set(map(id, batch))
                 self._pending = [it for it in self._pending if id(it) not in taken]
                 self.metrics.queue_depth.set(len(self._pending))
@@ -289,27 +304,35 @@ class Batcher:
             self._cond.wait(timeout=s.max_wait_ms / 1e3 - waited)
 
     def _timing_work(self) -> tuple[Callable[[], object], concurrent.futures.Future]:
-        """Under the lock: the sampled batch's timing, as control work for the worker (nobody waits on its future)."""
-        ids, _ = self._timing
-        self._timing = None
-        return lambda: self._time_ops(ids), concurrent.futures.Future()
+        """Under the lock: the next block of the waiting sample's timing, as control work for the worker (nobody
+        waits on its future)."""
+        sample = self._timing
+        return lambda: self._time_step(sample), concurrent.futures.Future()
 
-    def _time_ops(self, ids: list[list[int]]) -> None:
-        """An answered batch's inputs again, eagerly, every op timed into the kernel-duration histogram. Only
-        instrumentation: a failure is logged, and the answer (already delivered) stands."""
+    def _time_step(self, sample: _Sample) -> None:
+        """One block of an answered batch's inputs again, eagerly, every op timed into the kernel-duration histogram
+        once the last block has run. Only instrumentation: a failure is logged, and the answer (already delivered)
+        stands."""
         try:
-            with self.embedder.timed(self._record_kernel):  # per-op launches: no graph replay
-                self.embedder.embed_ids(ids, normalize=False)
+            if sample.steps is None:
+                sample.steps = self.embedder.timed_steps(sample.ids, self._record_kernel)
+            next(sample.steps)
+            return  # more blocks to go
+        except StopIteration:
+            pass
         except Exception as exc:
-            log.warning("timing the ops of a sampled batch of %d inputs failed (%s: %s)", len(ids),
+            log.warning("timing the ops of a sampled batch of %d inputs failed (%s: %s)", len(sample.ids),
                         type(exc).__name__, exc)
+        with self._cond:
+            if self._timing is sample:
+                self._timing = None
 
     def _sample_timing(self, ids: list[list[int]]) -> None:
-        """Keep this batch's inputs to time its ops later (_time_ops); one sample waits at a time, later ones are
+        """Keep this batch's inputs to time its ops later (_time_step); one sample waits at a time, later ones are
         not taken meanwhile."""
         with self._cond:
             if self._timing is None and not self._draining:
-                self._timing = (ids, time.monotonic())
+                self._timing = _Sample(ids, time.monotonic())
                 self._cond.notify()
 
     def _drop_dead(self) -> None:

@@ -110,6 +110,30 @@ def test_the_path_changes_only_between_forwards_through_the_embedder():
     assert big[0][0] == small[0][0] == 101 and big[0][-1] == small[0][-1] == 102  # the tokenizer's [CLS], [SEP]
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_timed_steps_time_the_same_calls_as_timed_one_block_per_step(layout):
+    """timed_steps: the eager forward one block per step (packed: the embeddings, then each layer, then the head on
+    the last; padded: one step), each op call timed and labelled as timed() does, reported after the last step, and
+    no selection or observer active between steps."""
+    import kernels
+
+    e, _ = Embedder.load("tiny", device="cpu", backend="triton", layout=layout)
+    batch = e.tokenizer.encode(["a first input", "and a second, longer input than the first"])
+    whole: list = []
+    with e.timed(lambda op, backend, seconds: whole.append((op, backend))):
+        e.embed_ids(batch)
+    stepped: list = []
+    steps = e.timed_steps(batch, lambda op, backend, seconds: stepped.append((op, backend, seconds)))
+    yields = 0
+    for _ in steps:
+        yields += 1
+        assert not stepped  # reported once, after the last block
+        assert kernels.current() is not e.selection  # nothing held across a yield
+    assert yields == (e.config.num_layers + 1 if layout == "packed" else 0)
+    assert [(op, backend) for op, backend, _ in stepped] == whole
+    assert all(seconds > 0 for *_, seconds in stepped)
+
+
 def test_bfloat16_on_cpu_is_close_to_float32():
     f32, _ = Embedder.load("default", device="cpu", dtype="float32", backend="torch")
     bf16, _ = Embedder.load("default", device="cpu", dtype="bfloat16", backend="torch")

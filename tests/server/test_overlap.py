@@ -133,23 +133,40 @@ def test_idle_work_waits_for_the_queue_and_is_refused_after_the_drain(embedder, 
         batcher.call_when_idle(lambda: "too late").result(timeout=5)
 
 
-def test_a_sampled_batch_is_answered_first_and_timed_when_the_worker_is_idle(embedder, monkeypatch):
-    """kernel_timing_sample_rate: the sampled request is served on the normal path (launch_ids, the graph replay on
-    a GPU); its inputs run again inside Embedder.timed only after the answer, once the worker is idle, one sample
-    at a time."""
-    events: list = []
-    launch, timed = embedder.launch_ids, embedder.timed
+def _record_timing(embedder, monkeypatch, events: list) -> None:
+    """Record ("launch", first row's length) per launch_ids and ("step", ...) per block of a timed re-run."""
+    launch, timed_steps = embedder.launch_ids, embedder.timed_steps
 
     def recorded_launch(ids, **kw):
-        events.append(("launch", embedder._observer is not None, len(ids[0])))
+        events.append(("launch", len(ids[0])))
         return launch(ids, **kw)
 
-    def recorded_timed(callback):
-        events.append(("timed", None, None))
-        return timed(callback)
+    class RecordedSteps:
+        def __init__(self, ids, callback):
+            self.steps, self.length = timed_steps(ids, callback), len(ids[0])
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            events.append(("step", self.length))
+            return next(self.steps)
 
     monkeypatch.setattr(embedder, "launch_ids", recorded_launch)
-    monkeypatch.setattr(embedder, "timed", recorded_timed)
+    monkeypatch.setattr(embedder, "timed_steps", RecordedSteps)
+
+
+def _kernel_counts(metrics) -> dict[str, float]:
+    return {s.labels["op"]: s.value for family in metrics.kernel_duration.family.collect() for s in family.samples
+            if s.name.endswith("_count")}
+
+
+def test_a_sampled_batch_is_answered_first_and_timed_when_the_worker_is_idle(embedder, monkeypatch):
+    """kernel_timing_sample_rate: the sampled request is served on the normal path (launch_ids, the graph replay on
+    a GPU); its inputs run again through Embedder.timed_steps only after the answer, once the worker is idle, one
+    sample at a time, one block per step (the embeddings, each layer, the head)."""
+    events: list = []
+    _record_timing(embedder, monkeypatch, events)
     # the loop records each answer before the worker's idle pause ends, even on a stalled machine
     monkeypatch.setattr(batcher_module, "IDLE_PAUSE_S", 0.5)
     metrics = Metrics().for_model("tiny")
@@ -161,47 +178,56 @@ def test_a_sampled_batch_is_answered_first_and_timed_when_the_worker_is_idle(emb
         answered = []
         for row in rows:  # back to back: no pause between them for a timing to take
             answered.append(await asyncio.wait_for(batcher.submit([row], False, 30).future, 30))
-            events.append(("answered", None, len(row)))
+            events.append(("answered", len(row)))
         idle = batcher.call_when_idle(lambda: "idle")  # after the waiting sample
         return answered, await asyncio.wait_for(asyncio.wrap_future(idle), 30)
 
     answered, idle = asyncio.run(main())
     assert idle == "idle" and len(answered) == 3
-    first = events.index(("answered", None, 2))
-    assert events[:first] == [("launch", False, 2)]  # the sampled request ran untimed and was answered first
-    timings = [i for i, e in enumerate(events) if e[0] == "timed"]
+    first = events.index(("answered", 2))
+    assert events[:first] == [("launch", 2)]  # the sampled request ran untimed and was answered first
+    steps = [i for i, e in enumerate(events) if e[0] == "step"]
+    assert steps and steps[0] > first and events[steps[0]] == ("step", 2)
     # each timing re-runs an answered request's inputs (requests arriving while a sample waits are not sampled; a
-    # slow loop may leave a pause between them, so how many were is not fixed), the first one's first
-    assert timings and timings[0] > first and events[timings[0] + 1] == ("launch", True, 2)
-    for i in timings:
-        assert events[i + 1][:2] == ("launch", True) and ("answered", None, events[i + 1][2]) in events[:i]
-    counts = {s.labels["op"]: s.value for family in metrics.kernel_duration.family.collect() for s in family.samples
-              if s.name.endswith("_count")}
-    assert counts.get("embedding_layer_norm") == len(timings), counts
+    # slow loop may leave a pause between them, so how many were is not fixed): the embeddings, each layer, the head
+    blocks = embedder.config.num_layers + 2
+    timed = [e[1] for e in events if e[0] == "step"]
+    assert len(timed) % blocks == 0, events
+    samples = [timed[i] for i in range(0, len(timed), blocks)]
+    assert all(timed[i: i + blocks] == [length] * blocks for i, length in zip(range(0, len(timed), blocks), samples))
+    for i in steps:
+        assert ("answered", events[i][1]) in events[:i]
+    assert _kernel_counts(metrics).get("embedding_layer_norm") == len(samples), events
     assert batcher.drain(5)
 
 
-def test_under_traffic_that_never_pauses_a_waiting_sample_is_timed_between_batches(embedder, monkeypatch):
+def test_under_traffic_that_never_pauses_a_sample_is_timed_a_block_between_two_batches(embedder, monkeypatch):
+    """A waiting sample starts between two batches once overdue; from then on, one block runs between two batches
+    while requests wait, and the rest at once when none does: no request waits for more than one block."""
     monkeypatch.setattr(batcher_module, "IDLE_PAUSE_S", 3600.0)  # never idle
     monkeypatch.setattr(batcher_module, "TIMING_OVERDUE_S", 0.0)  # overdue as soon as the next batch waits
     events: list = []
-    launch = embedder.launch_ids
-
-    def recorded_launch(ids, **kw):
-        events.append((embedder._observer is not None, len(ids[0])))
-        return launch(ids, **kw)
-
-    monkeypatch.setattr(embedder, "launch_ids", recorded_launch)
-    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1),
-                      Metrics().for_model("tiny"))
-    rows = [[101, 7592, 102][: 2 + i] for i in range(2)]
+    _record_timing(embedder, monkeypatch, events)
+    metrics = Metrics().for_model("tiny")
+    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1), metrics)
+    rows = [[101, 7592, 2088, 102][: 2 + i] for i in range(3)]
 
     async def main():
         batcher.start()
-        for row in rows:
-            await asyncio.wait_for(batcher.submit([row], False, 30).future, 30)
+        first = batcher.submit([rows[0]], False, 30)
+        await asyncio.wait_for(first.future, 30)
+        # two requests waiting together: the worker takes one block of the first sample between their batches
+        jobs = [batcher.submit([row], False, 30) for row in rows[1:]]
+        await asyncio.wait_for(asyncio.gather(*(job.future for job in jobs)), 30)
+        deadline = time.monotonic() + 30
+        while _kernel_counts(metrics).get("embedding_layer_norm") is None:  # the rest of the sample, never idle
+            assert time.monotonic() < deadline, events
+            await asyncio.sleep(0.01)
 
     asyncio.run(main())
-    # the first request's timing ran before the second request's batch, not after an idle pause that never came
-    assert events[:3] == [(False, 2), (True, 2), (False, 3)], events
+    launches = [i for i, e in enumerate(events) if e[0] == "launch"]
+    assert events[launches[0]] == ("launch", 2) and events[launches[0] + 1] == ("step", 2), events
+    for a, b in zip(launches, launches[1:]):  # never more than one block between two batches while they wait
+        assert sum(e[0] == "step" for e in events[a:b]) <= 1, events
+    assert sum(e == ("step", 2) for e in events) == embedder.config.num_layers + 2, events
     assert batcher.drain(5)
