@@ -127,7 +127,8 @@ case "$suite" in
       mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
       nvidia-cuda-mps-control -d && echo "MPS daemon started"
     fi
-    timeout 180 python3 -m bench serve workers --model "$MODEL" --log-dir "$OUT" 2>&1 \
+    # short sentences (1-20 words, 16 a request) as text and as token ids, beside sentence-transformers on them
+    timeout 300 python3 -m bench serve workers --model "$MODEL" --max-words 20 --seconds 5 --log-dir "$OUT" 2>&1 \
       | tee -a "$OUT/serve.log" | grep -vE "^(INFO|Loading)"
     if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then echo quit | nvidia-cuda-mps-control; fi
     results serve

@@ -18,7 +18,7 @@ from pathlib import Path
 from bench import results as store
 
 SCENARIOS = ()
-PLOTS = ("kernels", "encoder", "serve", "replicas")
+PLOTS = ("kernels", "encoder", "serve", "replicas", "workers")
 
 
 def _f(value, digits: int = 1, suffix: str = "") -> str:
@@ -161,12 +161,16 @@ def single_table(block: dict) -> str:
     return _table(["client", "request", "p50 ms", "p99 ms"], rows)
 
 
-def replicas_table(block: dict) -> str:
-    rows = [[str(r["replicas"]), str(r["clients"]), _f(r["requests_per_s"], 0), _f(r["tokens_per_s"] / 1e6, 2),
-             _f(_pct(r["served_vs_raw"]), 0, "%"), f"{_f(r['p50_ms'])} / {_f(r['p99_ms'])}",
-             _f(r["server"].get("cpu_ms_per_request"), 2)] for r in block["results"]]
-    return _table(["servers", "clients", "requests/s", "M tokens/s", "% of raw", "p50 / p99 ms",
-                   "server CPU ms/request"], rows)
+def _sharing_table(label: str, column: str) -> Callable[[dict], str]:
+    """`replicas` (servers) and `workers` (WORKERS of one server): one row per count and payload."""
+    def table(block: dict) -> str:
+        rows = [[str(r[label]), r.get("payload", "ids"), str(r["clients"]), _f(r["requests_per_s"], 0),
+                 _f(r["tokens_per_s"] / 1e6, 2), _f(_pct(r["served_vs_raw"]), 0, "%"),
+                 _f(r.get("vs_sentence_transformers"), 1, "x"), f"{_f(r['p50_ms'])} / {_f(r['p99_ms'])}",
+                 _f(r["server"].get("cpu_ms_per_request"), 2)] for r in block["results"]]
+        return _table([column, "payload", "clients", "requests/s", "M tokens/s", "% of raw",
+                       "x sentence-transformers", "p50 / p99 ms", "server CPU ms/request"], rows)
+    return table
 
 
 def soak_table(block: dict) -> str:
@@ -181,7 +185,8 @@ def soak_table(block: dict) -> str:
 TABLES: dict[tuple[str, str], Callable[[dict], str]] = {
     ("kernels", "fused-ops"): fused_ops_table, ("kernels", "gemm-epilogues"): gemm_table,
     ("encoder", "profile"): profile_table, ("serve", "closed-loop"): closed_loop_table,
-    ("serve", "single"): single_table, ("serve", "replicas"): replicas_table, ("serve", "soak"): soak_table,
+    ("serve", "single"): single_table, ("serve", "replicas"): _sharing_table("replicas", "servers"),
+    ("serve", "workers"): _sharing_table("workers", "WORKERS"), ("serve", "soak"): soak_table,
 }
 
 
@@ -295,17 +300,22 @@ def plot_serve(block: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_replicas(block: dict, path: Path) -> None:
-    """Served tokens/s as a share of the runner's raw rate against the servers sharing the GPU."""
+def plot_sharing(block: dict, label: str, path: Path) -> None:
+    """Served tokens/s as a share of the runner's raw rate against the servers (or workers) sharing the GPU, one line
+    per payload."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    points = sorted(block["results"], key=lambda r: r["replicas"])
-    ax.plot([r["replicas"] for r in points], [100 * r["served_vs_raw"] for r in points], marker="o",
-            label="CUDA MPS" if block["summary"].get("mps") else "time-sliced")
-    for r in points:
-        ax.annotate(f"{r['requests_per_s']:.0f} req/s", (r["replicas"], 100 * r["served_vs_raw"]),
-                    textcoords="offset points", xytext=(4, -12), fontsize=7)
-    ax.set_xlabel(f"servers sharing one GPU ({points[0]['clients'] if points else '?'} clients, token ids)")
+    sharing = "CUDA MPS" if block["summary"].get("mps") else "time-sliced"
+    results = block["results"]
+    for payload in sorted({r.get("payload", "ids") for r in results}):
+        points = sorted((r for r in results if r.get("payload", "ids") == payload), key=lambda r: r[label])
+        ax.plot([r[label] for r in points], [100 * r["served_vs_raw"] for r in points], marker="o",
+                label=f"{payload}, {sharing}")
+        for r in points:
+            ax.annotate(f"{r['requests_per_s']:.0f} req/s", (r[label], 100 * r["served_vs_raw"]),
+                        textcoords="offset points", xytext=(4, -12), fontsize=7)
+    what = "servers sharing one GPU" if label == "replicas" else "WORKERS of one server on one GPU"
+    ax.set_xlabel(f"{what} ({results[0]['clients'] if results else '?'} clients)")
     ax.set_ylabel("served tokens/s, % of the runner alone")
     ax.set_ylim(0, 110)
     ax.margins(x=0.2)
@@ -316,7 +326,7 @@ def plot_replicas(block: dict, path: Path) -> None:
 
 
 def plots(directory: Path, images: Path) -> list[Path]:
-    """docs/img/{kernels,encoder,serve,replicas}.png from the results in `directory`, for what it holds."""
+    """docs/img/{kernels,encoder,serve,replicas,workers}.png from the results in `directory`, for what it holds."""
     images.mkdir(parents=True, exist_ok=True)
     written = []
     kernels, encoder, serve = (store.load(directory / f"{s}.json") for s in ("kernels", "encoder", "serve"))
@@ -333,9 +343,10 @@ def plots(directory: Path, images: Path) -> list[Path]:
     if serve and "closed-loop" in serve["scenarios"]:
         plot_serve(serve["scenarios"]["closed-loop"], images / "serve.png")
         written.append(images / "serve.png")
-    if serve and "replicas" in serve["scenarios"]:
-        plot_replicas(serve["scenarios"]["replicas"], images / "replicas.png")
-        written.append(images / "replicas.png")
+    for label in ("replicas", "workers"):
+        if serve and label in serve["scenarios"]:
+            plot_sharing(serve["scenarios"][label], label, images / f"{label}.png")
+            written.append(images / f"{label}.png")
     return written
 
 

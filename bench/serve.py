@@ -591,23 +591,25 @@ def _mps() -> bool:
     return pipe.exists()
 
 
-def _sharing_point(args: argparse.Namespace, urls: list[str], ids: list, tokens: list[int], raw: float,
-                   **labels) -> dict:
-    """Token ids from --replica-clients clients at the servers `urls` (warmed first): one point, served tokens/s
-    against the runner's raw rate."""
-    load(urls, ids, args.replica_clients, 3, args.per_request, processes=args.client_processes, payload="ids")
-    run, inside = measured_load(urls, ids, args.replica_clients, args.seconds, args.per_request, tokens,
-                                args.client_processes, "ids")
-    return _point(run, inside, raw, None, payload="ids", clients=args.replica_clients, **labels)
+def _sharing_point(args: argparse.Namespace, urls: list[str], traffic: list, tokens: list[int], raw: float,
+                   st_rate: float | None, payload: str, **labels) -> dict:
+    """`payload` (texts or their token ids) from --replica-clients clients at the servers `urls` (warmed first): one
+    point, served tokens/s against the runner's raw rate and sentence-transformers'."""
+    load(urls, traffic, args.replica_clients, 3, args.per_request, processes=args.client_processes, payload=payload)
+    run, inside = measured_load(urls, traffic, args.replica_clients, args.seconds, args.per_request, tokens,
+                                args.client_processes, payload)
+    return _point(run, inside, raw, st_rate, payload=payload, clients=args.replica_clients, **labels)
 
 
 def _sharing_scenario(args: argparse.Namespace, save, label: str, counts: list[int], start) -> None:
-    """One point per count: `start(count)` is a context yielding [(process, url)] of the servers sharing the
-    device (several servers, or one with several workers)."""
+    """One point per count and payload: `start(count)` is a context yielding [(process, url)] of the servers
+    sharing the device (several servers, or one with several workers)."""
     texts = _traffic(args)
     ids, raw = raw_runner(args, texts)
     tokens = list(map(len, ids))
-    summary = {"texts": len(texts), "tokens": sum(tokens), "runner_raw_tokens_per_s": raw, "mps": _mps()}
+    st_rate = sentence_transformers_rate(args, texts, sum(tokens))
+    summary = {"texts": len(texts), "tokens": sum(tokens), "runner_raw_tokens_per_s": raw,
+               "sentence_transformers_tokens_per_s": st_rate, "mps": _mps()}
     rows: list[dict] = []
     for count in counts:
         with start(count) as servers:
@@ -615,9 +617,11 @@ def _sharing_scenario(args: argparse.Namespace, save, label: str, counts: list[i
             extra = {}
             if len(urls) > 1:  # separate servers race their kernels apart: say where they chose differently
                 extra["kernel_choices_differ"] = {op: c for op, c in kernel_choices(urls).items() if len(c) > 1}
-            rows.append(_sharing_point(args, urls, ids, tokens, raw, **{label: count}, **extra))
-            _say(f"{label} {count}{' (MPS)' if summary['mps'] else ''}", rows[-1])
-            save(rows, summary, False)
+            for payload in args.payloads:
+                rows.append(_sharing_point(args, urls, ids if payload == "ids" else texts, tokens, raw, st_rate,
+                                           payload, **{label: count}, **extra))
+                _say(f"{label} {count}, {payload}{' (MPS)' if summary['mps'] else ''}", rows[-1])
+                save(rows, summary, False)
     save(rows, summary, True)
 
 

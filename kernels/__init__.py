@@ -98,7 +98,7 @@ assert {name for name, value in globals().items() if getattr(value, "__module__"
         and getattr(value, "__signature__", None) is not None} == set(OPS), "kernels/__init__.py and kernels.spec differ"
 
 __all__ = ["OPS", "REFERENCE", "BackendError", "Selection", "compile_only", "current", "reference_selection",
-           "registry", "save_tuning", "select", "use", *OPS]
+           "registry", "save_tuning", "select", "use", "watch_compiles", *OPS]
 
 
 def _load_triton(device: torch.device):
@@ -115,6 +115,25 @@ def _load_triton(device: torch.device):
     if device.type == "cuda":
         cache.seed_triton(device)
     return library.custom_ops("triton", LAUNCHERS)
+
+
+def watch_compiles(callback: Callable[[str], None] | None) -> bool:
+    """From now on, callback(description) after every Triton kernel this process compiles or loads from Triton's
+    cache (a kernel's first launch at a new specialization), None to stop; False where this Triton has no hook for
+    it. The server watches after ready, where no batch should wait for either."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    if not hasattr(getattr(knobs, "runtime", None), "jit_post_compile_hook"):
+        return False
+
+    def hook(*, repr: str, **_) -> bool:
+        callback(repr)
+        return False
+
+    knobs.runtime.jit_post_compile_hook = hook if callback is not None else None
+    return True
 
 
 def save_tuning(device: torch.device | str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures
+import functools
 import logging
 import random
 import threading
@@ -48,6 +49,8 @@ IDLE_PAUSE_S = 0.05
 # once it has waited this long under traffic that never pauses; once started, a block runs between two batches while
 # traffic lasts and the next at once when none waits. A request arriving meanwhile waits for one block at most.
 TIMING_OVERDUE_S = 1.0
+# work between batches (a timing block, a graph capture, a backend switch) this long while inputs wait is logged
+SLOW_WORK_S = 0.05
 
 
 @dataclass
@@ -238,10 +241,12 @@ class Batcher:
                 self._finish(inflight)
                 inflight = None
             for fn, future in control:
+                started = time.perf_counter()
                 try:
                     future.set_result(fn())
                 except Exception as exc:  # reported to whoever asked
                     future.set_exception(exc)
+                self._note_wait(fn, time.perf_counter() - started)
             launched = self._start(batch) if batch else None
             worked = bool(batch) or inflight is not None
             if inflight is not None:
@@ -306,8 +311,7 @@ class Batcher:
     def _timing_work(self) -> tuple[Callable[[], object], concurrent.futures.Future]:
         """Under the lock: the next block of the waiting sample's timing, as control work for the worker (nobody
         waits on its future)."""
-        sample = self._timing
-        return lambda: self._time_step(sample), concurrent.futures.Future()
+        return functools.partial(self._time_step, self._timing), concurrent.futures.Future()
 
     def _time_step(self, sample: _Sample) -> None:
         """One block of an answered batch's inputs again, eagerly, every op timed into the kernel-duration histogram
@@ -334,6 +338,14 @@ class Batcher:
             if self._timing is None and not self._draining:
                 self._timing = _Sample(ids, time.monotonic())
                 self._cond.notify()
+
+    def _note_wait(self, fn: Callable[[], object], seconds: float) -> None:
+        """A warning when work between batches held up inputs that arrived meanwhile for longer than SLOW_WORK_S
+        (what a request's latency cannot show: which work it waited for)."""
+        if seconds >= SLOW_WORK_S and self._pending:
+            name = getattr(getattr(fn, "func", fn), "__qualname__", repr(fn))
+            log.warning("%d inputs of %s waited %.0f ms for %s between batches", len(self._pending),
+                        self.metrics.model, seconds * 1e3, name)
 
     def _drop_dead(self) -> None:
         now = time.monotonic()

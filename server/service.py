@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from model.runner import cpu_budget
 from server import workers
 from server.config import Settings
@@ -48,6 +49,11 @@ def _process_age_s() -> float | None:
         return None
     # a container whose /proc/uptime is its own while the start time counts from the host's boot: no answer
     return age if 0 <= age < time.monotonic() + 1 else None
+
+
+def _compiled_after_ready(kernel: str) -> None:
+    log.warning("a Triton kernel was compiled or loaded after ready, and whatever launched it waited (expected after "
+                "a backend switch; otherwise a shape the start-up's compile pass missed): %s", kernel)
 
 
 class Service:
@@ -199,6 +205,7 @@ class Service:
                 except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
                     log.exception("ready in %.1fs; the start-up report failed", elapsed)
                 self.mark_ready()
+                kernels.watch_compiles(_compiled_after_ready)
                 for m in self.serving:
                     m.capture_rest()
         except BaseException as exc:

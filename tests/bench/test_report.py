@@ -41,6 +41,10 @@ def results_dir(tmp_path):
     _write(d, "serve", "replicas", [
         {"replicas": n, "clients": 64, "requests_per_s": 100.0 * n, "tokens_per_s": 1e6 * n,
          "served_vs_raw": n / 8, "p50_ms": 1.0, "p99_ms": 2.0, "server": _server()} for n in (4, 6)], {"mps": True})
+    _write(d, "serve", "workers", [
+        {"workers": n, "payload": p, "clients": 64, "requests_per_s": 100.0 * n, "tokens_per_s": 1e6 * n,
+         "served_vs_raw": n / 8, "vs_sentence_transformers": 2.0 * n, "p50_ms": 1.0, "p99_ms": 2.0,
+         "server": _server()} for n in (2, 4) for p in ("text", "ids")], {"mps": False})
     return d
 
 
@@ -52,13 +56,14 @@ def test_tables_name_their_source_and_hold_the_numbers(results_dir):
     assert "| layer_norm | float16 | 8x64 | 1 | 1.0 | 100 | 10% | 2.0 | 1.5 | 1.50x |" in kernels
     serve = report.tables(results_dir / "serve.json")
     assert "| ids | 64 | 640 | 64.00 | 64% | 3.0x | 32.0 / 64.0 | 1.50 |" in serve
-    assert "| 6 | 64 | 600 | 6.00 | 75% |" in serve
+    assert "| 6 | ids | 64 | 600 | 6.00 | 75% | - |" in serve  # replicas without a sentence-transformers rate
+    assert "| 4 | text | 64 | 400 | 4.00 | 50% | 8.0x | 1.0 / 2.0 | 1.50 |" in serve
 
 
 def test_plots_from_a_results_directory(results_dir, tmp_path):
     images = tmp_path / "img"
     assert main(["report", str(results_dir / "serve.json"), "--plots-from", str(results_dir),
                  "--images", str(images)]) == 0
-    for name in ("kernels", "encoder", "serve", "replicas"):
+    for name in report.PLOTS:
         png = images / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name

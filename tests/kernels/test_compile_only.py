@@ -13,6 +13,7 @@ import pytest
 import torch
 import triton
 
+import kernels
 from kernels.triton import _common
 
 
@@ -127,3 +128,21 @@ def test_a_count_the_kernel_does_not_specialize_on_compiles_once_for_every_value
             kernel[(1,)](x, n, BLOCK=64)
         kernel[(1,)](x, 2**40, BLOCK=64)  # a 64-bit count: another signature
     assert sorted(c[0][1] for c in kernel.compiled) == [1, 2**40]
+
+
+def test_watch_compiles_reports_each_compile_until_stopped():
+    """kernels.watch_compiles installs Triton's post-compile hook (the server's log line for a kernel compiled after
+    ready) and removes it; the hook passes on the kernel's description and lets the compile stand."""
+    from triton import knobs
+
+    seen: list[str] = []
+    before = knobs.runtime.jit_post_compile_hook
+    try:
+        assert kernels.watch_compiles(seen.append)
+        hook = knobs.runtime.jit_post_compile_hook
+        assert hook(key=None, repr="_norm_kernel[num_warps=4](X: *fp16)", fn=None, compile={},
+                    is_manual_warmup=False, already_compiled=False) is False
+        assert seen == ["_norm_kernel[num_warps=4](X: *fp16)"]
+        assert kernels.watch_compiles(None) and knobs.runtime.jit_post_compile_hook is None
+    finally:
+        knobs.runtime.jit_post_compile_hook = before

@@ -231,3 +231,30 @@ def test_under_traffic_that_never_pauses_a_sample_is_timed_a_block_between_two_b
         assert sum(e[0] == "step" for e in events[a:b]) <= 1, events
     assert sum(e == ("step", 2) for e in events) == embedder.config.num_layers + 2, events
     assert batcher.drain(5)
+
+
+def test_work_between_batches_that_holds_up_waiting_inputs_is_logged(embedder, caplog):
+    """Work on the worker between batches (a capture, a timing block, a backend switch) that held up inputs arriving
+    meanwhile for SLOW_WORK_S or more gets a warning naming it; quick work, or work nobody waited for, does not."""
+    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=0),
+                      Metrics().for_model("tiny"))
+    started = []
+
+    def slow_capture():
+        started.append(time.monotonic())
+        time.sleep(batcher_module.SLOW_WORK_S * 3)
+
+    async def main():
+        batcher.start()
+        await asyncio.wrap_future(batcher.call_between_batches(lambda: time.sleep(batcher_module.SLOW_WORK_S * 2)))
+        work = batcher.call_between_batches(slow_capture)
+        while not started:
+            await asyncio.sleep(0.001)
+        await asyncio.wait_for(batcher.submit([[101, 7592, 102]], False, 30).future, 30)  # arrives during the work
+        await asyncio.wrap_future(work)
+
+    with caplog.at_level("WARNING", logger="fusedserve"):
+        asyncio.run(main())
+    held = [r.getMessage() for r in caplog.records if "between batches" in r.getMessage()]
+    assert len(held) == 1 and "1 inputs of tiny waited" in held[0] and "slow_capture" in held[0], held
+    assert batcher.drain(5)
