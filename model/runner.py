@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 import kernels
+from kernels import watch_compiles  # noqa: F401  (the server logs a kernel compiled after ready with it)
 from kernels._layout import cpu_budget  # noqa: F401  (the server sizes its workers' threads with it)
 from kernels.registry import REFERENCE_BACKEND
 from kernels.timing import OpTimer
@@ -319,10 +320,13 @@ class Embedder:
         batch outside every graph bucket, serving without CUDA graphs) pays an autotune or a compile.
 
         Per power-of-two bucket of the token count (the key of every tuned launch config, kernels.row_bucket), up to
-        max_batch_tokens: its first count (and the first count past the few-token layer), as full rows of the model's
-        longest input (rows of equal length take the dense path) and, where two rows fit, as two rows of unequal
-        length (the masked path). One count per bucket is enough because the Triton kernels take their counts
-        unspecialized (kernels.triton._common.autotune)."""
+        max_batch_tokens: its first count (a power of two) and the next, as full rows of the model's longest input
+        (rows of equal length take the dense path) and, where two rows fit, as two rows of unequal length (the masked
+        path).
+        The Triton kernels take their counts unspecialized (kernels.triton._common.autotune), but not the alignment
+        of their pointers: the packed batch's index rows are views of one buffer, 16-byte aligned only for an even
+        token count, so each bucket's config is compiled for both parities. FUSED_LAYER_TOKENS + 1 is the first
+        count of the layered path, in the bucket of the few-token layer's last: its kernels tune their own keys."""
         seq = self.config.max_seq_length
         longest = self.tokenizer.encode(["warm up " * seq])[0]
         seq = len(longest)
@@ -332,9 +336,8 @@ class Embedder:
             full, rest = divmod(tokens, seq)
             return [longest] * full + ([longest[:rest]] if rest else [])
 
-        # the first count of each bucket, and the first count past the few-token layer, whose bucket the layered
-        # path shares with it (its kernels tune their own keys there)
-        counts = sorted({1 << (bits - 1) for bits in range(1, most.bit_length() + 1)} | {FUSED_LAYER_TOKENS + 1})
+        firsts = [1 << (bits - 1) for bits in range(1, most.bit_length() + 1)]  # each bucket's first count
+        counts = sorted({c for first in firsts for c in (first, first + 1) if c <= most} | {FUSED_LAYER_TOKENS + 1})
         batches = []
         for tokens in (t for t in counts if t <= most):
             batches.append(rows_of(tokens))

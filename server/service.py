@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-import kernels
-from model.runner import cpu_budget
+from model.runner import cpu_budget, watch_compiles
 from server import workers
 from server.config import Settings
 from server.errors import NotFound, Unavailable
@@ -205,7 +204,7 @@ class Service:
                 except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
                     log.exception("ready in %.1fs; the start-up report failed", elapsed)
                 self.mark_ready()
-                kernels.watch_compiles(_compiled_after_ready)
+                watch_compiles(_compiled_after_ready)
                 for m in self.serving:
                     m.capture_rest()
         except BaseException as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import sys
 
+import pytest
 import torch
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
@@ -88,3 +89,34 @@ def test_after_the_shape_sweep_no_eager_forward_tunes_or_compiles(device):
     new = {k: after[k] - tuned.get(k, set()) for k in after if after[k] - tuned.get(k, set())}
     assert not new, f"an eager forward after the sweep autotuned (batches of seed {seed}): {new}"
     assert compiled_after == compiled, f"an eager forward after the sweep compiled a kernel (seed {seed})"
+
+
+@pytest.mark.parametrize("max_batch_tokens", [128, 1000, 16384])
+def test_the_sweep_meets_every_bucket_at_both_token_parities(max_batch_tokens):
+    """Each token-count bucket (kernels.row_bucket, the tuned configs' key) is swept at an even and an odd count, as
+    full rows and as two unequal rows: the packed batch's index rows are views of one buffer, 16-byte aligned only
+    for an even count, and Triton compiles a config once per alignment, so a bucket swept at one parity would leave
+    the other's compile to the first request (the GPU showed it: a timing sample waited 500 ms)."""
+    from kernels._layout import row_bucket
+
+    config = EncoderConfig.from_name("tiny")
+    e = Embedder(Encoder(config), TextTokenizer(source_dir(), config.max_seq_length), "tiny", torch.device("cpu"),
+                 torch.float32, backend="torch", cuda_graphs=False, max_batch_tokens=max_batch_tokens, max_batch=64)
+    most = min(max_batch_tokens, 64 * e.config.max_seq_length)
+    seen: dict[int, set[int]] = {}
+    two_rows: dict[int, set[int]] = {}
+    for batch in e.shape_sweep():
+        tokens = sum(map(len, batch))
+        assert tokens <= most
+        seen.setdefault(row_bucket(tokens), set()).add(tokens % 2)
+        if len(batch) == 2 and len(batch[0]) != len(batch[1]):
+            two_rows.setdefault(row_bucket(tokens), set()).add(tokens % 2)
+
+    def parities(bucket: int, limit: int) -> set[int]:  # of the counts a batch of this bucket can have
+        first = 1 << (bucket - 1)
+        return {c % 2 for c in range(first, min(2 * first - 1, limit) + 1)}
+
+    assert seen == {b: parities(b, most) for b in range(1, row_bucket(most) + 1)}, seen
+    one_row = min(most, e.config.max_seq_length)
+    for bucket in range(3, row_bucket(one_row) + 1):  # two unequal rows need 3 tokens
+        assert two_rows[bucket] >= parities(bucket, one_row), (bucket, two_rows)
