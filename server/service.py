@@ -187,6 +187,9 @@ class Service:
             threads = self.settings.torch_threads or _worker_threads(self.settings.workers)
             if threads:
                 torch.set_num_threads(threads)
+                # the tokenizer's thread pool (rayon's, sized at its first parallel batch, after this) gets the same
+                # share: a pool per worker as wide as the machine spins the other workers' cores for small batches
+                os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
             workers.wait_for_the_first()
             self.phase = "loading"
             self.load()
@@ -306,6 +309,8 @@ class Service:
             "verify": {"sample_rate": s.verify_sample_rate, "action": s.verify_action,
                        "tolerance": s.verify_tolerance},
             "model_load_failure": s.model_load_failure,
-            "worker": {"pid": os.getpid(), "workers": s.workers},  # the process that answered, of how many
+            # the process that answered, of how many, and its threads (intra-op; the tokenizer's, where sized)
+            "worker": {"pid": os.getpid(), "workers": s.workers, "torch_threads": torch.get_num_threads(),
+                       "tokenizer_threads": int(os.environ.get("RAYON_NUM_THREADS", "0")) or None},
             "models": entries,
         }

@@ -38,6 +38,8 @@ def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
                 vectors[text] = np.asarray(client.post("/infer", json={"inputs": text}).json()["embeddings"][0])
                 info = client.get("/info").json()
                 assert info["worker"]["workers"] == 2 and info["ready"]
+                # TORCH_THREADS=1: one intra-op thread, and the tokenizer's pool as narrow
+                assert info["worker"]["torch_threads"] == info["worker"]["tokenizer_threads"] == 1, info["worker"]
                 pids.add(info["worker"]["pid"])
         assert len(pids) == 2, "every connection went to one worker"
         assert "worker 1: waiting for the first worker to be ready" in open(log_path).read()  # it fills the cache
