@@ -745,8 +745,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                     "texts": args.texts, "max_words": args.max_words}
         settings.update({"closed-loop": {"servers": args.servers, "clients": args.clients, "payloads": args.payloads},
                          "single": {"requests": args.single_count},
-                         "workers": {"worker_counts": args.worker_counts, "clients": args.replica_clients},
-                         "replicas": {"replica_counts": args.replica_counts, "clients": args.replica_clients},
+                         "workers": {"worker_counts": args.worker_counts, "clients": args.replica_clients,
+                                     "payloads": args.payloads},
+                         "replicas": {"replica_counts": args.replica_counts, "clients": args.replica_clients,
+                                      "payloads": args.payloads},
                          "soak": {"clients": args.soak_clients, "cancel_rate": args.cancel_rate},
                          "peer": peer.settings(args),
                          "startup": {"first_requests": args.first_requests}}[scenario])

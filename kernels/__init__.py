@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib.util
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -119,21 +120,36 @@ def _load_triton(device: torch.device):
 
 def watch_compiles(callback: Callable[[str], None] | None) -> bool:
     """From now on, callback(description) after every Triton kernel this process compiles or loads from Triton's
-    cache (a kernel's first launch at a new specialization), None to stop; False where this Triton has no hook for
-    it. The server watches after ready, where no batch should wait for either."""
-    try:
-        from triton import knobs
-    except ImportError:
+    cache (a kernel's first launch at a new specialization); None stops it. False, and nothing installed, where our
+    Triton kernels are not loaded or this Triton has no hook for it. The server watches after ready, where no batch
+    should wait for either. A hook installed before is still called; the callback's errors are logged, never raised
+    into the launch that compiled."""
+    global _watched
+    if "kernels.triton._common" not in sys.modules:
         return False
+    from triton import knobs
+
     if not hasattr(getattr(knobs, "runtime", None), "jit_post_compile_hook"):
         return False
+    if callback is None:
+        if _watched is not None:
+            knobs.runtime.jit_post_compile_hook, _watched = _watched[0], None
+        return True
+    previous = _watched[0] if _watched is not None else knobs.runtime.jit_post_compile_hook
 
-    def hook(*, repr: str, **_) -> bool:
-        callback(repr)
-        return False
+    def hook(*args, **kwargs):
+        try:
+            callback(str(kwargs.get("repr", "a Triton kernel")))
+        except Exception:
+            logging.getLogger("fusedserve.kernels").exception("the compile watcher failed")
+        return previous(*args, **kwargs) if previous is not None else False
 
-    knobs.runtime.jit_post_compile_hook = hook if callback is not None else None
+    knobs.runtime.jit_post_compile_hook = hook
+    _watched = (previous,)
     return True
+
+
+_watched: tuple[Callable | None] | None = None  # while watch_compiles is on: the hook it found installed
 
 
 def save_tuning(device: torch.device | str) -> None:

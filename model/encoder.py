@@ -13,6 +13,7 @@ QKV projection and the attention of each sequence as one fused op ("fused", kern
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -152,9 +153,14 @@ class Packed:
 @functools.cache
 def _varlen_attention():
     """Variable-length flash attention over packed rows, (q, k, v, cu_q, cu_k, max_q, max_k) -> context, or None where
-    torch has none. It is the aten op that torch.nn.attention.varlen.varlen_attn runs for these arguments (no
-    dropout, not causal, default scale), called directly: that wrapper is a torch.library custom op whose first call
-    imports torch._dynamo (seconds of every start-up) and which allocates an RNG state per call."""
+    torch has none (a torch without torch.nn.attention.varlen, the API this path was built and measured against, is
+    taken as none). It is the flash branch of torch.nn.attention.varlen.varlen_attn for these arguments (no dropout,
+    not causal, default scale), called directly: that wrapper is a torch.library custom op whose first call imports
+    torch._dynamo (seconds of every start-up) and which allocates an RNG state per call. Newer torch sends rows
+    longer than 128 tokens on SM 9.x/10.x to cuDNN's attention where cuDNN >= 9.18; this stays on flash, which gave
+    the same bits as varlen_attn on the H200 (torch 2.11, cuDNN 9.19) at every length up to 512."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:  # found, not imported: that imports dynamo
+        return None
     flash = getattr(torch.ops.aten, "_flash_attention_forward", None)
     if flash is None or not torch.backends.cuda.is_flash_attention_available():
         return None

@@ -272,12 +272,15 @@ class Embedder:
         """`batch`'s eager forward as in timed(), one block per step (the embeddings, each layer, the head: packed
         layout; the whole forward in one step otherwise), each step inside this Embedder's selection and timer, none
         across a yield: the server's worker answers the batches that arrive between two steps on their usual path,
-        so they wait for one block's launches at most. callback gets every call's time after the last step."""
+        so they wait for one block's launches at most. callback gets every call's time after the last step. A new
+        selection installed between two steps (a backend switch, a fallback) ends the forward there, unreported: the
+        path it timed is no longer the one served."""
         timer = OpTimer(self.device)
+        selection, attention = self.selection, self.attention
 
         @contextlib.contextmanager
         def step() -> Iterator[None]:
-            with torch.inference_mode(), kernels.use(self.selection, timer.call):
+            with torch.inference_mode(), kernels.use(selection, timer.call):
                 yield
 
         if self.layout != "packed":
@@ -286,7 +289,7 @@ class Embedder:
         else:
             with step():
                 packed = Packed.from_rows(batch, self.device, **self._token_layout())
-                blocks = self.encoder.packed_steps(packed, self.attention)
+                blocks = self.encoder.packed_steps(packed, attention)
             while True:
                 with step():
                     hidden = next(blocks, None)
@@ -294,6 +297,8 @@ class Embedder:
                         break
                     last = hidden
                 yield
+                if self.selection is not selection:
+                    return
             with step():
                 self.head(last, packed)
         for op, backend, seconds in timer.results():
@@ -322,11 +327,12 @@ class Embedder:
         Per power-of-two bucket of the token count (the key of every tuned launch config, kernels.row_bucket), up to
         max_batch_tokens: its first count (a power of two) and the next, as full rows of the model's longest input
         (rows of equal length take the dense path) and, where two rows fit, as two rows of unequal length (the masked
-        path).
+        path). FUSED_LAYER_TOKENS (a power of two) is the first count of its bucket, so the next one, the first of the
+        layered path, is swept too (its kernels tune their own keys in the same bucket).
+
         The Triton kernels take their counts unspecialized (kernels.triton._common.autotune), but not the alignment
         of their pointers: the packed batch's index rows are views of one buffer, 16-byte aligned only for an even
-        token count, so each bucket's config is compiled for both parities. FUSED_LAYER_TOKENS + 1 is the first
-        count of the layered path, in the bucket of the few-token layer's last: its kernels tune their own keys."""
+        token count, so each bucket's config is compiled for both parities."""
         seq = self.config.max_seq_length
         longest = self.tokenizer.encode(["warm up " * seq])[0]
         seq = len(longest)
@@ -337,7 +343,7 @@ class Embedder:
             return [longest] * full + ([longest[:rest]] if rest else [])
 
         firsts = [1 << (bits - 1) for bits in range(1, most.bit_length() + 1)]  # each bucket's first count
-        counts = sorted({c for first in firsts for c in (first, first + 1) if c <= most} | {FUSED_LAYER_TOKENS + 1})
+        counts = sorted({c for first in firsts for c in (first, first + 1) if c <= most})
         batches = []
         for tokens in (t for t in counts if t <= most):
             batches.append(rows_of(tokens))

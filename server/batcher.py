@@ -19,6 +19,7 @@ import bisect
 import concurrent.futures
 import functools
 import logging
+import math
 import random
 import threading
 import time
@@ -49,8 +50,10 @@ IDLE_PAUSE_S = 0.05
 # once it has waited this long under traffic that never pauses; once started, a block runs between two batches while
 # traffic lasts and the next at once when none waits. A request arriving meanwhile waits for one block at most.
 TIMING_OVERDUE_S = 1.0
-# work between batches (a timing block, a graph capture, a backend switch) this long while inputs wait is logged
+# work between batches (a timing block, a graph capture, a backend switch) this long while inputs wait is logged,
+# at most once per SLOW_WORK_LOG_S for each kind of work
 SLOW_WORK_S = 0.05
+SLOW_WORK_LOG_S = 60.0
 
 
 @dataclass
@@ -134,6 +137,7 @@ class Batcher:
         self._idle_work: list[tuple[Callable[[], object], concurrent.futures.Future]] = []  # call_when_idle
         self._timing: _Sample | None = None
         self._stepped = False  # a block of the sample ran since the last batch was taken
+        self._noted: dict[str, float] = {}  # _note_wait: when each kind of work was last logged
         self._stopping = False
         self._draining = False
         self._busy = False
@@ -216,7 +220,7 @@ class Batcher:
                 self._cond.wait(timeout=0.05)
             drained = not self._pending and not self._busy
             self._stopping = True
-            self._timing = None  # a sample not timed yet: no answer waits for it
+            self._timing = None  # a sample not timed yet, or part-way (its suspended forward is dropped)
             for _, future in self._idle_work:  # background work never started: its caller stops waiting
                 future.set_exception(Unavailable("the server is shutting down", headers={"Retry-After": "1"}))
             self._idle_work.clear()
@@ -270,12 +274,14 @@ class Batcher:
                 return []
             self._drop_dead()
             timing = self._timing if not self._draining else None
-            if timing is not None and (not self._pending and timing.steps is not None or self._pending and (
-                    not self._stepped and (timing.steps is not None or
-                                           time.monotonic() - timing.taken >= TIMING_OVERDUE_S))):
-                self._control.append(self._timing_work())  # started, or traffic never pauses: between two batches
-                self._stepped = True
-                return []
+            if timing is not None:
+                started = timing.steps is not None
+                overdue = time.monotonic() - timing.taken >= TIMING_OVERDUE_S
+                # a started sample: its next block at once when no input waits, else one between two batches; one
+                # not started yet: between two batches once overdue, else at the next idle moment (below)
+                if (started and not self._pending) or (self._pending and not self._stepped and (started or overdue)):
+                    self._control.append(self._timing_work())
+                    return []
             if not self._pending:
                 if self._stopping:
                     return None
@@ -310,7 +316,8 @@ class Batcher:
 
     def _timing_work(self) -> tuple[Callable[[], object], concurrent.futures.Future]:
         """Under the lock: the next block of the waiting sample's timing, as control work for the worker (nobody
-        waits on its future)."""
+        waits on its future). The next batch goes before another block."""
+        self._stepped = True
         return functools.partial(self._time_step, self._timing), concurrent.futures.Future()
 
     def _time_step(self, sample: _Sample) -> None:
@@ -340,12 +347,18 @@ class Batcher:
                 self._cond.notify()
 
     def _note_wait(self, fn: Callable[[], object], seconds: float) -> None:
-        """A warning when work between batches held up inputs that arrived meanwhile for longer than SLOW_WORK_S
-        (what a request's latency cannot show: which work it waited for)."""
-        if seconds >= SLOW_WORK_S and self._pending:
-            name = getattr(getattr(fn, "func", fn), "__qualname__", repr(fn))
-            log.warning("%d inputs of %s waited %.0f ms for %s between batches", len(self._pending),
-                        self.metrics.model, seconds * 1e3, name)
+        """A warning when work between batches took SLOW_WORK_S or longer and inputs were waiting when it ended (what
+        a request's latency cannot show: which work it waited for), at most once per SLOW_WORK_LOG_S per kind of
+        work (a sampled batch's timing blocks can each take that long on a CPU)."""
+        if seconds < SLOW_WORK_S or not self._pending:
+            return
+        name = getattr(getattr(fn, "func", fn), "__qualname__", repr(fn))
+        now = time.monotonic()
+        if now - self._noted.get(name, -math.inf) < SLOW_WORK_LOG_S:
+            return
+        self._noted[name] = now
+        log.warning("%d inputs of %s were waiting when %s between batches ended; it took %.0f ms",
+                    len(self._pending), self.metrics.model, name, seconds * 1e3)
 
     def _drop_dead(self) -> None:
         now = time.monotonic()

@@ -6,6 +6,7 @@ shutdown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -207,7 +208,10 @@ class Service:
                 except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
                     log.exception("ready in %.1fs; the start-up report failed", elapsed)
                 self.mark_ready()
-                watch_compiles(_compiled_after_ready)
+                try:  # a log line only: never a reason to stop a server that is ready
+                    watch_compiles(_compiled_after_ready)
+                except Exception:
+                    log.exception("watching for kernels compiled after ready failed")
                 for m in self.serving:
                     m.capture_rest()
         except BaseException as exc:
@@ -270,6 +274,8 @@ class Service:
     def shutdown(self) -> None:
         """Refuse new work, answer what every model accepted (within request_timeout_s in all), stop."""
         self.start_draining()
+        with contextlib.suppress(Exception):
+            watch_compiles(None)
         deadline = time.monotonic() + self.settings.request_timeout_s
         stopped = [m.stop(timeout_s=max(deadline - time.monotonic(), 0.1)) for m in self.models]  # every one
         drained = all(stopped)

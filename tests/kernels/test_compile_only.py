@@ -131,18 +131,26 @@ def test_a_count_the_kernel_does_not_specialize_on_compiles_once_for_every_value
 
 
 def test_watch_compiles_reports_each_compile_until_stopped():
-    """kernels.watch_compiles installs Triton's post-compile hook (the server's log line for a kernel compiled after
-    ready) and removes it; the hook passes on the kernel's description and lets the compile stand."""
-    from triton import knobs
-
+    """kernels.watch_compiles installs a Triton post-compile hook (the server's log line for a kernel compiled after
+    ready) that passes on the kernel's description, calls the hook that was there before, never raises into the
+    launch, and on None puts the earlier hook back."""
+    knobs = pytest.importorskip("triton.knobs")
     seen: list[str] = []
+    earlier: list[dict] = []
     before = knobs.runtime.jit_post_compile_hook
+    call = {"key": None, "repr": "_norm_kernel[num_warps=4](X: *fp16)", "fn": None, "compile": {},
+            "is_manual_warmup": False, "already_compiled": False}
     try:
+        knobs.runtime.jit_post_compile_hook = lambda **kw: earlier.append(kw) or False
         assert kernels.watch_compiles(seen.append)
-        hook = knobs.runtime.jit_post_compile_hook
-        assert hook(key=None, repr="_norm_kernel[num_warps=4](X: *fp16)", fn=None, compile={},
-                    is_manual_warmup=False, already_compiled=False) is False
-        assert seen == ["_norm_kernel[num_warps=4](X: *fp16)"]
-        assert kernels.watch_compiles(None) and knobs.runtime.jit_post_compile_hook is None
+        assert kernels.watch_compiles(seen.append)  # again (a second service in the process): still one hook
+        assert knobs.runtime.jit_post_compile_hook(**call) is False
+        assert seen == [call["repr"]] and earlier == [call]
+        assert kernels.watch_compiles(lambda kernel: 1 / 0)
+        assert knobs.runtime.jit_post_compile_hook(**call) is False  # the watcher's error is logged, not raised
+        assert len(earlier) == 2
+        assert kernels.watch_compiles(None)
+        knobs.runtime.jit_post_compile_hook(**call)
+        assert len(earlier) == 3 and seen == [call["repr"]]  # the earlier hook alone again
     finally:
         knobs.runtime.jit_post_compile_hook = before

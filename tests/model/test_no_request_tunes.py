@@ -17,7 +17,7 @@ from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
 
 from model.config import EncoderConfig
-from model.encoder import Encoder
+from model.encoder import FUSED_LAYER_TOKENS, Encoder
 from model.runner import Embedder
 from model.tokenizer import TextTokenizer
 from tests.model.checkpoints import source_dir
@@ -96,7 +96,7 @@ def test_the_sweep_meets_every_bucket_at_both_token_parities(max_batch_tokens):
     """Each token-count bucket (kernels.row_bucket, the tuned configs' key) is swept at an even and an odd count, as
     full rows and as two unequal rows: the packed batch's index rows are views of one buffer, 16-byte aligned only
     for an even count, and Triton compiles a config once per alignment, so a bucket swept at one parity would leave
-    the other's compile to the first request (the GPU showed it: a timing sample waited 500 ms)."""
+    the other's compile to the first request."""
     from kernels._layout import row_bucket
 
     config = EncoderConfig.from_name("tiny")
@@ -117,6 +117,8 @@ def test_the_sweep_meets_every_bucket_at_both_token_parities(max_batch_tokens):
         return {c % 2 for c in range(first, min(2 * first - 1, limit) + 1)}
 
     assert seen == {b: parities(b, most) for b in range(1, row_bucket(most) + 1)}, seen
+    counts = {sum(map(len, batch)) for batch in e.shape_sweep()}
+    assert FUSED_LAYER_TOKENS + 1 in counts or FUSED_LAYER_TOKENS >= most  # the layered path's first count
     one_row = min(most, e.config.max_seq_length)
     for bucket in range(3, row_bucket(one_row) + 1):  # two unequal rows need 3 tokens
         assert two_rows[bucket] >= parities(bucket, one_row), (bucket, two_rows)

@@ -134,6 +134,17 @@ def test_timed_steps_time_the_same_calls_as_timed_one_block_per_step(layout):
     assert all(seconds > 0 for *_, seconds in stepped)
 
 
+def test_timed_steps_stop_unreported_when_the_selection_changes_between_steps():
+    """A fallback (or any new selection) between two steps ends the timed forward there, nothing reported: the rest
+    would time a path no longer served, and a fallback's op may be the broken one."""
+    e, _ = Embedder.load("tiny", device="cpu", backend="triton")
+    seen: list = []
+    steps = e.timed_steps(e.tokenizer.encode(["one input"]), lambda *call: seen.append(call))
+    next(steps)
+    e.fall_back("all", "test")
+    assert list(steps) == [] and seen == []
+
+
 def test_bfloat16_on_cpu_is_close_to_float32():
     f32, _ = Embedder.load("default", device="cpu", dtype="float32", backend="torch")
     bf16, _ = Embedder.load("default", device="cpu", dtype="bfloat16", backend="torch")

@@ -5,6 +5,7 @@ behind a stand-in for the CUDA event, so the worker's ordering, delivery and fai
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -234,27 +235,78 @@ def test_under_traffic_that_never_pauses_a_sample_is_timed_a_block_between_two_b
 
 
 def test_work_between_batches_that_holds_up_waiting_inputs_is_logged(embedder, caplog):
-    """Work on the worker between batches (a capture, a timing block, a backend switch) that held up inputs arriving
-    meanwhile for SLOW_WORK_S or more gets a warning naming it; quick work, or work nobody waited for, does not."""
+    """Work on the worker between batches (a capture, a timing block, a backend switch) that took SLOW_WORK_S or more
+    while inputs came to wait gets a warning naming it, once per SLOW_WORK_LOG_S for each kind of work; slow work
+    nobody waited for does not."""
     batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=0),
                       Metrics().for_model("tiny"))
-    started = []
+    started, submitted = threading.Event(), threading.Event()
 
     def slow_capture():
-        started.append(time.monotonic())
-        time.sleep(batcher_module.SLOW_WORK_S * 3)
+        started.set()
+        assert submitted.wait(30)
+        time.sleep(batcher_module.SLOW_WORK_S)
+
+    async def request():
+        await asyncio.wait_for(batcher.submit([[101, 7592, 102]], False, 30).future, 30)
 
     async def main():
         batcher.start()
         await asyncio.wrap_future(batcher.call_between_batches(lambda: time.sleep(batcher_module.SLOW_WORK_S * 2)))
-        work = batcher.call_between_batches(slow_capture)
-        while not started:
-            await asyncio.sleep(0.001)
-        await asyncio.wait_for(batcher.submit([[101, 7592, 102]], False, 30).future, 30)  # arrives during the work
-        await asyncio.wrap_future(work)
+        for _ in range(2):  # the same work twice, a request arriving during each
+            started.clear(), submitted.clear()
+            work = batcher.call_between_batches(slow_capture)
+            await asyncio.to_thread(started.wait, 30)
+            answered = asyncio.ensure_future(request())
+            await asyncio.sleep(0)  # the submit is under way
+            submitted.set()
+            await asyncio.wrap_future(work)
+            await answered
 
     with caplog.at_level("WARNING", logger="fusedserve"):
         asyncio.run(main())
-    held = [r.getMessage() for r in caplog.records if "between batches" in r.getMessage()]
-    assert len(held) == 1 and "1 inputs of tiny waited" in held[0] and "slow_capture" in held[0], held
+    held = [r.getMessage() for r in caplog.records if "between batches ended" in r.getMessage()]
+    assert len(held) == 1, held
+    assert held[0].startswith("1 inputs of tiny were waiting when") and "slow_capture" in held[0], held
+    assert batcher.drain(5)
+
+
+def test_a_sample_started_while_idle_lets_the_next_batch_go_before_its_next_block(embedder, monkeypatch):
+    """A request that arrives during the first block of a sample the idle worker started waits for that block only:
+    its batch goes before the sample's next block."""
+    monkeypatch.setattr(batcher_module, "IDLE_PAUSE_S", 0.01)
+    events: list = []
+    _record_timing(embedder, monkeypatch, events)
+    blocking, arrived = threading.Event(), threading.Event()
+    steps_of = embedder.timed_steps  # the recording wrapper
+
+    class FirstBlockWaits:
+        def __init__(self, ids, callback):
+            self.steps, self.first = steps_of(ids, callback), True
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            if self.first:
+                self.first = False
+                blocking.set()
+                assert arrived.wait(30)
+            return next(self.steps)
+
+    monkeypatch.setattr(embedder, "timed_steps", FirstBlockWaits)
+    metrics = Metrics().for_model("tiny")
+    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1), metrics)
+
+    async def main():
+        batcher.start()
+        await asyncio.wait_for(batcher.submit([[101, 7592, 102]], False, 30).future, 30)
+        await asyncio.to_thread(blocking.wait, 30)  # the idle worker is in the sample's first block
+        job = batcher.submit([[101, 7592, 2088, 102]], False, 30)
+        arrived.set()
+        await asyncio.wait_for(job.future, 30)
+
+    asyncio.run(main())
+    second = events.index(("launch", 4))
+    assert [e for e in events[:second] if e[0] == "step"] == [("step", 3)], events
     assert batcher.drain(5)
