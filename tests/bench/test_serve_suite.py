@@ -40,12 +40,13 @@ def test_scenarios_against_real_servers(tmp_path):
     server = doc["scenarios"]["single"]["summary"]["server"]
     assert server["requests"] == 12 and server["inputs_per_batch"] == 1  # one at a time
 
-    (point,) = doc["scenarios"]["replicas"]["results"]
-    assert point["replicas"] == 2 and point["errors"] == 0 and point["server"]["requests"] == point["requests"]
-    assert doc["scenarios"]["replicas"]["summary"]["mps"] is False
-    (point,) = doc["scenarios"]["workers"]["results"]  # one port, two processes: the metrics count both
-    assert point["workers"] == 2 and point["errors"] == 0 and point["server"]["requests"] == point["requests"]
-    assert point["server"]["cpu_ms_per_request"] > 0
+    for label in ("replicas", "workers"):  # workers: one port, two processes, the metrics count both
+        block = doc["scenarios"][label]
+        assert [(r[label], r["payload"]) for r in block["results"]] == [(2, "text"), (2, "ids")]
+        assert block["summary"]["mps"] is False and block["summary"]["sentence_transformers_tokens_per_s"] is None
+        for point in block["results"]:
+            assert point["errors"] == 0 and point["server"]["requests"] == point["requests"]
+            assert point["server"]["cpu_ms_per_request"] > 0 and point["vs_sentence_transformers"] is None
 
     (soak,) = doc["scenarios"]["soak"]["results"]
     assert soak["wrong_answers"] == 0 and set(soak["statuses"]) == {"200"} and soak["answered"] >= 8
