@@ -28,6 +28,8 @@ from kernels.registry import (REFERENCE, REFERENCE_BACKEND, BackendError, Backen
                               reference_selection, select)
 from kernels.spec import OP_SPECS, OPS, REFERENCE_OPS
 
+log = logging.getLogger("fusedserve.kernels")
+
 # An observer gets every op call: (op, backend, implementation, args, kwargs) -> the call's result.
 Observer = Callable[[str, str, Callable, tuple, dict], object]
 
@@ -141,7 +143,7 @@ def watch_compiles(callback: Callable[[str], None] | None) -> bool:
         try:
             callback(str(kwargs.get("repr", "a Triton kernel")))
         except Exception:
-            logging.getLogger("fusedserve.kernels").exception("the compile watcher failed")
+            log.exception("the compile watcher failed")
         return previous(*args, **kwargs) if previous is not None else False
 
     knobs.runtime.jit_post_compile_hook = hook

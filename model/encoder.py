@@ -181,7 +181,7 @@ OFFSET_ATTENTIONS = ("varlen", "fused")  # attend within cu_seqlens: no padded b
 
 
 def _varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """torch's varlen attention runs here: fp16/bf16 on CUDA, torch's flash attention built in."""
+    """torch's varlen attention runs here: fp16/bf16 on CUDA, and _varlen_attention found in this torch."""
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attention() is not None
 
 

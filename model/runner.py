@@ -345,7 +345,7 @@ class Embedder:
         firsts = [1 << (bits - 1) for bits in range(1, most.bit_length() + 1)]  # each bucket's first count
         counts = sorted({c for first in firsts for c in (first, first + 1) if c <= most})
         batches = []
-        for tokens in (t for t in counts if t <= most):
+        for tokens in counts:
             batches.append(rows_of(tokens))
             if 3 <= tokens <= seq:  # two unequal rows (more than a row's worth already makes them)
                 short = (tokens - 1) // 2

@@ -105,7 +105,8 @@ def test_the_sweep_meets_every_bucket_at_both_token_parities(max_batch_tokens):
     most = min(max_batch_tokens, 64 * e.config.max_seq_length)
     seen: dict[int, set[int]] = {}
     two_rows: dict[int, set[int]] = {}
-    for batch in e.shape_sweep():
+    sweep = e.shape_sweep()
+    for batch in sweep:
         tokens = sum(map(len, batch))
         assert tokens <= most
         seen.setdefault(row_bucket(tokens), set()).add(tokens % 2)
@@ -117,7 +118,7 @@ def test_the_sweep_meets_every_bucket_at_both_token_parities(max_batch_tokens):
         return {c % 2 for c in range(first, min(2 * first - 1, limit) + 1)}
 
     assert seen == {b: parities(b, most) for b in range(1, row_bucket(most) + 1)}, seen
-    counts = {sum(map(len, batch)) for batch in e.shape_sweep()}
+    counts = {sum(map(len, batch)) for batch in sweep}
     assert FUSED_LAYER_TOKENS + 1 in counts or FUSED_LAYER_TOKENS >= most  # the layered path's first count
     one_row = min(most, e.config.max_seq_length)
     for bucket in range(3, row_bucket(one_row) + 1):  # two unequal rows need 3 tokens
