@@ -3,7 +3,8 @@
 #   tests     the CUDA extension built from a clean cache, then the GPU tests: the kernel sweeps and the model and
 #             server tests side by side (logs: tests-kernels.log, tests-model.log)
 #   sanitize  compute-sanitizer memcheck and racecheck over the CUDA kernel tests
-#   kernels   python -m bench kernels (fused-ops in fp16 and bf16, gemm-epilogues) -> bench/results/<gpu>/kernels.json
+#   kernels   python -m bench kernels fused-ops in all three dtypes       -> bench/results/<gpu>/kernels.json
+#   gemm      python -m bench kernels gemm-epilogues                    -> bench/results/<gpu>/kernels.json
 #   encoder   python -m bench encoder (the four batch shapes)  -> bench/results/<gpu>/encoder.json
 #   serve     python -m bench serve closed-loop single, then workers under CUDA MPS -> bench/results/<gpu>/serve.json
 #   startup   python -m bench serve startup (cold and warm time to ready, first requests) -> serve.json
@@ -11,6 +12,8 @@
 #             python -m kernels.tuning export), then the startup suite with it -> kernels/tuning/<gpu>.json, serve.json
 #   peer      python -m bench serve peer (Infinity beside our server; carry .whl-infinity too) -> serve.json
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
+#   nsight    Nsight Compute on one launch per fused row-wise op and provider (python -m bench.nsight) -> $OUT/ncu.csv
+#             and the markdown table docs/kernels.md shows ($OUT/nsight.md)
 #
 # Here (the development machine), once: ../shared/tools/gpu-wheels.sh orjson httptools fastapi-offline py-spy (the
 # server's packages the GPU image lacks -> .whl/), and before each call: python -m bench.gpu_assets (the fp16 MiniLM copy and this
@@ -20,7 +23,7 @@
 # $OUT comes back: the suite's log and, for a benchmark suite, its updated results file (copy it over
 # bench/results/<gpu>/ and commit it).
 set -uo pipefail
-suite=${1:?usage: bash bench/gpu.sh tests|sanitize|kernels|encoder|serve|startup|retune|peer|profile}
+suite=${1:?usage: bash bench/gpu.sh tests|sanitize|kernels|gemm|encoder|serve|startup|retune|peer|profile|nsight}
 OUT=${OUT:-/tmp/bench-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -91,16 +94,28 @@ case "$suite" in
     ;;
   kernels)
     build
-    # the serving dtypes (fp32 is the reference's): 60 cells x 4 providers, each compiled and tuned once
-    timeout 380 python3 -m bench kernels fused-ops --dtypes float16 bfloat16 2>&1 | tee "$OUT/kernels.log" \
-      | grep -v '^\['
-    timeout 150 python3 -m bench kernels gemm-epilogues 2>&1 | tee -a "$OUT/kernels.log"
+    # all 90 cells (6 ops x 3 dtypes x 5 shapes) x 4 providers in one run, each compiled and tuned once
+    timeout 560 python3 -m bench kernels fused-ops --dtypes float16 bfloat16 float32 2>&1 \
+      | tee "$OUT/kernels.log" | grep -v '^\['
+    results kernels
+    ;;
+  gemm)
+    build
+    timeout 300 python3 -m bench kernels gemm-epilogues 2>&1 | tee "$OUT/kernels.log"
     results kernels
     ;;
   encoder)
     build
     timeout 540 python3 -m bench encoder 2>&1 | tee "$OUT/encoder.log"
     results encoder
+    ;;
+  nsight)
+    build
+    ncu_args=(--profile-from-start off --clock-control none --cache-control all --csv --page raw --print-units base
+              --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats)
+    timeout 400 ncu "${ncu_args[@]}" python3 -m bench.nsight > "$OUT/ncu.csv" 2> "$OUT/nsight.log"
+    echo "ncu: exit $?"
+    python3 -m bench.nsight --table "$OUT/ncu.csv" | tee "$OUT/nsight.md"
     ;;
   profile)
     build

@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from bench import results as store
 from kernels import timing
@@ -126,6 +128,32 @@ def copy_gbps(device: str) -> dict[str, float]:
     return {"copy_gbps": max(rates.values()), "copy_gbps_by_timing": rates}
 
 
+@triton.jit
+def _copy_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offsets < n
+    tl.store(Y + offsets, tl.load(X + offsets, mask=keep), mask=keep)
+
+
+_COPY_KERNEL_CONFIGS = ((4096, 4), (8192, 8), (16384, 16))  # (elements per program, warps)
+
+
+def same_bytes_copy_us(nbytes: int, device: str) -> float:
+    """A cell's own ceiling: the time of a copy that moves the cell's bytes (reads half, writes half), timed as the
+    cells are. At tens of MB a kernel's ramp-up and drain are a visible share of its time, so a copy of the same
+    bytes reaches less than copy_gbps, the 1 GiB copy's rate. On a GPU the fastest of torch's copy_ and a Triton
+    copy kernel in three tile sizes."""
+    src = torch.randn(max(nbytes // 8, 1), device=device)  # float32: nbytes / 2 bytes read, as many written
+    dst = torch.empty_like(src)
+    times = [time_us(lambda: dst.copy_(src), device)[0]]
+    if device.startswith("cuda"):
+        for block, warps in _COPY_KERNEL_CONFIGS:
+            grid = (triton.cdiv(src.numel(), block),)
+            times.append(time_us(lambda: _copy_kernel[grid](src, dst, src.numel(), BLOCK=block, num_warps=warps),
+                                 device)[0])
+    return min(times)
+
+
 def providers(names: list[str]) -> tuple[dict[str, Callable[[str], Callable]], dict[str, str]]:
     """({provider: op -> callable}, {provider: why it is unavailable})."""
     available: dict[str, Callable[[str], Callable]] = {}
@@ -181,7 +209,8 @@ def fused_ops(args: argparse.Namespace, save: Callable[[list[dict], dict, bool],
     ceiling = measured["copy_gbps"]
     print(f"copy ceiling: {ceiling:.0f} GB/s ({measured['copy_gbps_by_timing']})", file=sys.stderr, flush=True)
     provs, missing = providers(args.providers)
-    summary = {**measured, "unavailable": missing}
+    summary = {**measured, "unavailable": missing, "same_bytes_copy_us": {}}
+    copies = summary["same_bytes_copy_us"]
     rows: list[dict] = []
     cells = [(op, d, s) for op in ops for d in dtypes for s in shapes]
     for i, (op, dtype_name, shape) in enumerate(cells, 1):
@@ -190,7 +219,10 @@ def fused_ops(args: argparse.Namespace, save: Callable[[list[dict], dict, bool],
         inputs = rowwise_inputs(op, n_rows, cols, dtype, device, seed=i)
         ref = float64_reference(op, inputs, {}) if args.check else None
         nbytes = min_bytes(op, n_rows, cols, dtype)
-        line = []
+        if str(nbytes) not in copies:
+            copies[str(nbytes)] = same_bytes_copy_us(nbytes, device)
+        copy_us = copies[str(nbytes)]
+        line = [f"same-bytes copy {copy_us:7.1f} us"]
         for name, get in provs.items():
             try:
                 cell = _measure(get(op), inputs, ref, dtype, device)
@@ -201,7 +233,8 @@ def fused_ops(args: argparse.Namespace, save: Callable[[list[dict], dict, bool],
                 continue
             gbps = nbytes / cell["us"] / 1e3
             rows.append({"op": op, "dtype": dtype_name, "shape": shape, "provider": name, **cell, "bytes": nbytes,
-                         "gbps": gbps, "pct_copy": 100 * gbps / ceiling})
+                         "gbps": gbps, "pct_copy": 100 * gbps / ceiling, "copy_us": copy_us,
+                         "pct_same_bytes_copy": 100 * copy_us / cell["us"]})
             line.append(f"{name} {cell['us']:7.1f} us {gbps:5.0f} GB/s")
         print(f"[{i}/{len(cells)}] {op} {dtype_name} {shape}: " + " | ".join(line), file=sys.stderr, flush=True)
         save(rows, summary, False)

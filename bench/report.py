@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -53,28 +54,74 @@ def _source(path: Path, scenario: str, block: dict) -> str:
 
 
 # ---- kernels ----------------------------------------------------------------------------------------------------
-def fused_ops_table(block: dict, dtype: str | None = None) -> str:
+def _fused_cells(block: dict, dtype: str | None = None) -> dict[tuple, dict[str, dict]]:
     cells: dict[tuple, dict[str, dict]] = {}
     for r in block["results"]:
         if "us" in r and (dtype is None or r["dtype"] == dtype):
             cells.setdefault((r["op"], r["dtype"], r["shape"]), {})[r["provider"]] = r
+    return cells
+
+
+def fused_ops_table(block: dict, dtype: str | None = None) -> str:
+    cells = _fused_cells(block, dtype)
     fused = [p for p in ("triton", "cuda") if any(p in c for c in cells.values())]
-    head = ["op", "dtype", "shape", "MB"]
+    same_bytes = any("copy_us" in r for c in cells.values() for r in c.values())
+    head = ["op", "dtype", "shape", "MB"] + (["copy us (same bytes)"] if same_bytes else [])
     for p in fused:
-        head += [f"{p} us", f"{p} GB/s", f"{p} % copy"]
+        head += [f"{p} us", f"{p} GB/s", f"{p} % copy"] + ([f"{p} % same-bytes copy"] if same_bytes else [])
     head += ["eager us", "compile us"] + [f"{p} vs compile" for p in fused]
     rows = []
     for (op, dt, shape), cell in cells.items():
         any_row = next(iter(cell.values()))
         row = [op, dt, shape, _f(any_row.get("bytes", 0) / 1e6, 0)]
+        if same_bytes:
+            row.append(_f(any_row.get("copy_us")))
         for p in fused:
             r = cell.get(p)
             row += [_f(r["us"]), _f(r["gbps"], 0), _f(r["pct_copy"], 0, "%")] if r else ["-"] * 3
+            if same_bytes:
+                row.append(_f(r.get("pct_same_bytes_copy"), 0, "%") if r else "-")
         row += [_f(cell[p]["us"]) if p in cell else "-" for p in ("eager", "compile")]
         for p in fused:
             row.append(_f(cell["compile"]["us"] / cell[p]["us"], 2, "x") if p in cell and "compile" in cell else "-")
         rows.append(row)
-    return _table(head, rows)
+    return _table(head, rows) + "\n" + fused_ops_summary(block)
+
+
+def fused_ops_summary(block: dict, large_mb: float = 25) -> str:
+    """The suite's acceptance figures, from the cells: the faster fused backend against torch.compile (geometric
+    mean, per dtype, cells under 1.0x) and the cells of `large_mb` MB or more against both copy ceilings."""
+    best: list[tuple[tuple, float, dict]] = []
+    for key, cell in _fused_cells(block).items():
+        fused = [cell[p] for p in ("triton", "cuda") if p in cell]
+        if fused and "compile" in cell:
+            fastest = min(fused, key=lambda r: r["us"])
+            best.append((key, cell["compile"]["us"] / fastest["us"], fastest))
+    if not best:
+        return ""
+
+    def geomean(values: list[float]) -> float:
+        return math.exp(sum(map(math.log, values)) / len(values))
+
+    dtypes = dict.fromkeys(k[1] for k, _, _ in best)
+    under = sorted((ratio, key) for key, ratio, _ in best if ratio < 1.0)
+    large = [(key, r) for key, _, r in best if r.get("bytes", 0) >= large_mb * 1e6]
+    lines = [f"- The faster fused backend against torch.compile, over {len(best)} cells: geometric mean "
+             f"{geomean([x for _, x, _ in best]):.2f}x ("
+             + ", ".join(f"{d} {geomean([x for k, x, _ in best if k[1] == d]):.2f}x" for d in dtypes) + "); "
+             f"{len(under)} cells under 1.00x"
+             + (f" ({under[0][0]:.3f}x to {under[-1][0]:.3f}x: "
+                + ", ".join(f"{k[0]} {k[1]} {k[2]}" for _, k in under) + ")" if under else "") + "."]
+    if large:
+        at_85 = sum(r["pct_copy"] >= 85 for _, r in large)
+        lines.append(f"- Of the {len(large)} cells of {large_mb:g} MB or more, {at_85} reach 85% of the 1 GiB copy "
+                     f"({block['summary']['copy_gbps']:.0f} GB/s).")
+        same = [r["pct_same_bytes_copy"] for _, r in large if "pct_same_bytes_copy" in r]
+        if same:
+            lines.append(f"- Against a copy of the same bytes timed the same way, those cells reach "
+                         f"{min(same):.0f}-{max(same):.0f}% (median {statistics.median(same):.0f}%); "
+                         f"{sum(x >= 90 for x in same)} of {len(same)} reach 90%.")
+    return "\n".join(lines) + "\n"
 
 
 def gemm_table(block: dict) -> str:

@@ -79,6 +79,25 @@ def device_us(fn: Callable[[], object], *, calls: int = 10, rounds: int = 5, red
     return reducer(replay_us(graph, calls, rounds, flush_l2=flush_l2))
 
 
+AUTOTUNE_ROUNDS = 50
+
+
+def autotune_bench(fn: Callable[[], object], quantiles: tuple[float, ...] | None = None) -> float | list[float]:
+    """The Triton autotuner's benchmark on a GPU (its `do_bench`): a candidate's device time as the model runs it
+    (replayed from a CUDA graph) and as the kernel benchmark reports it, one call per replay with the L2 flushed
+    before each, in milliseconds (the median, or the given quantiles). Triton's default times stream launches for
+    100 ms per candidate instead; the candidates of a LayerNorm-family key are often within 2% of each other, so
+    the autotuner should rank them by the same measure the benchmark and the registry's race use."""
+    graph = capture(fn, calls=1, warmup=1)
+    graph.replay()  # uploads the graph: not timed
+    samples = sorted(us / 1e3 for us in replay_us(graph, 1, AUTOTUNE_ROUNDS, flush_l2=True))
+
+    def quantile(q: float) -> float:
+        return samples[min(int(q * len(samples)), len(samples) - 1)]
+
+    return [quantile(q) for q in quantiles] if quantiles else quantile(0.5)
+
+
 def eager_us(fn: Callable[[], object], device: torch.device, *, calls: int = 10, rounds: int = 5,
              reduce: str = "median", warmup: int = 3) -> float:
     """Time of one call of `fn` as its caller sees it, in microseconds: `calls` calls launched back to back from

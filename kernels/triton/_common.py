@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 # as_rows/as_vector/output_like/row_bucket are shared with the CUDA backend; re-exported for the launchers here.
+from kernels import timing
 from kernels._layout import MAX_COLS, as_rows, as_vector, common_device, cpu_budget, output_like, row_bucket  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ def autotune(configs: list[triton.Config], key: list[str], prune=None):
             raise _Untuned  # compile_only(): the candidates are compiling; the real launch times them
         return kept
 
-    extra = {"do_bench": _cpu_do_bench} if INTERPRET else dict(_AUTOTUNE_CACHE)
+    extra = {"do_bench": _cpu_do_bench} if INTERPRET else {"do_bench": timing.autotune_bench, **_AUTOTUNE_CACHE}
 
     def decorate(fn):
         jit.append(deferrable(fn))

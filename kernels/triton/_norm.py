@@ -31,21 +31,14 @@ def column_chunks(cols: int) -> tuple[int, int]:
     return 1, triton.next_power_of_2(cols)
 
 
-# Up to this row bucket (row counts below 256) the candidates also hold 512 or 1024 elements (1-2 rows of a 384-768-wide
-# model): a 2048-element tile puts a b1 s16 batch's 16 rows of 384 into 4 programs, i.e. on 4 SMs, where 16 one-row
-# programs spread it. Decided by the bucket, the autotune key, so every count of a bucket has the same candidates.
-SMALL_ROWS_BUCKET = row_bucket(255)
-
-
-def norm_configs(row: int, chunk: int, bucket: int) -> list[tuple[int, int]]:
-    """(BLOCK_M, num_warps) candidates for rows of `row` elements held in blocks of `chunk`, at a row count of
-    `bucket` (row_bucket), the heuristic first:
-    tiles of up to 2048 / 4096 / 16384 elements (a few rows also 512 and 1024), 16, 8 or 32 elements of a block per
-    thread (16-byte vectors of a half type). Few warps over few rows won on the H200: many small programs keep more
-    loads in flight than a few wide ones."""
-    tiles = (2048, 4096, 16384) + ((512, 1024) if bucket <= SMALL_ROWS_BUCKET else ())
+def norm_configs(row: int, chunk: int) -> list[tuple[int, int]]:
+    """(BLOCK_M, num_warps) candidates for rows of `row` elements held in blocks of `chunk`, the heuristic first:
+    tiles of up to 2048 / 4096 / 16384 / 512 / 1024 elements, 16, 8 or 32 elements of a block per thread (16-byte
+    vectors of a half type). Few warps over few rows won on the H200: many small programs keep more loads in flight
+    than a few wide ones, and one row of 768 or 1024 per program (the 512 / 1024 tiles) is the fastest candidate in
+    some fp32 cells and spreads a few-token batch over more SMs."""
     out = []
-    for tile in tiles:
+    for tile in (2048, 4096, 16384, 512, 1024):
         block_m = 1
         while block_m * 2 * row <= tile:
             block_m *= 2
@@ -58,7 +51,7 @@ def norm_configs(row: int, chunk: int, bucket: int) -> list[tuple[int, int]]:
 
 
 def _prune(configs, named_args, **kwargs):
-    wanted = norm_configs(kwargs["NCHUNK"] * kwargs["CHUNK"], kwargs["CHUNK"], named_args["M_BUCKET"])
+    wanted = norm_configs(kwargs["NCHUNK"] * kwargs["CHUNK"], kwargs["CHUNK"])
     return [c for w in wanted for c in configs if (c.kwargs["BLOCK_M"], c.num_warps) == w]
 
 

@@ -23,6 +23,11 @@ def test_fused_ops_and_gemm_epilogues_on_the_interpreter(tmp_path):
     cells = {(r["op"], r["provider"]) for r in fused["results"]}
     assert cells == {(op, p) for op in ("bias_gelu", "add_layer_norm") for p in ("triton", "eager")}
     assert all(r["accurate"] and r["us"] > 0 and r["gbps"] > 0 and r["shape"] == "8x64" for r in fused["results"])
+    # each cell beside a copy of its own bytes, timed the same way
+    copies = fused["summary"]["same_bytes_copy_us"]
+    assert set(copies) == {str(r["bytes"]) for r in fused["results"]} and all(us > 0 for us in copies.values())
+    assert all(r["copy_us"] == copies[str(r["bytes"])]
+               and r["pct_same_bytes_copy"] == 100 * r["copy_us"] / r["us"] for r in fused["results"])
     gemm = doc["scenarios"]["gemm-epilogues"]["results"]
     assert {(r["op"], r["provider"]) for r in gemm} == {
         (op, p) for op in ("linear_bias_gelu", "linear_add_layer_norm") for p in ("triton", "eager")}

@@ -54,10 +54,30 @@ def test_tables_name_their_source_and_hold_the_numbers(results_dir):
     assert "| ours, CUDA graphs | 0.200 | 0.200 |" in text and "| torch.compile | failed | failed |" in text
     kernels = report.tables(results_dir / "kernels.json")
     assert "| layer_norm | float16 | 8x64 | 1 | 1.0 | 100 | 10% | 2.0 | 1.5 | 1.50x |" in kernels
+    assert "over 4 cells: geometric mean 1.50x (float16 1.50x); 0 cells under 1.00x." in kernels
     serve = report.tables(results_dir / "serve.json")
     assert "| ids | 64 | 640 | 64.00 | 64% | 3.0x | 32.0 / 64.0 | 1.50 |" in serve
     assert "| 6 | ids | 64 | 600 | 6.00 | 75% | - |" in serve  # replicas without a sentence-transformers rate
     assert "| 4 | text | 64 | 400 | 4.00 | 50% | 8.0x | 1.0 / 2.0 | 1.50 |" in serve
+
+
+def test_fused_ops_summary_counts_the_acceptance_figures():
+    """The faster backend per cell against compile, and the large cells against both copy ceilings."""
+    def cell(shape, mb, triton_us, cuda_us, compile_us, pct_copy, pct_same):
+        common = {"op": "layer_norm", "dtype": "bfloat16", "shape": shape, "bytes": mb * 1e6}
+        return [{**common, "provider": "triton", "us": triton_us, "pct_copy": pct_copy, "pct_same_bytes_copy": pct_same},
+                {**common, "provider": "cuda", "us": cuda_us, "pct_copy": pct_copy, "pct_same_bytes_copy": pct_same},
+                {**common, "provider": "compile", "us": compile_us}]
+
+    block = {"summary": {"copy_gbps": 4000.0},
+             "results": cell("1x1", 30, 2.0, 1.0, 2.0, 86, 95) + cell("2x2", 100, 4.0, 5.0, 2.0, 50, 80)
+             + cell("3x3", 10, 1.0, 1.0, 1.0, 20, 60)}
+    text = report.fused_ops_summary(block)
+    # cell 1: cuda (1.0) is the faster backend, 2.0x; cell 2: triton, 0.5x; cell 3: 1.0x
+    assert "over 3 cells: geometric mean 1.00x (bfloat16 1.00x); 1 cells under 1.00x (0.500x to 0.500x: " \
+           "layer_norm bfloat16 2x2)." in text
+    assert "Of the 2 cells of 25 MB or more, 1 reach 85% of the 1 GiB copy (4000 GB/s)." in text
+    assert "reach 80-95% (median 88%); 1 of 2 reach 90%." in text
 
 
 def test_plots_from_a_results_directory(results_dir, tmp_path):

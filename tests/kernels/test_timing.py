@@ -171,3 +171,14 @@ def test_op_timer_on_cuda_reads_events_after_the_forward():
     timer.call("spin", "cuda", torch.cuda._sleep, (_SHORT,), {})
     (_, _, long), (_, _, short) = timer.results()
     assert 0 < short < long
+
+
+@pytest.mark.gpu
+def test_autotune_bench_times_graph_replays_in_milliseconds_with_ordered_quantiles():
+    """Triton's autotuner calls it as do_bench(fn, quantiles=(0.5, 0.2, 0.8)) and compares milliseconds."""
+    x = torch.zeros(1024, device="cuda")
+    long = timing.autotune_bench(lambda: torch.cuda._sleep(_LONG))
+    median, low, high = timing.autotune_bench(lambda: x.add_(1), quantiles=(0.5, 0.2, 0.8))
+    assert 0 < low <= median <= high < long
+    assert x[0].item() == 1 + 1 + timing.AUTOTUNE_ROUNDS  # one warm-up, the upload replay, one call per round
+    assert long > 2_000_000 / 3e9 * 1e3  # 2M cycles at <= 3 GHz: in milliseconds, not microseconds

@@ -193,21 +193,19 @@ def test_offsets_past_two_to_the_31(op):
     check_offsets_past_two_to_the_31(triton_launchers, op)
 
 
-def test_norm_candidates_spread_few_rows_over_programs():
-    """At a b1 batch's 16 rows the LayerNorm autotuner also tries one-row tiles (16 programs instead of 8); the
-    untuned default (the first candidate) is the same for every row count: two rows of 768 on one warp."""
-    from kernels._layout import row_bucket
+def test_norm_candidates_include_one_row_programs():
+    """The LayerNorm autotuner's candidates: the heuristic default (the first) is two rows of 768 on one warp, and
+    one-row programs are among them (a b1 batch's 16 rows spread over 16 programs; the fastest candidate in some
+    fp32 cells). Every candidate holds at most 16384 elements on 1-16 warps."""
     from kernels.triton import _norm
 
-    few = _norm.norm_configs(768, 256, row_bucket(16))
-    many = _norm.norm_configs(768, 256, row_bucket(4096))
-    # by bucket, the autotune key: every count of a bucket has the same candidates
-    assert _norm.norm_configs(768, 256, row_bucket(255)) == few
-    assert _norm.norm_configs(768, 256, row_bucket(256)) == many
-    assert few[0] == many[0] == (2, 1)
-    assert {m for m, _ in few} == {1, 2, 4, 16} and {m for m, _ in many} == {2, 4, 16}
-    for block_m, warps in few + many:
-        assert block_m * 768 <= 16384 and 1 <= warps <= 16
+    configs = _norm.norm_configs(768, 256)
+    assert configs[0] == (2, 1)
+    assert {m for m, _ in configs} == {1, 2, 4, 16}
+    assert {m for m, _ in _norm.norm_configs(1024, 1024)} == {1, 2, 4, 16}
+    for row, chunk in ((768, 256), (384, 128), (1024, 1024), (4096, 4096)):
+        for block_m, warps in _norm.norm_configs(row, chunk):
+            assert block_m * row <= 16384 and 1 <= warps <= 16
 
 
 def test_column_blocks():
