@@ -23,17 +23,22 @@ from bench.kernels import DTYPES, EPS, providers, rowwise_inputs
 from kernels.spec import ROWWISE_OPS
 
 PROVIDERS = ("triton", "cuda", "compile")
-# raw metric -> column (the sections above collect them)
+# raw metric -> (column, scale): what the sections above collect
 METRICS = {
-    "gpu__time_duration.sum": "duration us",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM %",
-    "sm__inst_issued.avg.pct_of_peak_sustained_active": "issue slots busy %",
-    "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved occupancy %",
-    "sm__maximum_warps_per_active_cycle_pct": "theoretical occupancy %",
-    "launch__registers_per_thread": "registers",
-    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": "long-scoreboard stall",
-    "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio": "LSU-queue stall",
+    "gpu__time_duration.sum": ("duration us", 1e-3),  # ns with --print-units base
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": ("DRAM throughput %", 1),
+    "smsp__issue_active.avg.per_cycle_active": ("issue slots busy %", 100),
+    "sm__warps_active.avg.pct_of_peak_sustained_active": ("achieved occupancy %", 1),
+    "sm__maximum_warps_per_active_cycle_pct": ("theoretical occupancy %", 1),
+    "launch__registers_per_thread": ("registers", 1),
+    "smsp__average_warp_latency_per_inst_issued.ratio": ("cycles per issued instruction", 1),
+    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": ("of which long scoreboard", 1),
 }
+
+
+def profiled_order(names: list[str]) -> list[str]:
+    """The providers in the order `run` calls them (bench.kernels.providers builds them in this order)."""
+    return [p for p in ("eager", "compile", "triton", "cuda") if p in names]
 
 
 def run(ops: list[str], dtype: torch.dtype, rows: int, cols: int, names: list[str]) -> None:
@@ -61,18 +66,16 @@ def table(csv_text: str, labels: list[str]) -> str:
     lines = [line for line in csv_text.splitlines() if line.startswith('"')]
     reader = csv.DictReader(io.StringIO("\n".join(lines)))
     kernels = [r for r in reader if r.get("ID", "").isdigit()]
-    head = ["call", "kernel"] + list(METRICS.values())
+    head = ["call", "kernel"] + [column for column, _ in METRICS.values()]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(kernels):
         label = labels[i] if len(labels) == len(kernels) else "-"
         name = r.get("Kernel Name", "?").split("(")[0][:40]
         values = []
-        for metric in METRICS:
+        for metric, (_, scale) in METRICS.items():
             value = r.get(metric, "")
             try:
-                number = float(value.replace(",", ""))
-                if metric == "gpu__time_duration.sum":  # ns with --print-units base
-                    number /= 1e3
+                number = float(value.replace(",", "")) * scale
                 values.append(f"{number:.1f}" if number < 100 else f"{number:.0f}")
             except ValueError:
                 values.append(value or "-")
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         with open(args.table) as f:
             text = f.read()
-        labels = [f"{op} {p}" for op in args.ops for p in args.providers]
+        labels = [f"{op} {p}" for op in args.ops for p in profiled_order(args.providers)]
         print(f"Nsight Compute, {args.dtype} {args.shape}, eps {EPS}:\n")
         print(table(text, labels))
         return 0
