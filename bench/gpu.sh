@@ -12,8 +12,8 @@
 #             python -m kernels.tuning export), then the startup suite with it -> kernels/tuning/<gpu>.json, serve.json
 #   peer      python -m bench serve peer (Infinity beside our server; carry .whl-infinity too) -> serve.json
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
-#   nsight    Nsight Compute on one launch per fused row-wise op and provider (python -m bench.nsight) -> $OUT/ncu.csv
-#             and the markdown table docs/kernels.md shows ($OUT/nsight.md)
+#   nsight    Nsight Compute on one launch per fused row-wise op and provider (python -m bench.nsight)
+#                                                                        -> bench/results/<gpu>/kernels.json (nsight)
 #
 # Here (the development machine), once: ../shared/tools/gpu-wheels.sh orjson httptools fastapi-offline py-spy (the
 # server's packages the GPU image lacks -> .whl/), and before each call: python -m bench.gpu_assets (the fp16 MiniLM copy and this
@@ -113,9 +113,10 @@ case "$suite" in
     build
     ncu_args=(--profile-from-start off --clock-control none --cache-control all --csv --page raw --print-units base
               --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats)
-    timeout 400 ncu "${ncu_args[@]}" python3 -m bench.nsight > "$OUT/ncu.csv" 2> "$OUT/nsight.log"
+    timeout 400 ncu "${ncu_args[@]}" python3 -m bench.nsight --configs "$OUT/configs.json" > "$OUT/ncu.csv" \
+      2> "$OUT/nsight.log"
     echo "ncu: exit $?"
-    python3 -m bench.nsight --table "$OUT/ncu.csv" | tee "$OUT/nsight.md"
+    python3 -m bench.nsight --save "$OUT/ncu.csv" --configs "$OUT/configs.json" && results kernels
     ;;
   profile)
     build

@@ -4,10 +4,12 @@ kernels, and torch.compile's), each warmed up (compiled, autotuned, launch-tuned
     ncu --profile-from-start off --clock-control none --cache-control all --csv --page raw --print-units base \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         python -m bench.nsight > ncu.csv
-    python -m bench.nsight --table ncu.csv      # the markdown table docs/kernels.md shows
+    python -m bench.nsight --save ncu.csv     # -> scenario `nsight` of bench/results/<gpu>/kernels.json
 
-`bash bench/gpu.sh nsight` runs both on the GPU machine. Only the region between cudaProfilerStart and
-cudaProfilerStop is profiled, one call per (op, provider) in the order printed on stderr.
+`bash bench/gpu.sh nsight` runs both on the GPU machine; `python -m bench report` renders the scenario as the table
+docs/kernels.md shows. Only the region between cudaProfilerStart and cudaProfilerStop is profiled, one call per
+(op, provider) in the order printed on stderr. Each row is one launch: a single sample, at the clocks the GPU ran
+(ncu does not lock them here), with the caches flushed before it.
 """
 
 from __future__ import annotations
@@ -15,24 +17,30 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import sys
+from pathlib import Path
 
 import torch
 
-from bench.kernels import DTYPES, EPS, providers, rowwise_inputs
+from bench import results as store
+from bench.kernels import DTYPES, providers, rowwise_inputs
 from kernels.spec import ROWWISE_OPS
 
+NCU = ("ncu --profile-from-start off --clock-control none --cache-control all --csv --page raw --print-units base "
+       "--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats")
+
 PROVIDERS = ("triton", "cuda", "compile")
-# raw metric -> (column, scale): what the sections above collect
+# raw metric -> (result field, scale): what the sections above collect
 METRICS = {
-    "gpu__time_duration.sum": ("duration us", 1e-3),  # ns with --print-units base
-    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": ("DRAM throughput %", 1),
-    "smsp__issue_active.avg.per_cycle_active": ("issue slots busy %", 100),
-    "sm__warps_active.avg.pct_of_peak_sustained_active": ("achieved occupancy %", 1),
-    "sm__maximum_warps_per_active_cycle_pct": ("theoretical occupancy %", 1),
+    "gpu__time_duration.sum": ("us", 1e-3),  # ns with --print-units base
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": ("dram_pct", 1),
+    "smsp__issue_active.avg.per_cycle_active": ("issue_busy_pct", 100),
+    "sm__warps_active.avg.pct_of_peak_sustained_active": ("occupancy_pct", 1),
+    "sm__maximum_warps_per_active_cycle_pct": ("theoretical_occupancy_pct", 1),
     "launch__registers_per_thread": ("registers", 1),
-    "smsp__average_warp_latency_per_inst_issued.ratio": ("cycles per issued instruction", 1),
-    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": ("of which long scoreboard", 1),
+    "smsp__average_warp_latency_per_inst_issued.ratio": ("cycles_per_issue", 1),
+    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": ("long_scoreboard_cycles", 1),
 }
 
 
@@ -41,16 +49,30 @@ def profiled_order(names: list[str]) -> list[str]:
     return [p for p in ("eager", "compile", "triton", "cuda") if p in names]
 
 
-def run(ops: list[str], dtype: torch.dtype, rows: int, cols: int, names: list[str]) -> None:
+def _triton_config(op: str) -> str | None:
+    """The config the Triton autotuner ran last for `op`'s kernel: "BLOCK_M 2, 1 warps"."""
+    from kernels.triton import _norm, _pointwise
+
+    tuner = _pointwise._bias_gelu_kernel if op in ("bias_gelu", "bias_residual_gelu") else _norm._norm_kernel
+    config = getattr(tuner, "best_config", None)
+    return None if config is None else f"BLOCK_M {config.kwargs.get('BLOCK_M')}, {config.num_warps} warps"
+
+
+def run(ops: list[str], dtype: torch.dtype, rows: int, cols: int, names: list[str], configs: Path | None) -> None:
     provs, missing = providers(names)
     calls = []
+    chosen = {}
     for i, op in enumerate(ops):
         inputs = rowwise_inputs(op, rows, cols, dtype, "cuda", seed=i)
         for name, get in provs.items():
             fn = get(op)
             for _ in range(3):  # compile, autotune and launch-tune outside the profiled region
                 fn(*inputs)
+            if name == "triton":
+                chosen[op] = _triton_config(op)
             calls.append((f"{op} {name}", fn, inputs))
+    if configs is not None:
+        configs.write_text(json.dumps(chosen))
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     for label, fn, inputs in calls:
@@ -60,27 +82,27 @@ def run(ops: list[str], dtype: torch.dtype, rows: int, cols: int, names: list[st
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def table(csv_text: str, labels: list[str]) -> str:
-    """ncu's raw CSV (one row per kernel, in launch order) as a markdown table, the kernels named by `labels` (the
-    profiled calls, in order; a call of several kernels gets one row per kernel)."""
+def parse(csv_text: str, calls: list[tuple[str, str]], dtype: str, shape: str,
+          configs: dict[str, str] | None = None) -> list[dict]:
+    """ncu's raw CSV (a header row, a units row, then one row per kernel in launch order) as result rows, each
+    kernel named by its call (op, provider) when every call launched exactly one kernel."""
     lines = [line for line in csv_text.splitlines() if line.startswith('"')]
-    reader = csv.DictReader(io.StringIO("\n".join(lines)))
-    kernels = [r for r in reader if r.get("ID", "").isdigit()]
-    head = ["call", "kernel"] + [column for column, _ in METRICS.values()]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for i, r in enumerate(kernels):
-        label = labels[i] if len(labels) == len(kernels) else "-"
-        name = r.get("Kernel Name", "?").split("(")[0][:40]
-        values = []
-        for metric, (_, scale) in METRICS.items():
-            value = r.get(metric, "")
+    kernels = [r for r in csv.DictReader(io.StringIO("\n".join(lines))) if r.get("ID", "").isdigit()]
+    if len(kernels) != len(calls):
+        raise SystemExit(f"{len(kernels)} kernels profiled for {len(calls)} calls: cannot name them")
+    rows = []
+    for (op, provider), r in zip(calls, kernels):
+        row = {"op": op, "dtype": dtype, "shape": shape, "provider": provider,
+               "kernel": r.get("Kernel Name", "?").split("(")[0]}
+        if provider == "triton" and configs and configs.get(op):
+            row["config"] = configs[op]
+        for metric, (field, scale) in METRICS.items():
             try:
-                number = float(value.replace(",", "")) * scale
-                values.append(f"{number:.1f}" if number < 100 else f"{number:.0f}")
-            except ValueError:
-                values.append(value or "-")
-        out.append("| " + " | ".join([label, f"`{name}`"] + values) + " |")
-    return "\n".join(out) + "\n"
+                row[field] = float(r[metric].replace(",", "")) * scale
+            except (KeyError, ValueError):
+                row[field] = None
+        rows.append(row)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,17 +111,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--shape", default="32768x768", help="ROWSxCOLS")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
-    parser.add_argument("--table", metavar="CSV", help="print the markdown table of an ncu raw CSV of this run")
+    parser.add_argument("--save", metavar="CSV", help="store the ncu raw CSV of a run with these arguments as "
+                                                      "scenario `nsight` of the kernels results file")
+    parser.add_argument("--configs", type=Path, help="the Triton configs the profiled run chose (it writes them, "
+                                                          "--save reads them)")
+    parser.add_argument("--device", default="cuda", help="with --save: the device the header describes")
+    parser.add_argument("--out", help="with --save: the results file (default: bench/results/<gpu>/kernels.json)")
     args = parser.parse_args(argv)
     rows, cols = map(int, args.shape.split("x"))
-    if args.table:
-        with open(args.table) as f:
-            text = f.read()
-        labels = [f"{op} {p}" for op in args.ops for p in profiled_order(args.providers)]
-        print(f"Nsight Compute, {args.dtype} {args.shape}, eps {EPS}:\n")
-        print(table(text, labels))
+    if args.save:
+        calls = [(op, p) for op in args.ops for p in profiled_order(args.providers)]
+        chosen = json.loads(args.configs.read_text()) if args.configs and args.configs.is_file() else None
+        results = parse(Path(args.save).read_text(), calls, args.dtype, args.shape, chosen)
+        head = store.header(args.device, [])
+        head["command"] = "python -m bench.nsight " + " ".join(
+            f"--{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in
+            (("ops", args.ops), ("dtype", args.dtype), ("shape", args.shape), ("providers", args.providers)))
+        gpu = store.gpu_slug(head["gpu"])
+        out = args.out or store.default_path("kernels", args.device)
+        settings = {"ops": args.ops, "dtype": args.dtype, "shape": args.shape, "providers": args.providers,
+                    "profiler": f"{NCU} <command>"}
+        store.write(out, "kernels", gpu, "nsight", store.block(head, settings, results))
+        print(f"nsight: {len(results)} kernels -> {out}", file=sys.stderr)
         return 0
-    run(args.ops, DTYPES[args.dtype], rows, cols, args.providers)
+    run(args.ops, DTYPES[args.dtype], rows, cols, args.providers, args.configs)
     return 0
 
 

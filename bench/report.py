@@ -124,6 +124,18 @@ def fused_ops_summary(block: dict, large_mb: float = 25) -> str:
     return "\n".join(lines) + "\n"
 
 
+def nsight_table(block: dict) -> str:
+    """One Nsight Compute launch per op and provider (bench.nsight)."""
+    rows = [[r["op"], r["provider"], f"`{r['kernel'][:40]}`" + (f" ({r['config']})" if r.get("config") else ""),
+             _f(r["us"]), _f(r["dram_pct"], 0, "%"),
+             _f(r["issue_busy_pct"], 0, "%"), f"{_f(r['occupancy_pct'], 0, '%')} of {_f(r['theoretical_occupancy_pct'], 0, '%')}",
+             _f(r["registers"], 0), _f(r["cycles_per_issue"]), _f(r["long_scoreboard_cycles"])]
+            for r in block["results"]]
+    return _table(["op", "provider", "kernel", "us", "DRAM throughput", "issue slots busy",
+                   "achieved occupancy (of theoretical)", "registers", "cycles between issues",
+                   "of which long scoreboard"], rows)
+
+
 def gemm_table(block: dict) -> str:
     cells: dict[tuple, dict[str, dict]] = {}
     for r in block["results"]:
@@ -231,6 +243,7 @@ def soak_table(block: dict) -> str:
 
 TABLES: dict[tuple[str, str], Callable[[dict], str]] = {
     ("kernels", "fused-ops"): fused_ops_table, ("kernels", "gemm-epilogues"): gemm_table,
+    ("kernels", "nsight"): nsight_table,
     ("encoder", "profile"): profile_table, ("serve", "closed-loop"): closed_loop_table,
     ("serve", "single"): single_table, ("serve", "replicas"): _sharing_table("replicas", "servers"),
     ("serve", "workers"): _sharing_table("workers", "WORKERS"), ("serve", "soak"): soak_table,
