@@ -111,7 +111,7 @@ case "$suite" in
     ;;
   nsight)
     build
-    ncu_args=(--profile-from-start off --clock-control none --cache-control all --csv --page raw --print-units base
+    ncu_args=(--target-processes application-only --profile-from-start off --clock-control none --cache-control all --csv --page raw --print-units base
               --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats)
     timeout 400 ncu "${ncu_args[@]}" python3 -m bench.nsight --configs "$OUT/configs.json" > "$OUT/ncu.csv" \
       2> "$OUT/nsight.log"
