@@ -111,12 +111,11 @@ case "$suite" in
     ;;
   nsight)
     build
-    ncu_args=(--target-processes application-only --profile-from-start off --clock-control none --cache-control all --csv --page raw --print-units base
-              --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats)
-    timeout 400 ncu "${ncu_args[@]}" python3 -m bench.nsight --configs "$OUT/configs.json" > "$OUT/ncu.csv" \
+    read -ra ncu_args <<< "$(python3 -m bench.nsight --ncu-args)"
+    timeout 400 ncu "${ncu_args[@]}" python3 -m bench.nsight --calls "$OUT/calls.json" > "$OUT/ncu.csv" \
       2> "$OUT/nsight.log"
     echo "ncu: exit $?"
-    python3 -m bench.nsight --save "$OUT/ncu.csv" --configs "$OUT/configs.json" && results kernels
+    python3 -m bench.nsight --save "$OUT/ncu.csv" --calls "$OUT/calls.json" && results kernels
     ;;
   profile)
     build

@@ -1,15 +1,14 @@
 """Nsight Compute evidence for the fused row-wise ops: one launch of each op per provider (our Triton and CUDA
 kernels, and torch.compile's), each warmed up (compiled, autotuned, launch-tuned) before the profiled region.
 
-    ncu --profile-from-start off --clock-control none --cache-control all --csv --page raw --print-units base \\
-        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
-        python -m bench.nsight > ncu.csv
-    python -m bench.nsight --save ncu.csv     # -> scenario `nsight` of bench/results/<gpu>/kernels.json
+    ncu $(python -m bench.nsight --ncu-args) python -m bench.nsight --calls calls.json > ncu.csv
+    python -m bench.nsight --save ncu.csv --calls calls.json  # -> scenario nsight of bench/results/<gpu>/kernels.json
 
 `bash bench/gpu.sh nsight` runs both on the GPU machine; `python -m bench report` renders the scenario as the table
-docs/kernels.md shows. Only the region between cudaProfilerStart and cudaProfilerStop is profiled, one call per
-(op, provider) in the order printed on stderr. Each row is one launch: a single sample, at the clocks the GPU ran
-(ncu does not lock them here), with the caches flushed before it.
+docs/kernels.md shows. Only the region between cudaProfilerStart and cudaProfilerStop is profiled: one call per
+(op, provider) that could run, in the order the profiled run writes to `--calls` (with the Triton configs it ran).
+Each row is one launch: a single sample, at the clocks the GPU ran (ncu does not lock them here), with the caches
+flushed before it. ncu follows the benchmark process only: torch.compile's worker processes crashed under it.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import argparse
 import csv
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -27,9 +27,9 @@ from bench import results as store
 from bench.kernels import DTYPES, providers, rowwise_inputs
 from kernels.spec import ROWWISE_OPS
 
-NCU = ("ncu --profile-from-start off --clock-control none --cache-control all --csv --page raw --print-units base "
-       "--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats")
-
+NCU_ARGS = ("--target-processes application-only --profile-from-start off --clock-control none --cache-control all "
+            "--csv --page raw --print-units base "
+            "--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats")
 PROVIDERS = ("triton", "cuda", "compile")
 # raw metric -> (result field, scale): what the sections above collect
 METRICS = {
@@ -44,11 +44,6 @@ METRICS = {
 }
 
 
-def profiled_order(names: list[str]) -> list[str]:
-    """The providers in the order `run` calls them (bench.kernels.providers builds them in this order)."""
-    return [p for p in ("eager", "compile", "triton", "cuda") if p in names]
-
-
 def _triton_config(op: str) -> str | None:
     """The config the Triton autotuner ran last for `op`'s kernel: "BLOCK_M 2, 1 warps"."""
     from kernels.triton import _norm, _pointwise
@@ -58,10 +53,10 @@ def _triton_config(op: str) -> str | None:
     return None if config is None else f"BLOCK_M {config.kwargs.get('BLOCK_M')}, {config.num_warps} warps"
 
 
-def run(ops: list[str], dtype: torch.dtype, rows: int, cols: int, names: list[str], configs: Path | None) -> None:
-    provs, missing = providers(names)
+def run(ops: list[str], dtype: torch.dtype, rows: int, cols: int, names: list[str], calls_file: Path | None) -> None:
+    provs, _ = providers(names)  # the unavailable ones are reported there and not called
     calls = []
-    chosen = {}
+    configs = {}
     for i, op in enumerate(ops):
         inputs = rowwise_inputs(op, rows, cols, dtype, "cuda", seed=i)
         for name, get in provs.items():
@@ -69,17 +64,24 @@ def run(ops: list[str], dtype: torch.dtype, rows: int, cols: int, names: list[st
             for _ in range(3):  # compile, autotune and launch-tune outside the profiled region
                 fn(*inputs)
             if name == "triton":
-                chosen[op] = _triton_config(op)
-            calls.append((f"{op} {name}", fn, inputs))
-    if configs is not None:
-        configs.write_text(json.dumps(chosen))
+                configs[op] = _triton_config(op)
+            calls.append((op, name, fn, inputs))
+    if calls_file is not None:
+        calls_file.write_text(json.dumps({"calls": [[op, name] for op, name, _, _ in calls], "configs": configs}))
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    for label, fn, inputs in calls:
-        print(f"profiled: {label}", file=sys.stderr, flush=True)
+    for op, name, fn, inputs in calls:
+        print(f"profiled: {op} {name}", file=sys.stderr, flush=True)
         fn(*inputs)
         torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
+
+
+def kernel_name(name: str) -> str:
+    """ncu's demangled name without its parameter list, return type and namespaces:
+    'void fusedserve::<unnamed>::norm_kernel<float, 4>(NormArgs)' -> 'norm_kernel<float, 4>'."""
+    name = re.sub(r"^void ", "", name.split("(")[0])
+    return re.sub(r"^(?:[A-Za-z_]\w*::|<unnamed>::)+", "", name)
 
 
 def parse(csv_text: str, calls: list[tuple[str, str]], dtype: str, shape: str,
@@ -93,7 +95,7 @@ def parse(csv_text: str, calls: list[tuple[str, str]], dtype: str, shape: str,
     rows = []
     for (op, provider), r in zip(calls, kernels):
         row = {"op": op, "dtype": dtype, "shape": shape, "provider": provider,
-               "kernel": r.get("Kernel Name", "?").split("(")[0]}
+               "kernel": kernel_name(r.get("Kernel Name", "?"))}
         if provider == "triton" and configs and configs.get(op):
             row["config"] = configs[op]
         for metric, (field, scale) in METRICS.items():
@@ -111,18 +113,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--shape", default="32768x768", help="ROWSxCOLS")
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
-    parser.add_argument("--save", metavar="CSV", help="store the ncu raw CSV of a run with these arguments as "
-                                                      "scenario `nsight` of the kernels results file")
-    parser.add_argument("--configs", type=Path, help="the Triton configs the profiled run chose (it writes them, "
-                                                          "--save reads them)")
+    parser.add_argument("--calls", type=Path, help="the profiled run writes the calls it profiled, in order, and the "
+                                                   "Triton configs they ran; --save reads them")
+    parser.add_argument("--save", metavar="CSV", help="store the ncu raw CSV of a profiled run as scenario `nsight` "
+                                                      "of the kernels results file")
     parser.add_argument("--device", default="cuda", help="with --save: the device the header describes")
     parser.add_argument("--out", help="with --save: the results file (default: bench/results/<gpu>/kernels.json)")
+    parser.add_argument("--ncu-args", action="store_true", help="print the ncu arguments this profile takes")
     args = parser.parse_args(argv)
-    rows, cols = map(int, args.shape.split("x"))
+    if args.ncu_args:
+        print(NCU_ARGS)
+        return 0
     if args.save:
-        calls = [(op, p) for op in args.ops for p in profiled_order(args.providers)]
-        chosen = json.loads(args.configs.read_text()) if args.configs and args.configs.is_file() else None
-        results = parse(Path(args.save).read_text(), calls, args.dtype, args.shape, chosen)
+        if args.calls is None:
+            parser.error("--save needs the --calls file the profiled run wrote")
+        profiled = json.loads(args.calls.read_text())
+        calls = [(op, provider) for op, provider in profiled["calls"]]
+        results = parse(Path(args.save).read_text(), calls, args.dtype, args.shape, profiled.get("configs"))
         head = store.header(args.device, [])
         head["command"] = "python -m bench.nsight " + " ".join(
             f"--{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in
@@ -130,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         gpu = store.gpu_slug(head["gpu"])
         out = args.out or store.default_path("kernels", args.device)
         settings = {"ops": args.ops, "dtype": args.dtype, "shape": args.shape, "providers": args.providers,
-                    "profiler": f"{NCU} <command>"}
+                    "profiler": f"ncu {NCU_ARGS}"}
         store.write(out, "kernels", gpu, "nsight", store.block(head, settings, results))
         print(f"nsight: {len(results)} kernels -> {out}", file=sys.stderr)
         return 0
-    run(args.ops, DTYPES[args.dtype], rows, cols, args.providers, args.configs)
+    rows, cols = map(int, args.shape.split("x"))
+    run(args.ops, DTYPES[args.dtype], rows, cols, args.providers, args.calls)
     return 0
 
 

@@ -62,8 +62,8 @@ def _fused_cells(block: dict, dtype: str | None = None) -> dict[tuple, dict[str,
     return cells
 
 
-def fused_ops_table(block: dict, dtype: str | None = None) -> str:
-    cells = _fused_cells(block, dtype)
+def fused_ops_table(block: dict) -> str:
+    cells = _fused_cells(block)
     fused = [p for p in ("triton", "cuda") if any(p in c for c in cells.values())]
     same_bytes = any("copy_us" in r for c in cells.values() for r in c.values())
     head = ["op", "dtype", "shape", "MB"] + (["copy us (same bytes)"] if same_bytes else [])
@@ -126,11 +126,15 @@ def fused_ops_summary(block: dict, large_mb: float = 25) -> str:
 
 def nsight_table(block: dict) -> str:
     """One Nsight Compute launch per op and provider (bench.nsight)."""
-    rows = [[r["op"], r["provider"], f"`{r['kernel'][:40]}`" + (f" ({r['config']})" if r.get("config") else ""),
-             _f(r["us"]), _f(r["dram_pct"], 0, "%"),
-             _f(r["issue_busy_pct"], 0, "%"), f"{_f(r['occupancy_pct'], 0, '%')} of {_f(r['theoretical_occupancy_pct'], 0, '%')}",
-             _f(r["registers"], 0), _f(r["cycles_per_issue"]), _f(r["long_scoreboard_cycles"])]
-            for r in block["results"]]
+    from bench.nsight import kernel_name
+
+    rows = []
+    for r in block["results"]:
+        kernel = f"`{kernel_name(r['kernel'])}`" + (f" ({r['config']})" if r.get("config") else "")
+        occupancy = f"{_f(r['occupancy_pct'], 0, '%')} of {_f(r['theoretical_occupancy_pct'], 0, '%')}"
+        rows.append([r["op"], r["provider"], kernel, _f(r["us"]), _f(r["dram_pct"], 0, "%"),
+                     _f(r["issue_busy_pct"], 0, "%"), occupancy, _f(r["registers"], 0), _f(r["cycles_per_issue"]),
+                     _f(r["long_scoreboard_cycles"])])
     return _table(["op", "provider", "kernel", "us", "DRAM throughput", "issue slots busy",
                    "achieved occupancy (of theoretical)", "registers", "cycles between issues",
                    "of which long scoreboard"], rows)

@@ -34,6 +34,22 @@ def test_fused_ops_and_gemm_epilogues_on_the_interpreter(tmp_path):
     assert all(r["accurate"] and r["tflops"] > 0 for r in gemm)
 
 
+def test_the_same_bytes_copy_moves_the_cells_bytes(monkeypatch):
+    """Half the cell's bytes read and half written: a float32 tensor of nbytes / 8 elements copied once."""
+    copied = []
+
+    def fake_time_us(fn, device):
+        copied.append(fn)
+        return 1.0, 1.0
+
+    monkeypatch.setattr(suite, "time_us", fake_time_us)
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda dst, src: copied.append((dst.numel(), src.numel(), dst.dtype)))
+    assert suite.same_bytes_copy_us(12_582_912, "cpu") == 1.0
+    copied[0]()
+    dst_numel, src_numel, dtype = copied[1]
+    assert dtype == torch.float32 and dst_numel == src_numel and 2 * src_numel * 4 == 12_582_912
+
+
 def test_min_bytes_counts_each_matrix_once():
     assert suite.min_bytes("add_layer_norm", 8, 64, torch.float32) == 3 * 8 * 64 * 4
     assert suite.min_bytes("layer_norm", 8, 64, torch.bfloat16) == 2 * 8 * 64 * 2

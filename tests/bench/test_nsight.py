@@ -30,13 +30,12 @@ def test_a_raw_csv_becomes_one_row_per_call_in_launch_order(tmp_path):
     values = {"gpu__time_duration.sum": "25,280", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": "63.73",
               "smsp__issue_active.avg.per_cycle_active": "0.44", "launch__registers_per_thread": "58"}
     text = _ncu_csv([("triton_per_fused_native_layer_norm_0", values), ("_norm_kernel(...)", {}),
-                     ("void fusedserve::norm_kernel<float>(args)", {})])
-    calls = [("layer_norm", p) for p in nsight.profiled_order(["triton", "cuda", "compile"])]
-    assert [p for _, p in calls] == ["compile", "triton", "cuda"]  # the order bench.kernels.providers builds
+                     ("void fusedserve::<unnamed>::norm_kernel<float, 4>(fusedserve::NormArgs)", {})])
+    calls = [("layer_norm", "compile"), ("layer_norm", "triton"), ("layer_norm", "cuda")]  # as the run wrote them
     rows = nsight.parse(text, calls, "bfloat16", "32768x768", {"layer_norm": "BLOCK_M 2, 1 warps"})
     assert [(r["provider"], r["kernel"]) for r in rows] == [
         ("compile", "triton_per_fused_native_layer_norm_0"), ("triton", "_norm_kernel"),
-        ("cuda", "void fusedserve::norm_kernel<float>")]
+        ("cuda", "norm_kernel<float, 4>")]
     first = rows[0]
     assert first["us"] == pytest.approx(25.28) and first["dram_pct"] == pytest.approx(63.73)
     assert first["issue_busy_pct"] == pytest.approx(44.0) and first["registers"] == 58
@@ -46,15 +45,23 @@ def test_a_raw_csv_becomes_one_row_per_call_in_launch_order(tmp_path):
     # stored as scenario `nsight` of the kernels file, which validates, and rendered by the report
     path = tmp_path / "kernels.json"
     (tmp_path / "ncu.csv").write_text(text)
-    (tmp_path / "configs.json").write_text(json.dumps({"layer_norm": "BLOCK_M 2, 1 warps"}))
-    assert nsight.main(["--ops", "layer_norm", "--save", str(tmp_path / "ncu.csv"), "--configs",
-                        str(tmp_path / "configs.json"), "--device", "cpu", "--out", str(path)]) == 0
+    (tmp_path / "calls.json").write_text(json.dumps({"calls": [list(c) for c in calls],
+                                                     "configs": {"layer_norm": "BLOCK_M 2, 1 warps"}}))
+    assert nsight.main(["--ops", "layer_norm", "--save", str(tmp_path / "ncu.csv"), "--calls",
+                        str(tmp_path / "calls.json"), "--device", "cpu", "--out", str(path)]) == 0
     doc = store.load(path)
     assert store.validate(doc) == [] and doc["scenarios"]["nsight"]["header"]["command"].startswith(
         "python -m bench.nsight --ops layer_norm")
     table = report.tables(path)
-    assert "| layer_norm | compile | `triton_per_fused_native_layer_norm_0` | 25.3 | 64% | 44% | - of - | 58 | - | - |" in table
+    compile_row = "| layer_norm | compile | `triton_per_fused_native_layer_norm_0` | 25.3 | 64% | 44% | - of - | 58 |"
+    assert compile_row in table and "| layer_norm | cuda | `norm_kernel<float, 4>` |" in table
     assert "`_norm_kernel` (BLOCK_M 2, 1 warps)" in table
+
+
+def test_ncu_args_come_from_one_place(capsys):
+    assert nsight.main(["--ncu-args"]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed == nsight.NCU_ARGS.split() and "application-only" in printed and "raw" in printed
 
 
 def test_kernels_that_cannot_be_named_are_refused():

@@ -65,8 +65,9 @@ def test_fused_ops_summary_counts_the_acceptance_figures():
     """The faster backend per cell against compile, and the large cells against both copy ceilings."""
     def cell(shape, mb, triton_us, cuda_us, compile_us, pct_copy, pct_same):
         common = {"op": "layer_norm", "dtype": "bfloat16", "shape": shape, "bytes": mb * 1e6}
-        return [{**common, "provider": "triton", "us": triton_us, "pct_copy": pct_copy, "pct_same_bytes_copy": pct_same},
-                {**common, "provider": "cuda", "us": cuda_us, "pct_copy": pct_copy, "pct_same_bytes_copy": pct_same},
+        fused = {"pct_copy": pct_copy, "pct_same_bytes_copy": pct_same}
+        return [{**common, "provider": "triton", "us": triton_us, **fused},
+                {**common, "provider": "cuda", "us": cuda_us, **fused},
                 {**common, "provider": "compile", "us": compile_us}]
 
     block = {"summary": {"copy_gbps": 4000.0},

@@ -181,4 +181,4 @@ def test_autotune_bench_times_graph_replays_in_milliseconds_with_ordered_quantil
     median, low, high = timing.autotune_bench(lambda: x.add_(1), quantiles=(0.5, 0.2, 0.8))
     assert 0 < low <= median <= high < long
     assert x[0].item() == 1 + 1 + timing.AUTOTUNE_ROUNDS  # one warm-up, the upload replay, one call per round
-    assert long > 2_000_000 / 3e9 * 1e3  # 2M cycles at <= 3 GHz: in milliseconds, not microseconds
+    assert 2_000_000 / 3e9 * 1e3 < long < 100  # 2M cycles at 0.1-3 GHz: milliseconds (microseconds would be 1000s)
