@@ -101,7 +101,7 @@ assert {name for name, value in globals().items() if getattr(value, "__module__"
         and getattr(value, "__signature__", None) is not None} == set(OPS), "kernels/__init__.py and kernels.spec differ"
 
 __all__ = ["OPS", "REFERENCE", "BackendError", "Selection", "compile_only", "current", "reference_selection",
-           "registry", "save_tuning", "select", "use", "watch_compiles", *OPS]
+           "registry", "save_tuning", "select", "use", "watch_autotunes", "watch_compiles", *OPS]
 
 
 def _load_triton(device: torch.device):
@@ -152,6 +152,42 @@ def watch_compiles(callback: Callable[[str], None] | None) -> bool:
 
 
 _watched: tuple[Callable | None] | None = None  # while watch_compiles is on: the hook it found installed
+
+
+def watch_autotunes(callback: Callable[[str], None] | None) -> bool:
+    """From now on, callback(kernel name) each time one of our Triton autotuners times a candidate: a key it had
+    not tuned, met at a launch, which waits for the timing of every candidate. None stops it. False, and nothing
+    installed, where our Triton kernels are not loaded. The server watches after ready, where the shape sweep should
+    have left nothing to tune. Only the benchmark function is wrapped, so an untuned launch pays the callback and a
+    tuned one nothing; the callback's errors are logged, never raised into the launch."""
+    if "kernels.triton._common" not in sys.modules:
+        return False
+    from kernels.triton._common import TUNERS
+
+    for name, tuner in TUNERS.items():
+        # the benchmark is read through `do_bench` (a cached property over the function given to the autotuner):
+        # an attribute on the instance shadows it
+        wrapped = tuner.__dict__.get("_fusedserve_bench")
+        if callback is None:
+            if wrapped is not None:
+                tuner.__dict__["do_bench"] = wrapped
+                del tuner.__dict__["_fusedserve_bench"]
+            continue
+        bench = wrapped if wrapped is not None else tuner.do_bench
+        tuner.__dict__["_fusedserve_bench"] = bench
+        tuner.__dict__["do_bench"] = _watched_bench(bench, name, callback)
+    return True
+
+
+def _watched_bench(bench: Callable, name: str, callback: Callable[[str], None]) -> Callable:
+    def timed(*args, **kwargs):
+        try:
+            callback(name)
+        except Exception:
+            log.exception("the autotune watcher failed")
+        return bench(*args, **kwargs)
+
+    return timed
 
 
 def save_tuning(device: torch.device | str) -> None:

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 import kernels
-from kernels import watch_compiles  # noqa: F401  (the server logs a kernel compiled after ready with it)
+# the server logs a kernel compiled, or a key autotuned, after ready with these
+from kernels import watch_autotunes, watch_compiles  # noqa: F401
 from kernels._layout import cpu_budget  # noqa: F401  (the server sizes its workers' threads with it)
 from kernels.registry import REFERENCE_BACKEND
 from kernels.timing import OpTimer

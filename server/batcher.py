@@ -62,6 +62,10 @@ class _Sample:
     ids: list[list[int]]
     taken: float  # time.monotonic() when it was sampled
     steps: Iterator[None] | None = None  # the timed forward, once started
+    blocks: int = 0  # blocks started so far
+
+    def describe(self) -> str:
+        return f"block {self.blocks} of a sampled batch of {len(self.ids)} inputs, {sum(map(len, self.ids))} tokens"
 
 
 @dataclass(eq=False)
@@ -327,6 +331,7 @@ class Batcher:
         try:
             if sample.steps is None:
                 sample.steps = self.embedder.timed_steps(sample.ids, self._record_kernel)
+            sample.blocks += 1
             next(sample.steps)
             return  # more blocks to go
         except StopIteration:
@@ -357,8 +362,10 @@ class Batcher:
         if now - self._noted.get(name, -math.inf) < SLOW_WORK_LOG_S:
             return
         self._noted[name] = now
+        sample = getattr(fn, "args", (None,))[0] if getattr(fn, "func", None) == self._time_step else None
+        what = f"{name} ({sample.describe()})" if isinstance(sample, _Sample) else name
         log.warning("%d inputs of %s were waiting when %s between batches ended; it took %.0f ms",
-                    len(self._pending), self.metrics.model, name, seconds * 1e3)
+                    len(self._pending), self.metrics.model, what, seconds * 1e3)
 
     def _drop_dead(self) -> None:
         now = time.monotonic()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from model.runner import cpu_budget, watch_compiles
+from model.runner import cpu_budget, watch_autotunes, watch_compiles
 from server import workers
 from server.config import Settings
 from server.errors import NotFound, Unavailable
@@ -54,6 +55,19 @@ def _process_age_s() -> float | None:
 def _compiled_after_ready(kernel: str) -> None:
     log.warning("a Triton kernel was compiled or loaded after ready, and whatever launched it waited (expected after "
                 "a backend switch; otherwise a shape the start-up's compile pass missed): %s", kernel)
+
+
+AUTOTUNE_LOG_S = 60.0  # one line per kernel at most this often: an autotune times every candidate in turn
+_autotunes_noted: dict[str, float] = {}
+
+
+def _autotuned_after_ready(kernel: str) -> None:
+    now = time.monotonic()
+    if now - _autotunes_noted.get(kernel, -math.inf) < AUTOTUNE_LOG_S:
+        return
+    _autotunes_noted[kernel] = now
+    log.warning("the Triton autotuner of %s timed its candidates after ready, and whatever launched it waited (a key "
+                "the start-up's shape sweep did not tune, or the shipped tuning lacks)", kernel)
 
 
 class Service:
@@ -208,10 +222,11 @@ class Service:
                 except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
                     log.exception("ready in %.1fs; the start-up report failed", elapsed)
                 self.mark_ready()
-                try:  # a log line only: never a reason to stop a server that is ready
+                try:  # log lines only: never a reason to stop a server that is ready
                     watch_compiles(_compiled_after_ready)
+                    watch_autotunes(_autotuned_after_ready)
                 except Exception:
-                    log.exception("watching for kernels compiled after ready failed")
+                    log.exception("watching for kernels compiled or autotuned after ready failed")
                 for m in self.serving:
                     m.capture_rest()
         except BaseException as exc:
@@ -276,6 +291,8 @@ class Service:
         self.start_draining()
         with contextlib.suppress(Exception):
             watch_compiles(None)
+        with contextlib.suppress(Exception):
+            watch_autotunes(None)
         deadline = time.monotonic() + self.settings.request_timeout_s
         stopped = [m.stop(timeout_s=max(deadline - time.monotonic(), 0.1)) for m in self.models]  # every one
         drained = all(stopped)

@@ -154,3 +154,34 @@ def test_watch_compiles_reports_each_compile_until_stopped():
         assert len(earlier) == 3 and seen == [call["repr"]]  # the earlier hook alone again
     finally:
         knobs.runtime.jit_post_compile_hook = before
+
+
+def test_watch_autotunes_reports_each_candidate_timed_until_stopped():
+    """kernels.watch_autotunes wraps our autotuners' benchmark (the server's log line for a key tuned after ready):
+    an untuned key's launch reports its kernel per candidate timed, a tuned key's launch nothing; a failing callback
+    is logged, not raised; None puts the autotuner's own benchmark back."""
+    from kernels.triton import LAUNCHERS, _common
+
+    tuner = _common.TUNERS["_norm_kernel"]
+    own = tuner.do_bench
+    seen: list[str] = []
+
+    def launch(cols: int) -> None:
+        x, w, b = torch.randn(5, cols), torch.randn(cols), torch.randn(cols)
+        LAUNCHERS["layer_norm"](x, w, b, 1e-5)
+
+    try:
+        assert kernels.watch_autotunes(seen.append)
+        assert kernels.watch_autotunes(seen.append)  # again (a second service in the process): one wrapper
+        launch(52)  # a width no other test tunes: a new key
+        assert seen and set(seen) == {"_norm_kernel"} and len(seen) <= len(tuner.configs)
+        count = len(seen)
+        launch(52)  # tuned now: the launch times nothing
+        assert len(seen) == count
+        assert kernels.watch_autotunes(lambda kernel: 1 / 0)
+        launch(53)  # the watcher's error is logged; the launch tunes and runs
+    finally:
+        assert kernels.watch_autotunes(None)
+    assert tuner.do_bench is own and "_fusedserve_bench" not in tuner.__dict__
+    launch(54)
+    assert len(seen) == count

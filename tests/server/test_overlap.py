@@ -310,3 +310,44 @@ def test_a_sample_started_while_idle_lets_the_next_batch_go_before_its_next_bloc
     second = events.index(("launch", 4))
     assert [e for e in events[:second] if e[0] == "step"] == [("step", 3)], events
     assert batcher.drain(5)
+
+
+def test_a_slow_timing_block_is_logged_with_its_place_in_the_sample(embedder, monkeypatch, caplog):
+    """The slow-work warning for a kernel-timing block says which block of which sample it was."""
+    monkeypatch.setattr(batcher_module, "IDLE_PAUSE_S", 0.01)
+    blocking, arrived = threading.Event(), threading.Event()
+    steps_of = embedder.timed_steps
+
+    class FirstBlockIsSlow:
+        def __init__(self, ids, callback):
+            self.steps, self.first = steps_of(ids, callback), True
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            if self.first:
+                self.first = False
+                blocking.set()
+                assert arrived.wait(30)
+                time.sleep(batcher_module.SLOW_WORK_S)
+            return next(self.steps)
+
+    monkeypatch.setattr(embedder, "timed_steps", FirstBlockIsSlow)
+    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1),
+                      Metrics().for_model("tiny"))
+
+    async def main():
+        batcher.start()
+        await asyncio.wait_for(batcher.submit([[101, 7592, 102]], False, 30).future, 30)
+        await asyncio.to_thread(blocking.wait, 30)  # the idle worker is in the sample's first block
+        job = batcher.submit([[101, 7592, 2088, 102]], False, 30)
+        await asyncio.sleep(0.05)  # the request is queued before the block ends
+        arrived.set()
+        await asyncio.wait_for(job.future, 30)
+
+    with caplog.at_level("WARNING", logger="fusedserve"):
+        asyncio.run(main())
+    held = [r.getMessage() for r in caplog.records if "between batches ended" in r.getMessage()]
+    assert len(held) == 1 and "Batcher._time_step (block 1 of a sampled batch of 1 inputs, 3 tokens)" in held[0], held
+    assert batcher.drain(5)
