@@ -105,12 +105,19 @@ def gemm_flops(m: int, k: int, n: int) -> int:
     return 2 * m * k * n
 
 
+def cell_us(fn: Callable[[], object], device: str) -> float:
+    """A cell's time of one call in microseconds: device time on a GPU, host time on the CPU (the module's
+    docstring)."""
+    if device.startswith("cuda"):
+        return timing.device_us(fn, calls=1, rounds=DEVICE_ROUNDS, flush_l2=True)
+    return timing.eager_us(fn, torch.device(device), calls=1, rounds=3, warmup=1)
+
+
 def time_us(fn: Callable[[], object], device: str) -> tuple[float, float]:
     """(time, launch time) of one call in microseconds (see the module's docstring)."""
     if device.startswith("cuda"):
-        return (timing.device_us(fn, calls=1, rounds=DEVICE_ROUNDS, flush_l2=True),
-                timing.eager_us(fn, torch.device(device), calls=10, rounds=5))
-    host = timing.eager_us(fn, torch.device(device), calls=1, rounds=3, warmup=1)
+        return cell_us(fn, device), timing.eager_us(fn, torch.device(device), calls=10, rounds=5)
+    host = cell_us(fn, device)
     return host, host
 
 
@@ -149,12 +156,12 @@ def same_bytes_copy_us(nbytes: int, device: str) -> float:
     copy kernel in three tile sizes."""
     src = torch.randn(max(nbytes // 8, 1), device=device)  # float32: nbytes / 2 bytes read, as many written
     dst = torch.empty_like(src)
-    times = [time_us(lambda: dst.copy_(src), device)[0]]
+    times = [cell_us(lambda: dst.copy_(src), device)]
     if device.startswith("cuda") and triton is not None:
         for block, warps in _COPY_KERNEL_CONFIGS:
             grid = (triton.cdiv(src.numel(), block),)
-            times.append(time_us(lambda: _copy_kernel[grid](src, dst, src.numel(), BLOCK=block, num_warps=warps),
-                                 device)[0])
+            times.append(cell_us(lambda: _copy_kernel[grid](src, dst, src.numel(), BLOCK=block, num_warps=warps),
+                                 device))
     return min(times)
 
 

@@ -54,10 +54,10 @@ def _source(path: Path, scenario: str, block: dict) -> str:
 
 
 # ---- kernels ----------------------------------------------------------------------------------------------------
-def _fused_cells(block: dict, dtype: str | None = None) -> dict[tuple, dict[str, dict]]:
+def _fused_cells(block: dict) -> dict[tuple, dict[str, dict]]:
     cells: dict[tuple, dict[str, dict]] = {}
     for r in block["results"]:
-        if "us" in r and (dtype is None or r["dtype"] == dtype):
+        if "us" in r:
             cells.setdefault((r["op"], r["dtype"], r["shape"]), {})[r["provider"]] = r
     return cells
 

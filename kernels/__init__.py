@@ -165,18 +165,18 @@ def watch_autotunes(callback: Callable[[str], None] | None) -> bool:
     from kernels.triton._common import TUNERS
 
     for name, tuner in TUNERS.items():
-        # the benchmark is read through `do_bench` (a cached property over the function given to the autotuner):
-        # an attribute on the instance shadows it
-        wrapped = tuner.__dict__.get("_fusedserve_bench")
+        # the autotuner reads its benchmark through `do_bench`, a cached property: an attribute on the instance
+        # shadows it, and taking that attribute away shows the autotuner's own again
         if callback is None:
-            if wrapped is not None:
-                tuner.__dict__["do_bench"] = wrapped
-                del tuner.__dict__["_fusedserve_bench"]
+            if _own_benches.pop(name, None) is not None:
+                del tuner.__dict__["do_bench"]
             continue
-        bench = wrapped if wrapped is not None else tuner.do_bench
-        tuner.__dict__["_fusedserve_bench"] = bench
-        tuner.__dict__["do_bench"] = _watched_bench(bench, name, callback)
+        own = _own_benches.setdefault(name, tuner.do_bench)
+        tuner.__dict__["do_bench"] = _watched_bench(own, name, callback)
     return True
+
+
+_own_benches: dict[str, Callable] = {}  # while watch_autotunes is on: each autotuner's own benchmark, by kernel
 
 
 def _watched_bench(bench: Callable, name: str, callback: Callable[[str], None]) -> Callable:

@@ -19,7 +19,6 @@ import bisect
 import concurrent.futures
 import functools
 import logging
-import math
 import random
 import threading
 import time
@@ -34,6 +33,7 @@ from model.runner import Embedder, Pending
 from server.config import Settings
 from server.errors import Overloaded, ServiceError, Timeout, Unavailable
 from server.metrics import ModelMetrics
+from server.observability import Throttle
 
 log = logging.getLogger("fusedserve.batcher")
 
@@ -65,6 +65,7 @@ class _Sample:
     blocks: int = 0  # blocks started so far
 
     def describe(self) -> str:
+        """Which block of which batch: the slow-work warning's detail."""
         return f"block {self.blocks} of a sampled batch of {len(self.ids)} inputs, {sum(map(len, self.ids))} tokens"
 
 
@@ -141,7 +142,7 @@ class Batcher:
         self._idle_work: list[tuple[Callable[[], object], concurrent.futures.Future]] = []  # call_when_idle
         self._timing: _Sample | None = None
         self._stepped = False  # a block of the sample ran since the last batch was taken
-        self._noted: dict[str, float] = {}  # _note_wait: when each kind of work was last logged
+        self._slow_work = Throttle(SLOW_WORK_LOG_S)  # _note_wait: one warning per kind of work per interval
         self._stopping = False
         self._draining = False
         self._busy = False
@@ -322,7 +323,9 @@ class Batcher:
         """Under the lock: the next block of the waiting sample's timing, as control work for the worker (nobody
         waits on its future). The next batch goes before another block."""
         self._stepped = True
-        return functools.partial(self._time_step, self._timing), concurrent.futures.Future()
+        work = functools.partial(self._time_step, self._timing)
+        work.describe = self._timing.describe  # the slow-work warning's detail (_note_wait)
+        return work, concurrent.futures.Future()
 
     def _time_step(self, sample: _Sample) -> None:
         """One block of an answered batch's inputs again, eagerly, every op timed into the kernel-duration histogram
@@ -354,16 +357,15 @@ class Batcher:
     def _note_wait(self, fn: Callable[[], object], seconds: float) -> None:
         """A warning when work between batches took SLOW_WORK_S or longer and inputs were waiting when it ended (what
         a request's latency cannot show: which work it waited for), at most once per SLOW_WORK_LOG_S per kind of
-        work (a sampled batch's timing blocks can each take that long on a CPU)."""
+        work (a sampled batch's timing blocks can each take that long on a CPU). Work with a `describe()` says more
+        about itself in the line."""
         if seconds < SLOW_WORK_S or not self._pending:
             return
         name = getattr(getattr(fn, "func", fn), "__qualname__", repr(fn))
-        now = time.monotonic()
-        if now - self._noted.get(name, -math.inf) < SLOW_WORK_LOG_S:
+        if not self._slow_work.allow(name):
             return
-        self._noted[name] = now
-        sample = getattr(fn, "args", (None,))[0] if getattr(fn, "func", None) == self._time_step else None
-        what = f"{name} ({sample.describe()})" if isinstance(sample, _Sample) else name
+        describe = getattr(fn, "describe", None)
+        what = f"{name} ({describe()})" if describe is not None else name
         log.warning("%d inputs of %s were waiting when %s between batches ended; it took %.0f ms",
                     len(self._pending), self.metrics.model, what, seconds * 1e3)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -74,6 +75,23 @@ def _ms(seconds: float) -> bytes:
 
 def now() -> float:
     return time.monotonic()
+
+
+class Throttle:
+    """For warnings about one kind of thing that may repeat: allow(kind) is True at most once per `seconds` per kind
+    (the first time, then once the interval has passed). Not locked: two threads asking at once may both be allowed,
+    which costs a repeated log line and nothing else."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._last: dict[str, float] = {}
+
+    def allow(self, kind: str) -> bool:
+        now = time.monotonic()
+        if now - self._last.get(kind, -math.inf) < self.seconds:
+            return False
+        self._last[kind] = now
+        return True
 
 
 class JsonFormatter(logging.Formatter):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import threading
 import time
@@ -23,7 +22,7 @@ from server.config import Settings
 from server.errors import NotFound, Unavailable
 from server.metrics import Metrics
 from server.model_service import ModelService, refreeze
-from server.observability import CURRENT
+from server.observability import CURRENT, Throttle
 
 log = logging.getLogger("fusedserve")
 
@@ -57,15 +56,13 @@ def _compiled_after_ready(kernel: str) -> None:
                 "a backend switch; otherwise a shape the start-up's compile pass missed): %s", kernel)
 
 
-AUTOTUNE_LOG_S = 60.0  # one line per kernel at most this often: an autotune times every candidate in turn
-_autotunes_noted: dict[str, float] = {}
+# one line per kernel at most a minute: an autotune calls back once for every candidate it times
+_autotunes_logged = Throttle(60.0)
 
 
 def _autotuned_after_ready(kernel: str) -> None:
-    now = time.monotonic()
-    if now - _autotunes_noted.get(kernel, -math.inf) < AUTOTUNE_LOG_S:
+    if not _autotunes_logged.allow(kernel):
         return
-    _autotunes_noted[kernel] = now
     log.warning("the Triton autotuner of %s timed its candidates after ready, and whatever launched it waited (a key "
                 "the start-up's shape sweep did not tune, or the shipped tuning lacks)", kernel)
 

@@ -167,3 +167,17 @@ def test_a_json_log_line_carries_the_request_id():
     finally:
         CURRENT.reset(token)
     assert entry["request_id"] == "req-7" and entry["message"] == "something odd" and entry["logger"] == "fusedserve"
+
+
+def test_a_throttle_allows_each_kind_once_per_interval(monkeypatch):
+    from server import observability
+
+    clock = [100.0]
+    monkeypatch.setattr(observability.time, "monotonic", lambda: clock[0])
+    throttle = observability.Throttle(60.0)
+    assert throttle.allow("capture") and throttle.allow("timing")  # each kind's first time
+    assert not throttle.allow("capture")
+    clock[0] += 59.9
+    assert not throttle.allow("capture")
+    clock[0] += 0.1
+    assert throttle.allow("capture") and throttle.allow("timing")  # a minute on: each kind again

@@ -271,14 +271,11 @@ def test_work_between_batches_that_holds_up_waiting_inputs_is_logged(embedder, c
     assert batcher.drain(5)
 
 
-def test_a_sample_started_while_idle_lets_the_next_batch_go_before_its_next_block(embedder, monkeypatch):
-    """A request that arrives during the first block of a sample the idle worker started waits for that block only:
-    its batch goes before the sample's next block."""
-    monkeypatch.setattr(batcher_module, "IDLE_PAUSE_S", 0.01)
-    events: list = []
-    _record_timing(embedder, monkeypatch, events)
+def _first_block_waits(embedder, monkeypatch, then_s: float = 0.0) -> tuple[threading.Event, threading.Event]:
+    """Make the first block of the embedder's next timed sample set `blocking`, wait for `arrived`, then take
+    `then_s` more seconds; returns (blocking, arrived)."""
     blocking, arrived = threading.Event(), threading.Event()
-    steps_of = embedder.timed_steps  # the recording wrapper
+    steps_of = embedder.timed_steps
 
     class FirstBlockWaits:
         def __init__(self, ids, callback):
@@ -292,9 +289,20 @@ def test_a_sample_started_while_idle_lets_the_next_batch_go_before_its_next_bloc
                 self.first = False
                 blocking.set()
                 assert arrived.wait(30)
+                time.sleep(then_s)
             return next(self.steps)
 
     monkeypatch.setattr(embedder, "timed_steps", FirstBlockWaits)
+    return blocking, arrived
+
+
+def test_a_sample_started_while_idle_lets_the_next_batch_go_before_its_next_block(embedder, monkeypatch):
+    """A request that arrives during the first block of a sample the idle worker started waits for that block only:
+    its batch goes before the sample's next block."""
+    monkeypatch.setattr(batcher_module, "IDLE_PAUSE_S", 0.01)
+    events: list = []
+    _record_timing(embedder, monkeypatch, events)
+    blocking, arrived = _first_block_waits(embedder, monkeypatch)  # over the recording wrapper
     metrics = Metrics().for_model("tiny")
     batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1), metrics)
 
@@ -315,25 +323,7 @@ def test_a_sample_started_while_idle_lets_the_next_batch_go_before_its_next_bloc
 def test_a_slow_timing_block_is_logged_with_its_place_in_the_sample(embedder, monkeypatch, caplog):
     """The slow-work warning for a kernel-timing block says which block of which sample it was."""
     monkeypatch.setattr(batcher_module, "IDLE_PAUSE_S", 0.01)
-    blocking, arrived = threading.Event(), threading.Event()
-    steps_of = embedder.timed_steps
-
-    class FirstBlockIsSlow:
-        def __init__(self, ids, callback):
-            self.steps, self.first = steps_of(ids, callback), True
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            if self.first:
-                self.first = False
-                blocking.set()
-                assert arrived.wait(30)
-                time.sleep(batcher_module.SLOW_WORK_S)
-            return next(self.steps)
-
-    monkeypatch.setattr(embedder, "timed_steps", FirstBlockIsSlow)
+    blocking, arrived = _first_block_waits(embedder, monkeypatch, then_s=batcher_module.SLOW_WORK_S)
     batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1),
                       Metrics().for_model("tiny"))
 
