@@ -216,7 +216,7 @@ def compile_only() -> Iterator[None]:
         yield
 
 
-registry.register_backend("triton", _load_triton)
+registry.register_backend("triton", _load_triton, compiles_on_launch=True)
 
 
 def _load_cuda(device: torch.device):

@@ -53,6 +53,10 @@ Loader = Callable[[torch.device], Mapping[str, Callable]]
 class Backend:
     name: str
     loader: Loader
+    # its kernels compile on their first launch and honour kernels.compile_only() (Triton's): the self-tests' launches
+    # are made once in a compile pass first, so those compiles run side by side. Any other backend's self-test would
+    # only run twice
+    compiles_on_launch: bool = False
 
 
 def _load_reference(device: torch.device) -> Mapping[str, Callable]:
@@ -63,11 +67,12 @@ def _load_reference(device: torch.device) -> Mapping[str, Callable]:
 _BACKENDS: list[Backend] = [Backend(REFERENCE_BACKEND, _load_reference)]
 
 
-def register_backend(name: str, loader: Loader, *, before: str = REFERENCE_BACKEND) -> None:
+def register_backend(name: str, loader: Loader, *, before: str = REFERENCE_BACKEND,
+                     compiles_on_launch: bool = False) -> None:
     """Add (or replace) a backend, placed just ahead of `before` in the preference order."""
     unregister_backend(name)
     index = next(i for i, b in enumerate(_BACKENDS) if b.name == before)
-    _BACKENDS.insert(index, Backend(name, loader))
+    _BACKENDS.insert(index, Backend(name, loader, compiles_on_launch))
 
 
 def unregister_backend(name: str) -> None:
@@ -391,7 +396,7 @@ def select(
         return [b for b in _BACKENDS if forced in ("auto", b.name)]
 
     if fused and device.type == "cuda":  # the self-tests' compiles side by side, not one launch at a time
-        fns = [(impl[op], op) for op in OPS if op in wanted for b in candidates_of(op) if b.name != REFERENCE_BACKEND
+        fns = [(impl[op], op) for op in OPS if op in wanted for b in candidates_of(op) if b.compiles_on_launch
                if not isinstance(impl := load(b), str) and op in impl]
         _compile_self_tests(fns, device, dtypes, test_cols)
 

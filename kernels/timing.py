@@ -86,16 +86,16 @@ def autotune_bench(fn: Callable[[], object], quantiles: tuple[float, ...] | None
     """The Triton autotuner's benchmark on a GPU (its `do_bench`): a candidate's device time as the model runs it
     (replayed from a CUDA graph) and as the kernel benchmark reports it, one call per replay with the L2 flushed
     before each, in milliseconds (the median, or the given quantiles). Triton's default times stream launches for
-    100 ms per candidate instead; the candidates of a LayerNorm-family key are often within 2% of each other, so
-    the autotuner should rank them by the same measure the benchmark and the registry's race use."""
+    100 ms per candidate instead. The candidates of a LayerNorm-family key are often within 2% of each other, and the
+    kernel benchmark ranks them this way; the registry's race, which picks between backends, times CUDA-graph replays
+    too, of several calls each and without the flush."""
     graph = capture(fn, calls=1, warmup=1)
     graph.replay()  # uploads the graph: not timed
-    samples = sorted(us / 1e3 for us in replay_us(graph, 1, AUTOTUNE_ROUNDS, flush_l2=True))
-
-    def quantile(q: float) -> float:
-        return samples[min(int(q * len(samples)), len(samples) - 1)]
-
-    return [quantile(q) for q in quantiles] if quantiles else quantile(0.5)
+    samples = [us / 1e3 for us in replay_us(graph, 1, AUTOTUNE_ROUNDS, flush_l2=True)]
+    if not quantiles:
+        return statistics.median(samples)
+    percentiles = statistics.quantiles(samples, n=100, method="inclusive")  # the 1st .. 99th; the 50th is the median
+    return [percentiles[min(max(round(q * 100), 1), 99) - 1] for q in quantiles]
 
 
 def eager_us(fn: Callable[[], object], device: torch.device, *, calls: int = 10, rounds: int = 5,

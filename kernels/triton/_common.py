@@ -139,6 +139,7 @@ def autotune(configs: list[triton.Config], key: list[str], prune=None):
             try:
                 return run(*args, **kwargs)
             except _Untuned:
+                tuner.nargs = None  # run() sets it to this launch's arguments and clears it only when it returns
                 return None
 
         tuner.run = run_or_skip  # kernel[grid](...) and the autotuner's callers reach run through the instance

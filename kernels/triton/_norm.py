@@ -86,7 +86,7 @@ def _store_block(c, rstd, W, B, Y, y_rows, cols, col_ok, mask, GELU: tl.constexp
     """y = (h - mean) * rstd * w + b [-> GELU] for one column block, `c` = h - mean."""
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(c.dtype)
     b = tl.load(B + cols, mask=col_ok, other=0.0).to(c.dtype)
-    y = gelu(c * rstd[:, None] * w[None, :] + b[None, :], GELU)
+    y = gelu(c * rstd[:, None] * w[None, :] + b[None, :], GELU, Y.dtype.element_ty.primitive_bitwidth == 16)
     tl.store(Y + y_rows[:, None] + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -151,8 +151,9 @@ def _norm_kernel(
                     F64)
     if STORE_SUM:
         tl.store(S + s_rows[:, None] + cols[None, :], h0.to(S.dtype.element_ty), mask=mask)
-    total = tl.sum(h0, axis=1)
-    if NCHUNK > 1:
+    if NCHUNK == 1:
+        total = tl.sum(h0, axis=1)
+    else:
         # NCHUNK 3 only for exact widths: every column of these blocks is real
         h1 = _sum_block(X + CHUNK, x_rows, stride_p, R + CHUNK, r_rows, T + CHUNK, t_rows, BIAS + CHUNK, cols,
                         cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64)
@@ -161,18 +162,19 @@ def _norm_kernel(
         if STORE_SUM:
             tl.store(S + CHUNK + s_rows[:, None] + cols[None, :], h1.to(S.dtype.element_ty), mask=mask)
             tl.store(S + 2 * CHUNK + s_rows[:, None] + cols[None, :], h2.to(S.dtype.element_ty), mask=mask)
-        total += tl.sum(h1, axis=1) + tl.sum(h2, axis=1)
+        total = tl.sum(h0 + h1 + h2, axis=1)
     mean = total / N
     if EVEN_COLS:
         c0 = h0 - mean[:, None]
     else:  # the padding columns hold 0, so the mean's sum needed no mask; the variance's does
         c0 = tl.where(mask, h0 - mean[:, None], 0.0)
-    sq = tl.sum(c0 * c0, axis=1)
-    if NCHUNK > 1:
+    if NCHUNK == 1:
+        sq = tl.sum(c0 * c0, axis=1)
+    else:
         c1 = h1 - mean[:, None]
         c2 = h2 - mean[:, None]
-        sq += tl.sum(c1 * c1, axis=1) + tl.sum(c2 * c2, axis=1)
-    rstd = 1.0 / tl.sqrt(sq / N + eps)
+        sq = tl.sum(c0 * c0 + c1 * c1 + c2 * c2, axis=1)
+    rstd = tl.math.rsqrt(sq / N + eps)
     _store_block(c0, rstd, W, B, Y, y_rows, cols, cols < N, mask, GELU)
     if NCHUNK > 1:
         _store_block(c1, rstd, W + CHUNK, B + CHUNK, Y + CHUNK, y_rows, cols, cols < CHUNK, mask, GELU)

@@ -88,6 +88,7 @@ def test_an_autotuned_launch_compiles_its_config_or_all_candidates_and_tunes_not
     compiled = sorted((c[1]["BLOCK"], c[1]["num_warps"], c[0][1]) for c in stand_in.compiled)
     assert compiled == [(64, 1, 7), (128, 2, 7), (128, 2, 32), (256, 4, 7)]
     assert list(tuner.cache) == [(32, "torch.float32")] and tuner.cache[(32, "torch.float32")] is tuned
+    assert tuner.nargs is None  # the skipped launch's arguments are not held (its tensors would stay alive)
     tuner[(1,)](x, 32)  # outside: the tuned key runs its config
     assert [(launch["BLOCK"], launch["num_warps"]) for launch in stand_in.launched] == [(128, 2)]
 

@@ -19,8 +19,9 @@ def _drifting_layer_norm(x, w, b, eps, *, out=None):
 
 @pytest.fixture
 def fake_backends():
-    """Three fake fused backends ahead of the reference: 'broken' (wrong layer_norm), 'good' (correct
-    layer_norm and bias_gelu, nothing else), 'missing' (cannot load here)."""
+    """Four fake fused backends ahead of the reference: 'broken' (wrong layer_norm), 'good' (correct
+    layer_norm and bias_gelu, nothing else), 'missing' (cannot load here), whose kernels compile on their first
+    launch, and 'prebuilt' (correct layer_norm), whose kernels do not."""
     calls = {"good": 0}
 
     def good_layer_norm(*args, **kwargs):
@@ -30,14 +31,21 @@ def fake_backends():
     def load_missing(device):
         raise BackendUnavailable("no such package (fake)")
 
+    def prebuilt_layer_norm(*args, **kwargs):
+        return reference.layer_norm(*args, **kwargs)
+
     # placed ahead of the real fused backends, so the outcome does not depend on what this machine has
     first = registry.backend_names()[0]
-    registry.register_backend("missing", load_missing, before=first)
-    registry.register_backend("broken", lambda device: {"layer_norm": _drifting_layer_norm}, before=first)
+    registry.register_backend("missing", load_missing, before=first, compiles_on_launch=True)
+    registry.register_backend("broken", lambda device: {"layer_norm": _drifting_layer_norm}, before=first,
+                              compiles_on_launch=True)
     registry.register_backend("good", lambda device: {"layer_norm": good_layer_norm,
-                                                      "bias_gelu": reference.bias_gelu}, before=first)
+                                                      "bias_gelu": reference.bias_gelu}, before=first,
+                              compiles_on_launch=True)
+    # built ahead, as CUDA's kernels are: a compile pass would only run its self-tests twice
+    registry.register_backend("prebuilt", lambda device: {"layer_norm": prebuilt_layer_norm}, before=first)
     yield calls
-    for name in ("missing", "broken", "good"):
+    for name in ("missing", "broken", "good", "prebuilt"):
         registry.unregister_backend(name)
 
 
@@ -351,8 +359,8 @@ def test_the_self_tests_kernels_are_compiled_ahead_inside_one_compile_pass(monke
 
 def test_on_a_gpu_select_compiles_the_fused_candidates_self_tests_first(fake_backends, monkeypatch):
     """select's CUDA branch, driven here with stand-ins: before any self-test runs, one compile pass gets every
-    fused candidate of every wanted op (forced backends and per-op overrides respected, the reference and backends
-    that do not load or lack the op left out)."""
+    fused candidate of every wanted op whose kernels compile on launch (forced backends and per-op overrides
+    respected; the reference, backends built ahead, and backends that do not load or lack the op left out)."""
     order = []
     monkeypatch.setattr(registry, "_compile_self_tests",
                         lambda fns, device, dtypes, cols: order.append(("pass", {op for _, op in fns},
@@ -376,3 +384,4 @@ def test_on_a_gpu_select_compiles_the_fused_candidates_self_tests_first(fake_bac
     order.clear()
     kernels.select("cuda", (torch.float16,), ops=("layer_norm",), fused=False)
     assert order == []  # fused off: nothing probed, nothing compiled
+
