@@ -65,11 +65,16 @@ def _bias_gelu_kernel(
     EVEN_N: tl.constexpr,  # BLOCK_N divides N: no column mask
     BLOCK_M: tl.constexpr,
 ):
+    # one flat grid, the column blocks of a row tile side by side: programs launched together read one contiguous
+    # stretch of memory, where a 2-D grid with the row tiles fastest has them read a column block of many rows each,
+    # strided
     pid = tl.program_id(0)
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    row_block = pid // col_blocks
     if WIDE:  # offsets past 2^31 elements need 64-bit arithmetic; otherwise 32-bit is cheaper per element
-        pid = pid.to(tl.int64)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_block = row_block.to(tl.int64)
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if EVEN_N:
         mask = (rows < M)[:, None]  # broadcast along the columns: the accesses stay 16-byte vectors
@@ -93,7 +98,7 @@ def launch_bias_gelu(x: Tensor, bias: Tensor, residual: Tensor | None, y: Tensor
     block_n = column_block(cols)
 
     def grid(meta):
-        return (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(cols, meta["BLOCK_N"]))
+        return (triton.cdiv(rows, meta["BLOCK_M"]) * triton.cdiv(cols, meta["BLOCK_N"]),)
 
     _bias_gelu_kernel[grid](
         x, bias, residual if residual is not None else x, y,
