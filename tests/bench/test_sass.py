@@ -62,3 +62,14 @@ def test_the_compile_gets_a_launchs_alignment_hints(tmp_path):
 def test_the_tool_refuses_the_interpreter(tmp_path):
     result = _run(tmp_path=tmp_path, interpret=True)
     assert result.returncode == 2 and "unset TRITON_INTERPRET" in result.stderr
+
+
+def test_a_half_precision_result_takes_the_shorter_erfc(tmp_path):
+    """The LayerNorm + GELU kernel passes HALF to its GELU when the output is fp16 or bf16: the three-term erfc, two
+    FMAs fewer for each of a thread's 24 elements than the fp32 output's five-term one (the rest of the two kernels
+    differs only in loads, stores and conversions, which are not FMAs)."""
+    result = _run("--ops", "layer_norm_gelu", "--dtypes", "bfloat16", "float16", "float32", "--cols", "768",
+                  "--block-m", "2", "--warps", "2", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ffma = {line.split()[1]: int(line.split(" FFMA ")[1].split(",")[0]) for line in result.stdout.splitlines()}
+    assert ffma["bfloat16"] == ffma["float16"] and ffma["float32"] - ffma["bfloat16"] >= 2 * 24, ffma

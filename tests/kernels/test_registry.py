@@ -19,9 +19,9 @@ def _drifting_layer_norm(x, w, b, eps, *, out=None):
 
 @pytest.fixture
 def fake_backends():
-    """Four fake fused backends ahead of the reference: 'broken' (wrong layer_norm), 'good' (correct
-    layer_norm and bias_gelu, nothing else), 'missing' (cannot load here), whose kernels compile on their first
-    launch, and 'prebuilt' (correct layer_norm), whose kernels do not."""
+    """Four fake fused backends ahead of the reference. Three say their kernels compile on their first launch:
+    'broken' (wrong layer_norm), 'good' (correct layer_norm and bias_gelu, nothing else) and 'missing' (cannot load
+    here). 'prebuilt' (correct layer_norm) says they do not."""
     calls = {"good": 0}
 
     def good_layer_norm(*args, **kwargs):
@@ -385,3 +385,9 @@ def test_on_a_gpu_select_compiles_the_fused_candidates_self_tests_first(fake_bac
     kernels.select("cuda", (torch.float16,), ops=("layer_norm",), fused=False)
     assert order == []  # fused off: nothing probed, nothing compiled
 
+
+def test_triton_kernels_compile_on_launch_and_the_cuda_extensions_do_not():
+    """What decides which self-tests join the compile pass: Triton's kernels honour kernels.compile_only(); the CUDA
+    extension is built ahead, so a compile pass would only run its self-tests twice."""
+    how = {b.name: b.compiles_on_launch for b in registry._BACKENDS}
+    assert how["triton"] is True and how["cuda"] is False and how["torch"] is False
