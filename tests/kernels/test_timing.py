@@ -182,3 +182,27 @@ def test_autotune_bench_times_graph_replays_in_milliseconds_with_ordered_quantil
     assert 0 < low <= median <= high < long
     assert x[0].item() == 1 + 1 + timing.AUTOTUNE_ROUNDS  # one warm-up, the upload replay, one call per round
     assert 2_000_000 / 3e9 * 1e3 < long < 100  # 2M cycles at 0.1-3 GHz: milliseconds (microseconds would be 1000s)
+
+
+def test_autotune_bench_reduces_one_flushed_replay_per_round_to_the_median_and_quantiles(monkeypatch):
+    """How the Triton autotuner's benchmark reduces its samples, without a GPU: the graph stood in for, the replay
+    timings given (in microseconds, shuffled). One call a replay, the L2 flushed, AUTOTUNE_ROUNDS of them; the result
+    in milliseconds: the median, or Triton's (0.5, 0.2, 0.8) quantiles in order."""
+    import random
+
+    captured, asked = [], []
+    graph = types.SimpleNamespace(replay=lambda: asked.append("upload"))
+    monkeypatch.setattr(timing, "capture", lambda fn, calls, warmup: captured.append((calls, warmup)) or graph)
+    samples = [float(us) for us in range(1, timing.AUTOTUNE_ROUNDS + 1)]  # 1 .. 50 us
+    random.Random(7).shuffle(samples)
+
+    def replay_us(g, calls, rounds, *, flush_l2=False):
+        assert g is graph and calls == 1 and rounds == timing.AUTOTUNE_ROUNDS and flush_l2
+        return list(samples)
+
+    monkeypatch.setattr(timing, "replay_us", replay_us)
+    assert timing.autotune_bench(lambda: None) == pytest.approx(25.5e-3)  # the median of 1 .. 50 us, in ms
+    median, low, high = timing.autotune_bench(lambda: None, quantiles=(0.5, 0.2, 0.8))
+    assert low < median < high and median == pytest.approx(25.5e-3)
+    assert low == pytest.approx(10.8e-3) and high == pytest.approx(40.2e-3)  # inclusive percentiles of 1 .. 50
+    assert captured == [(1, 1)] * 2 and asked == ["upload"] * 2
