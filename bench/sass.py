@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 OPS = ("layer_norm", "layer_norm_gelu", "add_layer_norm", "embedding_layer_norm", "bias_gelu", "bias_residual_gelu")
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-_TENSORS = {"X", "R", "T", "BIAS", "W", "B", "Y", "S"}  # the kernels' tensor arguments in the activations' dtype
 # an opcode's first word: "LDG.E.128 R4, ..." -> LDG; a predicate guard (@P0, @!UP1) before it is skipped
 _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
 
@@ -53,12 +52,17 @@ class Sass:
 
 
 def _case(op: str, dtype: str, cols: int, block_m: int):
-    """(jit function, signature, constexprs) of `op`'s kernel as its launcher would specialize it."""
+    """(jit function, signature, constexprs) of `op`'s kernel as its launcher would specialize it; the argument types
+    are the compile check's (kernels.triton.compile_check)."""
+    from kernels.triton.compile_check import _norm_case, _signature
+
     ptr = "*" + DTYPES[dtype]
     if op in ("bias_gelu", "bias_residual_gelu"):
         from kernels.triton._pointwise import _bias_gelu_kernel, column_block
 
         block_n = column_block(cols)
+        types = {"X": ptr, "BIAS": ptr, "R": ptr, "Y": ptr, "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
+                 "M": "i32", "N": "i32", "M_BUCKET": "i32"}
         constexprs = {"HAS_RESIDUAL": op == "bias_residual_gelu", "GELU": 1, "F64": False, "WIDE": False,
                       "BLOCK_N": block_n, "EVEN_N": cols % block_n == 0, "BLOCK_M": block_m}
         fn = _bias_gelu_kernel.fn
@@ -67,24 +71,11 @@ def _case(op: str, dtype: str, cols: int, block_m: int):
 
         nchunk, chunk = column_chunks(cols)
         gather = op == "embedding_layer_norm"
-        constexprs = {"PARTS": 1, "SOURCES": 3 if gather else 2 if op == "add_layer_norm" else 1, "GATHER": gather,
-                      "HAS_BIAS": False, "STORE_SUM": False, "GELU": 1 if op == "layer_norm_gelu" else 0,
-                      "F64": False, "WIDE": False, "NCHUNK": nchunk, "CHUNK": chunk,
-                      "EVEN_COLS": nchunk * chunk == cols, "BLOCK_M": block_m, "USE_PDL": False}
+        types, constexprs = _norm_case(ptr, SOURCES=3 if gather else 2 if op == "add_layer_norm" else 1,
+                                       GATHER=gather, GELU=1 if op == "layer_norm_gelu" else 0, NCHUNK=nchunk,
+                                       CHUNK=chunk, EVEN_COLS=nchunk * chunk == cols, BLOCK_M=block_m)
         fn = _norm_kernel.fn
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.startswith("IDX"):
-            signature[name] = "*i64"
-        elif name == "eps":
-            signature[name] = "fp32"
-        elif name in _TENSORS:
-            signature[name] = ptr
-        else:
-            signature[name] = "i32"
-    return fn, signature, constexprs
+    return fn, _signature(fn, types, constexprs), constexprs
 
 
 def compile_sass(op: str, dtype: str, cols: int, block_m: int, warps: int, arch: int = 90) -> Sass:
