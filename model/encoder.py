@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import kernels
 from model.config import EncoderConfig
@@ -185,6 +186,13 @@ def _varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attention() is not None
 
 
+# SDPA's backends for the padded and equal-length batches: not cuDNN's attention, which torch prefers on Hopper and
+# which builds an execution plan for every new shape (40+ ms each on the H200): every eager batch at a new length (a
+# kernel-timed sample, a batch outside the CUDA-graph buckets) and every graph capture paid one, while requests
+# waited. Flash and memory-efficient attention run any length without one.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
     """The attention mode to start from. auto -> "fused" where torch's variable-length flash attention runs (fp16/bf16
     on CUDA, a torch built with it): the few-token layer for batches of at most FUSED_LAYER_TOKENS tokens, the
@@ -280,7 +288,8 @@ class Layer(nn.Module):
     def _attend(self, qkv: Tensor, batch: int, seq: int, attn_mask: Tensor | None) -> Tensor:
         # [batch * seq, 3*hidden] -> 3 x [batch, heads, seq, head_dim] -> context [batch * seq, hidden]
         q, k, v = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        with sdpa_kernel(SDPA_BACKENDS):
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         return ctx.transpose(1, 2).reshape(batch * seq, -1)
 
     def _residual_blocks(self, x: Tensor, ctx: Tensor) -> Tensor:

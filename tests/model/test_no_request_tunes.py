@@ -123,3 +123,20 @@ def test_the_sweep_meets_every_bucket_at_both_token_parities(max_batch_tokens):
     one_row = min(most, e.config.max_seq_length)
     for bucket in range(3, row_bucket(one_row) + 1):  # two unequal rows need 3 tokens
         assert two_rows[bucket] >= parities(bucket, one_row), (bucket, two_rows)
+
+
+@pytest.mark.gpu
+def test_a_batch_of_equal_rows_at_a_new_length_builds_no_cudnn_attention_plan():
+    """Rows of one length (a lone request) take torch's SDPA, where torch prefers cuDNN's attention on Hopper; cuDNN
+    builds an execution plan per new shape, 40+ ms each on the H200, which every eager batch at a new length and
+    every graph capture paid while requests waited. The encoder keeps SDPA on backends without per-shape plans."""
+    config = EncoderConfig.from_name("tiny")
+    e = Embedder(Encoder(config), TextTokenizer(source_dir(), config.max_seq_length), "tiny", torch.device("cuda"),
+                 torch.float16, attention="pad", cuda_graphs=False, max_batch_tokens=128, max_batch=8)
+    e.set_fused(True)
+    e.embed_ids([[101, 2000, 102]], graphs=False)  # one-time initialisation outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        e.embed_ids([[101] + [2000 + i for i in range(27)] + [102]] * 2, graphs=False)  # equal rows: the dense path
+    names = {event.key for event in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in names, "the batch did not reach SDPA: the test would prove nothing"
+    assert not {n for n in names if "cudnn_attention" in n}, sorted(names)
