@@ -37,6 +37,8 @@ class Sass:
     warps: int
     opcodes: collections.Counter  # opcode -> instructions
     vector_loads: int  # 16-byte global loads (LDG.E.128)
+    evict_first_loads: int  # global loads with an L2 evict-first hint (LDG.E.EF)
+    evict_last_loads: int  # and with evict-last (LDG.E.EL)
     registers: int
     stack_bytes: int
 
@@ -97,15 +99,19 @@ def compile_sass(op: str, dtype: str, cols: int, block_m: int, warps: int, arch:
             f.write(kernel.asm["cubin"])
         listing = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
-    opcodes, vector_loads = collections.Counter(), 0
+    opcodes, vector_loads, evict_first, evict_last = collections.Counter(), 0, 0, 0
     for row in listing.splitlines():
         match = _INSTRUCTION.match(row)
         if match:
             opcodes[match.group(1)] += 1
-            vector_loads += match.group(1) == "LDG" and match.group(2).endswith(".128")
+            if match.group(1) == "LDG":
+                modifiers = match.group(2).split(".")
+                vector_loads += modifiers[-1] == "128"
+                evict_first += "EF" in modifiers
+                evict_last += "EL" in modifiers
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    return Sass(op, dtype, cols, block_m, warps, opcodes, vector_loads, registers, stack)
+    return Sass(op, dtype, cols, block_m, warps, opcodes, vector_loads, evict_first, evict_last, registers, stack)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,8 +94,18 @@ def autotune_bench(fn: Callable[[], object], quantiles: tuple[float, ...] | None
     samples = [us / 1e3 for us in replay_us(graph, 1, AUTOTUNE_ROUNDS, flush_l2=True)]
     if not quantiles:
         return statistics.median(samples)
-    percentiles = statistics.quantiles(samples, n=100, method="inclusive")  # the 1st .. 99th; the 50th is the median
-    return [percentiles[min(max(round(q * 100), 1), 99) - 1] for q in quantiles]
+    return [_quantile(sorted(samples), q) for q in quantiles]
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted samples, linearly interpolated between the two nearest (numpy's default and
+    `statistics.quantiles(method="inclusive")`): 0 is the smallest, 1 the largest, 0.5 the median."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"a quantile is in [0, 1], got {q}")
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def eager_us(fn: Callable[[], object], device: torch.device, *, calls: int = 10, rounds: int = 5,

@@ -1,5 +1,6 @@
 """The elementwise kernel behind bias_gelu and bias_residual_gelu: GELU(x + bias [+ residual]) over 2-D
-tiles, so the bias slice is loaded once per tile and no integer modulo is needed for odd widths."""
+tiles of rows x a column block, so a program loads its bias slice once and finds an element's column without the
+per-element integer modulo a flat 1-D kernel needs for odd widths."""
 
 from __future__ import annotations
 
@@ -20,15 +21,16 @@ def column_block(cols: int) -> int:
     return exact if exact >= 64 else min(block_cols(cols), 1024)
 
 
-def pointwise_configs(block_n: int) -> list[tuple[int, int]]:
+def pointwise_configs(block_n: int, element_bytes: int = 4) -> list[tuple[int, int]]:
     """(BLOCK_M, num_warps) candidates, the heuristic first: tiles of 4096 / 2048 / 8192 / 1024 elements, 16 or 32
-    elements per thread, and 4 or 8 (one or two 16-byte fp32 vectors, as inductor's flat fp32 kernels hold: in fp32
-    the GELU is cheap beside the bytes, and more threads keep more loads in flight). One row of 1024 columns per
-    program is the fastest candidate at some fp32 shapes."""
+    elements per thread, and 8, or for 4-byte elements also 4 (one or two 16-byte fp32 vectors, as inductor's flat
+    fp32 kernels hold: in fp32 the GELU is cheap beside the bytes, and more threads keep more loads in flight; four
+    2-byte elements would be half a vector). One row of 1024 columns per program is the fastest candidate at some
+    fp32 shapes."""
     out = []
     for tile in (4096, 2048, 8192, 1024):
         block_m = max(tile // block_n, 1)
-        for per_thread in (16, 32, 8, 4):
+        for per_thread in (16, 32, 8, 4) if element_bytes >= 4 else (16, 32, 8):
             warps = min(max(block_m * block_n // (32 * per_thread), 1), 16)
             if (block_m, warps) not in out:
                 out.append((block_m, warps))
@@ -36,7 +38,7 @@ def pointwise_configs(block_n: int) -> list[tuple[int, int]]:
 
 
 def _prune(configs, named_args, **kwargs):
-    wanted = pointwise_configs(kwargs["BLOCK_N"])
+    wanted = pointwise_configs(kwargs["BLOCK_N"], named_args["X"].element_size())
     return [c for w in wanted for c in configs if (c.kwargs["BLOCK_M"], c.num_warps) == w]
 
 

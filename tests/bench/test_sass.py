@@ -59,6 +59,25 @@ def test_the_compile_gets_a_launchs_alignment_hints(tmp_path):
     assert vector >= 3 and loads >= vector and 0 < registers <= 255 and instructions > 0
 
 
+def test_only_the_gelu_kernel_hints_l2_eviction(tmp_path):
+    """LayerNorm + GELU streams its input evict-first and keeps the weight and bias evict-last; the plain LayerNorm,
+    where the hints did not pay, carries none (kernels/triton/_norm.py)."""
+    code = ("from bench.sass import compile_sass\n"
+            "for op in ('layer_norm_gelu', 'layer_norm'):\n"
+            "    s = compile_sass(op, 'bfloat16', 768, 2, 2)\n"
+            "    print(s.opcodes['LDG'], s.evict_first_loads, s.evict_last_loads)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (gelu_loads, gelu_first, gelu_last), (plain_loads, plain_first, plain_last) = (
+        tuple(map(int, line.split())) for line in result.stdout.splitlines())
+    # 24 elements of x a thread in three 16-byte vectors; the weight and bias of the three column blocks
+    assert gelu_first == 3 and gelu_last == 6 and gelu_loads == gelu_first + gelu_last
+    assert plain_loads == gelu_loads and plain_first == plain_last == 0
+
+
 def test_the_tool_refuses_the_interpreter(tmp_path):
     result = _run(tmp_path=tmp_path, interpret=True)
     assert result.returncode == 2 and "unset TRITON_INTERPRET" in result.stderr

@@ -208,6 +208,25 @@ def test_norm_candidates_include_one_row_programs():
             assert block_m * row <= 16384 and 1 <= warps <= 16
 
 
+def test_pointwise_candidates_hold_whole_vectors_per_thread():
+    """The elementwise GELU autotuner's candidates: 4 elements a thread (one 16-byte fp32 vector) only for 4-byte
+    dtypes; for fp16 and bf16 a thread holds at least 8 (one 16-byte vector), so the half-width candidates are not
+    compiled and timed for nothing. The pruning reads the dtype from the launch's input."""
+    from kernels.triton import _pointwise
+
+    for block_n in (128, 256, 1024):
+        half = _pointwise.pointwise_configs(block_n, 2)
+        single = _pointwise.pointwise_configs(block_n, 4)
+        assert half[0] == single[0] and set(half) < set(single)
+        assert all(block_m * block_n >= 32 * warps * 8 for block_m, warps in half)
+        assert any(block_m * block_n == 32 * warps * 4 for block_m, warps in single)
+    configs = _pointwise._CONFIGS
+    kept = {dtype: _pointwise._prune(configs, {"X": torch.empty(1, dtype=dtype)}, BLOCK_N=256)
+            for dtype in (torch.float16, torch.float32)}
+    assert len(kept[torch.float16]) < len(kept[torch.float32])
+    assert [(c.kwargs["BLOCK_M"], c.num_warps) for c in kept[torch.float16]] == _pointwise.pointwise_configs(256, 2)
+
+
 def test_column_blocks():
     """Rows of 3 x 2^k are held as three exact blocks (no padding lanes), other widths as one padded block; the
     elementwise GELU kernels take the largest power of two dividing the width, else a padded block."""
