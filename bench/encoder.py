@@ -287,16 +287,18 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
         config = EncoderConfig.from_name(preset)
         encoder = Encoder(config)
         rows = token_rows(lengths_for(batch, seq, varlen), config.vocab_size)
-        for mode in ("graphs", "eager"):
-            ours = embedder(encoder, args.device, torch.float16, backend="auto", graphs=mode == "graphs",
+        for backend, mode in [("auto", "graphs"), ("auto", "eager"),
+                              *((b, "graphs") for b in args.backends or () if b != "auto")]:
+            ours = embedder(encoder, args.device, torch.float16, backend=backend, graphs=mode == "graphs",
                             max_tokens=16384, max_batch=256)
             with torch.inference_mode():
                 result = breakdown(lambda e=ours: e.launch_ids(rows).wait())
-            out.append({"provider": "ours", "case": name, "mode": mode, "backend": "auto",
+            out.append({"provider": "ours", "case": name, "mode": mode, "backend": backend,
                         "attention": ours.attention, "kernels": dict(ours.selection.used),
                         "ms": result["wall_us"] / 1e3, **result})
-            print(f"{name} {mode}: {result['wall_us']:.0f} us/forward, {result['kernels_per_forward']:.0f} kernels, "
-                  f"GPU idle {result['gpu_idle_us']:.0f} us: {result['kernel_us']}", file=sys.stderr, flush=True)
+            print(f"{name} {backend} {mode}: {result['wall_us']:.0f} us/forward, "
+                  f"{result['kernels_per_forward']:.0f} kernels, GPU idle {result['gpu_idle_us']:.0f} us: "
+                  f"{result['kernel_us']}; top {result['top_kernels_us']}", file=sys.stderr, flush=True)
             save(out, False)
             ours = None
             _release()
@@ -311,7 +313,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="(torch.compile + CUDA graphs runs on a GPU only)")
     parser.add_argument("--backends", nargs="+", choices=("auto", "triton", "cuda", "torch"),
                         help="ours: one row per backend, CUDA graphs; the first also eager (default on a GPU: auto "
-                             "triton cuda; on the CPU: auto, eager)")
+                             "triton cuda; on the CPU: auto, eager). profile: auto (graphs and eager) and each other "
+                             "backend named here (graphs)")
     parser.add_argument("--profile-cases", nargs="+", choices=list(CASES), default=list(PROFILE_CASES))
     parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/encoder.json)")
 
