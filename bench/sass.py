@@ -50,7 +50,8 @@ class Sass:
         common = ", ".join(f"{name} {n}" for name, n in self.opcodes.most_common(top))
         return (f"{self.op} {self.dtype} {self.cols} cols, BLOCK_M {self.block_m}, {self.warps} warps: "
                 f"{self.instructions} instructions per thread, {self.registers} registers, {self.stack_bytes} B stack; "
-                f"{common}")
+                f"{common}; global loads: {self.vector_loads} of 16 bytes, {self.evict_first_loads} evict-first, "
+                f"{self.evict_last_loads} evict-last")
 
 
 def _case(op: str, dtype: str, cols: int, block_m: int):

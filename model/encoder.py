@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -187,10 +188,14 @@ def _varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 # SDPA's backends for the padded and equal-length batches: not cuDNN's attention, which torch prefers on Hopper and
-# which builds an execution plan for every new shape (40+ ms each on the H200): every eager batch at a new length (a
-# kernel-timed sample, a batch outside the CUDA-graph buckets) and every graph capture paid one, while requests
-# waited. Flash and memory-efficient attention run any length without one.
+# which builds an execution plan for every new shape: every eager batch at a new length (a kernel-timed sample, a
+# batch outside the CUDA-graph buckets) and every graph capture paid one, tens of milliseconds, while requests waited
+# (docs/decisions/0014-sdpa-without-cudnn-attention.md). Flash and memory-efficient attention run any length without
+# one. torch keeps the enabled backends in process-wide flags, which `sdpa_kernel` sets on entry and restores on exit:
+# the lock keeps one thread's exit (a second model's batcher, the verifier's reference copy) from restoring cuDNN
+# while another thread is between its entry and its SDPA call.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_SDPA_FLAGS = threading.Lock()
 
 
 def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -288,7 +293,7 @@ class Layer(nn.Module):
     def _attend(self, qkv: Tensor, batch: int, seq: int, attn_mask: Tensor | None) -> Tensor:
         # [batch * seq, 3*hidden] -> 3 x [batch, heads, seq, head_dim] -> context [batch * seq, hidden]
         q, k, v = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        with sdpa_kernel(SDPA_BACKENDS):
+        with _SDPA_FLAGS, sdpa_kernel(SDPA_BACKENDS):
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         return ctx.transpose(1, 2).reshape(batch * seq, -1)
 

@@ -22,7 +22,7 @@ TAGGED_NAME = re.compile(r"(?:^|/)[^/]*-s\d{1,2}(?:[-.][^/]*)?$")
 CODE = {".py", ".sh", ".cu", ".cuh", ".cpp", ".h", ".yaml", ".yml", ".toml"}
 # a measured figure (a time or a bandwidth) on a line of code, a comment or a docstring, beside a GPU's name or a
 # result file: what goes stale when the kernels change
-_FIGURE = r"\d+(?:\.\d+)? ?(?:us|ms|TB/s|GB/s)\b"
+_FIGURE = r"\d+(?:\.\d+)?\+? ?(?:us|ms|TB/s|GB/s)\b"  # "40 ms", "40+ ms", "3.4 TB/s"
 _SOURCE = r"(?:\bH[12]00\b|bench/results/\S+\.json)"
 MEASURED_IN_COMMENT = re.compile(rf"{_FIGURE}.*{_SOURCE}|{_SOURCE}.*{_FIGURE}")
 

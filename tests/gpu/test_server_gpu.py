@@ -108,6 +108,7 @@ def test_gpu_server_overlapped_batches_answer_their_own_requests(tmp_path):
     assert len(every) > 4 and info["batching"]["overlapped"] > 0, info["batching"]  # batches were launched ahead
     assert info["cuda_graphs"]["replays"] > 0, info["cuda_graphs"]
     for texts, got in [*zip(requests * 3, answers), (every, together)]:
+        assert len(got) == len(texts)
         for text, vector in zip(texts, got):
             own = sum(x * y for x, y in zip(vector, alone[text]))
             nearest_other = max(sum(x * y for x, y in zip(vector, alone[t])) for t in alone if t != text)

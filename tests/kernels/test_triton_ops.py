@@ -209,8 +209,8 @@ def test_norm_candidates_include_one_row_programs():
 
 
 def test_pointwise_candidates_hold_whole_vectors_per_thread():
-    """The elementwise GELU autotuner's candidates: 4 elements a thread (one 16-byte fp32 vector) only for 4-byte
-    dtypes; for fp16 and bf16 a thread holds at least 8 (one 16-byte vector), so the half-width candidates are not
+    """The elementwise GELU autotuner's candidates: 4 elements a thread (one 16-byte fp32 vector) only for fp32 and
+    fp64; for fp16 and bf16 a thread holds at least 8 (one 16-byte vector), so the half-width candidates are not
     compiled and timed for nothing. The pruning reads the dtype from the launch's input."""
     from kernels.triton import _pointwise
 

@@ -65,6 +65,31 @@ def test_dense_batches_skip_mask_and_scatter(encoder, monkeypatch):
 
 
 @torch.no_grad()
+def test_sdpa_runs_off_cudnn_under_the_flags_lock(encoder, monkeypatch):
+    """Every SDPA call of the encoder (the padded path and the dense packed one) runs with cuDNN's attention off and
+    the module's lock held: torch's backend flags are process-wide, and another thread leaving its own pinned block
+    must not switch cuDNN back on under this one (decision 0014). The flags are restored afterwards."""
+    import model.encoder as encoder_module
+
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((encoder_module._SDPA_FLAGS.locked(), torch.backends.cuda.cudnn_sdp_enabled(),
+                     torch.backends.cuda.flash_sdp_enabled()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    _padded(encoder, _rows([9, 4]))  # masked padded batch
+    encoder.forward_packed(Packed.from_rows(_rows([6] * 3), "cpu"))  # dense packed batch
+    assert len(seen) == 2 * len(encoder.layers), seen
+    assert all(locked and not cudnn and flash for locked, cudnn, flash in seen), seen
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+    assert not encoder_module._SDPA_FLAGS.locked()
+
+
+@torch.no_grad()
 def test_bucketed_packing_with_filler_tokens_and_sequences(encoder):
     rows = _rows([7, 40, 3, 33, 2])
     padded = _padded(encoder, rows)
