@@ -293,8 +293,12 @@ class Layer(nn.Module):
     def _attend(self, qkv: Tensor, batch: int, seq: int, attn_mask: Tensor | None) -> Tensor:
         # [batch * seq, 3*hidden] -> 3 x [batch, heads, seq, head_dim] -> context [batch * seq, hidden]
         q, k, v = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        with _SDPA_FLAGS, sdpa_kernel(SDPA_BACKENDS):
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        if torch.compiler.is_compiling():  # traced: the backend is chosen at compile time, and Dynamo has no locks
+            with sdpa_kernel(SDPA_BACKENDS):
+                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        else:
+            with _SDPA_FLAGS, sdpa_kernel(SDPA_BACKENDS):
+                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         return ctx.transpose(1, 2).reshape(batch * seq, -1)
 
     def _residual_blocks(self, x: Tensor, ctx: Tensor) -> Tensor:
