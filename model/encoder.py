@@ -12,6 +12,7 @@ QKV projection and the attention of each sequence as one fused op ("fused", kern
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import itertools
@@ -293,12 +294,10 @@ class Layer(nn.Module):
     def _attend(self, qkv: Tensor, batch: int, seq: int, attn_mask: Tensor | None) -> Tensor:
         # [batch * seq, 3*hidden] -> 3 x [batch, heads, seq, head_dim] -> context [batch * seq, hidden]
         q, k, v = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if torch.compiler.is_compiling():  # traced: the backend is chosen at compile time, and Dynamo has no locks
-            with sdpa_kernel(SDPA_BACKENDS):
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        else:
-            with _SDPA_FLAGS, sdpa_kernel(SDPA_BACKENDS):
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        # traced by torch.compile the backend is chosen at compile time, and Dynamo cannot enter a lock
+        lock = contextlib.nullcontext() if torch.compiler.is_compiling() else _SDPA_FLAGS
+        with lock, sdpa_kernel(SDPA_BACKENDS):
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         return ctx.transpose(1, 2).reshape(batch * seq, -1)
 
     def _residual_blocks(self, x: Tensor, ctx: Tensor) -> Tensor:

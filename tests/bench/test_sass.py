@@ -14,13 +14,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args: str, tmp_path: Path, interpret: bool = False) -> subprocess.CompletedProcess:
+def _python(*args: str, tmp_path: Path, interpret: bool = False) -> subprocess.CompletedProcess:
+    """A fresh Python on this checkout (its own Triton cache; TRITON_INTERPRET only when asked)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    return subprocess.run([sys.executable, "-m", "bench.sass", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _run(*args: str, tmp_path: Path, interpret: bool = False) -> subprocess.CompletedProcess:
+    return _python("-m", "bench.sass", *args, tmp_path=tmp_path, interpret=interpret)
+
+
+def _compiled(code: str, tmp_path: Path) -> str:
+    """stdout of `code` run with bench.sass.compile_sass imported; fails the test on an error."""
+    result = _python("-c", "from bench.sass import compile_sass\n" + code, tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
 
 
 def _count(line: str, what: str) -> int:
@@ -45,15 +56,9 @@ def test_each_op_gets_a_line_with_its_instructions_registers_and_no_spills(dtype
 
 def test_the_compile_gets_a_launchs_alignment_hints(tmp_path):
     """Without them every load is a scalar 2-byte one and the count describes no kernel that runs."""
-    code = ("from bench.sass import compile_sass\n"
-            "s = compile_sass('layer_norm', 'bfloat16', 768, 2, 2)\n"
-            "print(s.vector_loads, s.opcodes['LDG'], s.registers, s.instructions)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    vector, loads, registers, instructions = map(int, result.stdout.split())
+    out = _compiled("s = compile_sass('layer_norm', 'bfloat16', 768, 2, 2)\n"
+                    "print(s.vector_loads, s.opcodes['LDG'], s.registers, s.instructions)\n", tmp_path)
+    vector, loads, registers, instructions = map(int, out.split())
     # 2 rows x 768 bf16 on 64 threads: 24 elements of x a thread, three 16-byte vectors of 8, plus the weight and
     # bias of the three column blocks
     assert vector >= 3 and loads >= vector and 0 < registers <= 255 and instructions > 0
@@ -62,17 +67,11 @@ def test_the_compile_gets_a_launchs_alignment_hints(tmp_path):
 def test_only_the_gelu_kernel_hints_l2_eviction(tmp_path):
     """LayerNorm + GELU streams its input evict-first and keeps the weight and bias evict-last; the plain LayerNorm,
     where the hints did not pay, carries none (kernels/triton/_norm.py)."""
-    code = ("from bench.sass import compile_sass\n"
-            "for op in ('layer_norm_gelu', 'layer_norm'):\n"
-            "    s = compile_sass(op, 'bfloat16', 768, 2, 2)\n"
-            "    print(s.opcodes['LDG'], s.evict_first_loads, s.evict_last_loads)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = _compiled("for op in ('layer_norm_gelu', 'layer_norm'):\n"
+                    "    s = compile_sass(op, 'bfloat16', 768, 2, 2)\n"
+                    "    print(s.opcodes['LDG'], s.evict_first_loads, s.evict_last_loads)\n", tmp_path)
     (gelu_loads, gelu_first, gelu_last), (plain_loads, plain_first, plain_last) = (
-        tuple(map(int, line.split())) for line in result.stdout.splitlines())
+        tuple(map(int, line.split())) for line in out.splitlines())
     # 24 elements of x a thread in three 16-byte vectors; the weight and bias of the three column blocks
     assert gelu_first == 3 and gelu_last == 6 and gelu_loads == gelu_first + gelu_last
     assert plain_loads == gelu_loads and plain_first == plain_last == 0
