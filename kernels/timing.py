@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy
 import torch
 
 REDUCERS: dict[str, Callable[[list[float]], float]] = {"min": min, "median": statistics.median}
@@ -94,18 +95,8 @@ def autotune_bench(fn: Callable[[], object], quantiles: tuple[float, ...] | None
     samples = [us / 1e3 for us in replay_us(graph, 1, AUTOTUNE_ROUNDS, flush_l2=True)]
     if not quantiles:
         return statistics.median(samples)
-    return [_quantile(sorted(samples), q) for q in quantiles]
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    """The q-quantile of sorted samples, linearly interpolated between the two nearest (numpy's default and
-    `statistics.quantiles(method="inclusive")`): 0 is the smallest, 1 the largest, 0.5 the median."""
-    if not 0 <= q <= 1:
-        raise ValueError(f"a quantile is in [0, 1], got {q}")
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    # interpolated linearly between the two nearest samples: 0 is the smallest, 1 the largest
+    return [float(q) for q in numpy.quantile(samples, quantiles)]
 
 
 def eager_us(fn: Callable[[], object], device: torch.device, *, calls: int = 10, rounds: int = 5,

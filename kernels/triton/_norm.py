@@ -11,9 +11,9 @@ padding column, and the loads need no column mask; any other width as one block 
 (masked). Padding 768 to 1024 cost a quarter of the issue slots and registers, and the GELU kernels are
 issue-bound.
 
-With a GELU the loads carry L2 eviction hints: the activations, read once, evict-first; the LayerNorm's weight and
-bias, which every program reads, evict-last. That made LayerNorm + GELU faster on the H200; for the plain and add
-LayerNorm it was a wash either way, and they keep the default (docs/kernels.md has the comparison).
+LayerNorm + GELU in a half type hints L2 eviction: the activations, read once, evict-first; the LayerNorm's weight
+and bias, which every program reads, evict-last. That made it faster on the H200; for the plain and add LayerNorm
+it was a wash, and for fp32 slower, so they keep the default (docs/decisions/0013-l2-eviction-hints.md).
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ def column_chunks(cols: int) -> tuple[int, int]:
     if cols % 3 == 0 and third >= 16 and third & (third - 1) == 0:
         return 3, third
     return 1, triton.next_power_of_2(cols)
+
+
+def l2_policies(gelu_mode: int, dtype: torch.dtype) -> dict[str, str]:
+    """The kernel's READ_ONCE / READ_SHARED eviction policies: hinted for LayerNorm + GELU in a half type only."""
+    if gelu_mode and dtype in (torch.float16, torch.bfloat16):
+        return {"READ_ONCE": "evict_first", "READ_SHARED": "evict_last"}
+    return {"READ_ONCE": "", "READ_SHARED": ""}
 
 
 def norm_configs(row: int, chunk: int) -> list[tuple[int, int]]:
@@ -68,33 +75,33 @@ _CONFIGS = [
 
 @triton.jit
 def _sum_block(X, x_rows, stride_p, R, r_rows, T, t_rows, BIAS, cols, col_ok, mask, PARTS: tl.constexpr,
-               SOURCES: tl.constexpr, HAS_BIAS: tl.constexpr, F64: tl.constexpr, STREAM: tl.constexpr):
+               SOURCES: tl.constexpr, HAS_BIAS: tl.constexpr, F64: tl.constexpr, ONCE: tl.constexpr,
+               SHARED: tl.constexpr):
     """One column block of the rows' pre-norm sums, [BLOCK_M, CHUNK] in fp32 (fp64 for fp64), 0 outside `mask`.
     The loads are unrolled: independent, so in flight together (a runtime loop over a split GEMM's partial sums
     waits out one memory latency per part, which dominates a few-token batch's LayerNorm)."""
     h = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0,
-                eviction_policy="evict_first" if STREAM else "")
+                eviction_policy=ONCE)
     h = h.to(tl.float64) if F64 else h.to(tl.float32)
     for part in tl.static_range(1, PARTS):  # the other partial products of a split GEMM, in a fixed order
         h += tl.load(X + part * stride_p + x_rows[:, None] + cols[None, :], mask=mask, other=0.0,
-                     eviction_policy="evict_first" if STREAM else "").to(h.dtype)
+                     eviction_policy=ONCE).to(h.dtype)
     if SOURCES > 1:
         h += tl.load(R + r_rows[:, None] + cols[None, :], mask=mask, other=0.0,
-                     eviction_policy="evict_first" if STREAM else "").to(h.dtype)
+                     eviction_policy=ONCE).to(h.dtype)
     if SOURCES > 2:
         h += tl.load(T + t_rows[:, None] + cols[None, :], mask=mask, other=0.0,
-                     eviction_policy="evict_first" if STREAM else "").to(h.dtype)
+                     eviction_policy=ONCE).to(h.dtype)
     if HAS_BIAS:
-        h += tl.load(BIAS + cols, mask=col_ok, other=0.0, eviction_policy="evict_last" if STREAM else "").to(
-            h.dtype)[None, :]
+        h += tl.load(BIAS + cols, mask=col_ok, other=0.0, eviction_policy=SHARED).to(h.dtype)[None, :]
     return h
 
 
 @triton.jit
-def _store_block(c, rstd, W, B, Y, y_rows, cols, col_ok, mask, GELU: tl.constexpr, STREAM: tl.constexpr):
+def _store_block(c, rstd, W, B, Y, y_rows, cols, col_ok, mask, GELU: tl.constexpr, SHARED: tl.constexpr):
     """y = (h - mean) * rstd * w + b [-> GELU] for one column block, `c` = h - mean."""
-    w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last" if STREAM else "").to(c.dtype)
-    b = tl.load(B + cols, mask=col_ok, other=0.0, eviction_policy="evict_last" if STREAM else "").to(c.dtype)
+    w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy=SHARED).to(c.dtype)
+    b = tl.load(B + cols, mask=col_ok, other=0.0, eviction_policy=SHARED).to(c.dtype)
     y = gelu(c * rstd[:, None] * w[None, :] + b[None, :], GELU, Y.dtype.element_ty.primitive_bitwidth == 16)
     tl.store(Y + y_rows[:, None] + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -127,6 +134,8 @@ def _norm_kernel(
     NCHUNK: tl.constexpr,  # 1 or 3 column blocks (column_chunks)
     CHUNK: tl.constexpr,
     EVEN_COLS: tl.constexpr,  # NCHUNK * CHUNK == N: no column is padding
+    READ_ONCE: tl.constexpr,  # L2 eviction policy of the activations' loads ("": the default; l2_policies)
+    READ_SHARED: tl.constexpr,  # ... and of the weight and bias loads, which every program makes
     BLOCK_M: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_common.pdl_args)
 ):
@@ -157,7 +166,7 @@ def _norm_kernel(
     # mean = sum(h) / N; var = sum((h - mean)^2) / N (the centered pass over registers: no E[h^2] - mean^2
     # cancellation, no re-read); y = (h - mean) / sqrt(var + eps) * w + b
     h0 = _sum_block(X, x_rows, stride_p, R, r_rows, T, t_rows, BIAS, cols, cols < N, mask, PARTS, SOURCES, HAS_BIAS,
-                    F64, GELU != 0)
+                    F64, READ_ONCE, READ_SHARED)
     if STORE_SUM:
         tl.store(S + s_rows[:, None] + cols[None, :], h0.to(S.dtype.element_ty), mask=mask)
     if NCHUNK == 1:
@@ -165,9 +174,9 @@ def _norm_kernel(
     else:
         # NCHUNK 3 only for exact widths: every column of these blocks is real
         h1 = _sum_block(X + CHUNK, x_rows, stride_p, R + CHUNK, r_rows, T + CHUNK, t_rows, BIAS + CHUNK, cols,
-                        cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64, GELU != 0)
+                        cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64, READ_ONCE, READ_SHARED)
         h2 = _sum_block(X + 2 * CHUNK, x_rows, stride_p, R + 2 * CHUNK, r_rows, T + 2 * CHUNK, t_rows,
-                        BIAS + 2 * CHUNK, cols, cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64, GELU != 0)
+                        BIAS + 2 * CHUNK, cols, cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64, READ_ONCE, READ_SHARED)
         if STORE_SUM:
             tl.store(S + CHUNK + s_rows[:, None] + cols[None, :], h1.to(S.dtype.element_ty), mask=mask)
             tl.store(S + 2 * CHUNK + s_rows[:, None] + cols[None, :], h2.to(S.dtype.element_ty), mask=mask)
@@ -187,10 +196,12 @@ def _norm_kernel(
         rstd = 1.0 / tl.sqrt(sq / N + eps)
     else:
         rstd = tl.math.rsqrt(sq / N + eps)
-    _store_block(c0, rstd, W, B, Y, y_rows, cols, cols < N, mask, GELU, GELU != 0)
+    _store_block(c0, rstd, W, B, Y, y_rows, cols, cols < N, mask, GELU, READ_SHARED)
     if NCHUNK > 1:
-        _store_block(c1, rstd, W + CHUNK, B + CHUNK, Y + CHUNK, y_rows, cols, cols < CHUNK, mask, GELU, GELU != 0)
-        _store_block(c2, rstd, W + 2 * CHUNK, B + 2 * CHUNK, Y + 2 * CHUNK, y_rows, cols, cols < CHUNK, mask, GELU, GELU != 0)
+        _store_block(c1, rstd, W + CHUNK, B + CHUNK, Y + CHUNK, y_rows, cols, cols < CHUNK, mask, GELU,
+                     READ_SHARED)
+        _store_block(c2, rstd, W + 2 * CHUNK, B + 2 * CHUNK, Y + 2 * CHUNK, y_rows, cols, cols < CHUNK, mask, GELU,
+                     READ_SHARED)
 
 
 def launch_norm(x: Tensor, residual: Tensor | None, bias: Tensor | None, weight: Tensor, ln_bias: Tensor,
@@ -225,5 +236,6 @@ def launch_norm(x: Tensor, residual: Tensor | None, bias: Tensor | None, weight:
         GELU=gelu_mode, F64=x.dtype == torch.float64,
         WIDE=needs_wide(y, pre_norm_sum) or (gather is None and needs_wide(x, residual))
         or (parts is not None and parts.numel() >= 2**31),
-        NCHUNK=nchunk, CHUNK=chunk, EVEN_COLS=nchunk * chunk == cols, **pdl_args(y),
+        NCHUNK=nchunk, CHUNK=chunk, EVEN_COLS=nchunk * chunk == cols, **l2_policies(gelu_mode, y.dtype),
+        **pdl_args(y),
     )

@@ -59,10 +59,15 @@ _NORM_TYPES = {"X": "*fp16", "R": "*fp16", "T": "*fp16", "IDX_X": "*i64", "IDX_R
 def _norm_case(ptr: str = "*fp16", **constexprs) -> tuple[dict, dict]:
     """Argument types and constexprs of the LayerNorm-family kernel: a plain fp16 layer_norm of 768 columns
     (three exact blocks) unless `constexprs` says otherwise; `ptr` is the activations' type."""
+    import torch
+
+    from kernels.triton._norm import l2_policies
+
     types = {name: ptr if t == "*fp16" else t for name, t in _NORM_TYPES.items()}
+    dtype = {"*fp16": torch.float16, "*bf16": torch.bfloat16}.get(ptr, torch.float32)
     base = {"PARTS": 1, "SOURCES": 1, "GATHER": False, "HAS_BIAS": False, "STORE_SUM": False, "GELU": 0,
             "F64": False, "WIDE": False, "NCHUNK": 3, "CHUNK": 256, "EVEN_COLS": True, "BLOCK_M": 2,
-            "USE_PDL": False}
+            "USE_PDL": False, **l2_policies(constexprs.get("GELU", 0), dtype)}
     return types, {**base, **constexprs}
 
 

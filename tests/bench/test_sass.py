@@ -64,17 +64,19 @@ def test_the_compile_gets_a_launchs_alignment_hints(tmp_path):
     assert vector >= 3 and loads >= vector and 0 < registers <= 255 and instructions > 0
 
 
-def test_only_the_gelu_kernel_hints_l2_eviction(tmp_path):
-    """LayerNorm + GELU streams its input evict-first and keeps the weight and bias evict-last; the plain LayerNorm,
-    where the hints did not pay, carries none (kernels/triton/_norm.py)."""
-    out = _compiled("for op in ('layer_norm_gelu', 'layer_norm'):\n"
-                    "    s = compile_sass(op, 'bfloat16', 768, 2, 2)\n"
+def test_only_the_half_gelu_kernel_hints_l2_eviction(tmp_path):
+    """bf16 LayerNorm + GELU streams its input evict-first and keeps the weight and bias evict-last; the plain
+    LayerNorm and the fp32 LayerNorm + GELU, where the hints did not pay, carry none (decision 0013)."""
+    out = _compiled("for op, dtype in (('layer_norm_gelu', 'bfloat16'), ('layer_norm', 'bfloat16'),\n"
+                    "                  ('layer_norm_gelu', 'float32')):\n"
+                    "    s = compile_sass(op, dtype, 768, 2, 2)\n"
                     "    print(s.opcodes['LDG'], s.evict_first_loads, s.evict_last_loads)\n", tmp_path)
-    (gelu_loads, gelu_first, gelu_last), (plain_loads, plain_first, plain_last) = (
+    (gelu_loads, gelu_first, gelu_last), (plain_loads, plain_first, plain_last), (f32_loads, f32_first, f32_last) = (
         tuple(map(int, line.split())) for line in out.splitlines())
     # 24 elements of x a thread in three 16-byte vectors; the weight and bias of the three column blocks
     assert gelu_first == 3 and gelu_last == 6 and gelu_loads == gelu_first + gelu_last
     assert plain_loads == gelu_loads and plain_first == plain_last == 0
+    assert f32_loads > 0 and f32_first == f32_last == 0
 
 
 def test_the_tool_refuses_the_interpreter(tmp_path):
