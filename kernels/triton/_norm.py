@@ -13,7 +13,8 @@ issue-bound.
 
 LayerNorm + GELU in a half type hints L2 eviction: the activations, read once, evict-first; the LayerNorm's weight
 and bias, which every program reads, evict-last. That made it faster on the H200; for the plain and add LayerNorm
-it was a wash, and for fp32 slower, so they keep the default (docs/decisions/0013-l2-eviction-hints.md).
+it was a wash, and for fp32 slower, so they keep the default
+(docs/decisions/0013-eviction-hints-for-layer-norm-gelu.md).
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ def _norm_kernel(
         h1 = _sum_block(X + CHUNK, x_rows, stride_p, R + CHUNK, r_rows, T + CHUNK, t_rows, BIAS + CHUNK, cols,
                         cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64, READ_ONCE, READ_SHARED)
         h2 = _sum_block(X + 2 * CHUNK, x_rows, stride_p, R + 2 * CHUNK, r_rows, T + 2 * CHUNK, t_rows,
-                        BIAS + 2 * CHUNK, cols, cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64, READ_ONCE, READ_SHARED)
+                        BIAS + 2 * CHUNK, cols, cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64, READ_ONCE,
+                        READ_SHARED)
         if STORE_SUM:
             tl.store(S + CHUNK + s_rows[:, None] + cols[None, :], h1.to(S.dtype.element_ty), mask=mask)
             tl.store(S + 2 * CHUNK + s_rows[:, None] + cols[None, :], h2.to(S.dtype.element_ty), mask=mask)
