@@ -50,3 +50,19 @@ def test_rows_and_floor():
     assert suite.gemm_flops(config, [2, 3]) == layers * (2 * 5 * (4 * h * h + 2 * h * inner) + 4 * (4 + 9) * h)
     assert suite.category("nvjet_hsh_64x8_gemm") == "gemm" and suite.category("flash_fwd_kernel") == "attention"
     assert suite.category("_add_layer_norm_kernel") == "norm"
+
+
+def test_interleaved_timing_alternates_the_order_every_round():
+    """Each round times every callable, in an order reversed every round (drift in the process falls on all alike),
+    and each gets a positive median."""
+    import itertools
+
+    log: list[str] = []
+    fns = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}
+    times = suite.interleaved_ms(fns, "cpu")
+    assert set(times) == {"a", "b", "c"} and all(t > 0 for t in times.values())
+    runs = [name for name, _ in itertools.groupby(log)]
+    calibration, rounds = runs[:3], runs[3:]
+    assert calibration == ["a", "b", "c"]
+    # five rounds on the CPU: a b c | c b a | a b c ... (adjacent equal names merge across a round's boundary)
+    assert rounds == ["a", "b", "c", "b", "a", "b", "c", "b", "a", "b", "c"]
