@@ -120,7 +120,9 @@ def test_real_prometheus_scrapes_the_server(busy_server, tmp_path):
         value = None
         while time.monotonic() < deadline:
             try:
-                r = httpx.get(api, params={"query": 'sum(fusedserve_requests_total{route="/infer"})'}, timeout=2).json()
+                # a starting Prometheus answers its API with a plain-text 503 until /-/ready does
+                response = httpx.get(api, params={"query": 'sum(fusedserve_requests_total{route="/infer"})'}, timeout=2)
+                r = response.raise_for_status().json()
                 if r["data"]["result"]:
                     value = float(r["data"]["result"][0]["value"][1])
                     break
