@@ -96,12 +96,20 @@ def gemm_tflops(device: str) -> float | None:
     return 2 * 8192**3 / us / 1e6
 
 
+def _calls_per_round(fn: Callable[[], object], dev: torch.device) -> int:
+    """Back-to-back calls making about 20 ms, at least 3."""
+    one_ms = timing.eager_us(fn, dev, calls=1, rounds=3, warmup=3) / 1e3
+    return max(3, min(200, int(20 / max(one_ms, 1e-3))))
+
+
+def _rounds(device: str) -> int:
+    return 15 if device.startswith("cuda") else 5
+
+
 def forward_ms(fn: Callable[[], object], device: str) -> float:
     """Median time per call over rounds of back-to-back calls (about 20 ms of calls a round, at least 3 calls)."""
     dev = torch.device(device)
-    one_ms = timing.eager_us(fn, dev, calls=1, rounds=3, warmup=3) / 1e3
-    calls = max(3, min(200, int(20 / max(one_ms, 1e-3))))
-    return timing.eager_us(fn, dev, calls=calls, rounds=15 if device.startswith("cuda") else 5, warmup=1) / 1e3
+    return timing.eager_us(fn, dev, calls=_calls_per_round(fn, dev), rounds=_rounds(device), warmup=1) / 1e3
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], device: str) -> dict[str, float]:
@@ -110,13 +118,10 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], device: str) -> dict[st
     host-bound, and timed one after another in one process the same graphs differed by up to a third between
     positions; side by side, a drift in the process falls on all of them alike."""
     dev = torch.device(device)
-    calls = {}
-    for name, fn in fns.items():
-        one_ms = timing.eager_us(fn, dev, calls=1, rounds=3, warmup=3) / 1e3
-        calls[name] = max(3, min(200, int(20 / max(one_ms, 1e-3))))
+    calls = {name: _calls_per_round(fn, dev) for name, fn in fns.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
     order = list(fns)
-    for r in range(15 if device.startswith("cuda") else 5):
+    for r in range(_rounds(device)):
         for name in order if r % 2 == 0 else reversed(order):
             samples[name].append(timing.eager_us(fns[name], dev, calls=calls[name], rounds=1, warmup=1) / 1e3)
     return {name: statistics.median(values) for name, values in samples.items()}
