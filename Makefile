@@ -17,7 +17,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 
 run: $(VENV)/.installed
-	$(PY) -m server --host $(HOST) --port $(PORT)
+	$(VENV)/bin/fusedserve serve --host $(HOST) --port $(PORT)
 
 # the suite on TEST_WORKERS processes, each computing on its share of the cores (tests/conftest.py; every test starts
 # its own servers on free ports), and the slowest tests listed at the end. Without a GPU the tests marked gpu are

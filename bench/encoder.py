@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 
 from bench import results as store
-from kernels import timing
+from fusedserve.kernels import timing
 
 # name: (preset, batch, longest sequence, varlen, head: "embedding" (mean pooling) or "classifier" (one label))
 CASES = {
@@ -146,7 +146,7 @@ def hf_model(config, device: str, dtype: torch.dtype, head: str = "embedding"):
 
 def random_classifier(config):
     """A one-label classification head of the architecture's shape, random weights (a cross-encoder's)."""
-    from model.modules import HEAD_LAYERS, Classifier
+    from fusedserve.model.modules import HEAD_LAYERS, Classifier
 
     gen, h = torch.Generator().manual_seed(5), config.hidden_size
     names = HEAD_LAYERS[config.architecture]
@@ -159,7 +159,7 @@ def embedder(encoder, device: str, dtype: torch.dtype, *, backend: str, graphs: 
              max_batch: int, classifier=None):
     """Our serving path for `encoder` (model.runner.Embedder, its kernel selection made for this backend): token ids
     in, so no tokenizer (a preset takes its tokenizer from the packaged model, which a GPU machine may lack)."""
-    from model.runner import Embedder
+    from fusedserve.model.runner import Embedder
 
     e = Embedder(encoder, None, "bench", torch.device(device), dtype, classifier=classifier, backend=backend,
                  cuda_graphs=graphs, max_batch_tokens=max_tokens, max_batch=max_batch)
@@ -175,8 +175,8 @@ def _release() -> None:
 
 def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Callable[[list[dict], bool], None]
              ) -> list[dict]:
-    from model.config import EncoderConfig
-    from model.encoder import Encoder
+    from fusedserve.model.config import EncoderConfig
+    from fusedserve.model.encoder import Encoder
 
     preset, batch, seq, varlen, head = CASES[name]
     config = EncoderConfig.from_name(preset)
@@ -320,8 +320,8 @@ def breakdown(fn: Callable[[], object], iters: int = 20) -> dict:
 
 
 def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], None]) -> None:
-    from model.config import EncoderConfig
-    from model.encoder import Encoder
+    from fusedserve.model.config import EncoderConfig
+    from fusedserve.model.encoder import Encoder
 
     if not args.device.startswith("cuda"):
         raise SystemExit("encoder profile: needs a GPU (it reads the kernels' device time from torch.profiler)")

@@ -9,7 +9,7 @@
 #   serve     python -m bench serve closed-loop single, then workers under CUDA MPS -> bench/results/<gpu>/serve.json
 #   startup   python -m bench serve startup (cold and warm time to ready, first requests) -> serve.json
 #   retune    the shipped tuning re-exported for this checkout's kernel sources (a start that tunes everything, then
-#             python -m kernels.tuning export), then the startup suite with it -> kernels/tuning/<gpu>.json, serve.json
+#             python -m fusedserve.kernels.tuning export), then the startup suite with it -> kernels/tuning/<gpu>.json, serve.json
 #   peer      python -m bench serve peer (Infinity beside our server; carry .whl-infinity too) -> serve.json
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
 #   nsight    Nsight Compute on one launch per fused row-wise op and provider (python -m bench.nsight)
@@ -42,7 +42,7 @@ print("server packages: all present" if not missing else
 PY
 
 build() {  # the CUDA extension, into the cache every process here shares
-  python3 -m kernels.cuda.build 2>&1 | tail -1
+  python3 -m fusedserve.kernels.cuda.build 2>&1 | tail -1
 }
 results() {  # the suite's results file, as the harness updated it, into $OUT
   local path
@@ -61,7 +61,7 @@ pytest_summary() {  # log: the pass/fail line and the failures
 case "$suite" in
   tests)
     rm -rf "$FUSEDSERVE_CUDA_CACHE"
-    python3 -m kernels.cuda.build 2>&1 | tail -3
+    python3 -m fusedserve.kernels.cuda.build 2>&1 | tail -3
     # the heuristic Triton configs throughout: autotuning every new shape in every test process costs minutes on a
     # cold machine; the autotuned path is the one the encoder and serve suites run. The kernel sweeps run
     # beside the model and server tests; at the limit pytest gets SIGINT and still prints what failed so far
@@ -160,7 +160,7 @@ case "$suite" in
     # everything into its own cache directory, which the export reads (the start-up report in $OUT/untuned)
     mkdir -p "$OUT/untuned"
     startup_suite "$OUT/untuned" 300
-    FUSEDSERVE_CACHE_DIR=$(ls -td /tmp/fusedserve-cache-* | head -1) python3 -m kernels.tuning export || exit
+    FUSEDSERVE_CACHE_DIR=$(ls -td /tmp/fusedserve-cache-* | head -1) python3 -m fusedserve.kernels.tuning export || exit
     path=$(python3 -c "from kernels import cache; print(cache.SHIPPED / f'{cache.gpu_slug()}.json')")
     cp "$path" "$OUT/" && echo "shipped tuning: $path (copied to \$OUT; commit it with the start-up below)"
     startup_suite "$OUT" 180

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from model.weights import default_model_dir
+from fusedserve.model.weights import default_model_dir
 
 
 def source(root: Path) -> dict:

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from bench import results as store
-from kernels import timing
-from kernels.spec import OP_SPECS, ROWWISE_OPS
-from kernels.testing import compare, float64_reference
+from fusedserve.kernels import timing
+from fusedserve.kernels.spec import OP_SPECS, ROWWISE_OPS
+from fusedserve.kernels.testing import compare, float64_reference
 
 SCENARIOS = ("fused-ops", "gemm-epilogues")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -185,13 +185,13 @@ def providers(names: list[str]) -> tuple[dict[str, Callable[[str], Callable]], d
         available["compile"] = get_compiled
     if "triton" in names:
         try:
-            from kernels.triton import LAUNCHERS as TRITON
+            from fusedserve.kernels.triton import LAUNCHERS as TRITON
         except ImportError as exc:
             missing["triton"] = f"{type(exc).__name__}: {exc}"
         else:
             available["triton"] = TRITON.__getitem__
     if "cuda" in names:
-        from kernels import cuda
+        from fusedserve.kernels import cuda
 
         try:
             available["cuda"] = cuda.load().__getitem__
@@ -257,7 +257,7 @@ def fused_ops(args: argparse.Namespace, save: Callable[[list[dict], dict, bool],
 def auto_choices(device: str, dtype: torch.dtype, widths: tuple[int, ...]) -> dict:
     """What the registry's auto mode picks for each row-wise op (its start-up race, device-timed as under CUDA
     graphs) at the serving dtype and each model width."""
-    import kernels
+    from fusedserve import kernels
 
     out = {}
     for cols in widths:

@@ -25,7 +25,7 @@ import torch
 
 from bench import results as store
 from bench.kernels import DTYPES, providers, rowwise_inputs
-from kernels.spec import ROWWISE_OPS
+from fusedserve.kernels.spec import ROWWISE_OPS
 
 NCU_ARGS = ("--target-processes application-only --profile-from-start off --clock-control none --cache-control all "
             "--csv --page raw --print-units base "
@@ -46,7 +46,7 @@ METRICS = {
 
 def _triton_config(op: str) -> str | None:
     """The config the Triton autotuner ran last for `op`'s kernel: "BLOCK_M 2, 1 warps"."""
-    from kernels.triton import _norm, _pointwise
+    from fusedserve.kernels.triton import _norm, _pointwise
 
     tuner = _pointwise._bias_gelu_kernel if op in ("bias_gelu", "bias_residual_gelu") else _norm._norm_kernel
     config = getattr(tuner, "best_config", None)

@@ -48,8 +48,8 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 def model_dir(args: argparse.Namespace) -> Path:
-    from model.config import PRESETS
-    from model.weights import default_model_dir
+    from fusedserve.model.config import PRESETS
+    from fusedserve.model.weights import default_model_dir
 
     if args.model in PRESETS:
         raise SystemExit("peer: Infinity loads a checkpoint directory; a preset (random init) has none")
@@ -110,7 +110,7 @@ def running_infinity(site: str, model: Path, *, device: str, dtype: str, batch_s
 def token_counts(model: Path, max_seq_length: int, texts: list[str]) -> list[int]:
     """Tokens each text runs as ([CLS] and [SEP] included, cut to the model's length), from the model's own
     tokenizer.json: what both servers' forwards see."""
-    from model.tokenizer import TextTokenizer
+    from fusedserve.model.tokenizer import TextTokenizer
 
     return list(map(len, TextTokenizer(model, max_seq_length).encode(texts)))
 

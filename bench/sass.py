@@ -57,11 +57,11 @@ class Sass:
 def _case(op: str, dtype: str, cols: int, block_m: int):
     """(jit function, signature, constexprs) of `op`'s kernel as its launcher would specialize it; the argument types
     are the compile check's (kernels.triton.compile_check)."""
-    from kernels.triton.compile_check import _norm_case, _signature
+    from fusedserve.kernels.triton.compile_check import _norm_case, _signature
 
     ptr = "*" + DTYPES[dtype]
     if op in ("bias_gelu", "bias_residual_gelu"):
-        from kernels.triton._pointwise import _bias_gelu_kernel, column_block
+        from fusedserve.kernels.triton._pointwise import _bias_gelu_kernel, column_block
 
         block_n = column_block(cols)
         types = {"X": ptr, "BIAS": ptr, "R": ptr, "Y": ptr, "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
@@ -70,7 +70,7 @@ def _case(op: str, dtype: str, cols: int, block_m: int):
                       "BLOCK_N": block_n, "EVEN_N": cols % block_n == 0, "BLOCK_M": block_m}
         fn = _bias_gelu_kernel.fn
     else:
-        from kernels.triton._norm import _norm_kernel, column_chunks
+        from fusedserve.kernels.triton._norm import _norm_kernel, column_chunks
 
         nchunk, chunk = column_chunks(cols)
         gather = op == "embedding_layer_norm"

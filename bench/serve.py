@@ -1,4 +1,4 @@
-"""Serving suite: the real server (`python -m server` on 127.0.0.1) under load from HTTP clients on the same host.
+"""Serving suite: the real server (`fusedserve serve` on 127.0.0.1) under load from HTTP clients on the same host.
 
 Scenarios:
   closed-loop  N concurrent clients, each sending its next request when the last is answered, at each client count
@@ -86,13 +86,13 @@ def wait_until_ready(process: subprocess.Popen, url: str, deadline: float) -> bo
 @contextlib.contextmanager
 def running_servers(count: int, log_path: str = os.devnull, *, command: list[str] | None = None,
                     ready_timeout_s: float = 480, **settings: str):
-    """`count` x `python -m server` (or `command`, which takes the same --port/--log-level arguments) on free loopback
+    """`count` x `fusedserve serve` (or `command`, which takes the same --port/--log-level arguments) on free loopback
     ports with FUSEDSERVE_* settings, started together (replicas on one machine, as a Kubernetes node runs several
     pods), all writing to `log_path`. Yields [(process, url)] once every one is ready (a first start on a fresh GPU
     machine compiles, self-tests and races the kernels before it is)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
     env.pop("TRITON_INTERPRET", None)  # the harness's own switch on a CPU: a server chooses kernels as deployed
-    command = command or [sys.executable, "-m", "server"]
+    command = command or [sys.executable, "-m", "fusedserve", "serve"]
     servers, log = [], open(log_path, "a")
     try:
         for _ in range(count):
@@ -115,7 +115,7 @@ def running_servers(count: int, log_path: str = os.devnull, *, command: list[str
 
 @contextlib.contextmanager
 def running_server(**settings: str):
-    """One `python -m server` (see running_servers); yields (process, url) once ready."""
+    """One `fusedserve serve` (see running_servers); yields (process, url) once ready."""
     with running_servers(1, **settings) as servers:
         yield servers[0]
 
@@ -381,7 +381,7 @@ def raw_runner(args: argparse.Namespace, texts: list[str]) -> tuple[list[list[in
     """(token ids of `texts`, the runner's own tokens/s on them): model.runner.Embedder in this process (on the
     servers' kernel backend setting), the same batches the servers would form, back to back; the ceiling a server's
     served rate is held against."""
-    from model.runner import Embedder
+    from fusedserve.model.runner import Embedder
 
     extra = dict(kv.split("=", 1) for kv in args.setting)
     embedder, _ = Embedder.load(args.model, device=args.device, dtype=args.dtype, backend=extra.get("backend", "auto"),
@@ -405,13 +405,13 @@ def raw_runner(args: argparse.Namespace, texts: list[str]) -> tuple[list[list[in
 def sentence_transformers_rate(args: argparse.Namespace, texts: list[str], tokens: int) -> float | None:
     """SentenceTransformer.encode on the same texts (fp16 on a GPU), tokens/s; None for a random-init preset (no
     sentence-transformers checkpoint to load) or with --no-sentence-transformers."""
-    from model.config import PRESETS
+    from fusedserve.model.config import PRESETS
 
     if not args.st or args.model in PRESETS:
         return None
     from sentence_transformers import SentenceTransformer
 
-    from model.weights import default_model_dir
+    from fusedserve.model.weights import default_model_dir
 
     st = SentenceTransformer(str(default_model_dir() if args.model == "default" else args.model), device=args.device)
     if _cuda(args):

@@ -12,6 +12,9 @@ compiled module keeps the backends that were selected then (call torch._dynamo.r
 
 from __future__ import annotations
 
+if __name__ != "fusedserve.kernels":  # one module, one name in a process (docs/decisions/0015)
+    raise ImportError(f"this package is fusedserve.kernels: import it by that name, not as {__name__!r}")
+
 import contextlib
 import contextvars
 import importlib.util
@@ -22,11 +25,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kernels import library, registry
-from kernels.library import signature
-from kernels.registry import (REFERENCE, REFERENCE_BACKEND, BackendError, BackendUnavailable, Selection,
+from fusedserve.kernels import library, registry
+from fusedserve.kernels.library import signature
+from fusedserve.kernels.registry import (REFERENCE, REFERENCE_BACKEND, BackendError, BackendUnavailable, Selection,
                               reference_selection, select)
-from kernels.spec import OP_SPECS, OPS, REFERENCE_OPS
+from fusedserve.kernels.spec import OP_SPECS, OPS, REFERENCE_OPS
 
 log = logging.getLogger("fusedserve.kernels")
 
@@ -35,7 +38,6 @@ Observer = Callable[[str, str, Callable, tuple, dict], object]
 
 _active: contextvars.ContextVar[tuple[Selection, Observer | None]] = contextvars.ContextVar(
     "fusedserve_kernels", default=(REFERENCE, None))
-
 
 @contextlib.contextmanager
 def use(selection: Selection, observer: Observer | None = None) -> Iterator[Selection]:
@@ -47,23 +49,19 @@ def use(selection: Selection, observer: Observer | None = None) -> Iterator[Sele
     finally:
         _active.reset(token)
 
-
 def current() -> Selection:
     """The selection kernels.<op> runs on here and now."""
     return _active.get()[0]
-
 
 def _traced_backend(op: str) -> str:
     """The backend of `op` in the current selection, a constant to torch.compile: Dynamo (torch 2.11) cannot trace
     ContextVar.get, and a string is the one result every version keeps as a constant."""
     return _active.get()[0].choices[op].backend
 
-
 # What torch.compiler.assume_constant_result does, without the import of torch._dynamo it starts with: that import is
 # a fifth of a server's start before its service exists, for a path only torch.compile takes (tests/kernels/
 # test_compile_marker.py checks that the mark is still the decorator's).
 _traced_backend._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
 
 def _public(op: str) -> Callable:
     def call(*args, **kwargs):
@@ -81,7 +79,6 @@ def _public(op: str) -> Callable:
     call.__signature__ = signature(OP_SPECS[op])
     call.__module__ = __name__
     return call
-
 
 layer_norm = _public("layer_norm")
 layer_norm_gelu = _public("layer_norm_gelu")
@@ -103,7 +100,6 @@ assert {name for name, value in globals().items() if getattr(value, "__module__"
 __all__ = ["OPS", "REFERENCE", "BackendError", "Selection", "compile_only", "current", "reference_selection",
            "registry", "save_tuning", "select", "use", "watch_autotunes", "watch_compiles", *OPS]
 
-
 def _load_triton(device: torch.device):
     if importlib.util.find_spec("triton") is None:
         raise BackendUnavailable("the triton package is not installed")
@@ -111,14 +107,13 @@ def _load_triton(device: torch.device):
         raise BackendUnavailable(f"needs a CUDA device, got {device} (TRITON_INTERPRET=1 runs it on the CPU, for tests)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailable("CUDA is not available")
-    from kernels import cache
-    from kernels.triton import LAUNCHERS
+    from fusedserve.kernels import cache
+    from fusedserve.kernels.triton import LAUNCHERS
 
     cache.use_for_triton()
     if device.type == "cuda":
         cache.seed_triton(device)
     return library.custom_ops("triton", LAUNCHERS)
-
 
 def watch_compiles(callback: Callable[[str], None] | None) -> bool:
     """From now on, callback(description) after every Triton kernel this process compiles or loads from Triton's
@@ -127,7 +122,7 @@ def watch_compiles(callback: Callable[[str], None] | None) -> bool:
     should wait for either. A hook installed before is still called; the callback's errors are logged, never raised
     into the launch that compiled."""
     global _watched
-    if "kernels.triton._common" not in sys.modules:
+    if "fusedserve.kernels.triton._common" not in sys.modules:
         return False
     from triton import knobs
 
@@ -150,9 +145,7 @@ def watch_compiles(callback: Callable[[str], None] | None) -> bool:
     _watched = (previous,)
     return True
 
-
 _watched: tuple[Callable | None] | None = None  # while watch_compiles is on: the hook it found installed
-
 
 def watch_autotunes(callback: Callable[[str], None] | None) -> bool:
     """From now on, callback(kernel name) each time one of our Triton autotuners times a candidate: a key it had
@@ -160,9 +153,9 @@ def watch_autotunes(callback: Callable[[str], None] | None) -> bool:
     installed, where our Triton kernels are not loaded. The server watches after ready, where the shape sweep should
     have left nothing to tune. Only the benchmark function is wrapped, so an untuned launch pays the callback and a
     tuned one nothing; the callback's errors are logged, never raised into the launch."""
-    if "kernels.triton._common" not in sys.modules:
+    if "fusedserve.kernels.triton._common" not in sys.modules:
         return False
-    from kernels.triton._common import TUNERS
+    from fusedserve.kernels.triton._common import TUNERS
 
     for name, tuner in TUNERS.items():
         # the autotuner reads its benchmark through `do_bench`, a cached property: an attribute on the instance
@@ -175,9 +168,7 @@ def watch_autotunes(callback: Callable[[str], None] | None) -> bool:
         tuner.__dict__["do_bench"] = _watched_bench(own, name, callback)
     return True
 
-
 _own_benches: dict[str, Callable] = {}  # while watch_autotunes is on: each autotuner's own benchmark, by kernel
-
 
 def _watched_bench(bench: Callable, name: str, callback: Callable[[str], None]) -> Callable:
     def timed(*args, **kwargs):
@@ -189,17 +180,15 @@ def _watched_bench(bench: Callable, name: str, callback: Callable[[str], None]) 
 
     return timed
 
-
 def save_tuning(device: torch.device | str) -> None:
     """Keep what the Triton autotuners chose in this process (kernels.cache's Triton table) for the next start on
     this GPU model; nothing off CUDA or before the Triton backend was loaded. The CUDA launch tuning and the races
     are saved as they are made."""
     device = torch.device(device)
-    if device.type == "cuda" and "kernels.triton._common" in sys.modules:
-        from kernels import cache
+    if device.type == "cuda" and "fusedserve.kernels.triton._common" in sys.modules:
+        from fusedserve.kernels import cache
 
         cache.save_triton(device)
-
 
 @contextlib.contextmanager
 def compile_only() -> Iterator[None]:
@@ -207,30 +196,27 @@ def compile_only() -> Iterator[None]:
     nothing (their outputs are left unwritten); on exit every compile is done (kernels.triton._common.compile_only).
     For a throw-away pass ahead of the same launches for real, such as the server's shape sweep. Other backends' ops
     run as usual; nothing changes before the Triton backend was loaded."""
-    if "kernels.triton._common" not in sys.modules:
+    if "fusedserve.kernels.triton._common" not in sys.modules:
         yield
         return
-    from kernels.triton._common import compile_only as triton_compile_only
+    from fusedserve.kernels.triton._common import compile_only as triton_compile_only
 
     with triton_compile_only():
         yield
 
-
 registry.register_backend("triton", _load_triton, compiles_on_launch=True)
-
 
 def _load_cuda(device: torch.device):
     if device.type != "cuda":
         raise BackendUnavailable(f"needs a CUDA device, got {device}")
     if not torch.cuda.is_available():
         raise BackendUnavailable("CUDA is not available")
-    from kernels import cuda, library
+    from fusedserve.kernels import cuda, library
 
     try:
         launchers = cuda.load()
     except cuda.BuildUnavailable as exc:
         raise BackendUnavailable(str(exc)) from exc
     return library.custom_ops("cuda", launchers)
-
 
 registry.register_backend("cuda", _load_cuda)

@@ -10,7 +10,7 @@ temporary file and renamed into place, so a reader sees a whole file or none, an
 reported once and rebuilt.
 
 Shipped tuning: `kernels/tuning/<gpu>.json` holds the same tables for a GPU model, exported from a tuned start on
-that GPU (`python -m kernels.tuning export`). A start whose own table is missing begins from the shipped one, so a
+that GPU (`python -m fusedserve.kernels.tuning export`). A start whose own table is missing begins from the shipped one, so a
 fresh machine compiles only the chosen configurations and races nothing it shipped with. It is used only when it was
 made from these kernel sources with these switches; its Triton configs only on the same Triton minor release (a
 config that fits one release's shared memory may not fit another's), and only those that are still candidates.
@@ -197,7 +197,7 @@ def _minor(version: str) -> str:
 
 def _candidates_only(table: dict) -> dict:
     """The entries whose config is still one of its kernel's candidates (an edited candidate list is tuned again)."""
-    from kernels.triton._common import TUNERS
+    from fusedserve.kernels.triton._common import TUNERS
 
     def signature(kwargs: dict, warps, stages, ctas, maxnreg) -> tuple:
         return tuple(sorted(kwargs.items())), warps, stages, ctas, maxnreg
@@ -221,7 +221,7 @@ def _valid_triton(table: object) -> bool:
 def seed_triton(device: torch.device) -> int:
     """Before the Triton kernels tune anything on `device`: the autotuners take this cache directory's chosen configs,
     then the shipped ones for keys it lacks. Returns how many keys were seeded."""
-    from kernels.triton._common import INTERPRET, seed_tuning
+    from fusedserve.kernels.triton._common import INTERPRET, seed_tuning
 
     if INTERPRET:  # the interpreter's choices (CPU timings, every config "fits") are not a GPU's
         return 0
@@ -234,7 +234,7 @@ def seed_triton(device: torch.device) -> int:
 
 def save_triton(device: torch.device) -> None:
     """This process's Triton choices into the cache directory's table, merged with what other processes saved."""
-    from kernels.triton._common import INTERPRET, tuning_table
+    from fusedserve.kernels.triton._common import INTERPRET, tuning_table
 
     if INTERPRET:
         return

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from kernels.spec import OP_SPECS, OpSpec
+from fusedserve.kernels.spec import OP_SPECS, OpSpec
 
 _cache: dict[str, dict[str, Callable]] = {}
 

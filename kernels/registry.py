@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from kernels import cache
-from kernels import timing as timing_
-from kernels.spec import OP_SPECS, OPS, REFERENCE_OPS
-from kernels.testing import check_op
+from fusedserve.kernels import cache
+from fusedserve.kernels import timing as timing_
+from fusedserve.kernels.spec import OP_SPECS, OPS, REFERENCE_OPS
+from fusedserve.kernels.testing import check_op
 
 log = logging.getLogger("fusedserve.kernels")
 
@@ -225,7 +225,7 @@ def _compile_self_tests(fns: list[tuple[Callable, str]], device: torch.device, d
     """Compile the kernels the self-tests of these (fn, op) will launch, side by side, before they run one after
     another (kernels.compile_only: the launches compile and run nothing; each check's verdict is thrown away). A
     fn whose verdict is cached runs no self-test and is skipped."""
-    from kernels import compile_only  # the package's: a no-op until the Triton backend is loaded
+    from fusedserve.kernels import compile_only  # the package's: a no-op until the Triton backend is loaded
 
     with compile_only():
         for fn, op in fns:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels import reference
+from fusedserve.kernels import reference
 
 
 def _randn(shape, dtype, device, gen, scale=1.0, shift=0.0) -> Tensor:

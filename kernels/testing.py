@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.spec import OP_SPECS, ROWWISE_OPS, ops_of  # noqa: F401  (the tests' shape specs)
+from fusedserve.kernels.spec import OP_SPECS, ROWWISE_OPS, ops_of  # noqa: F401  (the tests' shape specs)
 
 # dtype -> (max relative L2 error ||out-ref||/||ref||, elementwise atol, elementwise rtol).
 # Set from what rounding the output once to the dtype costs (fp16 eps 2^-10, bf16 2^-7) with headroom

@@ -1,4 +1,4 @@
-"""`python -m model "some text" ...`: embed texts with the default model and print JSON lines."""
+"""`fusedserve embed "some text" ...`: embed texts with the default model and print JSON lines."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 import logging
 import sys
 
-from model.runner import Embedder
+from fusedserve.model.runner import Embedder
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fusedserve embed", description=__doc__)
     parser.add_argument("texts", nargs="*", help="texts to embed (read from stdin, one per line, if none)")
     parser.add_argument("--model", default="default", help="'default' (packaged all-MiniLM-L6-v2), a preset, or a checkpoint dir")
     parser.add_argument("--device", default="auto")

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import kernels
-from model.config import EncoderConfig
+from fusedserve import kernels
+from fusedserve.model.config import EncoderConfig
 
 
 class Embeddings(nn.Module):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model.encoder import OFFSET_ATTENTIONS, Encoder, Packed, packed_mean_pool
+from fusedserve.model.encoder import OFFSET_ATTENTIONS, Encoder, Packed, packed_mean_pool
 
 log = logging.getLogger("fusedserve.model")
 

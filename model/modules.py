@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import kernels
-from model.config import EncoderConfig, UnsupportedModel
+from fusedserve import kernels
+from fusedserve.model.config import EncoderConfig, UnsupportedModel
 
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens")
 _LEGACY_POOLING = {  # sentence-transformers' pooling_mode_* flags, in its order of concatenation

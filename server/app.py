@@ -20,11 +20,11 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.config import Settings
-from server.errors import ServiceError, error_response, service_error_response
-from server.observability import CURRENT, TIMING_HEADERS, RequestRecord, request_id
-from server.routes import admin, health, infer, kserve, openai, rerank, tei
-from server.service import VERSION, Service
+from fusedserve.server.config import Settings
+from fusedserve.server.errors import ServiceError, error_response, service_error_response
+from fusedserve.server.observability import CURRENT, TIMING_HEADERS, RequestRecord, request_id
+from fusedserve.server.routes import admin, health, infer, kserve, openai, rerank, tei
+from fusedserve.server.service import VERSION, Service
 
 log = logging.getLogger("fusedserve")
 

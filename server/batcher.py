@@ -29,11 +29,11 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from model.runner import Embedder, Pending
-from server.config import Settings
-from server.errors import Overloaded, ServiceError, Timeout, Unavailable
-from server.metrics import ModelMetrics
-from server.observability import Throttle
+from fusedserve.model.runner import Embedder, Pending
+from fusedserve.server.config import Settings
+from fusedserve.server.errors import Overloaded, ServiceError, Timeout, Unavailable
+from fusedserve.server.metrics import ModelMetrics
+from fusedserve.server.observability import Throttle
 
 log = logging.getLogger("fusedserve.batcher")
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
                                TomlConfigSettingsSource, YamlConfigSettingsSource)
 
-from model.runner import KERNEL_OPS
+from fusedserve.model.runner import KERNEL_OPS
 
 log = logging.getLogger("fusedserve")
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from server.service import Service
+from fusedserve.server.service import Service
 
 
 async def get_service(request: Request) -> Service:

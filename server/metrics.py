@@ -21,7 +21,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest, multiprocess)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from model.runner import KERNEL_OPS
+from fusedserve.model.runner import KERNEL_OPS
 
 log = logging.getLogger("fusedserve")
 

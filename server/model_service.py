@@ -21,18 +21,18 @@ import numpy as np
 import torch
 from starlette.requests import Request
 
-from model.runner import Embedder, LoadReport
-from model.tokenizer import InputTooLong
-from server.batcher import Batcher, l2_normalize
-from server.config import ModelSpec
-from server.errors import BadRequest, PayloadTooLarge, ServiceError, Timeout, Unavailable, Unprocessable
-from server.metrics import ModelMetrics
-from server.observability import CURRENT
-from server.quantize import CALIBRATION_TEXTS, QUANTIZED, encode, ranges_of
-from server.verify import Verifier
+from fusedserve.model.runner import Embedder, LoadReport
+from fusedserve.model.tokenizer import InputTooLong
+from fusedserve.server.batcher import Batcher, l2_normalize
+from fusedserve.server.config import ModelSpec
+from fusedserve.server.errors import BadRequest, PayloadTooLarge, ServiceError, Timeout, Unavailable, Unprocessable
+from fusedserve.server.metrics import ModelMetrics
+from fusedserve.server.observability import CURRENT
+from fusedserve.server.quantize import CALIBRATION_TEXTS, QUANTIZED, encode, ranges_of
+from fusedserve.server.verify import Verifier
 
 if TYPE_CHECKING:
-    from server.service import Service
+    from fusedserve.server.service import Service
 
 log = logging.getLogger("fusedserve")
 

@@ -114,7 +114,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str, fmt: str) -> None:
-    """The root logger for `python -m server`: text lines, or JSON objects (uvicorn's loggers then propagate to
+    """The root logger for `fusedserve serve`: text lines, or JSON objects (uvicorn's loggers then propagate to
     it instead of writing their own format)."""
     handler = logging.StreamHandler()
     if fmt == "json":

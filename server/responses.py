@@ -28,8 +28,8 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from server.deps import get_service
-from server.errors import BadRequest
+from fusedserve.server.deps import get_service
+from fusedserve.server.errors import BadRequest
 
 
 class EmbeddingResponse(JSONResponse):

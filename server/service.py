@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from model.runner import cpu_budget, watch_autotunes, watch_compiles
-from server import workers
-from server.config import Settings
-from server.errors import NotFound, Unavailable
-from server.metrics import Metrics
-from server.model_service import ModelService, refreeze
-from server.observability import CURRENT, Throttle
+from fusedserve.model.runner import cpu_budget, watch_autotunes, watch_compiles
+from fusedserve.server import workers
+from fusedserve.server.config import Settings
+from fusedserve.server.errors import NotFound, Unavailable
+from fusedserve.server.metrics import Metrics
+from fusedserve.server.model_service import ModelService, refreeze
+from fusedserve.server.observability import CURRENT, Throttle
 
 log = logging.getLogger("fusedserve")
 
@@ -82,12 +82,12 @@ class Service:
         self.loading: ModelService | None = None  # the model the start-up is working on
         self.phase = "starting"  # the server's: starting, loading (a model's phase then), ready or failed
         self.load_error: str | None = None  # why the start failed
-        self.on_fatal: Callable[[], None] | None = None  # python -m server: stop the process when loading fails
+        self.on_fatal: Callable[[], None] | None = None  # fusedserve serve: stop the process when loading fails
         self.created = int(time.time())
         self._started = time.monotonic()
         self.tracing = None
         if settings.otlp_endpoint:
-            from server.tracing import Tracing
+            from fusedserve.server.tracing import Tracing
 
             self.tracing = Tracing(settings.otlp_endpoint, settings.otel_service_name, VERSION)
         self.metrics.watch_cuda_graphs(self._graph_stats)
@@ -187,7 +187,7 @@ class Service:
     def start(self) -> threading.Thread:
         """Load and warm up every model on a thread of its own, then ready; the event loop serves meanwhile (the
         probes, and 503 with the phase everywhere else). A failure is logged with its traceback, /readyz reports
-        it, and on_fatal (set by `python -m server`) stops the process; with model_load_failure=skip a model's
+        it, and on_fatal (set by `fusedserve serve`) stops the process; with model_load_failure=skip a model's
         failure is reported and the others serve. A daemon thread: a SIGTERM during the load ends the process
         without waiting for it."""
         thread = threading.Thread(target=self._start_up, name="fusedserve-load", daemon=True)

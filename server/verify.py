@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from model.runner import Embedder
-from server.config import Settings
-from server.metrics import ModelMetrics
+from fusedserve.model.runner import Embedder
+from fusedserve.server.config import Settings
+from fusedserve.server.metrics import ModelMetrics
 
 log = logging.getLogger("fusedserve.verify")
 

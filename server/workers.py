@@ -140,9 +140,9 @@ def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
 
 
 def run_worker(argv: list[str], sock: socket.socket, index: int) -> None:
-    """A worker process: the same start as `python -m server`, on the parent's socket. In a process group of its
+    """A worker process: the same start as `fusedserve serve`, on the parent's socket. In a process group of its
     own, so a terminal's Ctrl-C or a service manager's group-wide signal reaches it once, through the parent."""
-    from server.__main__ import main
+    from fusedserve.server.__main__ import main
 
     os.setpgrp()
     os.environ[INDEX_ENV] = str(index)

@@ -14,7 +14,7 @@ from tests.tolerances import assert_unit_length
 def test_transformers_does_not_mistake_our_kernels_package():
     from transformers.utils import import_utils
 
-    import kernels
+    from fusedserve import kernels
 
     assert kernels.__file__  # ours is importable...
     assert not import_utils.is_kernels_available()  # ...and transformers still sees no HF `kernels`
@@ -22,7 +22,7 @@ def test_transformers_does_not_mistake_our_kernels_package():
 
 def test_cli_embeds_text():
     result = subprocess.run(
-        [sys.executable, "-m", "model", "A man is eating food.", "hello"],
+        [sys.executable, "-m", "fusedserve", "embed", "A man is eating food.", "hello"],
         capture_output=True, text=True, timeout=120, check=True,
         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},  # as a user runs it
     )

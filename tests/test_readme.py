@@ -17,8 +17,8 @@ import httpx
 import pytest
 import yaml
 
-from server import config_doc
-from server.config import Settings
+from fusedserve.server import config_doc
+from fusedserve.server.config import Settings
 from tests.server.conftest import free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,8 +79,8 @@ def test_the_make_commands_exist_and_do_what_the_readme_says():
     for words, _ in of_kind("make"):
         dry_run(*words[1:])
     port = free_port()
-    assert re.search(rf"-m server --host 127\.0\.0\.1 --port {port}$", dry_run("run", f"PORT={port}"), re.MULTILINE)
-    assert re.search(r"-m server --host 0\.0\.0\.0 --port 9000$", dry_run("run", "HOST=0.0.0.0", "PORT=9000"),
+    assert re.search(rf"fusedserve serve --host 127\.0\.0\.1 --port {port}$", dry_run("run", f"PORT={port}"), re.MULTILINE)
+    assert re.search(r"fusedserve serve --host 0\.0\.0\.0 --port 9000$", dry_run("run", "HOST=0.0.0.0", "PORT=9000"),
                      re.MULTILINE), "README: `make run HOST=... PORT=...` changes the address"
     assert re.search(r"-m pytest\b", dry_run("test"))
 
@@ -133,7 +133,7 @@ def as_request(words: list[str], base_url: str) -> tuple[str, str, dict[str, str
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The server `make run` starts (python -m server, the default settings: the packaged MiniLM on the CPU)."""
+    """The server `make run` starts (fusedserve serve, the default settings: the packaged MiniLM on the CPU)."""
     srv = start_server(tmp_path_factory.mktemp("readme"))
     yield srv
     srv.stop()
@@ -200,7 +200,7 @@ def test_every_docker_line_names_an_image_a_dockerfile_in_deploy_builds():
 # ---- the API table ---------------------------------------------------------------------------------------------
 def app_routes() -> set[tuple[str, str]]:
     """(method, path) of every documented route of the app (FastAPI's own /docs and /openapi.json left out)."""
-    from server.app import create_app
+    from fusedserve.server.app import create_app
 
     found: set[tuple[str, str]] = set()
 

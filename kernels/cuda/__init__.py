@@ -4,15 +4,15 @@ launchers (launchers.py). Importing this package builds nothing; `load()` builds
 
 from __future__ import annotations
 
-from kernels.cuda.build import BuildUnavailable
+from fusedserve.kernels.cuda.build import BuildUnavailable
 
 
 def load(verbose: bool = False) -> dict:
     """Build or load the extension and return {op name: launcher}."""
-    from kernels.cuda import build
+    from fusedserve.kernels.cuda import build
 
     build.load(verbose=verbose)
-    from kernels.cuda.launchers import LAUNCHERS
+    from fusedserve.kernels.cuda.launchers import LAUNCHERS
 
     return LAUNCHERS
 

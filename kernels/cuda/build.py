@@ -1,7 +1,7 @@
 """Build (or find already built) the CUDA extension: torch.utils.cpp_extension.load over csrc/, into a
 persistent cache so only the first start of a given source tree + torch + GPU architecture pays for nvcc.
 
-    python -m kernels.cuda.build            # pre-build (the GPU image does this at docker build time)
+    python -m fusedserve.kernels.cuda.build            # pre-build (the GPU image does this at docker build time)
     FUSEDSERVE_CUDA_CACHE=/path ...         # build directory (default: cuda/ in kernels.cache.root())
     TORCH_CUDA_ARCH_LIST="9.0"              # target GPUs when building without one (default: the visible GPU)
 
@@ -39,7 +39,7 @@ class BuildUnavailable(RuntimeError):
 
 def cache_root() -> Path:
     """FUSEDSERVE_CUDA_CACHE (the GPU image's prebuilt extension), else the cache directory's cuda/."""
-    from kernels import cache
+    from fusedserve.kernels import cache
 
     return Path(os.environ.get("FUSEDSERVE_CUDA_CACHE") or cache.root() / "cuda")
 
@@ -99,7 +99,7 @@ def load(verbose: bool = False) -> Path:
     home = cuda_home()
     if home is None:
         raise BuildUnavailable("nvcc not found and no pre-built extension in the cache (set CUDA_HOME or put nvcc "
-                               "on PATH; the GPU image pre-builds it with `python -m kernels.cuda.build`)")
+                               "on PATH; the GPU image pre-builds it with `python -m fusedserve.kernels.cuda.build`)")
     # torch.utils.cpp_extension reads CUDA_HOME when first imported
     os.environ["CUDA_HOME"] = str(home)
     from torch.utils import cpp_extension
@@ -124,7 +124,7 @@ def load(verbose: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.cuda.build", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fusedserve.kernels.cuda.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._layout import (as_rows, as_vector, common_device, embedding_inputs, output_like, same_shape,
+from fusedserve.kernels._layout import (as_rows, as_vector, common_device, embedding_inputs, output_like, same_shape,
                              segment_arguments)
-from kernels.cuda.tuning import TUNER, norm_candidates, pointwise_candidates
-from kernels.spec import ops_of
+from fusedserve.kernels.cuda.tuning import TUNER, norm_candidates, pointwise_candidates
+from fusedserve.kernels.spec import ops_of
 
 _ops = torch.ops.fusedserve_cuda
 _GELU = {"none": 1, "tanh": 2}

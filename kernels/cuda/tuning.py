@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import cache
-from kernels._layout import row_bucket
-from kernels.timing import device_us
+from fusedserve.kernels import cache
+from fusedserve.kernels._layout import row_bucket
+from fusedserve.kernels.timing import device_us
 
 log = logging.getLogger("fusedserve.kernels.cuda")
 

@@ -20,8 +20,8 @@ import triton.language as tl
 from torch import Tensor
 
 # as_rows/as_vector/output_like/row_bucket are shared with the CUDA backend; re-exported for the launchers here.
-from kernels import timing
-from kernels._layout import MAX_COLS, as_rows, as_vector, common_device, cpu_budget, output_like, row_bucket  # noqa: F401
+from fusedserve.kernels import timing
+from fusedserve.kernels._layout import MAX_COLS, as_rows, as_vector, common_device, cpu_budget, output_like, row_bucket  # noqa: F401
 
 log = logging.getLogger(__name__)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from kernels.triton._common import INTERPRET
+from fusedserve.kernels.triton._common import INTERPRET
 
 GELU_NONE: tl.constexpr = 0
 GELU_ERF: tl.constexpr = 1

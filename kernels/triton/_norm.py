@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton._common import autotune, needs_wide, pdl_args, pdl_sync, row_bucket
-from kernels.triton._gelu import gelu
+from fusedserve.kernels.triton._common import autotune, needs_wide, pdl_args, pdl_sync, row_bucket
+from fusedserve.kernels.triton._gelu import gelu
 
 
 def column_chunks(cols: int) -> tuple[int, int]:

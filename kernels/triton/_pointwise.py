@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton._common import autotune, block_cols, needs_wide, row_bucket
-from kernels.triton._gelu import gelu
+from fusedserve.kernels.triton._common import autotune, block_cols, needs_wide, row_bucket
+from fusedserve.kernels.triton._gelu import gelu
 
 
 def column_block(cols: int) -> int:

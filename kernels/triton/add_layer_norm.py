@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.triton._common import as_rows, as_vector, check_device, output_like
-from kernels.triton._gelu import GELU_NONE
-from kernels.triton._norm import launch_norm
+from fusedserve.kernels.triton._common import as_rows, as_vector, check_device, output_like
+from fusedserve.kernels.triton._gelu import GELU_NONE
+from fusedserve.kernels.triton._norm import launch_norm
 
 
 def add_layer_norm(x: Tensor, residual: Tensor, bias: Tensor | None, weight: Tensor, ln_bias: Tensor,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels.triton._common import as_rows, as_vector, check_device, output_like
-from kernels.triton._gelu import GELU_MODES
-from kernels.triton._pointwise import launch_bias_gelu
+from fusedserve.kernels.triton._common import as_rows, as_vector, check_device, output_like
+from fusedserve.kernels.triton._gelu import GELU_MODES
+from fusedserve.kernels.triton._pointwise import launch_bias_gelu
 
 
 def bias_residual_gelu(x: Tensor, bias: Tensor, residual: Tensor, approximate: str = "none",

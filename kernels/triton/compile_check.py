@@ -1,4 +1,4 @@
-"""Compile Triton kernels for a GPU architecture on a machine without one: `python -m kernels.triton.compile_check`.
+"""Compile Triton kernels for a GPU architecture on a machine without one: `python -m fusedserve.kernels.triton.compile_check`.
 
 Why: the interpreter (TRITON_INTERPRET=1, how CI runs the kernels) executes the Python body of a kernel and never
 runs the compiler, so errors only a compile finds pass CI and first show on the GPU. One did: a variable assigned in
@@ -61,7 +61,7 @@ def _norm_case(ptr: str = "*fp16", **constexprs) -> tuple[dict, dict]:
     (three exact blocks) unless `constexprs` says otherwise; `ptr` is the activations' type."""
     import torch
 
-    from kernels.triton._norm import l2_policies
+    from fusedserve.kernels.triton._norm import l2_policies
 
     types = {name: ptr if t == "*fp16" else t for name, t in _NORM_TYPES.items()}
     dtype = {"*fp16": torch.float16, "*bf16": torch.bfloat16}.get(ptr, torch.float32)
@@ -72,8 +72,8 @@ def _norm_case(ptr: str = "*fp16", **constexprs) -> tuple[dict, dict]:
 
 
 def _pdl_cases():
-    from kernels.triton._norm import _norm_kernel
-    from kernels.triton.segment_mean import _segment_mean_kernel
+    from fusedserve.kernels.triton._norm import _norm_kernel
+    from fusedserve.kernels.triton.segment_mean import _segment_mean_kernel
 
     types, constexprs = _norm_case(SOURCES=3, GATHER=True, NCHUNK=3, CHUNK=128, BLOCK_M=1, USE_PDL=True)
     yield "embedding_layer_norm fp16 pdl", _norm_kernel.fn, types, constexprs, 2
@@ -85,8 +85,8 @@ def _pdl_cases():
 
 def _gelu_cases():
     """The GELU kernels at the widths the encoders use: exact column blocks and a padded one."""
-    from kernels.triton._norm import _norm_kernel
-    from kernels.triton._pointwise import _bias_gelu_kernel
+    from fusedserve.kernels.triton._norm import _norm_kernel
+    from fusedserve.kernels.triton._pointwise import _bias_gelu_kernel
 
     for dname, ptr in DTYPES.items():
         for gelu in (1, 2):
@@ -103,9 +103,9 @@ def _gelu_cases():
 
 
 def _few_token_cases():
-    from kernels.triton._norm import _norm_kernel
-    from kernels.triton.ffn_partials import _ffn_partials_kernel
-    from kernels.triton.qkv_attention import _qkv_attention_kernel, launch_shape
+    from fusedserve.kernels.triton._norm import _norm_kernel
+    from fusedserve.kernels.triton.ffn_partials import _ffn_partials_kernel
+    from fusedserve.kernels.triton.qkv_attention import _qkv_attention_kernel, launch_shape
 
     i32, f32 = "i32", "fp32"
     for dname, ptr in DTYPES.items():

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels._layout import embedding_inputs
-from kernels.triton._common import as_vector, check_device
-from kernels.triton._gelu import GELU_NONE
-from kernels.triton._norm import launch_norm
+from fusedserve.kernels._layout import embedding_inputs
+from fusedserve.kernels.triton._common import as_vector, check_device
+from fusedserve.kernels.triton._gelu import GELU_NONE
+from fusedserve.kernels.triton._norm import launch_norm
 
 
 def embedding_layer_norm(input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor, word_embeddings: Tensor,

@@ -21,10 +21,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import reference
-from kernels.triton._common import INTERPRET, check_device, deferrable, pdl_args, pdl_sync
-from kernels.triton._gelu import GELU_MODES, gelu
-from kernels.triton.qkv_attention import _dot, _operand, _project
+from fusedserve.kernels import reference
+from fusedserve.kernels.triton._common import INTERPRET, check_device, deferrable, pdl_args, pdl_sync
+from fusedserve.kernels.triton._gelu import GELU_MODES, gelu
+from fusedserve.kernels.triton.qkv_attention import _dot, _operand, _project
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_CHUNK = 128  # intermediate columns one program holds ([rows, chunk] fp32 in registers); wider chunks: torch

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels.triton._common import as_rows, as_vector, check_device, output_like
-from kernels.triton._gelu import GELU_NONE
-from kernels.triton._norm import launch_norm
+from fusedserve.kernels.triton._common import as_rows, as_vector, check_device, output_like
+from fusedserve.kernels.triton._gelu import GELU_NONE
+from fusedserve.kernels.triton._norm import launch_norm
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:

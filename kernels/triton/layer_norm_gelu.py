@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kernels.triton._common import as_rows, as_vector, check_device, output_like
-from kernels.triton._gelu import GELU_MODES
-from kernels.triton._norm import launch_norm
+from fusedserve.kernels.triton._common import as_rows, as_vector, check_device, output_like
+from fusedserve.kernels.triton._gelu import GELU_MODES
+from fusedserve.kernels.triton._norm import launch_norm
 
 
 def layer_norm_gelu(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-12, approximate: str = "none",

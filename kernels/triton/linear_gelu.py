@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton._common import INTERPRET, autotune, check_device
-from kernels.triton._gelu import GELU_MODES, gelu
+from fusedserve.kernels.triton._common import INTERPRET, autotune, check_device
+from fusedserve.kernels.triton._gelu import GELU_MODES, gelu
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

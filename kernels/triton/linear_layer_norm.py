@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.triton._common import check_device
-from kernels.triton.add_layer_norm import add_layer_norm
+from fusedserve.kernels.triton._common import check_device
+from fusedserve.kernels.triton.add_layer_norm import add_layer_norm
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

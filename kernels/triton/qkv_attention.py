@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import reference
-from kernels._layout import offsets, segment_arguments
-from kernels.triton._common import INTERPRET, check_device, deferrable, pdl_args, pdl_sync
+from fusedserve.kernels import reference
+from fusedserve.kernels._layout import offsets, segment_arguments
+from fusedserve.kernels.triton._common import INTERPRET, check_device, deferrable, pdl_args, pdl_sync
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # one head's [BLOCK, head_dim] q, k, v and accumulator stay in registers; wider: torch

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._layout import segment_arguments
-from kernels.triton._common import check_device, deferrable, pdl_args, pdl_sync
+from fusedserve.kernels._layout import segment_arguments
+from fusedserve.kernels.triton._common import check_device, deferrable, pdl_args, pdl_sync
 
 @deferrable
 @triton.jit(do_not_specialize=["T"])  # counts: see _common.autotune

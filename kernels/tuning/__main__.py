@@ -1,4 +1,4 @@
-"""python -m kernels.tuning export|where: write kernels/tuning/<gpu>.json from the cache directory's tables for this
+"""python -m fusedserve.kernels.tuning export|where: write kernels/tuning/<gpu>.json from the cache directory's tables for this
 GPU model (kernels.cache.export), or print the cache directory."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from kernels import cache
+from fusedserve.kernels import cache
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.tuning", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fusedserve.kernels.tuning", description=__doc__)
     parser.add_argument("command", choices=["export", "where"],
                         help="export: write kernels/tuning/<gpu>.json from the cache directory; where: print the "
                              "cache directory")

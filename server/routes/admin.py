@@ -9,8 +9,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header
 from pydantic import BaseModel, Field, StrictBool
 
-from server.deps import ServiceDep
-from server.errors import Conflict, NotFound, Unauthorized
+from fusedserve.server.deps import ServiceDep
+from fusedserve.server.errors import Conflict, NotFound, Unauthorized
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from server.deps import ServiceDep
-from server.errors import error_body
+from fusedserve.server.deps import ServiceDep
+from fusedserve.server.errors import error_body
 
 router = APIRouter(tags=["health"])
 

@@ -7,8 +7,8 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, StrictBool
 
-from server.deps import ServiceDep
-from server.responses import EmbeddingResponse, LeanRoute
+from fusedserve.server.deps import ServiceDep
+from fusedserve.server.responses import EmbeddingResponse, LeanRoute
 
 router = APIRouter(tags=["inference"], route_class=LeanRoute)
 

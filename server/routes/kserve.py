@@ -22,10 +22,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from server.deps import ServiceDep
-from server.errors import BadRequest, PayloadTooLarge, Unprocessable
-from server.responses import EmbeddingResponse, OrjsonRoute
-from server.service import VERSION
+from fusedserve.server.deps import ServiceDep
+from fusedserve.server.errors import BadRequest, PayloadTooLarge, Unprocessable
+from fusedserve.server.responses import EmbeddingResponse, OrjsonRoute
+from fusedserve.server.service import VERSION
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"], route_class=OrjsonRoute)
 

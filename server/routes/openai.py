@@ -10,9 +10,9 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, StrictBool
 
-from server.deps import ServiceDep
-from server.responses import EmbeddingResponse, LeanRoute
-from server.routes.infer import ENCODING_HELP, Encoding
+from fusedserve.server.deps import ServiceDep
+from fusedserve.server.responses import EmbeddingResponse, LeanRoute
+from fusedserve.server.routes.infer import ENCODING_HELP, Encoding
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 

@@ -11,12 +11,12 @@ import torch
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, StrictBool
 
-from model.modules import activate
-from model.tokenizer import InputTooLong
-from server.deps import ServiceDep
-from server.errors import PayloadTooLarge, Unprocessable
-from server.model_service import ModelService
-from server.service import Service
+from fusedserve.model.modules import activate
+from fusedserve.model.tokenizer import InputTooLong
+from fusedserve.server.deps import ServiceDep
+from fusedserve.server.errors import PayloadTooLarge, Unprocessable
+from fusedserve.server.model_service import ModelService
+from fusedserve.server.service import Service
 
 router = APIRouter(tags=["classification"])
 

@@ -15,11 +15,11 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field, RootModel, StrictBool
 
-from server.deps import ServiceDep
-from server.errors import Unprocessable
-from server.model_service import INLINE_TOKENIZE_CHARS, ModelService
-from server.responses import EmbeddingResponse, LeanRoute
-from server.routes.infer import ENCODING_HELP, Encoding
+from fusedserve.server.deps import ServiceDep
+from fusedserve.server.errors import Unprocessable
+from fusedserve.server.model_service import INLINE_TOKENIZE_CHARS, ModelService
+from fusedserve.server.responses import EmbeddingResponse, LeanRoute
+from fusedserve.server.routes.infer import ENCODING_HELP, Encoding
 
 router = APIRouter(tags=["text-embeddings-inference"], route_class=LeanRoute)
 

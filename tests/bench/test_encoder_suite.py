@@ -37,7 +37,7 @@ def test_the_cross_encoder_case_runs_a_classifier_beside_transformers(tmp_path):
 
 
 def test_xlm_roberta_base_preset_matches_transformers_shape():
-    model = suite.hf_model(__import__("model.config", fromlist=["EncoderConfig"]).EncoderConfig.from_name(
+    model = suite.hf_model(__import__("fusedserve.model.config", fromlist=["EncoderConfig"]).EncoderConfig.from_name(
         "xlm-roberta-base").replace(num_layers=1), "cpu", __import__("torch").float32)
     assert type(model).__name__ == "XLMRobertaModel" and model.config.vocab_size == 250002
 
@@ -45,7 +45,7 @@ def test_xlm_roberta_base_preset_matches_transformers_shape():
 def test_rows_and_floor():
     rows = suite.token_rows([4, 7], vocab_size=30522)
     assert [len(r) for r in rows] == [4, 7] and all(r[0] == 101 and r[-1] == 102 for r in rows)
-    config = __import__("model.config", fromlist=["EncoderConfig"]).EncoderConfig.from_name("tiny")
+    config = __import__("fusedserve.model.config", fromlist=["EncoderConfig"]).EncoderConfig.from_name("tiny")
     h, inner, layers = config.hidden_size, config.intermediate_size, config.num_layers
     assert suite.gemm_flops(config, [2, 3]) == layers * (2 * 5 * (4 * h * h + 2 * h * inner) + 4 * (4 + 9) * h)
     assert suite.category("nvjet_hsh_64x8_gemm") == "gemm" and suite.category("flash_fwd_kernel") == "attention"

@@ -9,8 +9,8 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from model.runner import Embedder
-from model.weights import default_model_dir
+from fusedserve.model.runner import Embedder
+from fusedserve.model.weights import default_model_dir
 from tests.model.sentences import SENTENCES
 
 

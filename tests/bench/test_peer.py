@@ -9,8 +9,8 @@ from transformers import AutoTokenizer
 
 from bench import peer
 from bench.serve import running_servers
-from model.tokenizer import TextTokenizer
-from model.weights import default_model_dir
+from fusedserve.model.tokenizer import TextTokenizer
+from fusedserve.model.weights import default_model_dir
 
 TEXTS = ["a short sentence", "another one, a little longer than the first", "three " * 1200]
 

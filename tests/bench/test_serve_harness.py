@@ -8,8 +8,8 @@ import os
 import httpx
 
 from bench.serve import kernel_choices, measured_load, running_servers, single_requests
-from model.tokenizer import TextTokenizer
-from model.weights import default_model_dir
+from fusedserve.model.tokenizer import TextTokenizer
+from fusedserve.model.weights import default_model_dir
 
 
 def test_load_and_single_requests_agree_with_the_servers_metrics():

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from model.runner import Embedder
+from fusedserve.model.runner import Embedder
 from tests.gpu.test_minilm_gpu import _model_dir
 from tests.model.sentences import SENTENCES
 from tests.tolerances import assert_embeddings_close
@@ -131,7 +131,7 @@ def test_outside_buckets_runs_eagerly():
 
 
 def test_varlen_attention_matches_pad_attention():
-    from model.encoder import Packed, packed_mean_pool
+    from fusedserve.model.encoder import Packed, packed_mean_pool
 
     e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="cuda")
     packed = Packed.from_rows(e.tokenizer.encode(SENTENCES[:16]), "cuda")
@@ -193,7 +193,7 @@ def test_programmatic_dependent_launch_changes_no_bit(attention):
     their predecessor finishes, so results must be bitwise those without it: graphs (captured with it) and eager
     launches, over many batches of new inputs, each compared with the same batch without PDL. A kernel that read
     (or wrote) before the one before it had finished would show as a difference."""
-    from kernels.triton._common import pdl_launches
+    from fusedserve.kernels.triton._common import pdl_launches
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90 or later")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.runner import Embedder
+from fusedserve.model.runner import Embedder
 from tests.model.checkpoints import source_dir
 from tests.model.sentences import SENTENCES
 from tests.tolerances import assert_embeddings_close, embedding_errors
@@ -59,7 +59,7 @@ def test_fused_and_reference_paths_agree_on_gpu():
 
 
 def test_auto_mode_on_gpu_takes_the_faster_fused_backend_per_op():
-    import kernels
+    from fusedserve import kernels
 
     selection = kernels.select("cuda", (torch.float16, torch.bfloat16), hidden_sizes=(384, 1536))
     print("\n" + selection.report())

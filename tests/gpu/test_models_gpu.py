@@ -9,8 +9,8 @@ import pytest
 import torch
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
-from model.modules import activate
-from model.runner import Embedder
+from fusedserve.model.modules import activate
+from fusedserve.model.runner import Embedder
 from tests.model import checkpoints
 
 pytestmark = pytest.mark.gpu

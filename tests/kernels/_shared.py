@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.testing import OP_SPECS, compare, float64_reference, ops_of
+from fusedserve.kernels.testing import OP_SPECS, compare, float64_reference, ops_of
 
 
 def check_offsets_past_two_to_the_31(launchers, op: str) -> None:

@@ -11,7 +11,7 @@ import threading
 import torch
 import triton
 
-from kernels.triton import _common
+from fusedserve.kernels.triton import _common
 
 
 def test_candidates_compile_in_parallel_and_a_failure_is_left_to_the_autotuner(monkeypatch):

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-import kernels
+from fusedserve import kernels
 
 
 def test_the_mark_is_the_decorators():

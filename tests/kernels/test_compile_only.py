@@ -13,8 +13,8 @@ import pytest
 import torch
 import triton
 
-import kernels
-from kernels.triton import _common
+from fusedserve import kernels
+from fusedserve.kernels.triton import _common
 
 
 class StandIn:
@@ -161,7 +161,7 @@ def test_watch_autotunes_reports_each_candidate_timed_until_stopped():
     """kernels.watch_autotunes wraps our autotuners' benchmark (the server's log line for a key tuned after ready):
     an untuned key's launch reports its kernel per candidate timed, a tuned key's launch nothing; a failing callback
     is logged, not raised; None puts the autotuner's own benchmark back."""
-    from kernels.triton import LAUNCHERS, _common
+    from fusedserve.kernels.triton import LAUNCHERS, _common
 
     tuner = _common.TUNERS["_norm_kernel"]
     own = tuner.do_bench

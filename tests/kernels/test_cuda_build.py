@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from kernels.cuda import build
+from fusedserve.kernels.cuda import build
 from tests.conftest import require_tool
 
 
 def test_builds_into_the_cache_and_loads_from_it_the_second_time(tmp_path):
     require_tool("nvcc", "FUSEDSERVE_REQUIRE_NVCC", path=build.cuda_home())  # the toolkit, found as the build finds it
     env = {**os.environ, "FUSEDSERVE_CUDA_CACHE": str(tmp_path), "TORCH_CUDA_ARCH_LIST": "9.0"}
-    cmd = [sys.executable, "-m", "kernels.cuda.build"]
+    cmd = [sys.executable, "-m", "fusedserve.kernels.cuda.build"]
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "building the CUDA extension" in first.stderr and "built in" in first.stderr

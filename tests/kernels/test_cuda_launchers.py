@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.testing import OP_SPECS, ops_of, compare, float64_reference
+from fusedserve.kernels import reference
+from fusedserve.kernels.testing import OP_SPECS, ops_of, compare, float64_reference
 
 
 class ReferenceOps:
@@ -46,7 +46,7 @@ class ReferenceOps:
 
 @pytest.fixture
 def launchers(monkeypatch):
-    from kernels.cuda import launchers as module
+    from fusedserve.kernels.cuda import launchers as module
 
     fake = ReferenceOps()
     monkeypatch.setattr(module, "_ops", fake)
@@ -64,7 +64,7 @@ def test_launchers_shape_arguments_and_write_into_out(launchers, op):
     result = table[op](*args, **kwargs, out=out)
     assert result.data_ptr() == out.data_ptr()
     assert compare(result, float64_reference(op, args, kwargs), torch.float32).ok
-    from kernels.cuda.tuning import norm_candidates, pointwise_candidates
+    from fusedserve.kernels.cuda.tuning import norm_candidates, pointwise_candidates
 
     kind, *config = fake.configs[-1]
     if kind == "segment_mean":
@@ -94,7 +94,7 @@ def test_3d_views_sum_and_int32_ids(launchers):
 
 
 def test_pointwise_heuristic_walks_one_row_per_thread_below_the_tuning_threshold(launchers):
-    from kernels.cuda.tuning import POINTWISE_CONFIGS, TUNE_MIN_ROWS, pointwise_candidates
+    from fusedserve.kernels.cuda.tuning import POINTWISE_CONFIGS, TUNE_MIN_ROWS, pointwise_candidates
 
     small, large = pointwise_candidates(1536, 16), pointwise_candidates(1536, TUNE_MIN_ROWS)
     assert small[0] == (256, 1) and large[0] == (256, 4) == pointwise_candidates(1536)[0]

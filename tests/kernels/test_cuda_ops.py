@@ -11,8 +11,8 @@ import zlib
 import pytest
 import torch
 
-from kernels import library, reference
-from kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, compare, float64_reference
+from fusedserve.kernels import library, reference
+from fusedserve.kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, compare, float64_reference
 from tests.kernels._shared import check_offsets_past_two_to_the_31, opcheck_custom_ops
 from tests.conftest import DTYPES, ODD_COLS, ROWS
 
@@ -25,7 +25,7 @@ def _seed(*parts) -> int:
 
 @pytest.fixture(scope="module")
 def launchers():
-    from kernels import cuda
+    from fusedserve.kernels import cuda
 
     return cuda.load()  # a build failure on a GPU machine fails the tests: it must not hide as a skip
 
@@ -60,7 +60,7 @@ def test_misaligned_and_strided_views(launchers, op, dtype):
 @pytest.mark.parametrize("cols", [64, 384, 768, 1024, 4096, 4097, 16384])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_norm_launch_config(launchers, cols, dtype):
-    from kernels.cuda.tuning import norm_candidates
+    from fusedserve.kernels.cuda.tuning import norm_candidates
 
     gen = torch.Generator().manual_seed(_seed("configs", cols, dtype))
     (x, residual, bias, w, b, eps), _ = OP_SPECS["add_layer_norm"].make_inputs(67, cols, dtype, "cuda", gen)
@@ -73,7 +73,7 @@ def test_every_norm_launch_config(launchers, cols, dtype):
 
 @pytest.mark.parametrize("cols", [8, 768, 3072, 4097])
 def test_every_pointwise_launch_config(launchers, cols):
-    from kernels.cuda.tuning import POINTWISE_CONFIGS
+    from fusedserve.kernels.cuda.tuning import POINTWISE_CONFIGS
 
     gen = torch.Generator().manual_seed(_seed("pw-configs", cols))
     (x, bias, residual), _ = OP_SPECS["bias_residual_gelu"].make_inputs(300, cols, torch.bfloat16, "cuda", gen)
@@ -94,7 +94,7 @@ def test_unsupported_config_is_a_clear_error(launchers):
 
 
 def test_tuner_sweeps_once_per_shape_class_and_caches_to_disk(launchers, tmp_path, monkeypatch):
-    from kernels.cuda import tuning
+    from fusedserve.kernels.cuda import tuning
 
     monkeypatch.setenv("FUSEDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
@@ -174,9 +174,9 @@ def test_offsets_past_two_to_the_31(launchers, op):
 
 
 def test_opcheck_and_compile(launchers):
-    import kernels
-    from model.config import EncoderConfig
-    from model.encoder import Encoder
+    from fusedserve import kernels
+    from fusedserve.model.config import EncoderConfig
+    from fusedserve.model.encoder import Encoder
 
     library.custom_ops("cuda", launchers)
     opcheck_custom_ops("cuda", "cuda")
@@ -192,7 +192,7 @@ def test_opcheck_and_compile(launchers):
 
 
 def test_auto_mode_races_triton_and_cuda_on_the_gpu(launchers):
-    import kernels
+    from fusedserve import kernels
 
     for timing in ("eager", "device"):  # the ops both backends implement (the CUDA one lacks the attention ops)
         selection = kernels.select("cuda", (torch.float16,), hidden_sizes=(384,), race_timing=timing,

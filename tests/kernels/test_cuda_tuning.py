@@ -1,4 +1,4 @@
-"""kernels.cuda.tuning on the CPU: the cache file's life (a corrupt one reported and rebuilt, a missing one silent,
+"""fusedserve.kernels.cuda.tuning on the CPU: the cache file's life (a corrupt one reported and rebuilt, a missing one silent,
 saves atomic through a per-process temporary file), with the GPU's name and the device timer stood in for. The
 sweep on real kernels is tested on the GPU (test_cuda_ops.py)."""
 
@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from kernels import _layout
-from kernels.cuda import tuning
+from fusedserve.kernels import _layout
+from fusedserve.kernels.cuda import tuning
 
 GPU = "NVIDIA Test GPU 80GB"
 FILE = "tuning-nvidia-test-gpu-80gb-sources.json"
@@ -24,7 +24,7 @@ ROWS = 4096  # above TUNE_MIN_ROWS: a sweep
 def cache(tmp_path, monkeypatch):
     """An empty cache directory (FUSEDSERVE_CACHE_DIR), a named GPU and kernel-source fingerprint, and a device timer
     that runs the candidate once and says (128, 1) is fastest."""
-    from kernels import cache as cache_dir
+    from fusedserve.kernels import cache as cache_dir
 
     monkeypatch.setenv("FUSEDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cache_dir, "fingerprint", lambda: "sources")
@@ -112,7 +112,7 @@ def test_an_unwritable_cache_is_reported_once(cache, caplog, monkeypatch):
 
 
 def test_row_bucket_is_one_function_for_both_backends():
-    from kernels.triton import _common
+    from fusedserve.kernels.triton import _common
 
     assert tuning.row_bucket is _layout.row_bucket is _common.row_bucket
     assert [_layout.row_bucket(r) for r in (0, 1, 2, 3, 4, 255, 256, 4096, 5000, 2**30)] == \

@@ -9,9 +9,9 @@ import zlib
 import pytest
 import torch
 
-from kernels import reference
-from kernels.testing import compare
-from kernels.triton import linear_gelu
+from fusedserve.kernels import reference
+from fusedserve.kernels.testing import compare
+from fusedserve.kernels.triton import linear_gelu
 from tests.conftest import DTYPES, ODD_COLS, ROWS
 
 DEPTHS = (7, 769)  # K: below one BLOCK_K, and a ragged last K step

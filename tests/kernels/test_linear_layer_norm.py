@@ -10,9 +10,9 @@ import zlib
 import pytest
 import torch
 
-from kernels import reference
-from kernels.testing import compare
-from kernels.triton import linear_layer_norm as lln
+from fusedserve.kernels import reference
+from fusedserve.kernels.testing import compare
+from fusedserve.kernels.triton import linear_layer_norm as lln
 from tests.conftest import DTYPES, ODD_COLS, ROWS
 
 DEPTHS = (7, 769)  # K: a short reduction, and a long one where the GEMM's rounding in fp16/bf16 shows

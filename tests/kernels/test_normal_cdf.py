@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._gelu import gelu, normal_cdf
+from fusedserve.kernels.triton._gelu import gelu, normal_cdf
 
 # The bounds the kernels' GELU rests on (its error is |h| times this), by whether the result is rounded to a half type
 # next. fp32: 1.5e-7 / 2 for Abramowitz & Stegun's five-term erfc itself, plus fp32 rounding of its evaluation

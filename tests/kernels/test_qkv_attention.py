@@ -11,8 +11,8 @@ import itertools
 import pytest
 import torch
 
-from kernels.testing import compare, float64_reference
-from kernels.triton import LAUNCHERS
+from fusedserve.kernels.testing import compare, float64_reference
+from fusedserve.kernels.triton import LAUNCHERS
 
 NAN = float("nan")
 
@@ -140,7 +140,7 @@ def _layer_weights(hidden, inner, dtype, device, seed):
 
 def _reference_layer(x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln):
     """The unfused float64 layer: attention, output projection, add + LayerNorm, FFN, add + LayerNorm."""
-    from kernels import reference
+    from fusedserve.kernels import reference
 
     g1, be1, g2, be2 = (t.double().cpu() for t in ln)
     x, w, b, cu, wo, bo, w1, b1, w2, b2 = (t.double().cpu() if t.is_floating_point() else t.cpu()
@@ -170,7 +170,7 @@ def test_the_few_token_layer_equals_the_unfused_layer(device):
     (768, 12, 3072, [20, 23]),       # BERT-base
 ])
 def test_few_token_ops_at_model_shapes_on_the_gpu(dtype, hidden, heads, inner, lengths):
-    from model.encoder import ffn_splits
+    from fusedserve.model.encoder import ffn_splits
 
     x, w, b, cu = _inputs(lengths, hidden, heads, dtype, "cuda", filler=64 - sum(lengths), seed=len(lengths))
     wo, bo, w1, b1, w2, b2, ln = _layer_weights(hidden, inner, dtype, "cuda", seed=hidden)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import registry
+from fusedserve import kernels
+from fusedserve.kernels import registry
 
 pytestmark = pytest.mark.gpu
 

@@ -8,9 +8,9 @@ import zlib
 import pytest
 import torch
 
-from kernels import reference
-from kernels.spec import REFERENCE_OPS
-from kernels.testing import OP_SPECS, compare, check_op, float64_reference
+from fusedserve.kernels import reference
+from fusedserve.kernels.spec import REFERENCE_OPS
+from fusedserve.kernels.testing import OP_SPECS, compare, check_op, float64_reference
 from tests.conftest import DTYPES, ODD_COLS, ROWS
 
 CASES = list(itertools.product(OP_SPECS, ROWS, ODD_COLS, DTYPES))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference, registry
-from kernels.registry import BackendError, BackendUnavailable
+from fusedserve import kernels
+from fusedserve.kernels import reference, registry
+from fusedserve.kernels.registry import BackendError, BackendUnavailable
 
 
 def _drifting_layer_norm(x, w, b, eps, *, out=None):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.testing import compare, float64_reference
-from kernels.triton import LAUNCHERS
+from fusedserve.kernels import reference
+from fusedserve.kernels.testing import compare, float64_reference
+from fusedserve.kernels.triton import LAUNCHERS
 
 NAN = float("nan")
 
@@ -20,7 +20,7 @@ def _triton():
 
 
 def _cuda():
-    from kernels import cuda
+    from fusedserve.kernels import cuda
 
     return cuda.load()["segment_mean"]  # on a GPU machine a build failure fails the test (as in test_cuda_ops.py)
 
@@ -87,8 +87,8 @@ def test_packed_pooling_through_segment_mean_equals_the_torch_path():
     index_add path gives (the path of a Packed without offsets)."""
     import dataclasses
 
-    import kernels
-    from model.encoder import Packed, packed_mean_pool
+    from fusedserve import kernels
+    from fusedserve.model.encoder import Packed, packed_mean_pool
 
     rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
     p = Packed.from_rows(rows, "cpu", tokens=12, batch=5, seq=6)
@@ -117,8 +117,8 @@ def test_reference_path_forward_and_pooling_never_read_device_values_on_the_host
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from model.config import EncoderConfig
-    from model.encoder import Encoder, Packed, packed_mean_pool
+    from fusedserve.model.config import EncoderConfig
+    from fusedserve.model.encoder import Encoder, Packed, packed_mean_pool
 
     encoder = Encoder(dataclasses.replace(EncoderConfig.from_name("tiny"), num_layers=1)).eval()
     p = Packed.from_rows([[101, 5, 6, 102], [101, 7, 102]], "cpu", tokens=12, batch=4, seq=8)

@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from kernels import cache, registry
-from kernels.cuda import tuning
+from fusedserve.kernels import cache, registry
+from fusedserve.kernels.cuda import tuning
 
 GPU = "test-gpu-h200"
 
@@ -87,7 +87,7 @@ def test_export_writes_the_cache_directory_tables_for_this_gpu(dirs):
 
 
 def test_triton_choices_are_saved_and_seeded_back_without_benchmarking(monkeypatch):
-    from kernels.triton import LAUNCHERS, _common
+    from fusedserve.kernels.triton import LAUNCHERS, _common
 
     tuner = _common.TUNERS["_norm_kernel"]
     monkeypatch.setattr(tuner, "cache", {})
@@ -118,8 +118,8 @@ def test_triton_choices_are_saved_and_seeded_back_without_benchmarking(monkeypat
 def test_each_shipped_file_is_a_whole_table_for_these_kernels(path):
     """A shipped file parses, names its GPU as its file name does, and every table holds entries of the layout the
     readers take, for kernels that exist (a stale one would be ignored at start: re-export it on that GPU after a
-    kernel change, `python -m kernels.tuning export`)."""
-    from kernels.triton import _common
+    kernel change, `python -m fusedserve.kernels.tuning export`)."""
+    from fusedserve.kernels.triton import _common
 
     body = json.loads(path.read_text())
     assert path.stem == re.sub(r"[^A-Za-z0-9]+", "-", body["gpu"]).strip("-").lower()
@@ -134,7 +134,7 @@ def test_each_shipped_file_is_a_whole_table_for_these_kernels(path):
 
 
 def test_only_current_candidates_are_seeded_and_never_under_the_interpreter():
-    from kernels.triton import _common
+    from fusedserve.kernels.triton import _common
 
     candidate = _common.TUNERS["_norm_kernel"].configs[0]
     entry = {"kwargs": dict(candidate.kwargs), "num_warps": candidate.num_warps, "num_stages": candidate.num_stages,

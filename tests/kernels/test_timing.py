@@ -1,4 +1,4 @@
-"""kernels.timing: the eager paths on the CPU (real sleeps compared relatively, and a fake clock where exact numbers
+"""fusedserve.kernels.timing: the eager paths on the CPU (real sleeps compared relatively, and a fake clock where exact numbers
 are checked: reducers, per-call division, warm-up left out, interleaving), the CUDA-graph paths on a GPU."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from kernels import timing
+from fusedserve.kernels import timing
 
 CPU = torch.device("cpu")
 

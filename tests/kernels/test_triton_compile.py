@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_few_token_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-m", "kernels.triton.compile_check", "--arch", "90"], cwd=ROOT, env=env,
+    result = subprocess.run([sys.executable, "-m", "fusedserve.kernels.triton.compile_check", "--arch", "90"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     compiled = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
@@ -33,13 +33,13 @@ def test_few_token_kernels_compile_for_sm90(tmp_path):
 
 def test_the_check_refuses_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "kernels.triton.compile_check"], cwd=ROOT, env=env,
+    result = subprocess.run([sys.executable, "-m", "fusedserve.kernels.triton.compile_check"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "unset TRITON_INTERPRET" in result.stderr
 
 
 def test_the_pdl_check_rejects_a_load_before_the_wait():
-    from kernels.triton.compile_check import _check_pdl_ptx
+    from fusedserve.kernels.triton.compile_check import _check_pdl_ptx
 
     _check_pdl_ptx("mov.u32 %r1, %ctaid.x;\ngriddepcontrol.wait;\ngriddepcontrol.launch_dependents;\nld.global.b32 x;")
     with pytest.raises(AssertionError, match="precedes"):

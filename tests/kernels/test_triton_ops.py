@@ -10,12 +10,12 @@ import zlib
 import pytest
 import torch
 
-import kernels
-from kernels import library, reference
-from kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, compare, float64_reference
-from kernels.spec import attention_heads
-from kernels.triton import LAUNCHERS as triton_launchers
-from kernels.triton.qkv_attention import MAX_HEAD_DIM
+from fusedserve import kernels
+from fusedserve.kernels import library, reference
+from fusedserve.kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, compare, float64_reference
+from fusedserve.kernels.spec import attention_heads
+from fusedserve.kernels.triton import LAUNCHERS as triton_launchers
+from fusedserve.kernels.triton.qkv_attention import MAX_HEAD_DIM
 from tests.kernels._shared import check_offsets_past_two_to_the_31, opcheck_custom_ops
 from tests.conftest import DTYPES, INTERPRETER, ODD_COLS, ROWS
 
@@ -172,8 +172,8 @@ def test_gradients_match_reference(device, dtype, triton_ops):
 
 
 def test_torch_compile_fullgraph_on_fused_encoder(device):
-    from model.config import EncoderConfig
-    from model.encoder import Encoder
+    from fusedserve.model.config import EncoderConfig
+    from fusedserve.model.encoder import Encoder
 
     selection = kernels.select(device, (torch.float32,), backend="triton", hidden_sizes=(64,))
     encoder = Encoder(EncoderConfig.from_name("tiny").replace(num_layers=1)).to(device).eval()
@@ -197,7 +197,7 @@ def test_norm_candidates_include_one_row_programs():
     """The LayerNorm autotuner's candidates: the heuristic default (the first) is two rows of 768 on one warp, and
     one-row programs are among them (a b1 batch's 16 rows spread over 16 programs; the fastest candidate in some
     fp32 cells). Every candidate holds at most 16384 elements on 1-16 warps."""
-    from kernels.triton import _norm
+    from fusedserve.kernels.triton import _norm
 
     configs = _norm.norm_configs(768, 256)
     assert configs[0] == (2, 1)
@@ -212,7 +212,7 @@ def test_pointwise_candidates_hold_whole_vectors_per_thread():
     """The elementwise GELU autotuner's candidates: 4 elements a thread (one 16-byte fp32 vector) only for fp32 and
     fp64; for fp16 and bf16 a thread holds at least 8 (one 16-byte vector), so the half-width candidates are not
     compiled and timed for nothing. The pruning reads the dtype from the launch's input."""
-    from kernels.triton import _pointwise
+    from fusedserve.kernels.triton import _pointwise
 
     for block_n in (128, 256, 1024):
         half = _pointwise.pointwise_configs(block_n, 2)
@@ -230,8 +230,8 @@ def test_pointwise_candidates_hold_whole_vectors_per_thread():
 def test_column_blocks():
     """Rows of 3 x 2^k are held as three exact blocks (no padding lanes), other widths as one padded block; the
     elementwise GELU kernels take the largest power of two dividing the width, else a padded block."""
-    from kernels.triton._norm import column_chunks
-    from kernels.triton._pointwise import column_block
+    from fusedserve.kernels.triton._norm import column_chunks
+    from fusedserve.kernels.triton._pointwise import column_block
 
     assert [column_chunks(n) for n in (384, 768, 1536, 48, 1024, 4096, 300, 769, 24)] == [
         (3, 128), (3, 256), (3, 512), (3, 16), (1, 1024), (1, 4096), (1, 512), (1, 1024), (1, 32)]
@@ -256,7 +256,7 @@ def test_programmatic_dependent_launch_only_where_the_device_has_it(device):
     """FUSEDSERVE_TRITON_PDL asks for PDL; a launcher adds it only on a CUDA device of sm_90 or later (never under
     the interpreter), and the few-token ops give the same results with the setting on (the GPU test checks every bit
     with it actually in use, tests/gpu/test_graphs_gpu.py)."""
-    from kernels.triton._common import INTERPRET, pdl_args, pdl_launches
+    from fusedserve.kernels.triton._common import INTERPRET, pdl_args, pdl_launches
 
     x = torch.randn(16, 32, device=device)
     before = pdl_args(x)

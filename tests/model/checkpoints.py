@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from model.weights import default_model_dir
+from fusedserve.model.weights import default_model_dir
 
 
 def source_dir() -> Path:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from model.runner import Embedder
+from fusedserve.model.runner import Embedder
 from tests.model.sentences import SENTENCES
 from tests.tolerances import assert_embeddings_close
 

@@ -12,10 +12,10 @@ import torch
 
 from sentence_transformers import CrossEncoder, SentenceTransformer
 
-from model.config import UnsupportedModel
-from model.modules import activate
-from model.runner import Embedder
-from model.weights import CheckpointError
+from fusedserve.model.config import UnsupportedModel
+from fusedserve.model.modules import activate
+from fusedserve.model.runner import Embedder
+from fusedserve.model.weights import CheckpointError
 from tests.model import checkpoints
 
 

@@ -17,17 +17,17 @@ from torch.nn.attention import SDPBackend
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
 
-from model.config import EncoderConfig
-from model.encoder import FUSED_LAYER_TOKENS, Encoder
-from model.runner import Embedder
-from model.tokenizer import TextTokenizer
+from fusedserve.model.config import EncoderConfig
+from fusedserve.model.encoder import FUSED_LAYER_TOKENS, Encoder
+from fusedserve.model.runner import Embedder
+from fusedserve.model.tokenizer import TextTokenizer
 from tests.model.checkpoints import source_dir
 
 
 def _kernels() -> tuple[list[Autotuner], list[JITFunction]]:
     tuners, jitted = [], []
     for name, module in list(sys.modules.items()):
-        if not name.startswith("kernels.triton") or module is None:
+        if not name.startswith("fusedserve.kernels.triton") or module is None:
             continue
         for obj in vars(module).values():
             fn = obj
@@ -98,7 +98,7 @@ def test_the_sweep_meets_every_bucket_at_both_token_parities(max_batch_tokens):
     full rows and as two unequal rows: the packed batch's index rows are views of one buffer, 16-byte aligned only
     for an even count, and Triton compiles a config once per alignment, so a bucket swept at one parity would leave
     the other's compile to the first request."""
-    from kernels._layout import row_bucket
+    from fusedserve.kernels._layout import row_bucket
 
     config = EncoderConfig.from_name("tiny")
     e = Embedder(Encoder(config), TextTokenizer(source_dir(), config.max_seq_length), "tiny", torch.device("cpu"),
@@ -133,7 +133,7 @@ def test_a_batch_of_equal_rows_at_a_new_length_builds_no_cudnn_attention_plan(mo
     requests waited (docs/decisions/0014-sdpa-without-cudnn-attention.md). The encoder keeps SDPA on backends without
     per-shape plans. First the control: with cuDNN allowed again, the same kind of batch does reach cuDNN here (else
     the check proves nothing on this GPU and torch, and the test skips saying so)."""
-    import model.encoder as encoder_module
+    import fusedserve.model.encoder as encoder_module
 
     config = EncoderConfig.from_name("minilm-l6")  # MiniLM's 32-wide heads, where the plans were seen
     e = Embedder(Encoder(config), None, "minilm", torch.device("cuda"), torch.float16, attention="pad",

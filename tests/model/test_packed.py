@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.config import EncoderConfig
-from model.encoder import Encoder, Packed, _varlen_runs, mean_pool, packed_mean_pool, resolve_attention
-from model.graphs import SEQ_BUCKETS, CudaGraphs, token_buckets
+from fusedserve.model.config import EncoderConfig
+from fusedserve.model.encoder import Encoder, Packed, _varlen_runs, mean_pool, packed_mean_pool, resolve_attention
+from fusedserve.model.graphs import SEQ_BUCKETS, CudaGraphs, token_buckets
 from tests.tolerances import assert_embeddings_close
 
 
@@ -69,7 +69,7 @@ def test_sdpa_runs_off_cudnn_under_the_flags_lock(encoder, monkeypatch):
     """Every SDPA call of the encoder (the padded path and the dense packed one) runs with cuDNN's attention off and
     the module's lock held: torch's backend flags are process-wide, and another thread leaving its own pinned block
     must not switch cuDNN back on under this one (decision 0014). The flags are restored afterwards."""
-    import model.encoder as encoder_module
+    import fusedserve.model.encoder as encoder_module
 
     before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
     seen = []
@@ -108,8 +108,8 @@ def test_fused_attention_equals_padded(encoder, backend):
     """attention="fused" (the Triton kernels on the interpreter, or the torch references) on mixed lengths in buckets
     with filler tokens and filler sequences: above FUSED_LAYER_TOKENS (qkv_attention + the usual blocks) and below it
     (the four-kernel few-token layer), and on a dense batch of 64 tokens."""
-    import kernels
-    from model.encoder import FUSED_LAYER_TOKENS
+    from fusedserve import kernels
+    from fusedserve.model.encoder import FUSED_LAYER_TOKENS
 
     with kernels.use(kernels.select("cpu", (torch.float32,), backend=backend)):
         for lengths, tokens in (([7, 40, 3, 33, 2], 128), ([7, 20, 3, 2], 48)):
@@ -130,8 +130,8 @@ def test_kernel_ops_name_exactly_the_ops_each_path_calls(encoder, monkeypatch):
     """The registry tests and races only kernel_ops(layout, attention, ...): an op missing there would run on the
     reference unnoticed, one too many costs start-up compiles. Each path's calls, over batches above and below
     FUSED_LAYER_TOKENS, must be exactly that set."""
-    import kernels
-    from model.encoder import kernel_ops
+    from fusedserve import kernels
+    from fusedserve.model.encoder import kernel_ops
 
     cpu = torch.device("cpu")
     called: set[str] = set()
@@ -162,8 +162,8 @@ def test_kernel_ops_name_exactly_the_ops_each_path_calls(encoder, monkeypatch):
 
 
 def test_runner_configures_only_the_ops_it_calls():
-    from model.encoder import kernel_ops
-    from model.runner import Embedder
+    from fusedserve.model.encoder import kernel_ops
+    from fusedserve.model.runner import Embedder
 
     embedder, report = Embedder.load("tiny", device="cpu", backend="torch")
     used = {op for op, c in report.kernels.choices.items() if c.used}
@@ -232,7 +232,7 @@ def test_token_buckets_bound_the_filler():
 
 
 def test_runner_layouts_agree_on_cpu():
-    from model.runner import Embedder
+    from fusedserve.model.runner import Embedder
 
     texts = ["a short one", "a much longer sentence, with several more words than the first one has", "x"]
     packed, _ = Embedder.load("tiny", device="cpu", backend="torch")
@@ -244,7 +244,7 @@ def test_runner_layouts_agree_on_cpu():
 
 
 def test_graph_buckets(encoder):
-    from model.graphs import CudaGraphs
+    from fusedserve.model.graphs import CudaGraphs
 
     graphs = CudaGraphs(encoder, torch.device("cuda"), max_tokens=4096, max_batch=64)  # no GPU needed for this
     assert graphs.bucket(_rows([16] * 32)) == (512, 32, 16, True)  # fills its bucket exactly: dense

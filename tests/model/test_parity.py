@@ -6,8 +6,8 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
-from model.runner import Embedder
-from model.weights import default_model_dir
+from fusedserve.model.runner import Embedder
+from fusedserve.model.weights import default_model_dir
 from tests.model.sentences import SENTENCES
 from tests.tolerances import assert_embeddings_close, assert_unit_length, embedding_errors
 

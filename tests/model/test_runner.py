@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.config import EncoderConfig
-from model.runner import Embedder, resolve_dtype, resolve_device
+from fusedserve.model.config import EncoderConfig
+from fusedserve.model.runner import Embedder, resolve_dtype, resolve_device
 from tests.tolerances import assert_embeddings_close
 
 
@@ -53,8 +53,8 @@ def test_auto_attention_takes_the_few_token_layer_only_while_its_ops_are_fused(m
     the selection puts the few-token ops on a fused backend, and varlen, saying why, when any is on the reference:
     after the fused switch, a fallback of one of them, or an override. The CPU stands in for a GPU here (varlen
     declared runnable; no forward runs): only the decision is tested."""
-    import model.encoder as encoder_module
-    from model.encoder import FEW_TOKEN_OPS, kernel_ops
+    import fusedserve.model.encoder as encoder_module
+    from fusedserve.model.encoder import FEW_TOKEN_OPS, kernel_ops
 
     monkeypatch.setattr(encoder_module, "_varlen_runs", lambda device, dtype: True)
     e, report = Embedder.load("tiny", device="cpu", backend="triton")
@@ -83,7 +83,7 @@ def test_the_path_changes_only_between_forwards_through_the_embedder():
     """set_fused / fall_back / use install a new selection (a new version, so CUDA graphs are re-captured); the
     forward runs on the Embedder's selection, whatever is installed around the call; timed() labels each op's time
     with the backend that ran it; reference_copy() is an fp32 model of its own on the reference."""
-    import kernels
+    from fusedserve import kernels
 
     e, _ = Embedder.load("tiny", device="cpu", backend="triton")
     texts = ["same input", "and a second, longer input"]
@@ -115,7 +115,7 @@ def test_timed_steps_time_the_same_calls_as_timed_one_block_per_step(layout):
     """timed_steps: the eager forward one block per step (packed: the embeddings, then each layer, then the head on
     the last; padded: one step), each op call timed and labelled as timed() does, reported after the last step, and
     no selection or observer active between steps."""
-    import kernels
+    from fusedserve import kernels
 
     e, _ = Embedder.load("tiny", device="cpu", backend="triton", layout=layout)
     batch = e.tokenizer.encode(["a first input", "and a second, longer input than the first"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from model.tokenizer import InputTooLong, TextTokenizer
-from model.weights import default_model_dir
+from fusedserve.model.tokenizer import InputTooLong, TextTokenizer
+from fusedserve.model.weights import default_model_dir
 
 CLS, SEP = 101, 102
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.config import EncoderConfig
-from model.weights import CheckpointError, convert_state_dict, default_model_dir, load_encoder
+from fusedserve.model.config import EncoderConfig
+from fusedserve.model.weights import CheckpointError, convert_state_dict, default_model_dir, load_encoder
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Real servers for the HTTP tests: `python -m server` under uvicorn on 127.0.0.1, a free port each,
+"""Real servers for the HTTP tests: `fusedserve serve` under uvicorn on 127.0.0.1, a free port each,
 configured through FUSEDSERVE_* environment variables, stopped with SIGTERM."""
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def start_server(tmp_path, ready_timeout_s: float = 180, *, faults: bool = False
     env.update({f"FUSEDSERVE_{k.upper()}": str(v) for k, v in settings.items()})
     log_path = str(tmp_path / f"server-{port}.log")
     log = open(log_path, "w")
-    module = "tests.support.server" if faults else "server"
-    process = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), "--log-level", "warning"],
+    command = ["-m", "tests.support.server"] if faults else ["-m", "fusedserve", "serve"]
+    process = subprocess.Popen([sys.executable, *command, "--port", str(port), "--log-level", "warning"],
                                stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + ready_timeout_s

@@ -14,7 +14,7 @@ import torch
 import tritonclient.http as httpclient
 from sentence_transformers import SentenceTransformer
 
-from model.weights import default_model_dir
+from fusedserve.model.weights import default_model_dir
 from tests.model.sentences import SENTENCES
 from tests.tolerances import assert_embeddings_close, assert_unit_length
 

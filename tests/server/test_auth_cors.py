@@ -13,8 +13,8 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from server.app import create_app
-from server.config import Settings
+from fusedserve.server.app import create_app
+from fusedserve.server.config import Settings
 from tests.server.conftest import start_server
 
 KEYS = ("key-one", "key-two")

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from model.runner import Embedder
-from server.batcher import Batcher, Item, Job
-from server.config import Settings
-from server.metrics import Metrics
+from fusedserve.model.runner import Embedder
+from fusedserve.server.batcher import Batcher, Item, Job
+from fusedserve.server.config import Settings
+from fusedserve.server.metrics import Metrics
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from model.encoder import kernel_ops
+from fusedserve.model.encoder import kernel_ops
 from tests.server.conftest import admin_headers
 from tests.tolerances import assert_embeddings_close, embedding_errors, tolerance
 
@@ -249,11 +249,11 @@ def test_a_raising_kernel_is_rerun_on_the_reference(make_server):
 
 def test_invalid_configuration_fails_at_startup_naming_the_setting():
     env = {"FUSEDSERVE_MAX_WAIT_MS": "-3", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-m", "server", "--port", "1"], env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "fusedserve", "serve", "--port", "1"], env=env, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "max_wait_ms" in result.stderr
     env = {"FUSEDSERVE_BACKEND_OVERRIDES": "layernorm=triton", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-m", "server"], env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-m", "fusedserve", "serve"], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "backend_overrides" in result.stderr and "layernorm" in result.stderr
 
 

@@ -10,7 +10,7 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from server.config import REMOVED_SETTINGS, Settings
+from fusedserve.server.config import REMOVED_SETTINGS, Settings
 
 
 def test_removed_settings_start_with_a_warning_from_the_environment_and_the_file(monkeypatch, tmp_path, caplog):

@@ -3,14 +3,14 @@ generator writes now, and every setting must be documented there with a descript
 
 from __future__ import annotations
 
-from server import config_doc
-from server.config import REMOVED_SETTINGS, Settings
+from fusedserve.server import config_doc
+from fusedserve.server.config import REMOVED_SETTINGS, Settings
 
 
 def test_the_committed_configuration_page_is_current():
-    assert config_doc.DOC.is_file(), "docs/configuration.md is missing: python -m server.config_doc --write"
+    assert config_doc.DOC.is_file(), "docs/configuration.md is missing: python -m fusedserve.server.config_doc --write"
     assert config_doc.DOC.read_text() == config_doc.render(), \
-        "docs/configuration.md is stale: run python -m server.config_doc --write and commit it"
+        "docs/configuration.md is stale: run python -m fusedserve.server.config_doc --write and commit it"
 
 
 def test_every_setting_and_every_removed_one_is_on_the_page():

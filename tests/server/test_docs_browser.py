@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from server.app import create_app
-from server.config import Settings
+from fusedserve.server.app import create_app
+from fusedserve.server.config import Settings
 
 REQUIRED = os.environ.get("FUSEDSERVE_REQUIRE_BROWSER") == "1"
 

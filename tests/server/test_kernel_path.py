@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from server.config import Settings
-from server.model_service import ModelService
-from server.service import Service
+from fusedserve.server.config import Settings
+from fusedserve.server.model_service import ModelService
+from fusedserve.server.service import Service
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -120,7 +120,7 @@ def test_a_verify_fallback_takes_auto_attention_off_the_few_token_layer(monkeypa
     """Regression: the fused switch moved auto attention to varlen when the few-token ops landed on the reference,
     but the verifier's fallback bypassed it, so every batch of <= 64 tokens ran attention_partials, ffn_partials
     and partial_add_layer_norm on their slow torch references. The CPU stands in for a GPU where varlen runs."""
-    import model.encoder as encoder_module
+    import fusedserve.model.encoder as encoder_module
 
     monkeypatch.setattr(encoder_module, "_varlen_runs", lambda device, dtype: True)
     monkeypatch.setattr(encoder_module, "_varlen_attention", lambda: _cpu_varlen)
@@ -163,8 +163,8 @@ def test_the_server_never_imports_the_kernels_package():
 
 def test_no_op_table_is_written_outside_the_registry_and_the_embedder():
     """No module-level mutable op table: the registry returns immutable selections and the Embedder keeps its own."""
-    import kernels
-    from kernels import registry
+    from fusedserve import kernels
+    from fusedserve.kernels import registry
 
     assert not hasattr(registry, "active") and not hasattr(kernels, "reference_path")
     selection = kernels.select("cpu", (torch.float32,), fused=False)

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from tritonclient.utils import InferenceServerException
 
-from model.weights import default_model_dir
+from fusedserve.model.weights import default_model_dir
 from tests.model import checkpoints
 from tests.server.conftest import admin_headers, start_server
 from tests.tolerances import assert_embeddings_close

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as trace_pb2
 
-from server.observability import CURRENT, JsonFormatter, RequestRecord
+from fusedserve.server.observability import CURRENT, JsonFormatter, RequestRecord
 from tests.server.conftest import start_server
 
 MODEL = "all-MiniLM-L6-v2"
@@ -170,7 +170,7 @@ def test_a_json_log_line_carries_the_request_id():
 
 
 def test_a_throttle_allows_each_kind_once_per_interval(monkeypatch):
-    from server import observability
+    from fusedserve.server import observability
 
     clock = [100.0]
     monkeypatch.setattr(observability.time, "monotonic", lambda: clock[0])

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from sentence_transformers.util import quantization
 
-from server.batcher import l2_normalize
-from server.quantize import CALIBRATION_TEXTS
+from fusedserve.server.batcher import l2_normalize
+from fusedserve.server.quantize import CALIBRATION_TEXTS
 from tests.model.sentences import SENTENCES
 
 TEXTS = SENTENCES[:6] + ["hello", "東京は日本の首都です。"]

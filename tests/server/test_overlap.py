@@ -11,11 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from model.runner import Embedder, Pending
-from server import batcher as batcher_module
-from server.batcher import Batcher
-from server.config import Settings
-from server.metrics import Metrics
+from fusedserve.model.runner import Embedder, Pending
+from fusedserve.server import batcher as batcher_module
+from fusedserve.server.batcher import Batcher
+from fusedserve.server.config import Settings
+from fusedserve.server.metrics import Metrics
 from tests.tolerances import assert_embeddings_close
 
 
@@ -97,7 +97,7 @@ def test_eager_results_are_delivered_at_once(embedder):
 def test_idle_work_waits_for_the_queue_and_is_refused_after_the_drain(embedder, monkeypatch):
     """call_when_idle (the graph captures after ready) runs only when nothing is queued or in flight, and after a
     drain it is refused at once (its waiter returns)."""
-    from server.errors import Unavailable
+    from fusedserve.server.errors import Unavailable
 
     order: list = []
     launch = embedder.launch_ids

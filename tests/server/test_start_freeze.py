@@ -7,8 +7,8 @@ from __future__ import annotations
 import gc
 import weakref
 
-from server.config import Settings
-from server.service import Service
+from fusedserve.server.config import Settings
+from fusedserve.server.service import Service
 
 
 def test_the_start_is_frozen_before_ready():
@@ -36,7 +36,7 @@ def test_the_start_is_frozen_before_ready():
 def test_a_switch_frees_what_the_start_froze():
     """The admin switch and the verifier's fallback drop the start's selection and graphs: refreeze lets one full
     collection free the dropped cycles, then freezes the survivors again."""
-    from server.model_service import refreeze
+    from fusedserve.server.model_service import refreeze
 
     class Cycle:
         pass

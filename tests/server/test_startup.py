@@ -1,4 +1,4 @@
-"""Start-up as an orchestrator sees it, on real `python -m server` processes: the port answers while the model
+"""Start-up as an orchestrator sees it, on real `fusedserve serve` processes: the port answers while the model
 loads (/healthz 200, /readyz 503 saying what is loading, inference 503 with Retry-After), then /readyz turns 200;
 a SIGTERM during the load stops the process; a model that fails to load stops it with a non-zero exit and the error
 in the log."""
@@ -22,7 +22,7 @@ def launch(tmp_path, **settings) -> tuple[subprocess.Popen, str, str]:
            if (not k.startswith("FUSEDSERVE_") or k == "FUSEDSERVE_CUDA_CACHE") and k != "TRITON_INTERPRET"}
     env.update({"PYTHONUNBUFFERED": "1", **{f"FUSEDSERVE_{k.upper()}": str(v) for k, v in settings.items()}})
     log_path = str(tmp_path / f"server-{port}.log")
-    process = subprocess.Popen([sys.executable, "-m", "server", "--port", str(port), "--log-level", "warning"],
+    process = subprocess.Popen([sys.executable, "-m", "fusedserve", "serve", "--port", str(port), "--log-level", "warning"],
                                stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
     return process, f"http://127.0.0.1:{port}", log_path
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from server import model_service as service_module
-from server.config import Settings
-from server.model_service import INLINE_TOKENIZE_CHARS
-from server.service import Service
+from fusedserve.server import model_service as service_module
+from fusedserve.server.config import Settings
+from fusedserve.server.model_service import INLINE_TOKENIZE_CHARS
+from fusedserve.server.service import Service
 from tests.tolerances import assert_embeddings_close
 
 

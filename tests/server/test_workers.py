@@ -1,4 +1,4 @@
-"""WORKERS=2 on a real `python -m server`: two processes on one port, each with its own model; /readyz turns 200 only
+"""WORKERS=2 on a real `fusedserve serve`: two processes on one port, each with its own model; /readyz turns 200 only
 once both are ready; connections land on both; any worker's /metrics counts every worker's requests (multiprocess
 mode); answers equal a single server's; the admin switch answers 409; SIGTERM stops the parent and both workers
 cleanly."""
@@ -66,9 +66,9 @@ def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
 def test_workers_share_out_the_cores_unless_torch_threads_is_set(monkeypatch, tmp_path):
     """Without TORCH_THREADS each of N workers takes cores / N intra-op threads (at least one), the cores being the
     affinity capped by a cgroup CPU quota; one worker, or an operator's OMP_NUM_THREADS, keeps torch's default (0)."""
-    from server import service
+    from fusedserve.server import service
 
-    from kernels import _layout
+    from fusedserve.kernels import _layout
 
     monkeypatch.setattr(_layout.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -18,11 +18,11 @@ import torch
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
-from server.__main__ import main
-from server.app import create_app
-from server.deps import ServiceDep
-from server.errors import Unprocessable
-from server.routes.admin import require_admin
+from fusedserve.server.__main__ import main
+from fusedserve.server.app import create_app
+from fusedserve.server.deps import ServiceDep
+from fusedserve.server.errors import Unprocessable
+from fusedserve.server.routes.admin import require_admin
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 

@@ -1,0 +1,7 @@
+"""fusedserve: an embedding and re-ranking service for Transformer encoders on fused GPU kernels.
+
+One import namespace over the repository's three folders: `fusedserve.kernels` (kernels/: the fused ops, importable
+on its own), `fusedserve.model` (model/: the architectures and the one seam the server knows them by) and
+`fusedserve.server` (server/: HTTP, batching, metrics). The `fusedserve` command is fusedserve.cli."""
+
+__version__ = "0.1.0"
