@@ -1,10 +1,22 @@
-"""A BERT-architecture sentence encoder built on `kernels.*` ops (plus matmuls and torch SDPA)."""
+"""The models the server serves, known to it only through fusedserve.model.api (the seam) and `load`.
+
+Each architecture family builds its layers from fusedserve.kernels' ops (encoder.py: the BERT family); runner.py runs
+a model on a device (packing, CUDA graphs, the kernel selection); served.py puts a runner behind the seam.
+"""
 
 if __name__ != "fusedserve.model":  # one module, one name in a process (docs/decisions/0015)
     raise ImportError(f"this package is fusedserve.model: import it by that name, not as {__name__!r}")
 
-from fusedserve.model.config import EncoderConfig
-from fusedserve.model.encoder import Encoder
-from fusedserve.model.runner import Embedder
+from fusedserve.model.api import LoadOptions, ServedModel
 
-__all__ = ["EncoderConfig", "Encoder", "Embedder"]
+
+def load(path: str, options: LoadOptions) -> ServedModel:
+    """The model at `path` ("default": the packaged all-MiniLM-L6-v2; a preset name: random weights; a checkpoint
+    directory), ready for warm_up. Raises UnsupportedModel or CheckpointError (ValueErrors naming what is wrong).
+    Importing this package loads no torch and no kernels: they load with the first model."""
+    from fusedserve.model.served import load_served
+
+    return load_served(path, options)
+
+
+__all__ = ["load"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import itertools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fusedserve import kernels
+from fusedserve.model.api import Rows
 from fusedserve.model.config import EncoderConfig
 
 
@@ -75,25 +75,25 @@ class Packed:
     FIELDS = ("input_ids", "position_ids", "token_type_ids", "pad_index", "gather_index", "seq_index")
 
     @staticmethod
-    def host_buffers(rows: list[list[int]], tokens: int, batch: int, seq: int, pad_token_id: int = 0, *,
+    def host_buffers(rows: Rows, tokens: int, batch: int, seq: int, pad_token_id: int = 0, *,
                      position_offset: int = 0, pair_types: bool = False,
                      out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The packed batch as two CPU tensors: [6, tokens] int64 (one row per Packed.FIELDS; filler tokens point
         at the scratch row and scratch sequence) and [batch] lengths (filler sequences: 1), written into `out`
         when given (the CUDA graphs' pinned buffers). numpy, not torch: this runs on the host for every batch,
-        and a few dozen small torch ops cost more than a small model's whole graph replay.
+        and a few dozen small torch ops cost more than a small model's whole graph replay; the ids arrive as one
+        array (model.api.Rows) and are copied once.
         position_offset: added to each token's position (RoBERTa's start past the padding index). pair_types: a
-        text pair's row (model.tokenizer.PairIds) gets token type 1 from its second text on, as the tokenizer's pair
-        encoding says (a cross-encoder with token types); every other token's type is 0."""
-        n = len(rows)
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=n)
-        real, longest = int(lengths.sum()), int(lengths.max())
+        text pair's row gets token type 1 from its second text on (Rows.second), as the tokenizer's pair encoding
+        says (a cross-encoder with token types); every other token's type is 0."""
+        n, lengths = len(rows), rows.lengths
+        real, longest = rows.tokens, rows.longest
         if tokens < real or batch < n or seq < longest:
             raise ValueError(f"bucket ({tokens}, {batch}, {seq}) too small for {real} tokens in {n} rows")
         flat_t, length_t = out if out is not None else (torch.empty((len(Packed.FIELDS), tokens), dtype=torch.long),
                                                          torch.empty(batch, dtype=torch.long))
         ids, positions, types, pad_index, gather_index, seq_index = flat_t.numpy()
-        ids[:real] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=real)
+        ids[:real] = rows.ids
         ids[real:] = pad_token_id
         row_of_token = np.repeat(np.arange(n, dtype=np.int64), lengths)
         np.subtract(np.arange(real, dtype=np.int64), np.repeat(np.cumsum(lengths) - lengths, lengths),
@@ -102,15 +102,10 @@ class Packed:
         types[:] = 0
         np.multiply(row_of_token, seq, out=pad_index[:real])
         pad_index[:real] += positions[:real]
+        if pair_types and rows.second is not None:
+            np.greater_equal(positions[:real], rows.second[row_of_token], out=types[:real], casting="unsafe")
         if position_offset:
             positions += position_offset
-        if pair_types:
-            start = 0
-            for row in rows:
-                second = getattr(row, "second", None)
-                if second is not None:
-                    types[start + second: start + len(row)] = 1
-                start += len(row)
         pad_index[real:] = batch * seq
         np.minimum(pad_index, batch * seq - 1, out=gather_index)
         seq_index[:real] = row_of_token
@@ -140,12 +135,13 @@ class Packed:
         return cu_t
 
     @classmethod
-    def from_rows(cls, rows: list[list[int]], device: torch.device | str, *, tokens: int | None = None,
+    def from_rows(cls, rows: Rows | list[list[int]], device: torch.device | str, *, tokens: int | None = None,
                   batch: int | None = None, seq: int | None = None, pad_token_id: int = 0, position_offset: int = 0,
                   pair_types: bool = False) -> Packed:
         """Pack token-id rows, optionally into a larger (tokens, batch, seq) bucket."""
-        real = sum(map(len, rows))
-        tokens, batch, seq = tokens or real, batch or len(rows), seq or max(map(len, rows))
+        rows = rows if isinstance(rows, Rows) else Rows.of(rows)
+        real = rows.tokens
+        tokens, batch, seq = tokens or real, batch or len(rows), seq or rows.longest
         flat, lengths = cls.host_buffers(rows, tokens, batch, seq, pad_token_id, position_offset=position_offset,
                                          pair_types=pair_types)
         cu_seqlens = cls.host_cu_seqlens(lengths[: len(rows)].numpy(), batch)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fusedserve.model.api import Rows
 from fusedserve.model.encoder import OFFSET_ATTENTIONS, Encoder, Packed, packed_mean_pool
 
 log = logging.getLogger("fusedserve.model")
@@ -113,8 +114,9 @@ class CudaGraphs:
         # pad attention: the padded block is batch x seq, so powers of 2
         return min(_ceil_pow4(rows) if self.attention in OFFSET_ATTENTIONS else _ceil_pow2(rows), self.max_batch)
 
-    def bucket(self, rows: list[list[int]]) -> tuple[int, int, int, bool] | None:
-        tokens, longest = sum(map(len, rows)), max(map(len, rows))
+    def bucket(self, rows: Rows) -> tuple[int, int, int, bool] | None:
+        """The (tokens, batch, seq, dense) key of the graph that runs `rows`, or None when none can."""
+        tokens, longest = rows.tokens, rows.longest
         if tokens > self.tokens[-1] or longest > self.max_seq or len(rows) > self.max_batch:
             return None
         t = self.tokens[bisect.bisect_left(self.tokens, tokens)]
@@ -171,7 +173,7 @@ class CudaGraphs:
             self._capture(keys[0])
         return bool(keys)
 
-    def run(self, rows: list[list[int]]) -> Tensor | None:
+    def run(self, rows: Rows) -> Tensor | None:
         """The head's output [len(rows), dim] float32 on the device (unnormalized), or None when the batch
         is outside every bucket (the caller runs it eagerly)."""
         key = self.bucket(rows)
@@ -230,7 +232,7 @@ class CudaGraphs:
         reserved = torch.cuda.memory_reserved(self.device)
         host = torch.empty(len(Packed.FIELDS) * tokens + batch, dtype=torch.long, pin_memory=True)
         # until the first real fill: one filler token (valid indices, lengths >= 1)
-        Packed.host_buffers([[self.pad_token_id]], tokens, batch, seq, position_offset=self.position_offset,
+        Packed.host_buffers(Rows.of([[self.pad_token_id]]), tokens, batch, seq, position_offset=self.position_offset,
                             out=_split(host, tokens))
         cu_host = Packed.host_cu_seqlens([1], batch, out=torch.empty(batch + 1, dtype=torch.int32, pin_memory=True))
         dev, cu_dev = host.to(self.device), cu_host.to(self.device)

@@ -22,21 +22,16 @@ import torch
 from torch import Tensor
 
 from fusedserve import kernels
-# the server logs a kernel compiled, or a key autotuned, after ready with these
-from fusedserve.kernels import watch_autotunes, watch_compiles  # noqa: F401
-from fusedserve.kernels._layout import cpu_budget  # noqa: F401  (the server sizes its workers' threads with it)
 from fusedserve.kernels.registry import REFERENCE_BACKEND
 from fusedserve.kernels.timing import OpTimer
+from fusedserve.model.api import Rows, TextOptions, l2_normalize
 from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
 from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Encoder, Packed, kernel_ops, resolve_attention
 from fusedserve.model.modules import ClassificationHead, Classifier, EmbeddingHead, Pipeline, read_classifier, read_pipeline
-from fusedserve.model.tokenizer import TextTokenizer
+from fusedserve.model.tokenizer import TextPreparation, TextTokenizer
 from fusedserve.model.weights import CheckpointError, check_encoder_only, default_model_dir, load_checkpoint
 
 log = logging.getLogger("fusedserve.model")
-
-# every op a forward can call (settings validate per-op backend overrides against it)
-KERNEL_OPS: tuple[str, ...] = kernels.OPS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -68,11 +63,12 @@ class LoadReport:
     kernels: kernels.Selection
     seconds: float
     head: str = ""
+    source: str = ""  # " (random init)" for a preset
 
     def __str__(self) -> str:
         c = self.config
         return (
-            f"model {self.model}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}, "
+            f"model {self.model}{self.source}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}, "
             f"max_seq_length {c.max_seq_length}, architecture {c.architecture}\n{self.head}\n"
             f"device {self.device}, dtype {str(self.dtype).removeprefix('torch.')}, loaded in {self.seconds:.1f}s\n"
             f"{self.kernels.report()}"
@@ -121,6 +117,12 @@ class Embedder:
             head = EmbeddingHead(self.pipeline, self.config.hidden_size)
         self.head = head.to(device).eval().requires_grad_(False)
         self.kind = "classifier" if classifier is not None else "embedding"
+        # the one place inputs become token ids (prompts, lower-casing, pairs, truncation)
+        self.text = TextPreparation(
+            tokenizer, self.config.vocab_size, lower_case=self.pipeline is not None and self.pipeline.do_lower_case,
+            prompts=self.pipeline.prompts if self.pipeline is not None else None,
+            default_prompt_name=self.pipeline.default_prompt_name if self.pipeline is not None else None,
+        ) if tokenizer is not None else None
         self.dim: int = head.dim
         # a cross-encoder's text pairs carry token types (the second text's: 1) where the model has them
         self.pair_types = classifier is not None and self.config.type_vocab_size > 1
@@ -155,27 +157,30 @@ class Embedder:
         fused: bool = True,
         max_seq_length: int | None = None,
         pooling: str | None = None,
+        name: str | None = None,
         **options,
     ) -> tuple[Embedder, LoadReport]:
         """model: "default" (the packaged all-MiniLM-L6-v2), a preset name (random init, default tokenizer),
         or a checkpoint directory (an embedding model, sentence-transformers or plain Hugging Face, or a
         `*ForSequenceClassification` classifier / cross-encoder). pooling: override an embedding model's pooling
-        (cls, mean, max, mean_sqrt_len_tokens). options: layout, attention, cuda_graphs, max_batch_tokens,
+        (cls, mean, max, mean_sqrt_len_tokens). name: what it is called (default: the preset's name, "all-MiniLM-L6-v2",
+        or the directory's name). options: layout, attention, cuda_graphs, max_batch_tokens,
         max_batch, max_graphs, backend, backend_overrides (see __init__)."""
         started = time.perf_counter()
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        pipeline, classifier = None, None
+        pipeline, classifier, source = None, None, ""
         if model in PRESETS:
             config = EncoderConfig.from_name(model)
-            encoder, tokenizer_dir, name = Encoder(config), default_model_dir(), f"{model} (random init)"
+            encoder, tokenizer_dir, source = Encoder(config), default_model_dir(), " (random init)"
+            name = name or model
             if pooling:
                 pipeline = Pipeline(read_pipeline(tokenizer_dir, pooling).pooling, source="POOLING setting")
         else:
             path = default_model_dir() if model == "default" else Path(model)
             encoder, rest = load_checkpoint(path)
             tokenizer_dir = path
-            name = "all-MiniLM-L6-v2" if model == "default" else path.name
+            name = name or ("all-MiniLM-L6-v2" if model == "default" else path.name)
             classifier = read_classifier(path, encoder.config, rest)
             if classifier is None:
                 check_encoder_only(rest, encoder.config)
@@ -191,7 +196,7 @@ class Embedder:
         embedder = cls(encoder, tokenizer, name, dev, dt, pipeline=pipeline, classifier=classifier, **options)
         selection = embedder.set_fused(fused)
         return embedder, LoadReport(name, dev, dt, embedder.config, selection, time.perf_counter() - started,
-                                    embedder.describe_head())
+                                    embedder.describe_head(), source)
 
     # ---- the path: changed only through these, between forwards ------------------------------------------------
     def set_fused(self, enabled: bool) -> kernels.Selection:
@@ -269,7 +274,7 @@ class Embedder:
         for op, backend, seconds in timer.results():
             callback(op, backend, seconds)
 
-    def timed_steps(self, batch: list[list[int]], callback: Callable[[str, str, float], None]) -> Iterator[None]:
+    def timed_steps(self, batch: Rows, callback: Callable[[str, str, float], None]) -> Iterator[None]:
         """`batch`'s eager forward as in timed(), one block per step (the embeddings, each layer, the head: packed
         layout; the whole forward in one step otherwise), each step inside this Embedder's selection and timer, none
         across a yield: the server's worker answers the batches that arrive between two steps on their usual path,
@@ -359,7 +364,7 @@ class Embedder:
         (kernels.compile_only; their outputs are thrown away): the same forwards run next find them compiled."""
         with kernels.use(self.selection), kernels.compile_only():
             for batch in batches:
-                self._forward_eager(batch)
+                self._forward_eager(Rows.of(batch))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -402,9 +407,7 @@ class Embedder:
         """The CUDA backend's tuned launch configurations so far (kernel|dtype|width|row bucket -> config)."""
         if "cuda" not in self.selection.used.values():
             return {}
-        from fusedserve.kernels.cuda.tuning import TUNER
-
-        return TUNER.table()
+        return kernels.cuda_launch_configs()
 
     def report(self) -> str:
         """One line on the forward's shape: layout, attention and why, CUDA graphs (and Triton PDL on a GPU)."""
@@ -413,27 +416,26 @@ class Embedder:
         else:
             graphs = f"CUDA graphs on (up to {self.graphs.max_graphs} held, {len(self.graphs.graphs)} captured)"
         if self.device.type == "cuda" and "triton" in self.selection.used.values():
-            from fusedserve.kernels.triton._common import pdl_enabled  # importable: Triton runs an op here
-
-            graphs += f", Triton programmatic dependent launch {'on' if pdl_enabled(self.device) else 'off'}"
+            graphs += f", Triton programmatic dependent launch {'on' if kernels.pdl_enabled(self.device) else 'off'}"
         return f"layout {self.layout}, attention {self.attention} ({self.attention_reason}), {graphs}"
 
     # ---- forwards ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def embed_ids(self, batch: list[list[int]], normalize: bool | None = None, *, graphs: bool = True,
+    def embed_ids(self, batch: Rows | list[list[int]], normalize: bool | None = None, *, graphs: bool = True,
                   reference: bool = False) -> Tensor:
         """Pooled embeddings [len(batch), hidden] (float32, on the CPU) for token-id rows of any lengths.
         graphs=False runs the eager forward (the graphs' oracle in tests and benchmarks). reference=True runs this
         one batch eagerly on the torch reference (the worker's re-run of a batch whose fused forward failed); the
-        path stays as it is."""
+        path stays as it is. normalize: None follows the model's pipeline (its Normalize module)."""
+        batch = batch if isinstance(batch, Rows) else Rows.of(batch)
         if reference:
             with kernels.use(self._reference):
-                pooled = self._forward_eager(batch).cpu()
+                pooled = self._forward_eager(batch).cpu() if len(batch) else torch.empty(0, self.dim)
         else:
             pooled = self.launch_ids(batch, graphs=graphs).wait()
         if normalize is None:
             normalize = self.pipeline.normalize if self.pipeline is not None else False
-        return torch.nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled
+        return torch.from_numpy(l2_normalize(pooled.numpy())) if normalize else pooled
 
     def capture_graphs(self, progress: Callable[[int, int], None] | None = None, limit: int | None = None) -> int:
         """Capture the reachable CUDA-graph buckets not held yet (model.graphs.CudaGraphs.capture_all), the first
@@ -456,7 +458,7 @@ class Embedder:
         return len(self.graphs.pending()) if self.graphs is not None else 0
 
     @torch.inference_mode()
-    def launch_ids(self, batch: list[list[int]], *, graphs: bool = True) -> Pending:
+    def launch_ids(self, batch: Rows, *, graphs: bool = True) -> Pending:
         """Start the forward of `batch` and return at once where the CUDA-graph path can (the replay and the copy
         of its result to pinned host memory are queued on the stream); `Pending.wait()` gives the unnormalized
         pooled embeddings [len(batch), hidden], float32 on the CPU. The eager paths (no bucket fits, inside
@@ -479,10 +481,11 @@ class Embedder:
         return dict(pad_token_id=self.config.pad_token_id, position_offset=self.config.position_offset,
                     pair_types=self.pair_types)
 
-    def _forward_eager(self, batch: list[list[int]]) -> Tensor:
+    def _forward_eager(self, rows: Rows) -> Tensor:
         if self.layout == "packed":
-            packed = Packed.from_rows(batch, self.device, **self._token_layout())
+            packed = Packed.from_rows(rows, self.device, **self._token_layout())
             return self.head(self.encoder.forward_packed(packed, self.attention), packed)
+        batch = rows.tolist()  # the padded layout: the tests' oracle
         seq = max(len(ids) for ids in batch)
         input_ids = torch.full((len(batch), seq), self.config.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), seq), dtype=torch.bool)
@@ -491,7 +494,7 @@ class Embedder:
             mask[row, : len(ids)] = True
         types = None
         if self.pair_types:  # the packed layout's token types, padded
-            flat, _ = Packed.host_buffers(batch, sum(map(len, batch)), len(batch), seq, **self._token_layout())
+            flat, _ = Packed.host_buffers(rows, rows.tokens, len(rows), seq, **self._token_layout())
             types = torch.zeros_like(input_ids)
             types[mask] = flat[Packed.FIELDS.index("token_type_ids")]
             types = types.to(self.device)
@@ -499,50 +502,41 @@ class Embedder:
         return self.head.forward_padded(self.encoder(input_ids, mask, types), mask)
 
     @torch.inference_mode()
-    def embed_tokens(self, batch: list[list[int]]) -> list[Tensor]:
-        """Per-token hidden states of each row ([len(row), hidden] float32 on the CPU, special tokens included):
-        the encoder's packed forward on this Embedder's selection, eagerly (no graph bucket has per-token output)."""
+    def embed_tokens(self, batch: Rows | list[list[int]]) -> Tensor:
+        """Per-token hidden states of every row, back to back ([tokens, hidden] float32 on the CPU, special tokens
+        included; row i is the next batch.lengths[i] of them): the encoder's packed forward on this Embedder's
+        selection, eagerly (no graph bucket has per-token output)."""
+        batch = batch if isinstance(batch, Rows) else Rows.of(batch)
         with kernels.use(self.selection):
             packed = Packed.from_rows(batch, self.device, **self._token_layout())
-            hidden = self.encoder.forward_packed(packed, self.attention)[: sum(map(len, batch))].float().cpu()
-        return list(hidden.split([len(row) for row in batch]))
+            return self.encoder.forward_packed(packed, self.attention)[: batch.tokens].float().cpu()
 
-    # ---- text in --------------------------------------------------------------------------------------------
+    # ---- text in: through TextPreparation, the one place inputs become ids -----------------------------------
     def prompt(self, prompt_name: str | None) -> str:
-        """The text a prompt name stands for ("" for none; the model's default_prompt_name when not named)."""
-        prompts = self.pipeline.prompts if self.pipeline is not None else {}
-        name = prompt_name if prompt_name is not None else (self.pipeline.default_prompt_name if self.pipeline else None)
-        if name is None:
-            return ""
-        if name not in prompts:
-            known = ", ".join(prompts) or "none"
-            raise PromptError(f"prompt_name {name!r} is not one of this model's prompts ({known})")
-        return prompts[name]
+        """The text a prompt name stands for ("" for none; the model's default prompt when not named)."""
+        return self.text.prompt(prompt_name)
 
     def tokenize(self, texts: list[str], truncate: bool = True, prompt_name: str | None = None) -> list[list[int]]:
-        """Token ids of texts as sentence-transformers makes them: the prompt prepended (its tokens count toward
-        truncation), lower-cased where the model says so, special tokens added, truncated to max_seq_length."""
-        prompt = self.prompt(prompt_name)
-        texts = [prompt + t for t in texts] if prompt else texts
-        if self.pipeline is not None and self.pipeline.do_lower_case:
-            texts = [t.lower() for t in texts]
-        return self.tokenizer.encode(texts, truncate=truncate)
+        """Token ids of texts as sentence-transformers makes them (model.tokenizer.TextPreparation.texts)."""
+        return self.text.texts(texts, TextOptions(truncate=truncate, prompt_name=prompt_name)).tolist()
 
     def tokenize_pairs(self, pairs: list[tuple[str, str]], truncate: bool = True) -> list[list[int]]:
         """Token ids of text pairs as a cross-encoder takes them (longest_first truncation)."""
-        return self.tokenizer.encode_pairs(pairs, truncate=truncate)
+        return self.text.pairs(pairs, TextOptions(truncate=truncate)).tolist()
 
     def embed(self, texts: list[str], normalize: bool | None = None, truncate: bool = True,
               prompt_name: str | None = None) -> Tensor:
-        return self.embed_ids(self.tokenize(texts, truncate, prompt_name), normalize)
+        """Embeddings [len(texts), dim] float32 on the CPU, normalized as the model's pipeline says unless
+        `normalize` says otherwise."""
+        return self.embed_ids(self.text.texts(texts, TextOptions(truncate=truncate, prompt_name=prompt_name)),
+                              normalize)
 
     def predict(self, pairs: list[tuple[str, str]] | list[str], truncate: bool = True) -> Tensor:
         """A classifier's logits [n, num_labels] float32 for text pairs (or single texts)."""
         if self.kind != "classifier":
             raise ValueError(f"{self.name} is an embedding model, not a classifier")
-        ids = (self.tokenize_pairs(pairs, truncate) if pairs and not isinstance(pairs[0], str)
-               else self.tokenizer.encode(list(pairs), truncate=truncate))
-        return self.embed_ids(ids, normalize=False)
+        inputs = [tuple(p) if not isinstance(p, str) else p for p in pairs]
+        return self.embed_ids(self.text.prepare(inputs, TextOptions(truncate=truncate)), normalize=False)
 
     def describe_head(self) -> str:
         if self.classifier is not None:
@@ -554,7 +548,3 @@ class Embedder:
         prompts = f", prompts {', '.join(p.prompts)}" if p.prompts else ""
         return (f"head: {' + '.join(p.pooling)} pooling ({p.source}){dense}, dim {self.dim}, normalize "
                 f"{'on' if p.normalize else 'off'}{prompts}")
-
-
-class PromptError(ValueError):
-    """A prompt name the model does not have."""

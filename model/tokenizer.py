@@ -1,14 +1,22 @@
-"""Text -> token ids with HF `tokenizers` from a model's tokenizer.json: no fixed padding (the runner
-pads per batch), truncation to max_seq_length special tokens included, as sentence-transformers does."""
+"""Inputs -> token-id rows, the one place text is prepared: HF `tokenizers` from a model's tokenizer.json (no fixed
+padding: the runner packs per batch; truncation to max_seq_length special tokens included), and around it what
+sentence-transformers does before tokenizing (the prompt before each text, lower-casing where the model says so),
+text pairs for cross-encoders, token ids given by the client (checked, cut), and /tokenize's token details."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer
 
+from fusedserve.model.api import InputTooLong as _InputTooLong
+from fusedserve.model.api import InvalidInput, Rows, TextOptions, Token
 
-class InputTooLong(ValueError):
+
+class InputTooLong(_InputTooLong):
     def __init__(self, index: int, tokens: int, limit: int) -> None:
         super().__init__(f"input {index} has {tokens} tokens, over the limit of {limit} (send truncate=true to cut it)")
         self.index, self.tokens, self.limit = index, tokens, limit
@@ -36,15 +44,20 @@ class TextTokenizer:
         self._full.no_padding()
         self._full.no_truncation()
 
+    def encodings(self, texts: list[str], truncate: bool = True) -> list:
+        """The tokenizer's encodings per text, [CLS] ... [SEP] included. Without truncation, too-long inputs raise
+        InputTooLong."""
+        if truncate:
+            return self._truncating.encode_batch(texts)
+        encodings = self._full.encode_batch(texts)
+        for index, e in enumerate(encodings):
+            if len(e.ids) > self.max_length:
+                raise InputTooLong(index, len(e.ids), self.max_length)
+        return encodings
+
     def encode(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
         """Token ids per text, [CLS] ... [SEP] included. Without truncation, too-long inputs raise InputTooLong."""
-        if truncate:
-            return [e.ids for e in self._truncating.encode_batch(texts)]
-        ids = [e.ids for e in self._full.encode_batch(texts)]
-        for index, row in enumerate(ids):
-            if len(row) > self.max_length:
-                raise InputTooLong(index, len(row), self.max_length)
-        return ids
+        return [e.ids for e in self.encodings(texts, truncate)]
 
     @property
     def untruncated(self) -> Tokenizer:
@@ -62,3 +75,134 @@ class TextTokenizer:
                 if len(row) > self.max_length:
                     raise InputTooLong(index, len(row), self.max_length)
         return rows
+
+
+def _rows_of(encodings) -> Rows:
+    """The encodings' ids as Rows, turned into arrays once, here."""
+    lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+    ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64,
+                      count=int(lengths.sum()))
+    return Rows(ids, lengths)
+
+
+def cut(rows: list[list[int]], limit: int, truncate: bool, direction: str) -> list[list[int]]:
+    """Rows over `limit` tokens cut to it, keeping the first and last token ([CLS], [SEP]) and dropping from the end
+    (right) or the start (left) of the text; with truncate=False an over-long row raises InputTooLong."""
+    out = []
+    for i, row in enumerate(rows):
+        if len(row) > limit:
+            if not truncate:
+                raise InputTooLong(i, len(row), limit)
+            row = row[: limit - 1] + [row[-1]] if direction == "right" else [row[0]] + row[len(row) - limit + 1:]
+        out.append(row)
+    return out
+
+
+class TextPreparation:
+    """What a model does to its inputs before the encoder sees them. Thread-safe (the tokenizers release the GIL and
+    keep no state between calls)."""
+
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int, *, lower_case: bool = False,
+                 prompts: Mapping[str, str] | None = None, default_prompt_name: str | None = None) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.limit = tokenizer.max_length
+        self.lower_case, self.prompts, self.default_prompt_name = lower_case, dict(prompts or {}), default_prompt_name
+
+    def prompt(self, prompt_name: str | None) -> str:
+        """The text a prompt name stands for ("" for none; the model's default prompt when not named)."""
+        name = prompt_name if prompt_name is not None else self.default_prompt_name
+        if name is None:
+            return ""
+        if name not in self.prompts:
+            known = ", ".join(self.prompts) or "none"
+            raise InvalidInput(f"prompt_name {name!r} is not one of this model's prompts ({known})",
+                               param="prompt_name")
+        return self.prompts[name]
+
+    def prepare(self, inputs: Sequence, options: TextOptions) -> Rows:
+        """Texts, text pairs (tuples) or token-id rows, or texts and id rows mixed -> Rows, in input order."""
+        texts = [(i, x) for i, x in enumerate(inputs) if isinstance(x, str)]
+        pairs = [(i, x) for i, x in enumerate(inputs) if isinstance(x, tuple)]
+        given = [(i, x) for i, x in enumerate(inputs) if not isinstance(x, (str, tuple))]
+        if pairs:
+            if len(pairs) != len(inputs):
+                raise InvalidInput("a batch holds texts or text pairs, not both")
+            return self.pairs([x for _, x in pairs], options)
+        if given and options.prompt_name is not None:
+            raise InvalidInput("prompt_name applies to texts, not to token-id inputs", param="prompt_name")
+        parts: list[tuple[list[int], Rows]] = []
+        if texts:
+            parts.append(([i for i, _ in texts], self.texts([x for _, x in texts], options)))
+        if given:
+            parts.append(([i for i, _ in given], self.ids([list(x) for _, x in given], options)))
+        if len(parts) == 1:
+            return parts[0][1]
+        order = {index: (rows, k) for positions, rows in parts for k, index in enumerate(positions)}
+        return Rows.gather([order[i] for i in range(len(inputs))])
+
+    def texts(self, texts: list[str], options: TextOptions) -> Rows:
+        """sentence-transformers' order: the prompt goes before each text (its tokens count toward truncation), its
+        Transformer module lower-cases where the model says so, then the tokenizer adds the special tokens and
+        truncates."""
+        _check_unicode(texts)
+        prompt = self.prompt(options.prompt_name)
+        if prompt:
+            texts = [prompt + t for t in texts]
+        if self.lower_case:
+            texts = [t.lower() for t in texts]
+        if options.details:  # /tokenize: every token, with the text it covers (in the text as prepared)
+            encodings = self.tokenizer.untruncated.encode_batch(texts, add_special_tokens=options.special_tokens)
+            rows = _rows_of(encodings)
+            return Rows(rows.ids, rows.lengths, details=[_tokens(text, e) for text, e in zip(texts, encodings)])
+        if options.direction == "left":
+            rows = [e.ids for e in self.tokenizer.untruncated.encode_batch(texts)]
+            return Rows.of(cut(rows, self.limit, options.truncate, "left"))
+        return _rows_of(self.tokenizer.encodings(texts, options.truncate))
+
+    def pairs(self, pairs: list[tuple[str, str]], options: TextOptions) -> Rows:
+        """A cross-encoder's text pairs, as its tokenizer call makes them (longest_first truncation)."""
+        for pair in pairs:
+            _check_unicode(pair)
+        rows = self.tokenizer.encode_pairs(pairs, truncate=options.truncate)
+        return Rows.of(rows, [r.second for r in rows])
+
+    def ids(self, rows: list[list[int]], options: TextOptions) -> Rows:
+        """Token ids a client sent: each inside the vocabulary, cut as texts are."""
+        for i, row in enumerate(rows):
+            if not row:
+                raise InvalidInput(f"input {i} is an empty token list")
+            if min(row) < 0 or max(row) >= self.vocab_size:  # in C; the offender is looked up only on failure
+                bad = next(t for t in row if not 0 <= t < self.vocab_size)
+                raise InvalidInput(f"input {i} has token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        return Rows.of(cut(rows, self.limit, options.truncate, options.direction))
+
+    def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:
+        tokenizer = self.tokenizer.untruncated
+        vocab = tokenizer.get_vocab_size()
+        for i, row in enumerate(rows):
+            if row and (min(row) < 0 or max(row) >= vocab):
+                bad = next(t for t in row if not 0 <= t < vocab)
+                raise InvalidInput(f"input {i} has token id {bad} outside the vocabulary [0, {vocab})", param="ids")
+        return tokenizer.decode_batch([list(r) for r in rows], skip_special_tokens=skip_special_tokens)
+
+
+def _tokens(text: str, encoding) -> list[Token]:
+    """An encoding's tokens with UTF-8 byte offsets into `text` (text-embeddings-inference reports bytes)."""
+    if text.isascii():
+        to_bytes = int
+    else:
+        ends = [0]
+        for ch in text:
+            ends.append(ends[-1] + len(ch.encode("utf-8")))
+        to_bytes = ends.__getitem__
+    return [Token(i, tok, True, None, None) if special else Token(i, text[a:b], False, to_bytes(a), to_bytes(b))
+            for i, tok, special, (a, b) in zip(encoding.ids, encoding.tokens, encoding.special_tokens_mask,
+                                               encoding.offsets)]
+
+
+def _check_unicode(texts: Sequence[str]) -> None:
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # JSON parsers refuse lone surrogates ("\ud800"); a Python caller's may not
+            raise InvalidInput(f"input {i} is not valid Unicode (lone surrogate)") from None

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
 import threading
 
 import uvicorn
+
+from fusedserve.server import workers
 
 
 class DrainingServer(uvicorn.Server):
@@ -65,10 +68,8 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
         return 2
     configure_logging(args.log_level, settings.log_format)
     if settings.workers > 1 and sockets is None:
-        from fusedserve.server import workers
-
         return workers.supervise(settings.workers, list(sys.argv[1:] if argv is None else argv), args.host,
-                                 args.port, workers.run_worker)
+                                 args.port, functools.partial(workers.run_worker, main))
     app = (app_factory or create_app)(settings)
     # JSON logs: uvicorn's loggers propagate to the root's JSON handler instead of configuring their own format
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -1,12 +1,13 @@
-"""The dynamic batcher: one worker thread owns the model and the device. Handlers validate, tokenize,
-submit and await a future; they never touch tensors.
+"""The dynamic batcher: one worker thread owns the model and the device. Handlers validate, prepare, submit
+and await a future; they never touch tensors. The batcher is also the model's Worker (fusedserve.model.api): the
+model's own device work (warm-up, graph captures, switches) runs on the same thread, between batches or when idle.
 
-A batch closes when its token cost would pass `max_batch_tokens` (the real tokens with the packed layout, where
-the GEMMs and fused ops see no padding; rows x longest row with the padded layout), when it holds
-`max_batch_requests` inputs, or when its oldest input has waited `max_wait_ms`. Inputs are grouped by
+A batch closes when its real tokens would pass `max_batch_tokens` (the models run batches packed, so the GEMMs and
+fused ops see no padding), when it holds `max_batch_requests` inputs, or when its oldest input has waited
+`max_wait_ms`. Inputs are grouped by
 length to cut padding: the batch is the window of similar lengths around the oldest waiting input (so
-nothing starves). A request's inputs are separate items: they may land in different batches and are
-reassembled in order. Expired inputs are answered 504 and cancelled ones dropped before they run.
+nothing starves). A request's inputs are separate items: they may land in different batches; each batch's output
+rows come back as one block, and each request's rows are copied into its own block in one step per batch. Expired inputs are answered 504 and cancelled ones dropped before they run.
 
 With CUDA graphs (overlap_batches) the worker launches a batch and, if another is due, launches that one too
 before it waits for the first: the device is never idle while the worker delivers results or waits for the GIL.
@@ -23,13 +24,13 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 
 import numpy as np
 import torch
 
-from fusedserve.model.runner import Embedder, Pending
+from fusedserve.model.api import Pending, Rows, ServedModel
 from fusedserve.server.config import Settings
 from fusedserve.server.errors import Overloaded, ServiceError, Timeout, Unavailable
 from fusedserve.server.metrics import ModelMetrics
@@ -37,12 +38,9 @@ from fusedserve.server.observability import Throttle
 
 log = logging.getLogger("fusedserve.batcher")
 
-def l2_normalize(matrix: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit L2 norm, as torch.nn.functional.normalize (norms floored at 1e-12)."""
-    return matrix / np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
+OutOfMemory = torch.cuda.OutOfMemoryError  # a batch that hits it is split in halves, not re-run on the reference
 
-
-# call_when_idle's pause: longer than a client's turnaround between back-to-back requests (a loopback round trip and
+# when_idle's pause: longer than a client's turnaround between back-to-back requests (a loopback round trip and
 # its own work, well under a millisecond to a few), short enough that the work runs soon after traffic stops
 IDLE_PAUSE_S = 0.05
 # A sampled batch's per-op timing (kernel_timing_sample_rate) re-runs its inputs eagerly once the batch is answered,
@@ -59,30 +57,29 @@ SLOW_WORK_LOG_S = 60.0
 @dataclass
 class _Sample:
     """A sampled batch waiting for its per-op timing, or part-way through it."""
-    ids: list[list[int]]
+    rows: Rows
     taken: float  # time.monotonic() when it was sampled
     steps: Iterator[None] | None = None  # the timed forward, once started
     blocks: int = 0  # blocks started so far
 
     def describe(self) -> str:
         """Which block of which batch: the slow-work warning's detail."""
-        return f"block {self.blocks} of a sampled batch of {len(self.ids)} inputs, {sum(map(len, self.ids))} tokens"
+        return f"block {self.blocks} of a sampled batch of {len(self.rows)} inputs, {self.rows.tokens} tokens"
 
 
 @dataclass(eq=False)
 class Job:
-    """One client request: its inputs' token ids and where their embeddings go.
+    """One client request: its inputs' token ids and where their output rows go.
 
     One writer per field: `cancelled` is written by the event loop (Batcher.cancel) under the batcher's lock;
-    `results`, `remaining` and `finished` by the worker thread alone (deliver, fail); the future is resolved on
+    `result`, `remaining` and `finished` by the worker thread alone (deliver, fail); the future is resolved on
     the job's event loop (call_soon_threadsafe)."""
 
-    ids: list[list[int]]
-    normalize: bool
+    rows: Rows
     deadline: float
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    results: list[np.ndarray | None] = field(default_factory=list)
+    result: np.ndarray | None = None  # [n, width] float32, filled batch by batch
     remaining: int = 0
     cancelled: bool = False
     finished: bool = False
@@ -93,8 +90,7 @@ class Job:
     done: float | None = None
 
     def __post_init__(self) -> None:
-        self.results = [None] * len(self.ids)
-        self.remaining = len(self.ids)
+        self.remaining = len(self.rows)
 
     def _settle(self, value=None, error: BaseException | None = None) -> None:
         if self.finished:
@@ -114,12 +110,15 @@ class Job:
     def fail(self, error: BaseException) -> None:
         self._settle(error=error)
 
-    def deliver(self, index: int, row: np.ndarray) -> None:
-        self.results[index] = row
-        self.remaining -= 1
+    def deliver(self, indices: list[int], rows: np.ndarray) -> None:
+        """This request's inputs `indices` got `rows` (one row each, in that order)."""
+        if self.result is None:
+            self.result = np.empty((len(self.rows), rows.shape[1]), dtype=np.float32)
+        self.result[indices] = rows
+        self.remaining -= len(indices)
         if self.remaining == 0:
             self.done = time.monotonic()
-            self._settle(np.stack(self.results))
+            self._settle(self.result)
 
 
 @dataclass(eq=False)
@@ -131,30 +130,25 @@ class Item:
 
 
 class Batcher:
-    def __init__(self, embedder: Embedder, settings: Settings, metrics: ModelMetrics,
-                 on_batch: Callable[[list[list[int]], torch.Tensor], None] | None = None) -> None:
+    def __init__(self, model: ServedModel, settings: Settings, metrics: ModelMetrics,
+                 on_batch: Callable[[Rows, np.ndarray], None] | None = None) -> None:
         """metrics: the model's own series (Metrics.for_model); one batcher per model."""
-        self.embedder, self.settings, self.metrics = embedder, settings, metrics
+        self.model, self.settings, self.metrics = model, settings, metrics
         self.on_batch = on_batch  # sampled batches go to the verifier through this
         self._pending: list[Item] = []
         self._cond = threading.Condition()
         self._control: list[tuple[Callable[[], object], concurrent.futures.Future]] = []
-        self._idle_work: list[tuple[Callable[[], object], concurrent.futures.Future]] = []  # call_when_idle
+        self._idle_work: list[tuple[Callable[[], object], concurrent.futures.Future]] = []  # when_idle
         self._timing: _Sample | None = None
         self._stepped = False  # a block of the sample ran since the last batch was taken
         self._slow_work = Throttle(SLOW_WORK_LOG_S)  # _note_wait: one warning per kind of work per interval
         self._stopping = False
         self._draining = False
         self._busy = False
-        self._last_activity = 0.0  # the latest submit or batch end (call_when_idle waits for a pause after it)
+        self._last_activity = 0.0  # the latest submit or batch end (when_idle waits for a pause after it)
         self._thread = threading.Thread(target=self._run, name=f"fusedserve-batcher[{metrics.model}]", daemon=True)
         self.batches = 0
         self.overlapped = 0  # batches launched while the one before was still in flight (overlap_batches)
-        self._packed = embedder.layout == "packed"
-
-    def _cost(self, rows: int, longest: int, total: int) -> int:
-        """What a batch costs against max_batch_tokens: its real tokens when packed, its padded block if not."""
-        return total if self._packed else rows * longest
 
     # ---- called from the event loop ---------------------------------------------------------------
     def start(self) -> None:
@@ -164,21 +158,23 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._pending)
 
-    def submit(self, ids: list[list[int]], normalize: bool, timeout_s: float) -> Job:
+    def submit(self, rows: Rows, timeout_s: float) -> Job:
+        """Queue a request's rows; its job's future resolves to their output rows [len(rows), width] float32, in
+        order, or to the error that stopped them."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        job = Job(ids, normalize, now + timeout_s, loop.create_future(), loop)
+        job = Job(rows, now + timeout_s, loop.create_future(), loop)
         with self._cond:
             if self._draining or self._stopping:
                 self.metrics.rejected.labels("draining").inc()
                 raise Unavailable("the server is shutting down", headers={"Retry-After": "1"})
-            if len(self._pending) + len(ids) > self.settings.max_queue:
+            if len(self._pending) + len(rows) > self.settings.max_queue:
                 self.metrics.rejected.labels("queue_full").inc()
                 raise Overloaded(f"queue full ({len(self._pending)} inputs waiting); retry later",
                                  headers={"Retry-After": "1"})
             # stamped under the lock: _pending stays in arrival order (the oldest first; _choose relies on it)
             now = job.enqueued = self._last_activity = time.monotonic()
-            self._pending.extend(Item(job, i, len(row), now) for i, row in enumerate(ids))
+            self._pending.extend(Item(job, i, length, now) for i, length in enumerate(rows.lengths.tolist()))
             self.metrics.queue_depth.set(len(self._pending))
             self._cond.notify()
         return job
@@ -191,7 +187,7 @@ class Batcher:
             job.cancelled = True
             self.metrics.rejected.labels(reason).inc()
 
-    def call_between_batches(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+    def between_batches(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run `fn` on the worker thread between two batches (backend switches must not race a forward)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
@@ -202,7 +198,7 @@ class Batcher:
             self._cond.notify()
         return future
 
-    def call_when_idle(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+    def when_idle(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run `fn` on the worker thread when no input is waiting, no batch is in flight and none has come or ended
         for IDLE_PAUSE_S (background work, such as capturing the rest of the CUDA graphs after ready). The pause keeps
         it out of a client's back-to-back requests, whose gaps are a round trip long: a request arriving meanwhile
@@ -307,7 +303,7 @@ class Batcher:
             batch = self._choose(oldest)
             longest, total = max(it.length for it in batch), sum(it.length for it in batch)
             full = len(batch) >= s.max_batch_requests or \
-                self._cost(len(batch) + 1, longest, total + longest) > s.max_batch_tokens or \
+                total + longest > s.max_batch_tokens or \
                 len(batch) < len(self._pending)
             if full or waited * 1e3 >= s.max_wait_ms or self._draining:
                 self._stepped = False  # the next block of a sample may run after this batch
@@ -333,25 +329,25 @@ class Batcher:
         stands."""
         try:
             if sample.steps is None:
-                sample.steps = self.embedder.timed_steps(sample.ids, self._record_kernel)
+                sample.steps = self.model.time_ops(sample.rows, self._record_kernel)
             sample.blocks += 1
             next(sample.steps)
             return  # more blocks to go
         except StopIteration:
             pass
         except Exception as exc:
-            log.warning("timing the ops of a sampled batch of %d inputs failed (%s: %s)", len(sample.ids),
+            log.warning("timing the ops of a sampled batch of %d inputs failed (%s: %s)", len(sample.rows),
                         type(exc).__name__, exc)
         with self._cond:
             if self._timing is sample:
                 self._timing = None
 
-    def _sample_timing(self, ids: list[list[int]]) -> None:
+    def _sample_timing(self, rows: Rows) -> None:
         """Keep this batch's inputs to time its ops later (_time_step); one sample waits at a time, later ones are
         not taken meanwhile."""
         with self._cond:
             if self._timing is None and not self._draining:
-                self._timing = _Sample(ids, time.monotonic())
+                self._timing = _Sample(rows, time.monotonic())
                 self._cond.notify()
 
     def _note_wait(self, fn: Callable[[], object], seconds: float) -> None:
@@ -400,7 +396,7 @@ class Batcher:
                 candidate_longest, step, added = longest, "left", left.length
             else:
                 candidate_longest, step, added = max(longest, right.length), "right", right.length
-            if self._cost(hi - lo + 2, candidate_longest, total + added) > s.max_batch_tokens:
+            if total + added > s.max_batch_tokens:
                 break
             longest, total = candidate_longest, total + added
             if step == "left":
@@ -418,53 +414,53 @@ class Batcher:
             m.queue_duration.observe(now - it.enqueued)
             if it.job.started is None:
                 it.job.started = now
-        ids = [it.job.ids[it.index] for it in batch]
-        longest = max(len(r) for r in ids)
-        real = sum(len(r) for r in ids)
+        rows = Rows.gather([(it.job.rows, it.index) for it in batch])
+        longest, real = rows.longest, rows.tokens
         m.batch_size.observe(len(batch))
         m.batch_tokens.observe(longest * len(batch))
         m.batch_padding_ratio.observe(1 - real / (longest * len(batch)))
         if random.random() < self.settings.kernel_timing_sample_rate:
-            self._sample_timing(ids)  # timed after it is answered: the request never waits on the instrumented path
+            self._sample_timing(rows)  # timed after it is answered: the request never waits on the instrumented path
         if self.settings.overlap_batches:
             started = time.perf_counter()
             try:
-                pending = self.embedder.launch_ids(ids)
+                pending = self.model.launch(rows)
             except Exception as exc:  # OOM or a failing kernel: the synchronous path below retries, falls back
                 log.warning("launching a batch of %d inputs failed (%s: %s); running it on the synchronous path",
-                            len(ids), type(exc).__name__, exc, exc_info=True)
+                            len(rows), type(exc).__name__, exc, exc_info=True)
             else:
-                inflight = InFlight(batch, ids, pending, started, self.embedder.path)
+                inflight = InFlight(batch, rows, pending, started)
                 if not pending.ready():
                     return inflight
                 self._finish(inflight)  # computed already (the eager paths): deliver now, do not hold it
                 return None
-        self._complete(batch, ids, lambda: self._forward(ids))
+        self._complete(batch, rows, lambda: self._forward(rows))
         return None
 
     def _finish(self, inflight: InFlight) -> None:
-        self._complete(inflight.batch, inflight.ids, lambda: self._collect(inflight))
+        self._complete(inflight.batch, inflight.rows, lambda: self._collect(inflight))
 
-    def _collect(self, inflight: InFlight) -> torch.Tensor:
+    def _collect(self, inflight: InFlight) -> np.ndarray:
         """The result of a launched batch; one that raised or came back non-finite runs again synchronously
         (which retries it and falls back to the reference path as an unlaunched batch would)."""
         try:
-            pooled = inflight.pending.wait()
-            if not np.isfinite(pooled.numpy()).all():
-                raise NonFiniteOutput(f"{inflight.path} forward produced NaN/Inf")
+            block = inflight.pending.rows()
+            if not np.isfinite(block).all():
+                raise NonFiniteOutput(f"{inflight.pending.path} forward produced NaN/Inf")
         except Exception as exc:
             log.warning("launched batch failed (%s: %s); running it again on the synchronous path",
                         type(exc).__name__, exc, exc_info=not isinstance(exc, NonFiniteOutput))
-            return self._forward(inflight.ids)
-        self.metrics.forward_duration.labels(inflight.path).observe(time.perf_counter() - inflight.started)
-        return pooled
+            return self._forward(inflight.rows)
+        self.metrics.forward_duration.labels(inflight.pending.path).observe(time.perf_counter() - inflight.started)
+        return block
 
-    def _complete(self, batch: list[Item], ids: list[list[int]], forward: Callable[[], torch.Tensor]) -> None:
-        """Run `forward` for the batch and deliver each row to its request (or fail them all)."""
+    def _complete(self, batch: list[Item], rows: Rows, forward: Callable[[], np.ndarray]) -> None:
+        """Run `forward` for the batch and deliver its block to the requests, each request's rows in one copy (or
+        fail them all)."""
         try:
-            pooled = forward()
-        except torch.cuda.OutOfMemoryError:
-            log.error("out of memory even for a single input of %d tokens", max(len(r) for r in ids))
+            block = forward()
+        except OutOfMemory:
+            log.error("out of memory even for a single input of %d tokens", rows.longest)
             for it in batch:
                 it.job.fail(Unavailable("out of device memory for this input; retry later",
                                         headers={"Retry-After": "1"}))
@@ -474,41 +470,43 @@ class Batcher:
             for it in batch:
                 it.job.fail(ServiceError(f"inference failed ({type(exc).__name__})"))
             return
-        # numpy from here on: every torch call lets go of the GIL and may wait up to a switch interval to get it
-        # back from a busy event loop; per-row tensor indexing made that a wait per row under load
-        raw = pooled.numpy()
-        normalized = l2_normalize(raw)
-        for row, it in enumerate(batch):
-            it.job.deliver(it.index, normalized[row] if it.job.normalize else raw[row])
+        by_job: dict[int, tuple[Job, list[int], list[int]]] = {}
+        for position, it in enumerate(batch):
+            _, positions, indices = by_job.setdefault(id(it.job), (it.job, [], []))
+            positions.append(position)
+            indices.append(it.index)
+        for job, positions, indices in by_job.values():
+            job.deliver(indices, block[positions])
         self.batches += 1
         if self.on_batch is not None and random.random() < self.settings.verify_sample_rate:
-            self.on_batch(ids, pooled)
+            self.on_batch(rows, block)
 
-    def _forward(self, ids: list[list[int]]) -> torch.Tensor:
-        """Pooled, unnormalized embeddings. A batch that runs out of device memory is split in halves and
-        retried (a single input that still does not fit fails)."""
+    def _forward(self, rows: Rows) -> np.ndarray:
+        """Raw output rows. A batch that runs out of device memory is split in halves and retried (a single input
+        that still does not fit fails)."""
         try:
-            return self._forward_once(ids)
-        except torch.cuda.OutOfMemoryError:
-            if len(ids) == 1:
+            return self._forward_once(rows)
+        except OutOfMemory:
+            if len(rows) == 1:
                 raise
-            log.warning("out of memory on a batch of %d inputs; splitting it in two", len(ids))
+            log.warning("out of memory on a batch of %d inputs; splitting it in two", len(rows))
             self.metrics.batch_splits.inc()
-            if self.embedder.device.type == "cuda":
+            if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
-            half = len(ids) // 2
-            return torch.cat([self._forward(ids[:half]), self._forward(ids[half:])])
+            half = len(rows) // 2
+            return np.concatenate([self._forward(rows.slice(0, half)), self._forward(rows.slice(half, len(rows)))])
 
-    def _forward_once(self, ids: list[list[int]]) -> torch.Tensor:
+    def _forward_once(self, rows: Rows) -> np.ndarray:
         """One forward on the current path. A fused forward that raises or yields NaN/Inf is re-run on the
         reference path (counted); non-finite output from the reference itself is an error, never an answer."""
-        path = self.embedder.path
         started = time.perf_counter()
+        pending = self.model.launch(rows)
+        path = pending.path
         try:
-            pooled = self.embedder.embed_ids(ids, normalize=False)
-            if not np.isfinite(pooled.numpy()).all():
+            block = pending.rows()
+            if not np.isfinite(block).all():
                 raise NonFiniteOutput(f"{path} forward produced NaN/Inf")
-        except torch.cuda.OutOfMemoryError:
+        except OutOfMemory:
             raise
         except Exception as exc:
             if path == "reference":
@@ -519,12 +517,11 @@ class Batcher:
             self.metrics.fallbacks.labels("all", reason).inc()
             path = "reference"
             started = time.perf_counter()
-            pooled = self.embedder.embed_ids(ids, normalize=False, reference=True)
-            if not np.isfinite(pooled.numpy()).all():
+            block = self.model.launch(rows, reference=True).rows()
+            if not np.isfinite(block).all():
                 raise NonFiniteOutput("reference forward produced NaN/Inf") from exc
         self.metrics.forward_duration.labels(path).observe(time.perf_counter() - started)
-        return pooled
-
+        return block
 
     def _record_kernel(self, op: str, backend: str, seconds: float) -> None:
         self.metrics.kernel_duration.labels(op, backend).observe(seconds)
@@ -534,12 +531,12 @@ class NonFiniteOutput(RuntimeError):
     pass
 
 
+
 @dataclass(eq=False)
 class InFlight:
     """A launched batch the worker has not finished yet."""
 
     batch: list[Item]
-    ids: list[list[int]]
+    rows: Rows
     pending: Pending
     started: float
-    path: str

@@ -21,8 +21,6 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest, multiprocess)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from fusedserve.model.runner import KERNEL_OPS
-
 log = logging.getLogger("fusedserve")
 
 PREFIX = "fusedserve_"
@@ -128,12 +126,14 @@ class Metrics:
 
             threading.Thread(target=loop, name="fusedserve-metrics", daemon=True).start()
 
-    def for_model(self, model: str) -> ModelMetrics:
-        return ModelMetrics(self, model)
+    def for_model(self, model: str, ops: Iterable[str] = ()) -> ModelMetrics:
+        """The series of one model, whose forward calls `ops` (each gets its fallback series from the start)."""
+        return ModelMetrics(self, model, ops)
 
-    def watch_device_memory(self, device: torch.device) -> None:
+    def watch_device_memory(self, device: str) -> None:
         """Read CUDA allocator numbers at scrape time (nothing to report on the CPU). The models share the device:
-        these are the process's numbers, not a model's."""
+        these are the process's numbers, not a model's. device: as a model describes it ("cpu", "cuda:0")."""
+        device = torch.device(device)
         if device.type != "cuda" or device in self._watched_devices:
             return
         self._watched_devices.add(device)
@@ -185,7 +185,7 @@ class ModelMetrics:
     """One model's series: the attributes of Metrics that the batcher, the verifier and the model's service write,
     with model=<name> filled in (a family without further labels is its child; one with more is `_Labelled`)."""
 
-    def __init__(self, metrics: Metrics, model: str) -> None:
+    def __init__(self, metrics: Metrics, model: str, ops: Iterable[str] = ()) -> None:
         self.model = model
         self.queue_duration = metrics.queue_duration.labels(model)
         self.queue_depth = metrics.queue_depth.labels(model)
@@ -210,7 +210,7 @@ class ModelMetrics:
         # every known fallback series exists from the start, so dashboards and alerts see 0, not nothing
         self.fallbacks.labels("all", "exception")
         self.fallbacks.labels("all", "non_finite")
-        for op in KERNEL_OPS:
+        for op in ops:
             self.fallbacks.labels(op, "verify_mismatch")
 
     def set_backends(self, choices: dict[str, str], fused: bool) -> None:

@@ -1,12 +1,11 @@
-"""The server the routes share: its models (one server.model_service.ModelService each: an Embedder on the shared
+"""The server the routes share: its models (one server.model_service.ModelService each: a ServedModel on the shared
 device, a batcher, a verifier), which of them a request means, the start-up (the models load and warm up one after
-another on a thread of their own, so the port answers from the start), readiness, /info and the drain on
-shutdown."""
+another on a thread of their own, so the port answers from the start), readiness (its one owner: a request is
+checked once, when its model is looked up), /info and the drain on shutdown."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -16,27 +15,16 @@ from pathlib import Path
 
 import torch
 
-from fusedserve.model.runner import cpu_budget, watch_autotunes, watch_compiles
 from fusedserve.server import workers
 from fusedserve.server.config import Settings
-from fusedserve.server.errors import NotFound, Unavailable
+from fusedserve.server.errors import NotFound, Unavailable, Unprocessable
 from fusedserve.server.metrics import Metrics
 from fusedserve.server.model_service import ModelService, refreeze
-from fusedserve.server.observability import CURRENT, Throttle
+from fusedserve.server.observability import CURRENT
 
 log = logging.getLogger("fusedserve")
 
 VERSION = "0.1.0"
-
-
-def _worker_threads(workers: int) -> int:
-    """Intra-op threads per worker when TORCH_THREADS is not set: 0 (torch's default) for one worker or where the
-    operator set OMP_NUM_THREADS / MKL_NUM_THREADS, else the CPUs this process may use (cpu_budget) shared out.
-    Each worker would otherwise take every core, and on the CPU their matmuls would fight over them (the CPU workers
-    measurement in docs/performance.md)."""
-    if workers <= 1 or os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
-        return 0
-    return max(1, cpu_budget() // workers)
 
 
 def _process_age_s() -> float | None:
@@ -51,34 +39,16 @@ def _process_age_s() -> float | None:
     return age if 0 <= age < time.monotonic() + 1 else None
 
 
-def _compiled_after_ready(kernel: str) -> None:
-    log.warning("a Triton kernel was compiled or loaded after ready, and whatever launched it waited (expected after "
-                "a backend switch; otherwise a shape the start-up's compile pass missed): %s", kernel)
-
-
-# one line per kernel at most a minute: an autotune calls back once for every candidate it times
-_autotunes_logged = Throttle(60.0)
-
-
-def _autotuned_after_ready(kernel: str) -> None:
-    if not _autotunes_logged.allow(kernel):
-        return
-    log.warning("the Triton autotuner of %s timed its candidates after ready, and whatever launched it waited (a key "
-                "the start-up's shape sweep did not tune, or the shipped tuning lacks)", kernel)
-
-
 class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        if settings.cache_dir:  # the kernel layer reads it from the environment (kernels.cache), so do the workers
-            os.environ["FUSEDSERVE_CACHE_DIR"] = settings.cache_dir
         self.metrics = Metrics()
         # set once each (loaded, then draining) and read from the event loop, the signal handler and the drain
         # timer: Events, so no reader depends on when another thread's write becomes visible
         self._ready = threading.Event()
         self._draining = threading.Event()
         # in configuration order: the first is the default model
-        self.models = [ModelService(self, name, spec) for name, spec in settings.served_models()]
+        self.models = [ModelService(settings, self.metrics, name, spec) for name, spec in settings.served_models()]
         self.loading: ModelService | None = None  # the model the start-up is working on
         self.phase = "starting"  # the server's: starting, loading (a model's phase then), ready or failed
         self.load_error: str | None = None  # why the start failed
@@ -93,12 +63,7 @@ class Service:
         self.metrics.watch_cuda_graphs(self._graph_stats)
 
     def _graph_stats(self) -> list[tuple[str, dict]]:
-        out = []
-        for m in self.models:
-            e = m.embedder
-            if e is not None:
-                out.append((m.name, e.graphs.stats() if e.graphs is not None else {}))
-        return out
+        return [(m.name, dict(m.model.describe().graphs)) for m in self.models if m.model is not None]
 
     # ---- which model a request means ------------------------------------------------------------
     @property
@@ -115,8 +80,8 @@ class Service:
         """The model a request names; without a name (None or ""), the first model of the configuration that serves
         `kind` ("embedding", "classifier"; None: the first model). A model that failed to load and comes before that
         one answers 503 rather than the request silently going to another model. An unknown name is a 404 naming the
-        models served; a model of the wrong kind for the route a 422 (ModelService.check_kind). The request's
-        metrics and span carry the model's name from here on."""
+        models served; a model of the wrong kind for the route a 422. The request's metrics and span carry the
+        model's name from here on. The one readiness check of a request."""
         self.check_ready()
         if name:
             chosen = next((m for m in self.models if m.name == name), None)
@@ -125,9 +90,13 @@ class Service:
                                param="model", code="model_not_found")
         else:
             chosen = self._first_of(kind)
-        chosen.check_ready()
-        if kind is not None:
-            chosen.check_kind(kind)
+        if chosen.load_error is not None:
+            raise Unavailable(f"model {chosen.name!r} failed to load ({chosen.load_error})")
+        if kind is not None and chosen.kind != kind:
+            served = chosen.kind
+            use = "/rerank, /v1/rerank or /predict" if served == "classifier" else "/infer, /embed or /v1/embeddings"
+            raise Unprocessable(f"this route serves {kind} models; {chosen.name} is a{'n' * (served[0] in 'ae')} "
+                                f"{served} model: use {use}")
         record = CURRENT.get()
         if record is not None:
             record.model = chosen.name
@@ -140,7 +109,7 @@ class Service:
                                   f"name may have meant it: name one of {self.names()}", param="model")
             if kind is None or m.kind == kind:
                 return m
-        return self.default  # none serves this kind: its check_kind answers, naming what it serves
+        return self.default  # none serves this kind: the kind check answers, naming what it serves
 
     def names(self) -> str:
         return ", ".join(repr(m.name) for m in self.serving)
@@ -196,7 +165,7 @@ class Service:
 
     def _start_up(self) -> None:
         try:
-            threads = self.settings.torch_threads or _worker_threads(self.settings.workers)
+            threads = self.settings.torch_threads or workers.threads_per_worker(self.settings.workers)
             if threads:
                 torch.set_num_threads(threads)
                 # the tokenizer's thread pool (rayon's, sized at its first parallel batch, after this) gets the same
@@ -219,13 +188,8 @@ class Service:
                 except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
                     log.exception("ready in %.1fs; the start-up report failed", elapsed)
                 self.mark_ready()
-                try:  # log lines only: never a reason to stop a server that is ready
-                    watch_compiles(_compiled_after_ready)
-                    watch_autotunes(_autotuned_after_ready)
-                except Exception:
-                    log.exception("watching for kernels compiled or autotuned after ready failed")
                 for m in self.serving:
-                    m.capture_rest()
+                    m.run_background()
         except BaseException as exc:
             failing = self.loading
             named = f"model {failing.name!r} ({failing.spec.path}): " if failing is not None else ""
@@ -247,7 +211,7 @@ class Service:
             m.phase = "loading"  # before it is the one /readyz reports: phases only move forward there
             self.loading = m
             try:
-                m.start()
+                m.start(lambda: self.draining)
             except Exception as exc:
                 if self.settings.model_load_failure != "skip":
                     raise
@@ -286,10 +250,6 @@ class Service:
     def shutdown(self) -> None:
         """Refuse new work, answer what every model accepted (within request_timeout_s in all), stop."""
         self.start_draining()
-        with contextlib.suppress(Exception):
-            watch_compiles(None)
-        with contextlib.suppress(Exception):
-            watch_autotunes(None)
         deadline = time.monotonic() + self.settings.request_timeout_s
         stopped = [m.stop(timeout_s=max(deadline - time.monotonic(), 0.1)) for m in self.models]  # every one
         drained = all(stopped)

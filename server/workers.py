@@ -139,11 +139,31 @@ def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
         shutil.rmtree(state, ignore_errors=True)
 
 
-def run_worker(argv: list[str], sock: socket.socket, index: int) -> None:
-    """A worker process: the same start as `fusedserve serve`, on the parent's socket. In a process group of its
-    own, so a terminal's Ctrl-C or a service manager's group-wide signal reaches it once, through the parent."""
-    from fusedserve.server.__main__ import main
-
+def run_worker(main, argv: list[str], sock: socket.socket, index: int) -> None:
+    """A worker process: `main(argv, sockets=[sock])` (the same start as `fusedserve serve`, on the parent's socket;
+    the serve command hands its own main in, so this module never imports it). In a process group of its own, so a
+    terminal's Ctrl-C or a service manager's group-wide signal reaches it once, through the parent."""
     os.setpgrp()
     os.environ[INDEX_ENV] = str(index)
     raise SystemExit(main(argv, sockets=[sock]))
+
+
+def threads_per_worker(workers: int) -> int:
+    """Intra-op threads per worker when TORCH_THREADS is not set: 0 (torch's default) for one worker or where the
+    operator set OMP_NUM_THREADS / MKL_NUM_THREADS, else the CPUs this process may use shared out. Each worker would
+    otherwise take every core, and on the CPU their matmuls would fight over them (the CPU workers measurement in
+    docs/performance.md)."""
+    if workers <= 1 or os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
+        return 0
+    return max(1, _usable_cpus() // workers)
+
+
+def _usable_cpus() -> int:
+    """This process's CPU affinity, capped by a cgroup v2 CPU quota (a container's limit, where the affinity still
+    lists every core of the node)."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]  # "max 100000" or "200000 100000"
+        return cpus if quota == "max" else min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        return cpus

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import ServiceDep
 from fusedserve.server.responses import EmbeddingResponse, LeanRoute
 
@@ -19,7 +20,15 @@ ENCODING_HELP = ("output type: `float`; `base64` (each row's float32 bytes, litt
                  "uint8); sentence-transformers' quantize_embeddings semantics")
 
 
-class InferRequest(BaseModel):
+class StrictRequest(BaseModel):
+    """A request body whose unknown fields are a 422 naming them (a typo such as `normalise` must not pass as a
+    default), as OpenAI's API refuses an unrecognized argument: /infer's and the OpenAI routes' requests. The TEI and
+    KServe routes accept and ignore unknown fields, as those servers do (docs/architecture.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class InferRequest(StrictRequest):
     inputs: str | list[str] = Field(..., description="one text or a list of texts")
     normalize: StrictBool = Field(True, description="L2-normalize each embedding")
     truncate: StrictBool = Field(True, description="cut inputs at max_seq_length tokens; false makes an over-long "
@@ -45,9 +54,7 @@ class InferResponse(BaseModel):
 async def infer(body: InferRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     model = service.model(body.model, "embedding")
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    result = await model.embed_texts(texts, normalize=body.normalize, truncate=body.truncate, request=request,
-                                     prompt_name=body.prompt_name)
-    embeddings = result.embeddings if body.encoding_format == "float" else \
-        await model.output(result.embeddings, body.encoding_format, normalize=body.normalize)
+    result = await model.embed(texts, TextOptions(truncate=body.truncate, prompt_name=body.prompt_name), request)
+    embeddings = await model.output(result.rows, body.encoding_format, normalize=body.normalize)
     return EmbeddingResponse({"embeddings": embeddings, "model": model.name,
                               "dim": model.dim, "usage": {"tokens": result.tokens}})

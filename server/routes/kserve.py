@@ -22,8 +22,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import ServiceDep
 from fusedserve.server.errors import BadRequest, PayloadTooLarge, Unprocessable
+from fusedserve.server.model_service import shape
 from fusedserve.server.responses import EmbeddingResponse, OrjsonRoute
 from fusedserve.server.service import VERSION
 
@@ -123,7 +125,7 @@ async def model_config(name: str, service: ServiceDep) -> dict:
         "output": [{"name": OUTPUT_NAME, "data_type": "TYPE_FP32", "dims": [-1, model.dim]}],
         "dynamic_batching": {"max_queue_delay_microseconds": int(s.max_wait_ms * 1000),
                              "preferred_batch_size": [s.max_batch_requests]},
-        "parameters": {"max_seq_length": {"string_value": str(model.embedder.config.max_seq_length)},
+        "parameters": {"max_seq_length": {"string_value": str(model.description.max_length)},
                        "normalize": {"string_value": "true"}},
     }
 
@@ -260,7 +262,8 @@ async def infer(name: str, service: ServiceDep, request: Request) -> Response:
         binary = _flag(body.parameters, "binary_data_output", False)
         for output in body.outputs or ():
             binary = _flag(output.parameters, "binary_data", binary)
-        result = await model.embed_texts(texts, normalize=normalize, truncate=True, request=request)
+        result = await model.embed(texts, TextOptions(), request)
+        embeddings = shape(result.rows, normalize=normalize, dimensions=None)
     except Exception:
         stats.fail += 1
         stats.fail_ns += time.perf_counter_ns() - started
@@ -274,9 +277,9 @@ async def infer(name: str, service: ServiceDep, request: Request) -> Response:
     if body.id is not None:
         response["id"] = body.id
     if not binary:
-        output["data"] = result.embeddings.ravel()
+        output["data"] = embeddings.ravel()
         return EmbeddingResponse(response)
-    data = np.ascontiguousarray(result.embeddings, dtype="<f4").tobytes()
+    data = np.ascontiguousarray(embeddings, dtype="<f4").tobytes()
     output["parameters"] = {"binary_data_size": len(data)}
     header = orjson.dumps(response)
     return Response(header + data, media_type="application/octet-stream",

@@ -10,14 +10,15 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, StrictBool
 
+from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import ServiceDep
 from fusedserve.server.responses import EmbeddingResponse, LeanRoute
-from fusedserve.server.routes.infer import ENCODING_HELP, Encoding
+from fusedserve.server.routes.infer import ENCODING_HELP, Encoding, StrictRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
-class EmbeddingsRequest(BaseModel):
+class EmbeddingsRequest(StrictRequest):
     input: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="a text, texts, one input's token ids, or several inputs' token ids")
     model: str | None = Field(None, description="one of the served models' ids (GET /v1/models); empty or absent: the "
@@ -61,6 +62,11 @@ class ModelList(BaseModel):
     data: list[Model]
 
 
+def _has_text(inputs: list) -> bool:
+    # a prompt applies to texts; with token ids only there is nothing to put it before (accepted, as before)
+    return any(isinstance(x, str) for x in inputs)
+
+
 def _model(model, created: int) -> dict:
     return {"id": model.name, "object": "model", "created": created, "owned_by": "fusedserve"}
 
@@ -70,16 +76,14 @@ async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Requ
     model.check_dimensions(body.dimensions)
     data = body.input
     if isinstance(data, str):
-        result = await model.embed_texts([data], normalize=True, truncate=body.truncate, request=request,
-                                         prompt_name=body.prompt_name)
+        inputs = [data]
     elif data and all(isinstance(x, int) for x in data):
-        result = await model.embed_ids(model.validate_ids([data], body.truncate), normalize=True, request=request)
-    elif data and all(isinstance(x, list) for x in data):
-        result = await model.embed_ids(model.validate_ids(data, body.truncate), normalize=True, request=request)
+        inputs = [data]  # one input's token ids
     else:
-        result = await model.embed_texts(list(data), normalize=True, truncate=body.truncate, request=request,
-                                         prompt_name=body.prompt_name)
-    rows = await model.output(result.embeddings, body.encoding_format, normalize=True, dimensions=body.dimensions)
+        inputs = list(data)
+    options = TextOptions(truncate=body.truncate, prompt_name=body.prompt_name if _has_text(inputs) else None)
+    result = await model.embed(inputs, options, request)
+    rows = await model.output(result.rows, body.encoding_format, normalize=True, dimensions=body.dimensions)
     items = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
     return EmbeddingResponse({"object": "list", "data": items, "model": model.name,
                               "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}})

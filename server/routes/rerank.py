@@ -7,14 +7,12 @@ model field: they go to the server's first classifier; `/v1/rerank` takes a `mod
 from __future__ import annotations
 
 import numpy as np
-import torch
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, StrictBool
 
-from fusedserve.model.modules import activate
-from fusedserve.model.tokenizer import InputTooLong
+from fusedserve.model.api import TextOptions, scores
 from fusedserve.server.deps import ServiceDep
-from fusedserve.server.errors import PayloadTooLarge, Unprocessable
+from fusedserve.server.errors import Unprocessable
 from fusedserve.server.model_service import ModelService
 from fusedserve.server.service import Service
 
@@ -24,28 +22,17 @@ router = APIRouter(tags=["classification"])
 def _classifier(service: Service, route: str, *, rerank: bool, name: str | None = None) -> ModelService:
     """The classifier the request names, or the server's first; a re-rank needs one with one output label."""
     model = service.model(name, "classifier")
-    e = model.embedder
-    if rerank and len(e.classifier.labels) != 1:
+    labels = model.description.labels
+    if rerank and len(labels) != 1:
         raise Unprocessable(f"{route} needs a re-ranker (one output label); {model.name} has "
-                            f"{len(e.classifier.labels)} labels ({', '.join(e.classifier.labels)}): use /predict")
+                            f"{len(labels)} labels ({', '.join(labels)}): use /predict")
     return model
 
 
 async def _scores(model: ModelService, pairs: list[tuple[str, str]] | list[str], truncate: bool, raw: bool,
                   request: Request) -> np.ndarray:
-    model.check_count(len(pairs))
-    e = model.embedder
-    try:
-        if pairs and not isinstance(pairs[0], str):
-            ids = e.tokenize_pairs(pairs, truncate)
-        else:
-            ids = e.tokenizer.encode(list(pairs), truncate=truncate)
-    except InputTooLong as exc:
-        raise PayloadTooLarge(str(exc)) from None
-    logits = (await model.embed_ids(ids, normalize=False, request=request, kind="classifier")).embeddings
-    if raw:
-        return logits
-    return activate(torch.from_numpy(np.ascontiguousarray(logits)), e.classifier.activation).numpy()
+    logits = (await model.embed(pairs, TextOptions(truncate=truncate), request)).rows
+    return logits if raw else scores(logits, model.description.activation)
 
 
 class RerankRequest(BaseModel):
@@ -126,6 +113,6 @@ async def predict(body: PredictRequest, service: ServiceDep, request: Request) -
     model = _classifier(service, "/predict", rerank=False)
     batch, single = _as_inputs(body.inputs)
     scores = await _scores(model, batch, body.truncate, body.raw_scores, request)
-    labels = model.embedder.classifier.labels
+    labels = model.description.labels
     rows = [[{"label": labels[j], "score": float(row[j])} for j in np.argsort(-row, kind="stable")] for row in scores]
     return rows[0] if single else rows

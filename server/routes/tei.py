@@ -7,7 +7,6 @@ first model."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Literal
 
 from fastapi import APIRouter, Request
@@ -15,9 +14,8 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field, RootModel, StrictBool
 
+from fusedserve.model.api import TextOptions, l2_normalize
 from fusedserve.server.deps import ServiceDep
-from fusedserve.server.errors import Unprocessable
-from fusedserve.server.model_service import INLINE_TOKENIZE_CHARS, ModelService
 from fusedserve.server.responses import EmbeddingResponse, LeanRoute
 from fusedserve.server.routes.infer import ENCODING_HELP, Encoding
 
@@ -100,38 +98,18 @@ def _items(inputs: Inputs) -> list[str | list[int]]:
     return list(inputs)
 
 
-def _direction(value: str) -> str:
-    return value.lower()
-
-
-async def _token_ids(model: ModelService, items: list[str | list[int]], *, truncate: bool, direction: str,
-                     prompt_name: str | None) -> list[list[int]]:
-    """Texts tokenized (with the prompt), token-id inputs validated; both cut to max_seq_length, in input order."""
-    model.check_ready()
-    model.check_count(len(items))
-    texts = [x for x in items if isinstance(x, str)]
-    if prompt_name is not None and len(texts) < len(items):
-        raise Unprocessable("prompt_name applies to texts, not to token-id inputs", param="prompt_name")
-    texts = model.apply_prompt(texts, prompt_name)
-    if len(texts) == len(items):
-        return await model.tokenize(texts, truncate=truncate, direction=direction)
-    tokenized = iter(await model.tokenize(texts, truncate=truncate, direction=direction) if texts else [])
-    given = iter(model.validate_ids([x for x in items if not isinstance(x, str)], truncate, direction))
-    return [next(tokenized) if isinstance(x, str) else next(given) for x in items]
-
-
-def _truncate(value: bool | None) -> bool:
-    return True if value is None else value
+def _options(truncate: bool | None, direction: str, prompt_name: str | None) -> TextOptions:
+    return TextOptions(truncate=True if truncate is None else truncate, direction=direction.lower(),
+                       prompt_name=prompt_name)
 
 
 async def _embed(body: EmbedRequest, service, request: Request) -> EmbeddingResponse:
     model = service.model(None, "embedding")
     model.check_dimensions(body.dimensions)
-    ids = await _token_ids(model, _items(body.inputs), truncate=_truncate(body.truncate),
-                           direction=_direction(body.truncation_direction), prompt_name=body.prompt_name)
-    result = await model.embed_ids(ids, normalize=body.normalize, request=request)
-    rows = await model.output(result.embeddings, body.encoding_format, normalize=body.normalize,
-                                dimensions=body.dimensions)
+    result = await model.embed(_items(body.inputs), _options(body.truncate, body.truncation_direction,
+                                                             body.prompt_name), request)
+    rows = await model.output(result.rows, body.encoding_format, normalize=body.normalize,
+                              dimensions=body.dimensions)
     return EmbeddingResponse(rows)
 
 
@@ -139,11 +117,10 @@ async def _similarity(body: SimilarityRequest, service, request: Request) -> Emb
     model = service.model(None, "embedding")
     params = body.parameters or SimilarityParameters()
     texts = [body.inputs.source_sentence, *body.inputs.sentences]
-    ids = await _token_ids(model, texts, truncate=_truncate(params.truncate),
-                           direction=_direction(params.truncation_direction), prompt_name=params.prompt_name)
-    result = await model.embed_ids(ids, normalize=True, request=request)
-    source, others = result.embeddings[0], result.embeddings[1:]
-    return EmbeddingResponse(others @ source)  # cosine similarity of unit vectors
+    result = await model.embed(texts, _options(params.truncate, params.truncation_direction, params.prompt_name),
+                               request)
+    unit = l2_normalize(result.rows)
+    return EmbeddingResponse(unit[1:] @ unit[0])  # cosine similarity of unit vectors
 
 
 @router.post("/embed", response_model=Embeddings)
@@ -171,35 +148,9 @@ async def similarity(body: SimilarityRequest, service: ServiceDep, request: Requ
 async def embed_all(body: EmbedAllRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     """Per-token hidden states of each input, special tokens included: `[[[float]]]` (inputs x tokens x dim)."""
     model = service.model(None, "embedding")
-    ids = await _token_ids(model, _items(body.inputs), truncate=_truncate(body.truncate),
-                           direction=_direction(body.truncation_direction), prompt_name=body.prompt_name)
-    return EmbeddingResponse(await model.embed_tokens(ids))
-
-
-def _byte_offsets(text: str):
-    """Character offset -> UTF-8 byte offset of `text` (TEI reports byte offsets)."""
-    if text.isascii():
-        return lambda i: i
-    ends = [0]
-    for ch in text:
-        ends.append(ends[-1] + len(ch.encode("utf-8")))
-    return ends.__getitem__
-
-
-def _tokens(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
-    out = []
-    for text, encoding in zip(texts, tokenizer.untruncated.encode_batch(texts, add_special_tokens=add_special_tokens)):
-        to_bytes = _byte_offsets(text)
-        tokens = []
-        for token_id, token, special, (start, stop) in zip(encoding.ids, encoding.tokens,
-                                                           encoding.special_tokens_mask, encoding.offsets):
-            if special:
-                tokens.append({"id": token_id, "text": token, "special": True, "start": None, "stop": None})
-            else:
-                tokens.append({"id": token_id, "text": text[start:stop], "special": False,
-                               "start": to_bytes(start), "stop": to_bytes(stop)})
-        out.append(tokens)
-    return out
+    rows = await model.prepare(_items(body.inputs), _options(body.truncate, body.truncation_direction,
+                                                             body.prompt_name))
+    return EmbeddingResponse(await model.token_rows(rows))
 
 
 @router.post("/tokenize", response_model=list[list[SimpleToken]])
@@ -208,15 +159,10 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep, request: Request)
     `special`, and `start` / `stop` (UTF-8 byte offsets in the input, null for special tokens)."""
     model = service.model()
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    model.check_count(len(texts))
-    texts = model.apply_prompt(texts, body.prompt_name)
-    pipeline = model.embedder.pipeline
-    if pipeline is not None and pipeline.do_lower_case:  # the ids /embed runs (offsets then index the lower-cased text)
-        texts = [t.lower() for t in texts]
-    tokenizer = model.embedder.tokenizer
-    if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
-        return EmbeddingResponse(_tokens(tokenizer, texts, body.add_special_tokens))
-    return EmbeddingResponse(await asyncio.to_thread(_tokens, tokenizer, texts, body.add_special_tokens))
+    rows = await model.prepare(texts, TextOptions(prompt_name=body.prompt_name,
+                                                  special_tokens=body.add_special_tokens, details=True))
+    return EmbeddingResponse([[{"id": t.id, "text": t.text, "special": t.special, "start": t.start, "stop": t.stop}
+                               for t in tokens] for tokens in rows.details])
 
 
 @router.post("/decode", response_model=list[str])
@@ -224,14 +170,7 @@ async def decode(body: DecodeRequest, service: ServiceDep, request: Request) -> 
     """The text of each token-id list."""
     model = service.model()
     rows = [body.ids] if body.ids and all(isinstance(x, int) for x in body.ids) else body.ids
-    model.check_count(len(rows))
-    tokenizer = model.embedder.tokenizer.untruncated
-    vocab = tokenizer.get_vocab_size()
-    for i, row in enumerate(rows):
-        if row and (min(row) < 0 or max(row) >= vocab):
-            bad = next(t for t in row if not 0 <= t < vocab)
-            raise Unprocessable(f"input {i} has token id {bad} outside the vocabulary [0, {vocab})", param="ids")
-    return EmbeddingResponse(tokenizer.decode_batch(rows, skip_special_tokens=body.skip_special_tokens))
+    return EmbeddingResponse(model.decode(rows, body.skip_special_tokens))
 
 
 async def health(service: ServiceDep) -> Response:

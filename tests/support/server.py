@@ -59,7 +59,7 @@ def faulty(op: str, mode: str, factor: float, original):
 @router.post("/faults")
 async def add_fault(body: Fault, service: ServiceDep) -> dict:
     model = service.model(body.model)
-    embedder = model.embedder
+    embedder = model.model.embedder  # the test hook reaches past the seam: the product never does
     if body.op not in embedder.selection.impls:
         raise Unprocessable(f"unknown op {body.op!r}")
     faults = model.test_faults = getattr(model, "test_faults", {"before": None, "ops": {}})
@@ -71,7 +71,7 @@ async def add_fault(body: Fault, service: ServiceDep) -> dict:
         embedder.use(selection.with_impl(body.op, wrapped, f"test fault: {body.mode} x{body.factor:g}"))
         faults["ops"][body.op] = {"mode": body.mode, "factor": body.factor}
 
-    await asyncio.to_thread(lambda: model.batcher.call_between_batches(apply).result(timeout=10))
+    await asyncio.to_thread(lambda: model.batcher.between_batches(apply).result(timeout=10))
     return {"faults": faults["ops"]}
 
 
@@ -80,8 +80,8 @@ async def clear_faults(service: ServiceDep) -> dict:
     for model in service.serving:
         faults = getattr(model, "test_faults", None)
         if faults and faults["before"] is not None:
-            restore = partial(model.embedder.use, faults["before"])
-            await asyncio.to_thread(model.batcher.call_between_batches(restore).result, 10)
+            restore = partial(model.model.embedder.use, faults["before"])
+            await asyncio.to_thread(model.batcher.between_batches(restore).result, 10)
             faults["before"], faults["ops"] = None, {}
     return {"faults": {}}
 

@@ -1,0 +1,275 @@
+"""The one seam between the server and the models: all the server knows of a model (docs/architecture.md, "The
+seam"; docs/decisions/0016-one-seam.md).
+
+The server loads a model with `fusedserve.model.load(path, options)` and talks to it only through the members of `ServedModel`:
+text and token ids become `Rows` (prepare), rows become one block of output rows (launch -> Pending), the model
+says what it is (describe), the switches change its kernel path (set_fused, fall_back, reference_copy), and the model
+schedules its own device work at start-up and after ready on the `Worker` the server lends it (warm_up,
+run_background, time_ops). Nothing here imports the kernels or torch: a server that imports this module has loaded
+no kernel code until it loads a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Literal, Protocol
+
+import numpy as np
+
+KINDS = ("embedding", "classifier")
+
+
+class InputError(ValueError):
+    """An input the model cannot take as it is; `param` names the request field where known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InputTooLong(InputError):
+    """An input over the model's length limit where the request said not to truncate it."""
+
+
+class InvalidInput(InputError):
+    """An input the model cannot take at all: a token id outside the vocabulary, an empty token list, an unknown
+    prompt name, text that is not valid Unicode."""
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How inputs become token ids. truncate: cut over-long inputs (False: InputTooLong). direction: the end that is
+    cut ("right" or "left"; the first and last special tokens stay). prompt_name: one of the model's prompts to put
+    before each text (None: the model's default prompt, if it has one). special_tokens: add [CLS]/[SEP] (only
+    /tokenize turns it off). details: keep each token's text and character offsets (Rows.details) for /tokenize;
+    nothing is truncated then."""
+
+    truncate: bool = True
+    direction: Literal["right", "left"] = "right"
+    prompt_name: str | None = None
+    special_tokens: bool = True
+    details: bool = False
+
+
+@dataclass(frozen=True)
+class Token:
+    """One token of /tokenize: its id, the text it covers (the token itself for a special token), and its UTF-8 byte
+    offsets in the input as the model saw it (prompt and lower-casing applied; None for special tokens)."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """Token-id rows as arrays: every row's ids back to back in `ids`, each row's length in `lengths`. For a text
+    pair, `second[i]` is where the pair's second text starts within row i (token type 1 from there on); None when
+    no row is a pair. What prepare() returns, what the batcher gathers from several requests, what launch() takes."""
+
+    ids: np.ndarray                  # [tokens] int64
+    lengths: np.ndarray              # [n] int64, each >= 1
+    second: np.ndarray | None = None  # [n] int64 or None
+    details: list[list[Token]] | None = field(default=None, compare=False)  # TextOptions.details only
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def longest(self) -> int:
+        return int(self.lengths.max()) if len(self.lengths) else 0
+
+    @property
+    def starts(self) -> np.ndarray:
+        """[n] int64: where each row begins in `ids`."""
+        return np.cumsum(self.lengths) - self.lengths
+
+    def row(self, i: int) -> np.ndarray:
+        start = int(self.lengths[:i].sum())
+        return self.ids[start: start + int(self.lengths[i])]
+
+    def slice(self, start: int, stop: int) -> Rows:
+        """Rows start..stop-1 (a batch split in halves when the device runs out of memory)."""
+        begin, end = int(self.lengths[:start].sum()), int(self.lengths[:stop].sum())
+        return Rows(self.ids[begin:end], self.lengths[start:stop],
+                    None if self.second is None else self.second[start:stop])
+
+    def tolist(self) -> list[list[int]]:
+        return [r.tolist() for r in np.split(self.ids, np.cumsum(self.lengths)[:-1])] if len(self) else []
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[int]], second: Sequence[int | None] | None = None) -> Rows:
+        """From lists of ids (tests, benchmarks, the CLI); `second`: each pair's second-text start, None for a
+        single text."""
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        ids = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(lengths.sum()))
+        if second is not None and any(s is not None for s in second):
+            second = np.array([len(r) if s is None else s for r, s in zip(rows, second)], dtype=np.int64)
+        else:
+            second = None
+        return cls(ids, lengths, second)
+
+    @classmethod
+    def gather(cls, picks: Sequence[tuple[Rows, int]]) -> Rows:
+        """One row of each (rows, index) pair, in order: a batch made of several requests' inputs."""
+        if len(picks) == 1 and len(picks[0][0]) == 1:
+            return picks[0][0]
+        pieces, lengths, seconds, paired = [], np.empty(len(picks), dtype=np.int64), [], False
+        for k, (rows, i) in enumerate(picks):
+            start = rows._offsets()[i]
+            length = int(rows.lengths[i])
+            pieces.append(rows.ids[start: start + length])
+            lengths[k] = length
+            if rows.second is not None:
+                paired = True
+                seconds.append(int(rows.second[i]))
+            else:
+                seconds.append(length)
+        second = np.array(seconds, dtype=np.int64) if paired else None
+        return cls(np.concatenate(pieces) if pieces else np.empty(0, np.int64), lengths, second)
+
+    def _offsets(self) -> np.ndarray:
+        # row starts, computed once per Rows (a request's rows are gathered one at a time into batches)
+        cached = self.__dict__.get("_starts")
+        if cached is None:
+            cached = self.starts
+            object.__setattr__(self, "_starts", cached)
+        return cached
+
+
+class Pending(Protocol):
+    """A launched forward. ready(): its result is on the host. rows(): waits for it, then all output rows as one
+    block, float32 [n, width] (pooled embeddings or a classifier's logits; per-token rows for output="tokens": [tokens,
+    width]). path: "fused" or "reference", the path that ran it."""
+
+    path: str
+
+    def ready(self) -> bool: ...
+
+    def rows(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Description:
+    """What a model is and how it runs now. The server reads the typed fields; `info` goes into /info as it is and
+    `report` into the start-up report."""
+
+    name: str
+    kind: str                      # "embedding" or "classifier"
+    dim: int                       # output width: embedding dimensions or the number of labels
+    max_length: int                # longest input in tokens, special tokens included
+    device: str
+    labels: tuple[str, ...] = ()   # a classifier's labels
+    activation: str = "identity"   # a classifier's scores from its logits (scores())
+    fused: bool = False            # the fused path is on and has not fallen back
+    kernels: Mapping[str, str] = field(default_factory=dict)  # op -> backend, for the ops a forward calls
+    graphs: Mapping[str, object] = field(default_factory=dict)  # CUDA graph counters ({} without graphs)
+    memory: Mapping[str, int] = field(default_factory=dict)    # bytes held on the device, by what holds them
+    info: Mapping[str, object] = field(default_factory=dict)   # the rest of /info's entry
+    report: str = ""
+
+
+class Worker(Protocol):
+    """Where a model's device work runs, lent by the server: the one thread that owns the model's device (its
+    batcher's). Work runs between two batches, or only when no request is waiting."""
+
+    def between_batches(self, fn: Callable[[], object]) -> Future: ...
+
+    def when_idle(self, fn: Callable[[], object]) -> Future: ...
+
+
+class ServedModel(Protocol):
+    """The members the server uses, and no others (tests/server/test_seam.py holds the server to them)."""
+
+    def describe(self) -> Description: ...
+
+    def prepare(self, inputs: Sequence[str] | Sequence[tuple[str, str]] | Sequence[Sequence[int]],
+                options: TextOptions) -> Rows:
+        """Texts, text pairs or token-id rows -> Rows: prompts, lower-casing, special tokens and truncation as the
+        model's own library does it; token ids checked against the vocabulary. Raises InputError. Thread-safe."""
+
+    def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]: ...
+
+    def launch(self, rows: Rows, *, output: Literal["pooled", "tokens"] = "pooled",
+               reference: bool = False) -> Pending:
+        """Start the forward of `rows` on the worker thread; reference=True runs this one batch on the torch
+        reference (a fused forward that failed), the path staying as it is."""
+
+    def time_ops(self, rows: Rows, callback: Callable[[str, str, float], None]) -> Iterator[None]:
+        """The eager forward of `rows` with every op timed, one block per step; callback(op, backend, seconds)."""
+
+    def set_fused(self, enabled: bool) -> Description: ...
+
+    def fall_back(self, reason: str) -> tuple[str, ...]:
+        """Every op on the reference from the next forward on; returns the ops that moved."""
+
+    def reference_copy(self) -> ServedModel:
+        """An fp32 copy on the torch reference, for a background thread's checks."""
+
+    def warm_up(self, worker: Worker, progress: Callable[[str, float | None], None]) -> dict[str, float]:
+        """Before ready: compile, tune and capture what traffic will meet, on `worker`; progress(phase, fraction).
+        Returns seconds per phase."""
+
+    def run_background(self, worker: Worker) -> None:
+        """After ready: the model's own work while idle (the rest of the CUDA graphs), and its watch for kernels
+        compiled or tuned after ready; returns at once."""
+
+    def stop(self) -> None:
+        """Stop the background work (shutdown)."""
+
+
+MEMBERS = ("describe", "prepare", "decode", "launch", "time_ops", "set_fused", "fall_back", "reference_copy",
+           "warm_up", "run_background", "stop")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load and run a model: device ("auto", "cpu", "cuda", "cuda:N"), dtype ("auto", "float32", "float16",
+    "bfloat16"), the fused path and its backends, the longest input and pooling overrides, the attention mode, CUDA
+    graphs and the batch limits they are sized for, how many graphs to capture before ready (None: none ahead of
+    traffic), and the kernels' cache directory (compiled kernels, tuning; None: the kernel layer's default)."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    fused: bool = True
+    backend: str = "auto"
+    backend_overrides: Mapping[str, str] = field(default_factory=dict)
+    max_seq_length: int | None = None
+    pooling: str | None = None
+    attention: str = "auto"
+    cuda_graphs: bool = True
+    max_batch_tokens: int = 16384
+    max_batch: int = 256
+    max_graphs: int = 256
+    graphs_before_ready: int | None = None
+    cache_dir: str | None = None
+
+
+def name_of(path: str) -> str:
+    """The name a model at `path` is served under when none is configured, known before it loads."""
+    return "all-MiniLM-L6-v2" if path == "default" else PurePath(path).name
+
+
+def l2_normalize(rows: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit L2 norm (norms floored at 1e-12, as torch.nn.functional.normalize): the one normalization
+    of embeddings, wherever they are normalized."""
+    return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+
+
+def scores(logits: np.ndarray, activation: str) -> np.ndarray:
+    """A classifier's scores from its logits [n, labels], as its activation says (Description.activation)."""
+    if activation == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-logits))
+    if activation == "softmax":
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return shifted / shifted.sum(axis=1, keepdims=True)
+    return logits
