@@ -109,7 +109,9 @@ class Rows:
     @classmethod
     def of(cls, rows: Sequence[Sequence[int]], second: Sequence[int | None] | None = None) -> Rows:
         """From lists of ids (tests, benchmarks, the CLI); `second`: each pair's second-text start, None for a
-        single text."""
+        single text (default: a row's own `second` attribute, as model.tokenizer.PairIds carries it)."""
+        if second is None:
+            second = [getattr(r, "second", None) for r in rows]
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         ids = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(lengths.sum()))
         if second is not None and any(s is not None for s in second):

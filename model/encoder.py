@@ -75,7 +75,7 @@ class Packed:
     FIELDS = ("input_ids", "position_ids", "token_type_ids", "pad_index", "gather_index", "seq_index")
 
     @staticmethod
-    def host_buffers(rows: Rows, tokens: int, batch: int, seq: int, pad_token_id: int = 0, *,
+    def host_buffers(rows: Rows | list[list[int]], tokens: int, batch: int, seq: int, pad_token_id: int = 0, *,
                      position_offset: int = 0, pair_types: bool = False,
                      out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The packed batch as two CPU tensors: [6, tokens] int64 (one row per Packed.FIELDS; filler tokens point
@@ -86,6 +86,7 @@ class Packed:
         position_offset: added to each token's position (RoBERTa's start past the padding index). pair_types: a
         text pair's row gets token type 1 from its second text on (Rows.second), as the tokenizer's pair encoding
         says (a cross-encoder with token types); every other token's type is 0."""
+        rows = rows if isinstance(rows, Rows) else Rows.of(rows)
         n, lengths = len(rows), rows.lengths
         real, longest = rows.tokens, rows.longest
         if tokens < real or batch < n or seq < longest:
@@ -254,7 +255,9 @@ class Layer(nn.Module):
         return self._residual_blocks(x, self._attend(qkv, batch, seq, attn_mask))
 
     def forward_packed(self, x: Tensor, p: Packed, attention: str = "pad") -> Tensor:
-        # x: [T, hidden] real (and filler) tokens only
+        """One layer on a packed batch: x [T, hidden] (real and filler tokens, no padding) -> [T, hidden]; attention
+        "pad" (scatter into a padded block for SDPA), "varlen" (flash attention over cu_seqlens) or "fused" (the
+        few-token layer for small batches, else varlen or qkv_attention)."""
         if attention == "fused":  # dense batches too (their offsets are regular)
             if x.shape[0] <= FUSED_LAYER_TOKENS:
                 return self._few_token_layer(x, p)

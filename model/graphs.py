@@ -114,8 +114,9 @@ class CudaGraphs:
         # pad attention: the padded block is batch x seq, so powers of 2
         return min(_ceil_pow4(rows) if self.attention in OFFSET_ATTENTIONS else _ceil_pow2(rows), self.max_batch)
 
-    def bucket(self, rows: Rows) -> tuple[int, int, int, bool] | None:
+    def bucket(self, rows: Rows | list[list[int]]) -> tuple[int, int, int, bool] | None:
         """The (tokens, batch, seq, dense) key of the graph that runs `rows`, or None when none can."""
+        rows = rows if isinstance(rows, Rows) else Rows.of(rows)
         tokens, longest = rows.tokens, rows.longest
         if tokens > self.tokens[-1] or longest > self.max_seq or len(rows) > self.max_batch:
             return None
@@ -173,9 +174,10 @@ class CudaGraphs:
             self._capture(keys[0])
         return bool(keys)
 
-    def run(self, rows: Rows) -> Tensor | None:
+    def run(self, rows: Rows | list[list[int]]) -> Tensor | None:
         """The head's output [len(rows), dim] float32 on the device (unnormalized), or None when the batch
         is outside every bucket (the caller runs it eagerly)."""
+        rows = rows if isinstance(rows, Rows) else Rows.of(rows)
         key = self.bucket(rows)
         if key is None:
             self.eager_fallbacks += 1

@@ -28,7 +28,7 @@ from fusedserve.model.api import Rows, TextOptions, l2_normalize
 from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
 from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Encoder, Packed, kernel_ops, resolve_attention
 from fusedserve.model.modules import ClassificationHead, Classifier, EmbeddingHead, Pipeline, read_classifier, read_pipeline
-from fusedserve.model.tokenizer import TextPreparation, TextTokenizer
+from fusedserve.model.tokenizer import PairIds, TextPreparation, TextTokenizer
 from fusedserve.model.weights import CheckpointError, check_encoder_only, default_model_dir, load_checkpoint
 
 log = logging.getLogger("fusedserve.model")
@@ -274,7 +274,7 @@ class Embedder:
         for op, backend, seconds in timer.results():
             callback(op, backend, seconds)
 
-    def timed_steps(self, batch: Rows, callback: Callable[[str, str, float], None]) -> Iterator[None]:
+    def timed_steps(self, batch: Rows | list[list[int]], callback: Callable[[str, str, float], None]) -> Iterator[None]:
         """`batch`'s eager forward as in timed(), one block per step (the embeddings, each layer, the head: packed
         layout; the whole forward in one step otherwise), each step inside this Embedder's selection and timer, none
         across a yield: the server's worker answers the batches that arrive between two steps on their usual path,
@@ -283,6 +283,7 @@ class Embedder:
         path it timed is no longer the one served."""
         timer = OpTimer(self.device)
         selection, attention = self.selection, self.attention
+        batch = batch if isinstance(batch, Rows) else Rows.of(batch)
 
         @contextlib.contextmanager
         def step() -> Iterator[None]:
@@ -458,13 +459,14 @@ class Embedder:
         return len(self.graphs.pending()) if self.graphs is not None else 0
 
     @torch.inference_mode()
-    def launch_ids(self, batch: Rows, *, graphs: bool = True) -> Pending:
+    def launch_ids(self, batch: Rows | list[list[int]], *, graphs: bool = True) -> Pending:
         """Start the forward of `batch` and return at once where the CUDA-graph path can (the replay and the copy
         of its result to pinned host memory are queued on the stream); `Pending.wait()` gives the unnormalized
         pooled embeddings [len(batch), hidden], float32 on the CPU. The eager paths (no bucket fits, inside
         timed()) compute before returning. The server's worker launches its next batch before it waits for this
         one (server.batcher)."""
-        if not batch:
+        batch = batch if isinstance(batch, Rows) else Rows.of(batch)
+        if not len(batch):
             return Pending(torch.empty(0, self.dim))
         with kernels.use(self.selection, self._observer):
             if self.graphs is not None and graphs and self._observer is None:
@@ -521,8 +523,10 @@ class Embedder:
         return self.text.texts(texts, TextOptions(truncate=truncate, prompt_name=prompt_name)).tolist()
 
     def tokenize_pairs(self, pairs: list[tuple[str, str]], truncate: bool = True) -> list[list[int]]:
-        """Token ids of text pairs as a cross-encoder takes them (longest_first truncation)."""
-        return self.text.pairs(pairs, TextOptions(truncate=truncate)).tolist()
+        """Token ids of text pairs as a cross-encoder takes them (longest_first truncation), each row knowing where
+        its second text starts."""
+        rows = self.text.pairs(pairs, TextOptions(truncate=truncate))
+        return [PairIds(row, int(second)) for row, second in zip(rows.tolist(), rows.second)]
 
     def embed(self, texts: list[str], normalize: bool | None = None, truncate: bool = True,
               prompt_name: str | None = None) -> Tensor:

@@ -166,7 +166,7 @@ class Served:
         started = time.perf_counter()
         sweep = e.shape_sweep() if e.device.type == "cuda" else e.warmup_batches()
         if e.device.type == "cuda" and "triton" in e.selection.used.values():
-            progress("warmup", 0.0)
+            progress("warmup", None)  # the compiles run side by side and end together: no fraction to report
             try:
                 worker.between_batches(lambda: e.compile_ahead(sweep)).result()
             except Exception as exc:  # only a head start: the sweep below compiles whatever this did not

@@ -1,6 +1,6 @@
 """The HTTP service (FastAPI + uvicorn): routes, batching, metrics; it knows a model only through fusedserve.model.api."""
 
 if __name__ != "fusedserve.server":  # one module, one name in a process (docs/decisions/0015)
-    raise SystemExit(f"this package is fusedserve.server, imported here as {__name__!r}: `python -m server` is now "
-                     "`fusedserve serve` (or `python -m fusedserve serve`)")
+    raise ImportError(f"this package is fusedserve.server, imported here as {__name__!r}: `python -m server` is now "
+                      "`fusedserve serve` (or `python -m fusedserve serve`)")
 

@@ -105,6 +105,8 @@ class ModelService:
         self._enter("loaded")
 
     def load(self) -> None:
+        """Load the model (fusedserve.model.load), then start its verifier and batcher and publish its kernel
+        backends; the model is not warmed up yet."""
         s, spec = self.settings, self.spec
         self._enter("loading")
         log.info("loading model %s (%s) on device %s (dtype %s) ...", self.name, spec.path, s.device, s.dtype)

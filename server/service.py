@@ -184,7 +184,7 @@ class Service:
                 before = f" ({age - elapsed:.1f}s earlier the process started: interpreter, imports, settings)" \
                     if age is not None else ""
                 try:
-                    log.warning("ready in %.1fs%s\n%s", elapsed, before, self.startup_report())
+                    log.info("ready in %.1fs%s\n%s", elapsed, before, self.startup_report())
                 except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
                     log.exception("ready in %.1fs; the start-up report failed", elapsed)
                 self.mark_ready()

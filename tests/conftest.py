@@ -14,7 +14,6 @@ outside tool is reported, and the shapes the kernel sweeps cover.
 
 from __future__ import annotations
 
-import importlib.machinery
 import os
 import shutil
 import sys
@@ -24,22 +23,9 @@ import pytest
 import torch
 
 
-class _RootFinder(importlib.machinery.FileFinder):
-    """pytest puts the repository's root on sys.path to import `tests` (and `bench`). The folders kernels/, model/ and
-    server/ sit there too, where a plain `import kernels` would load ours under a second name (transformers probes for
-    the Hugging Face `kernels` package that way). On the root this finder finds everything but those three: the
-    product is imported as fusedserve.* only (docs/decisions/0015-one-namespace.md)."""
-
-    HIDDEN = frozenset({"kernels", "model", "server"})
-
-    def find_spec(self, fullname, target=None):
-        return None if fullname in self.HIDDEN else super().find_spec(fullname, target)
-
-
-sys.path_importer_cache[str(Path(__file__).resolve().parent.parent)] = _RootFinder(
-    str(Path(__file__).resolve().parent.parent),
-    (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES),
-    (importlib.machinery.SourcelessFileLoader, importlib.machinery.BYTECODE_SUFFIXES))
+# hides the bare names kernels/, model/ and server/ on the repository root, which pytest puts on sys.path to import
+# `tests` (bench/__init__.py says why): the product is imported as fusedserve.* only
+import bench  # noqa: E402,F401
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

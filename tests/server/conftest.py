@@ -49,7 +49,8 @@ def start_server(tmp_path, ready_timeout_s: float = 180, *, faults: bool = False
     log_path = str(tmp_path / f"server-{port}.log")
     log = open(log_path, "w")
     command = ["-m", "tests.support.server"] if faults else ["-m", "fusedserve", "serve"]
-    process = subprocess.Popen([sys.executable, *command, "--port", str(port), "--log-level", "warning"],
+    # info: the start-up report is an info line
+    process = subprocess.Popen([sys.executable, *command, "--port", str(port), "--log-level", "info"],
                                stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + ready_timeout_s

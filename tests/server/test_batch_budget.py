@@ -1,5 +1,5 @@
-"""The batch token budget: real tokens with the packed layout (no op sees padding), rows x longest row with the
-padded layout; the window of similar lengths around the oldest input either way."""
+"""The batch token budget: real tokens (models run batches packed, so no op sees padding), and the window of
+similar lengths around the oldest input."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from fusedserve.model.runner import Embedder
+from fusedserve.model import load
+from fusedserve.model.api import LoadOptions, Rows
 from fusedserve.server.batcher import Batcher, Item, Job
 from fusedserve.server.config import Settings
 from fusedserve.server.metrics import Metrics
@@ -21,39 +22,42 @@ def loop():
     loop.close()
 
 
-def _batcher(layout: str, max_batch_tokens: int) -> Batcher:
-    embedder, _ = Embedder.load("tiny", device="cpu", layout=layout)
-    return Batcher(embedder, Settings(max_batch_tokens=max_batch_tokens, max_batch_requests=64),
+@pytest.fixture(scope="module")
+def model():
+    return load("tiny", LoadOptions(device="cpu"))
+
+
+def _batcher(model, max_batch_tokens: int) -> Batcher:
+    return Batcher(model, Settings(max_batch_tokens=max_batch_tokens, max_batch_requests=64),
                    Metrics().for_model("tiny"))
 
 
 def _queue(batcher: Batcher, loop, lengths: list[int]) -> list[Item]:
-    job = Job([[1] * n for n in lengths], True, 1e12, loop.create_future(), loop)
+    job = Job(Rows.of([[1] * n for n in lengths]), 1e12, loop.create_future(), loop)
     items = [Item(job, i, n, float(i)) for i, n in enumerate(lengths)]
     batcher._pending = list(items)
     return items
 
 
-@pytest.mark.parametrize("layout, expected", [("packed", 4), ("padded", 1)])
-def test_budget_counts_real_tokens_when_packed(layout, expected, loop):
-    # the oldest input has 100 tokens, the others 10. Packed: 100 + 3 x 10 = 130 fits a budget of 130, a fourth
-    # 10 does not. Padded: two rows already cost 2 x 100 = 200, so the oldest goes alone.
-    batcher = _batcher(layout, 130)
+def test_budget_counts_real_tokens(model, loop):
+    # the oldest input has 100 tokens, the others 10: 100 + 3 x 10 = 130 fits a budget of 130, a fourth 10 does not
+    # (padded, two rows would already cost 2 x 100)
+    batcher = _batcher(model, 130)
     items = _queue(batcher, loop, [100, 10, 10, 10, 10])
     batch = batcher._choose(items[0])
-    assert items[0] in batch and len(batch) == expected
+    assert items[0] in batch and len(batch) == 4
 
 
-def test_similar_lengths_first_under_either_budget(loop):
-    batcher = _batcher("packed", 60)
+def test_similar_lengths_first(model, loop):
+    batcher = _batcher(model, 60)
     items = _queue(batcher, loop, [20, 5, 19, 21, 40])
     assert sorted(it.length for it in batcher._choose(items[0])) == [19, 20, 21]
 
 
-def test_each_batch_holds_the_oldest_input_and_a_window_of_similar_lengths(loop):
+def test_each_batch_holds_the_oldest_input_and_a_window_of_similar_lengths(model, loop):
     # 600 inputs of random lengths in arrival order (as submit keeps them): every batch taken holds the oldest input
     # still waiting, and is a contiguous run of the waiting inputs ordered by (length, arrival)
-    batcher = _batcher("packed", 2048)
+    batcher = _batcher(model, 2048)
     rng = random.Random(7)
     items = _queue(batcher, loop, [rng.randint(1, 200) for _ in range(600)])
     waiting = list(items)
@@ -70,9 +74,9 @@ def test_each_batch_holds_the_oldest_input_and_a_window_of_similar_lengths(loop)
     assert not waiting
 
 
-def test_the_oldest_goes_first_among_many_of_its_length(loop):
+def test_the_oldest_goes_first_among_many_of_its_length(model, loop):
     # 41 inputs of one length and a budget for 10 of them: the batch is the 10 that arrived first, oldest included
-    batcher = _batcher("packed", 500)
+    batcher = _batcher(model, 500)
     items = _queue(batcher, loop, [50] * 41)
     with batcher._cond:
         assert batcher._next_batch() == items[:10]

@@ -11,7 +11,9 @@ import time
 import numpy as np
 import pytest
 
+from fusedserve.model.api import LoadOptions, Rows
 from fusedserve.model.runner import Embedder, Pending
+from fusedserve.model.served import Served
 from fusedserve.server import batcher as batcher_module
 from fusedserve.server.batcher import Batcher
 from fusedserve.server.config import Settings
@@ -53,11 +55,11 @@ def _run(embedder, monkeypatch, overlap: bool, fail_first: bool = False):
     monkeypatch.setattr(embedder, "launch_ids", launch_later)
     settings = Settings(model="tiny", device="cpu", max_batch_requests=1, overlap_batches=overlap,
                         kernel_timing_sample_rate=0)
-    batcher = Batcher(embedder, settings, Metrics().for_model("tiny"))
+    batcher = Batcher(Served(embedder, None, LoadOptions()), settings, Metrics().for_model("tiny"))
     rows = [[101, 7592 + i, 2088 + 3 * i, 102] for i in range(3)]
 
     async def main():
-        jobs = [batcher.submit([row], normalize=False, timeout_s=30) for row in rows]  # queued before the worker
+        jobs = [batcher.submit(Rows.of([row]), timeout_s=30) for row in rows]  # queued before the worker
         batcher.start()
         return [await asyncio.wait_for(job.future, 30) for job in jobs]
 
@@ -95,7 +97,7 @@ def test_eager_results_are_delivered_at_once(embedder):
 
 
 def test_idle_work_waits_for_the_queue_and_is_refused_after_the_drain(embedder, monkeypatch):
-    """call_when_idle (the graph captures after ready) runs only when nothing is queued or in flight, and after a
+    """when_idle (the graph captures after ready) runs only when nothing is queued or in flight, and after a
     drain it is refused at once (its waiter returns)."""
     from fusedserve.server.errors import Unavailable
 
@@ -112,13 +114,13 @@ def test_idle_work_waits_for_the_queue_and_is_refused_after_the_drain(embedder, 
         return pending
 
     monkeypatch.setattr(embedder, "launch_ids", recorded)
-    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=0),
+    batcher = Batcher(Served(embedder, None, LoadOptions()), Settings(model="tiny", device="cpu", kernel_timing_sample_rate=0),
                       Metrics().for_model("tiny"))
     rows = [[101, 7592 + i, 102] for i in range(3)]
 
     async def main():
-        jobs = [batcher.submit([row], normalize=False, timeout_s=30) for row in rows]  # queued first
-        idle = batcher.call_when_idle(lambda: idle_started.append(time.monotonic()) or order.append("idle") or "done")
+        jobs = [batcher.submit(Rows.of([row]), timeout_s=30) for row in rows]  # queued first
+        idle = batcher.when_idle(lambda: idle_started.append(time.monotonic()) or order.append("idle") or "done")
         batcher.start()
         for job in jobs:
             await asyncio.wait_for(job.future, 30)
@@ -131,7 +133,7 @@ def test_idle_work_waits_for_the_queue_and_is_refused_after_the_drain(embedder, 
     assert idle_started[0] - batch_ended[-1] >= batcher_module.IDLE_PAUSE_S * 0.99
     assert batcher.drain(5)
     with pytest.raises(Unavailable):
-        batcher.call_when_idle(lambda: "too late").result(timeout=5)
+        batcher.when_idle(lambda: "too late").result(timeout=5)
 
 
 def _record_timing(embedder, monkeypatch, events: list) -> None:
@@ -139,12 +141,12 @@ def _record_timing(embedder, monkeypatch, events: list) -> None:
     launch, timed_steps = embedder.launch_ids, embedder.timed_steps
 
     def recorded_launch(ids, **kw):
-        events.append(("launch", len(ids[0])))
+        events.append(("launch", int(ids.lengths[0])))
         return launch(ids, **kw)
 
     class RecordedSteps:
         def __init__(self, ids, callback):
-            self.steps, self.length = timed_steps(ids, callback), len(ids[0])
+            self.steps, self.length = timed_steps(ids, callback), int(ids.lengths[0])
 
         def __iter__(self):
             return self
@@ -164,23 +166,23 @@ def _kernel_counts(metrics) -> dict[str, float]:
 
 def test_a_sampled_batch_is_answered_first_and_timed_when_the_worker_is_idle(embedder, monkeypatch):
     """kernel_timing_sample_rate: the sampled request is served on the normal path (launch_ids, the graph replay on
-    a GPU); its inputs run again through Embedder.timed_steps only after the answer, once the worker is idle, one
+    a GPU); its inputs run again through ServedModel.time_ops (Embedder.timed_steps) only after the answer, once the worker is idle, one
     sample at a time, one block per step (the embeddings, each layer, the head)."""
     events: list = []
     _record_timing(embedder, monkeypatch, events)
     # the loop records each answer before the worker's idle pause ends, even on a stalled machine
     monkeypatch.setattr(batcher_module, "IDLE_PAUSE_S", 0.5)
     metrics = Metrics().for_model("tiny")
-    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1), metrics)
+    batcher = Batcher(Served(embedder, None, LoadOptions()), Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1), metrics)
     rows = [[101, 7592 + i, 2088, 102][: 2 + i] for i in range(3)]  # lengths 2, 3, 4: which batch ran is visible
 
     async def main():
         batcher.start()
         answered = []
         for row in rows:  # back to back: no pause between them for a timing to take
-            answered.append(await asyncio.wait_for(batcher.submit([row], False, 30).future, 30))
+            answered.append(await asyncio.wait_for(batcher.submit(Rows.of([row]), 30).future, 30))
             events.append(("answered", len(row)))
-        idle = batcher.call_when_idle(lambda: "idle")  # after the waiting sample
+        idle = batcher.when_idle(lambda: "idle")  # after the waiting sample
         return answered, await asyncio.wait_for(asyncio.wrap_future(idle), 30)
 
     answered, idle = asyncio.run(main())
@@ -210,15 +212,15 @@ def test_under_traffic_that_never_pauses_a_sample_is_timed_a_block_between_two_b
     events: list = []
     _record_timing(embedder, monkeypatch, events)
     metrics = Metrics().for_model("tiny")
-    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1), metrics)
+    batcher = Batcher(Served(embedder, None, LoadOptions()), Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1), metrics)
     rows = [[101, 7592, 2088, 102][: 2 + i] for i in range(3)]
 
     async def main():
         batcher.start()
-        first = batcher.submit([rows[0]], False, 30)
+        first = batcher.submit(Rows.of([rows[0]]), 30)
         await asyncio.wait_for(first.future, 30)
         # two requests waiting together: the worker takes one block of the first sample between their batches
-        jobs = [batcher.submit([row], False, 30) for row in rows[1:]]
+        jobs = [batcher.submit(Rows.of([row]), 30) for row in rows[1:]]
         await asyncio.wait_for(asyncio.gather(*(job.future for job in jobs)), 30)
         deadline = time.monotonic() + 30
         while _kernel_counts(metrics).get("embedding_layer_norm") is None:  # the rest of the sample, never idle
@@ -238,7 +240,7 @@ def test_work_between_batches_that_holds_up_waiting_inputs_is_logged(embedder, c
     """Work on the worker between batches (a capture, a timing block, a backend switch) that took SLOW_WORK_S or more
     while inputs came to wait gets a warning naming it, once per SLOW_WORK_LOG_S for each kind of work; slow work
     nobody waited for does not."""
-    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=0),
+    batcher = Batcher(Served(embedder, None, LoadOptions()), Settings(model="tiny", device="cpu", kernel_timing_sample_rate=0),
                       Metrics().for_model("tiny"))
     started, submitted = threading.Event(), threading.Event()
 
@@ -248,14 +250,14 @@ def test_work_between_batches_that_holds_up_waiting_inputs_is_logged(embedder, c
         time.sleep(batcher_module.SLOW_WORK_S)
 
     async def request():
-        await asyncio.wait_for(batcher.submit([[101, 7592, 102]], False, 30).future, 30)
+        await asyncio.wait_for(batcher.submit(Rows.of([[101, 7592, 102]]), 30).future, 30)
 
     async def main():
         batcher.start()
-        await asyncio.wrap_future(batcher.call_between_batches(lambda: time.sleep(batcher_module.SLOW_WORK_S * 2)))
+        await asyncio.wrap_future(batcher.between_batches(lambda: time.sleep(batcher_module.SLOW_WORK_S * 2)))
         for _ in range(2):  # the same work twice, a request arriving during each
             started.clear(), submitted.clear()
-            work = batcher.call_between_batches(slow_capture)
+            work = batcher.between_batches(slow_capture)
             await asyncio.to_thread(started.wait, 30)
             answered = asyncio.ensure_future(request())
             await asyncio.sleep(0)  # the submit is under way
@@ -304,13 +306,13 @@ def test_a_sample_started_while_idle_lets_the_next_batch_go_before_its_next_bloc
     _record_timing(embedder, monkeypatch, events)
     blocking, arrived = _first_block_waits(embedder, monkeypatch)  # over the recording wrapper
     metrics = Metrics().for_model("tiny")
-    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1), metrics)
+    batcher = Batcher(Served(embedder, None, LoadOptions()), Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1), metrics)
 
     async def main():
         batcher.start()
-        await asyncio.wait_for(batcher.submit([[101, 7592, 102]], False, 30).future, 30)
+        await asyncio.wait_for(batcher.submit(Rows.of([[101, 7592, 102]]), 30).future, 30)
         await asyncio.to_thread(blocking.wait, 30)  # the idle worker is in the sample's first block
-        job = batcher.submit([[101, 7592, 2088, 102]], False, 30)
+        job = batcher.submit(Rows.of([[101, 7592, 2088, 102]]), 30)
         arrived.set()
         await asyncio.wait_for(job.future, 30)
 
@@ -324,14 +326,14 @@ def test_a_slow_timing_block_is_logged_with_its_place_in_the_sample(embedder, mo
     """The slow-work warning for a kernel-timing block says which block of which sample it was."""
     monkeypatch.setattr(batcher_module, "IDLE_PAUSE_S", 0.01)
     blocking, arrived = _first_block_waits(embedder, monkeypatch, then_s=batcher_module.SLOW_WORK_S)
-    batcher = Batcher(embedder, Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1),
+    batcher = Batcher(Served(embedder, None, LoadOptions()), Settings(model="tiny", device="cpu", kernel_timing_sample_rate=1),
                       Metrics().for_model("tiny"))
 
     async def main():
         batcher.start()
-        await asyncio.wait_for(batcher.submit([[101, 7592, 102]], False, 30).future, 30)
+        await asyncio.wait_for(batcher.submit(Rows.of([[101, 7592, 102]]), 30).future, 30)
         await asyncio.to_thread(blocking.wait, 30)  # the idle worker is in the sample's first block
-        job = batcher.submit([[101, 7592, 2088, 102]], False, 30)
+        job = batcher.submit(Rows.of([[101, 7592, 2088, 102]]), 30)
         await asyncio.sleep(0.05)  # the request is queued before the block ends
         arrived.set()
         await asyncio.wait_for(job.future, 30)
