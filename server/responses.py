@@ -2,16 +2,17 @@
 request bodies.
 
 Serializing embeddings through pydantic and the standard json module makes a Python float object and its repr per
-element, on the event loop: under load that, not the model, capped a GPU server's requests/s. orjson writes a
-float32 array at a small fraction of that cost, each value as the shortest decimal that reads back as the same
-float32 (the model's own precision). The routes keep their pydantic
-response models for the OpenAPI schema; returning a Response skips FastAPI's re-validation of the output.
+element, on the event loop, which every request of the process shares: one server process is bound by its host CPU
+long before its GPU (docs/performance.md), so that per-element work, not the model, would set its requests/s. orjson
+writes a float32 array without a Python object per element, each value as the shortest decimal that reads back as
+the same float32 (the model's own precision). The routes keep their pydantic response models for the OpenAPI
+schema; returning a Response skips FastAPI's re-validation of the output.
 
-Request bodies go through orjson too (`OrjsonRoute`): the standard json module's decode was a visible share of the
-event loop's time for token-id requests. orjson.JSONDecodeError subclasses json.JSONDecodeError, so a
-malformed body is still a `json_invalid` validation error (the app answers it 400). orjson differs from json in
-two places, both still 4xx: a lone surrogate escape ("\\ud800") is invalid JSON (400), and an integer beyond
-64 bits reads as a float, which an int field then refuses (422).
+Request bodies go through orjson too (`OrjsonRoute`): a token-id request is a long list of integers, whose decode by
+the standard json module is Python work on the same event loop. orjson.JSONDecodeError subclasses
+json.JSONDecodeError, so a malformed body is still a `json_invalid` validation error (the app answers it 400). orjson
+differs from json in two places, both still 4xx: a lone surrogate escape ("\\ud800") is invalid JSON (400), and an
+integer beyond 64 bits reads as a float, which an int field then refuses (422).
 """
 
 from __future__ import annotations
@@ -59,14 +60,14 @@ class OrjsonRoute(APIRoute):
 class LeanRoute(APIRoute):
     """For the two hot embedding routes (POST /infer, POST /v1/embeddings): the handler parses and validates the
     body itself and calls the endpoint as endpoint(body, service, request), skipping FastAPI's per-request
-    dependency solving, validation wrappers and response checks. Under closed-loop load that machinery was 12-20%
-    of a server's CPU per request (measured with closed-loop clients in interleaved A/B pairs), and one server is
-    CPU-bound, so it is that much more throughput per process. The
-    route stays an APIRoute (OpenAPI schema, routing, the app's middleware and exception handlers); the body is handled as FastAPI's strict default does
-    it: JSON when the content type is application/json or application/*+json (else, a missing type included, the
-    raw bytes, which then fail validation), a malformed body is a json_invalid error, an empty one a missing body,
-    and pydantic's errors are reported under "body" like FastAPI's (the app turns them into 400 / 422); a client
-    that goes away mid-body gets the 400 FastAPI gives, and an over-long body still reaches BodyLimit (413)."""
+    dependency solving, validation wrappers and response checks. That machinery is Python work per request on the
+    event loop, and one server process is bound by its CPU, so every request it skips is throughput gained (the
+    serving numbers are in docs/performance.md). The route stays an APIRoute (OpenAPI schema, routing, the app's
+    middleware and exception handlers); the body is handled as FastAPI's strict default does it: JSON when the
+    content type is application/json or application/*+json (else, a missing type included, the raw bytes, which
+    then fail validation), a malformed body is a json_invalid error, an empty one a missing body, and pydantic's
+    errors are reported under "body" like FastAPI's (the app turns them into 400 / 422); a client that goes away
+    mid-body gets the 400 FastAPI gives, and an over-long body still reaches BodyLimit (413)."""
 
     def get_route_handler(self):
         params = list(inspect.signature(self.endpoint).parameters)

@@ -9,10 +9,16 @@ Each app owns its TracerProvider (nothing global is set), so tests may run sever
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
 log = logging.getLogger("fusedserve")
+
+# How long shutdown waits for the buffered spans to reach the collector. A live collector takes a batch in a few
+# milliseconds; one that is down or unreachable makes the SDK's exporter retry with back-off for seconds, which would
+# hold up every exit (and a pod's termination) for spans that are lost anyway.
+SHUTDOWN_FLUSH_S = 0.5
 
 
 def epoch_ns(monotonic_s: float) -> int:
@@ -33,9 +39,13 @@ class Tracing:
         if not url.endswith("/v1/traces"):
             url += "/v1/traces"
         self.url = url
+        # shutdown_on_exit=False: the service shuts tracing down itself, within SHUTDOWN_FLUSH_S; the SDK's exit
+        # handler would wait on the exporter again, unbounded on some SDK releases
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name,
-                                                                 "service.version": version}))
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
+                                                                 "service.version": version}),
+                                       shutdown_on_exit=False)
+        self.exporter = OTLPSpanExporter(endpoint=url)
+        self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
         self.tracer = self.provider.get_tracer("fusedserve", version)
         self.propagator = TraceContextTextMapPropagator()
         self._server, self._internal = SpanKind.SERVER, SpanKind.INTERNAL
@@ -67,6 +77,14 @@ class Tracing:
                                       start_time=epoch_ns(start_s), attributes=attributes or {})
         span.end(end_time=epoch_ns(end_s))
 
-    def shutdown(self) -> None:
-        """Export what is buffered, then stop the exporter thread."""
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = SHUTDOWN_FLUSH_S) -> None:
+        """Export what is buffered, waiting at most `timeout_s`, and stop the exporter. Spans a collector that is down
+        or slow did not take by then are dropped: the flush runs on a daemon thread, so the process exits without it."""
+        flush = threading.Thread(target=self.provider.shutdown, name="fusedserve-tracing-shutdown", daemon=True)
+        flush.start()
+        flush.join(timeout_s)
+        if flush.is_alive():
+            log.warning("tracing: the collector at %s did not take the last spans within %.1fs; they are dropped",
+                        self.url, timeout_s)
+            # ends the exporter's retry back-off (it waits on the exporter's shutdown event) and closes its connections
+            self.exporter.shutdown()

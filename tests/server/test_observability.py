@@ -1,6 +1,7 @@
 """One request, observed, on the real server: x-request-id (echoed or made), the timing headers (and that they
 agree with the Prometheus metrics), OpenTelemetry spans exported over OTLP/HTTP to a collector run by this test
-(continuing the caller's W3C traceparent, with tokenize / queue / forward children), and JSON log lines."""
+(continuing the caller's W3C traceparent, with tokenize / queue / forward children), and JSON log lines. Shutting
+tracing down flushes the buffered spans to a live collector, and a collector that is down does not hold up the exit."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import logging
 import os
 import re
+import signal
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,8 +21,9 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as trace_pb2
 
+from fusedserve.server import tracing
 from fusedserve.server.observability import CURRENT, JsonFormatter, RequestRecord
-from tests.server.conftest import start_server
+from tests.server.conftest import free_port, start_server
 
 MODEL = "all-MiniLM-L6-v2"
 TIMINGS = ("x-total-time", "x-tokenization-time", "x-queue-time", "x-inference-time")
@@ -152,11 +156,48 @@ def test_spans_are_exported_with_the_callers_trace(server, collector):
     assert spans["queue"][1].end_time_unix_nano <= spans["forward"][1].start_time_unix_nano + 1_000_000
 
 
+def test_shutdown_flushes_the_buffered_spans_to_a_live_collector(collector):
+    traced = tracing.Tracing(collector.url, "fusedserve-flush-test", "0")
+    now = time.monotonic()
+    span = traced.start_request("POST", "/infer", {}, now)
+    traced.end_request(span, "/infer", 200, "flush-1")
+    trace_id = span.get_span_context().trace_id.to_bytes(16, "big")
+    # the batch processor's schedule delay (5 s by default) has not come: only shutdown's flush can send it, and a
+    # collector on this machine answers well inside the time given (the default bound is for a dead one)
+    traced.shutdown(timeout_s=30)
+    with collector.lock:
+        assert any(s.trace_id == trace_id for _, s in collector.spans), "shutdown dropped a span a live collector takes"
+
+
+# Stopping a server with nothing to export takes well under this; a collector that is down made the SDK's exporter
+# retry with back-off (1 s, 2 s, 4 s, ...) for longer than this before shutdown was bounded.
+EXIT_DEADLINE_S = tracing.SHUTDOWN_FLUSH_S + 3.0
+
+
+def test_a_collector_that_is_down_does_not_hold_up_shutdown(tmp_path):
+    closed_port = free_port()  # nothing listens there: every export is refused and retried
+    srv = start_server(tmp_path, otlp_endpoint=f"http://127.0.0.1:{closed_port}")
+    try:
+        r = httpx.post(srv.url + "/infer", json={"inputs": ["a span to export"]}, timeout=60)
+        assert r.status_code == 200, r.text
+        srv.process.send_signal(signal.SIGTERM)
+        try:
+            srv.process.wait(timeout=EXIT_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server took over {EXIT_DEADLINE_S:g} s to exit after SIGTERM with its collector down:\n"
+                        + srv.log()[-3000:])
+    finally:
+        srv.stop()
+    # the exit was prompt because the flush was cut short, not because there was nothing to send
+    assert "did not take the last spans" in srv.log()
+
+
 def test_logs_are_json(server):
     lines = [line for line in server.log().splitlines() if line.startswith("{")]
     entries = [json.loads(line) for line in lines]
-    assert any(e["message"].startswith("ready") and e["level"] == "warning" for e in entries)
+    assert any(e["message"].startswith("ready in ") and e["logger"] == "fusedserve" for e in entries)
     assert all({"time", "level", "logger", "message"} <= set(e) for e in entries)
+    assert {e["level"] for e in entries} <= {"debug", "info", "warning", "error", "critical"}
 
 
 def test_a_json_log_line_carries_the_request_id():
