@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
                                      "see docs/configuration.md for every setting.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--config", help="YAML or TOML settings file (same keys as FUSEDSERVE_*, lower-case)")
+    parser.add_argument("--config", help="YAML or TOML settings file (the settings' names without the FUSEDSERVE_ prefix)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if args.config:

@@ -1,5 +1,5 @@
-"""Service settings: environment variables FUSEDSERVE_*, or the same keys (lower-case) in a YAML/TOML
-file given by --config / FUSEDSERVE_CONFIG. Environment wins over the file. Invalid values fail at
+"""Service settings: environment variables FUSEDSERVE_*, or the same settings by their names without the prefix
+(`max_batch_tokens: 8192`) in a YAML/TOML file given by --config / FUSEDSERVE_CONFIG. Environment wins over the file. Invalid values fail at
 startup with a message naming the setting. A setting removed in this release still starts, with a warning that
 names it (REMOVED_SETTINGS), so an old config file or manifest keeps working for one release."""
 
