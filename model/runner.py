@@ -133,8 +133,7 @@ class Embedder:
         # packed batches only: auto = the few-token layer + varlen flash attention in fp16/bf16 on CUDA (varlen alone
         # while the few-token ops are on the reference: _attention_for), pad-for-SDPA otherwise
         self.requested_attention = attention if layout == "packed" else "pad"
-        self.attention = resolve_attention(self.requested_attention, device, dtype)
-        self.attention_reason = self._attention_reason(self.attention)
+        self.attention, self.attention_reason = self._attention_for(None)
         self.selection = kernels.reference_selection(device, (dtype,), "not selected yet")
         self.fallback: str | None = None  # why the path fell back to the reference (fall_back), until set_fused
         self._reference = kernels.reference_selection(device, (dtype,), "reference re-run")
@@ -209,7 +208,7 @@ class Embedder:
                                   fused=enabled, hidden_sizes=(self.config.hidden_size,),
                                   race_timing="device" if self.graphs is not None else "eager", ops=ops)
 
-        attention = resolve_attention(self.requested_attention, self.device, self.dtype)
+        attention, _ = self._attention_for(None)
         if self.requested_attention == "auto" and attention == "fused":
             # the few-token ops first, alone (Triton-only: no race; their self-test verdicts are cached for the
             # select below), so a fallback to varlen does not race the other ops twice
@@ -243,23 +242,21 @@ class Embedder:
         log.info("kernel selection %d, attention %s (%s)", selection.version, self.attention, self.attention_reason)
         return selection
 
-    def _attention_for(self, selection: kernels.Selection) -> tuple[str, str]:
-        """The attention mode and why, for the ops as `selection` runs them: auto's few-token layer only while its
-        ops are on a fused backend (on the reference they are slower than varlen)."""
+    def _attention_for(self, selection: kernels.Selection | None) -> tuple[str, str]:
+        """The attention mode and why: the one place it is decided. From the requested mode, the device and dtype
+        (model.encoder.resolve_attention) and, given the ops' selection, auto's few-token layer only while its ops
+        are on a fused backend (on the reference they are slower than varlen); None: before any selection."""
         attention = resolve_attention(self.requested_attention, self.device, self.dtype)
-        if self.requested_attention == "auto" and attention == "fused":
-            on_reference = [op for op in FEW_TOKEN_OPS if selection.backend_of(op) == REFERENCE_BACKEND]
-            if on_reference:
-                return "varlen", (f"auto: varlen, since the few-token layer's {', '.join(on_reference)} would run on "
-                                  f"the reference (slower than varlen)")
-        return attention, self._attention_reason(attention)
-
-    def _attention_reason(self, attention: str) -> str:
         if self.requested_attention != "auto":
-            return "as configured" if self.layout == "packed" else "padded layout"
-        if attention == "fused":
-            return f"auto: the few-token layer for batches of <= {FUSED_LAYER_TOKENS} tokens, varlen above"
-        return "auto: varlen attention needs fp16/bf16 on CUDA"
+            return attention, "as configured" if self.layout == "packed" else "padded layout"
+        if attention != "fused":
+            return attention, "auto: varlen attention needs fp16/bf16 on CUDA"
+        on_reference = [op for op in FEW_TOKEN_OPS
+                        if selection is not None and selection.backend_of(op) == REFERENCE_BACKEND]
+        if on_reference:
+            return "varlen", (f"auto: varlen, since the few-token layer's {', '.join(on_reference)} would run on "
+                              f"the reference (slower than varlen)")
+        return attention, f"auto: the few-token layer for batches of <= {FUSED_LAYER_TOKENS} tokens, varlen above"
 
     @contextlib.contextmanager
     def timed(self, callback: Callable[[str, str, float], None]) -> Iterator[None]:
