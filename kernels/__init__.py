@@ -28,7 +28,7 @@ import torch
 from fusedserve.kernels import library, registry
 from fusedserve.kernels.library import signature
 from fusedserve.kernels.registry import (REFERENCE, REFERENCE_BACKEND, BackendError, BackendUnavailable, Selection,
-                              reference_selection, select)
+                                         reference_selection, select)
 from fusedserve.kernels.spec import OP_SPECS, OPS, REFERENCE_OPS
 
 log = logging.getLogger("fusedserve.kernels")
@@ -38,6 +38,7 @@ Observer = Callable[[str, str, Callable, tuple, dict], object]
 
 _active: contextvars.ContextVar[tuple[Selection, Observer | None]] = contextvars.ContextVar(
     "fusedserve_kernels", default=(REFERENCE, None))
+
 
 @contextlib.contextmanager
 def use(selection: Selection, observer: Observer | None = None) -> Iterator[Selection]:
@@ -49,19 +50,23 @@ def use(selection: Selection, observer: Observer | None = None) -> Iterator[Sele
     finally:
         _active.reset(token)
 
+
 def current() -> Selection:
     """The selection kernels.<op> runs on here and now."""
     return _active.get()[0]
+
 
 def _traced_backend(op: str) -> str:
     """The backend of `op` in the current selection, a constant to torch.compile: Dynamo (torch 2.11) cannot trace
     ContextVar.get, and a string is the one result every version keeps as a constant."""
     return _active.get()[0].choices[op].backend
 
-# What torch.compiler.assume_constant_result does, without the import of torch._dynamo it starts with: that import is
-# a fifth of a server's start before its service exists, for a path only torch.compile takes (tests/kernels/
-# test_compile_marker.py checks that the mark is still the decorator's).
+
+# What torch.compiler.assume_constant_result does, without the import of torch._dynamo it starts with: importing the
+# kernels must not pay for Dynamo, which only the torch.compile path uses (tests/kernels/test_compile_marker.py checks
+# that the mark is still the decorator's and that importing the kernels leaves Dynamo unimported).
 _traced_backend._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
 
 def _public(op: str) -> Callable:
     def call(*args, **kwargs):
@@ -80,25 +85,29 @@ def _public(op: str) -> Callable:
     call.__module__ = __name__
     return call
 
-layer_norm = _public("layer_norm")
-layer_norm_gelu = _public("layer_norm_gelu")
-bias_gelu = _public("bias_gelu")
-bias_residual_gelu = _public("bias_residual_gelu")
-add_layer_norm = _public("add_layer_norm")
-embedding_layer_norm = _public("embedding_layer_norm")
-linear_bias_gelu = _public("linear_bias_gelu")
-linear_add_layer_norm = _public("linear_add_layer_norm")
-segment_mean = _public("segment_mean")
-qkv_attention = _public("qkv_attention")
-attention_partials = _public("attention_partials")
-ffn_partials = _public("ffn_partials")
-partial_add_layer_norm = _public("partial_add_layer_norm")
-# the op list lives in kernels.spec: a public name per op, nothing more
-assert {name for name, value in globals().items() if getattr(value, "__module__", None) == __name__
-        and getattr(value, "__signature__", None) is not None} == set(OPS), "kernels/__init__.py and kernels.spec differ"
 
-__all__ = ["OPS", "REFERENCE", "BackendError", "Selection", "compile_only", "current", "reference_selection",
-           "registry", "save_tuning", "select", "use", "watch_autotunes", "watch_compiles", *OPS]
+# one public callable per op of kernels.spec, the one op list: `from fusedserve.kernels import layer_norm`
+globals().update({op: _public(op) for op in OPS})
+
+__all__ = ["OPS", "REFERENCE", "BackendError", "Observer", "Selection", "compile_only", "configure",
+           "cuda_launch_configs", "current", "pdl_enabled", "reference_selection", "registry", "save_tuning", "select",
+           "use", "watch_autotunes", "watch_compiles", *OPS]
+
+
+def configure(*, cache_dir: str | None = None) -> None:
+    """The kernel layer's settings, given by whoever owns them (the model layer passes the service's).
+
+    cache_dir: where compiled and tuned kernels, the CUDA launch tuning and the backend races are kept for the next
+    start (kernels.cache); None or empty: FUSEDSERVE_CACHE_DIR, else ~/.cache/fusedserve (standalone use).
+
+    Call it before the first select(). A later call applies to what is read and saved from then on (tuning tables,
+    races, Triton's cache when the kernel layer had chosen its directory), but what this process already loaded
+    stays as it was loaded: the Triton kernels compiled so far, the CUDA extension and the CUDA launch-configuration
+    table once read."""
+    from fusedserve.kernels import cache
+
+    cache.configure(cache_dir)
+
 
 def _load_triton(device: torch.device):
     if importlib.util.find_spec("triton") is None:
@@ -114,6 +123,7 @@ def _load_triton(device: torch.device):
     if device.type == "cuda":
         cache.seed_triton(device)
     return library.custom_ops("triton", LAUNCHERS)
+
 
 def watch_compiles(callback: Callable[[str], None] | None) -> bool:
     """From now on, callback(description) after every Triton kernel this process compiles or loads from Triton's
@@ -145,7 +155,9 @@ def watch_compiles(callback: Callable[[str], None] | None) -> bool:
     _watched = (previous,)
     return True
 
+
 _watched: tuple[Callable | None] | None = None  # while watch_compiles is on: the hook it found installed
+
 
 def watch_autotunes(callback: Callable[[str], None] | None) -> bool:
     """From now on, callback(kernel name) each time one of our Triton autotuners times a candidate: a key it had
@@ -168,7 +180,9 @@ def watch_autotunes(callback: Callable[[str], None] | None) -> bool:
         tuner.__dict__["do_bench"] = _watched_bench(own, name, callback)
     return True
 
+
 _own_benches: dict[str, Callable] = {}  # while watch_autotunes is on: each autotuner's own benchmark, by kernel
+
 
 def _watched_bench(bench: Callable, name: str, callback: Callable[[str], None]) -> Callable:
     def timed(*args, **kwargs):
@@ -180,6 +194,27 @@ def _watched_bench(bench: Callable, name: str, callback: Callable[[str], None]) 
 
     return timed
 
+
+def pdl_enabled(device: torch.device | str) -> bool:
+    """Whether our Triton kernels launched on `device` now use programmatic dependent launch (a GPU of sm_90 or later,
+    FUSEDSERVE_TRITON_PDL not 0); False where the Triton backend was not loaded."""
+    if "fusedserve.kernels.triton._common" not in sys.modules:
+        return False
+    from fusedserve.kernels.triton._common import pdl_enabled as triton_pdl_enabled
+
+    return triton_pdl_enabled(torch.device(device))
+
+
+def cuda_launch_configs() -> dict[str, dict]:
+    """The CUDA backend's launch configurations chosen so far (kernel|dtype|width|row bucket -> config and timings);
+    empty where the CUDA backend was not loaded."""
+    if "fusedserve.kernels.cuda.tuning" not in sys.modules:
+        return {}
+    from fusedserve.kernels.cuda.tuning import TUNER
+
+    return TUNER.table()
+
+
 def save_tuning(device: torch.device | str) -> None:
     """Keep what the Triton autotuners chose in this process (kernels.cache's Triton table) for the next start on
     this GPU model; nothing off CUDA or before the Triton backend was loaded. The CUDA launch tuning and the races
@@ -189,6 +224,7 @@ def save_tuning(device: torch.device | str) -> None:
         from fusedserve.kernels import cache
 
         cache.save_triton(device)
+
 
 @contextlib.contextmanager
 def compile_only() -> Iterator[None]:
@@ -204,7 +240,9 @@ def compile_only() -> Iterator[None]:
     with triton_compile_only():
         yield
 
-registry.register_backend("triton", _load_triton, compiles_on_launch=True)
+
+registry.register_backend("triton", _load_triton, compile_only=compile_only)
+
 
 def _load_cuda(device: torch.device):
     if device.type != "cuda":
@@ -218,5 +256,6 @@ def _load_cuda(device: torch.device):
     except cuda.BuildUnavailable as exc:
         raise BackendUnavailable(str(exc)) from exc
     return library.custom_ops("cuda", launchers)
+
 
 registry.register_backend("cuda", _load_cuda)

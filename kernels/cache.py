@@ -2,7 +2,8 @@
 and autotune results (`triton/`), the CUDA launch-configuration table (`tuning-<gpu>.json`), the backend races'
 timings (`races-<gpu>.json`) and, unless FUSEDSERVE_CUDA_CACHE names a prebuilt one, the CUDA extension (`cuda/`).
 
-FUSEDSERVE_CACHE_DIR sets it (the service's CACHE_DIR setting exports it; default ~/.cache/fusedserve). A file is
+kernels.configure(cache_dir=...) sets it (the model layer passes the service's cache_dir setting); unconfigured, as in
+standalone use (benchmarks, the tuning export), it is FUSEDSERVE_CACHE_DIR, else ~/.cache/fusedserve. A file is
 named by what its entries depend on: the GPU model and a hash of the torch/Triton/CUDA versions and the kernels'
 sources (`fingerprint()`), so a new GPU, a new release or an edited kernel starts a new file instead of reusing
 (Triton keys its own cache the same way). Replicas on one node may share it: files are written to a per-process
@@ -10,11 +11,11 @@ temporary file and renamed into place, so a reader sees a whole file or none, an
 reported once and rebuilt.
 
 Shipped tuning: `kernels/tuning/<gpu>.json` holds the same tables for a GPU model, exported from a tuned start on
-that GPU (`python -m fusedserve.kernels.tuning export`). A start whose own table is missing begins from the shipped one, so a
-fresh machine compiles only the chosen configurations and races nothing it shipped with. It is used only when it was
-made from these kernel sources with these switches; its Triton configs only on the same Triton minor release (a
-config that fits one release's shared memory may not fit another's), and only those that are still candidates.
-The self-tests still run on fresh inputs at every start.
+that GPU (`python -m fusedserve.kernels.tuning export`). A start whose own table is missing begins from the shipped
+one, so a fresh machine compiles only the chosen configurations and races nothing it shipped with. It is used only
+when it was made from these kernel sources with these switches; its Triton configs only on the same Triton minor
+release (a config that fits one release's shared memory may not fit another's), and only those that are still
+candidates. The self-tests still run on fresh inputs at every start.
 """
 
 from __future__ import annotations
@@ -33,18 +34,40 @@ import torch
 
 log = logging.getLogger("fusedserve.kernels")
 
-ENV = "FUSEDSERVE_CACHE_DIR"
+ENV = "FUSEDSERVE_CACHE_DIR"  # the fallback where nothing configured the directory (standalone use)
+TRITON_ENV = "TRITON_CACHE_DIR"
 _SOURCES = (".py", ".cu", ".cuh", ".h", ".cpp")
+
+_configured: Path | None = None  # set by configure(); None: ENV, else the default
+_triton_dir: str | None = None  # the TRITON_CACHE_DIR use_for_triton set, to tell it from one the user set
+
+
+def configure(directory: str | os.PathLike | None) -> None:
+    """The cache directory from now on; None (or empty) goes back to FUSEDSERVE_CACHE_DIR, else the default. Where
+    use_for_triton already pointed Triton's cache into the previous directory, Triton's cache follows (one the user
+    set in TRITON_CACHE_DIR is left alone)."""
+    global _configured
+    _configured = Path(directory) if directory else None
+    if _triton_dir is not None and os.environ.get(TRITON_ENV) == _triton_dir:
+        _point_triton()
 
 
 def root() -> Path:
+    if _configured is not None:
+        return _configured
     return Path(os.environ.get(ENV) or Path.home() / ".cache" / "fusedserve")
 
 
 def use_for_triton() -> None:
     """Triton's compiled kernels and autotune results under root()/triton, unless TRITON_CACHE_DIR says otherwise.
-    Called before the Triton backend compiles anything (Triton reads the variable when it opens its cache)."""
-    os.environ.setdefault("TRITON_CACHE_DIR", str(root() / "triton"))
+    Called before the Triton backend compiles anything (Triton reads the variable each time it opens its cache)."""
+    if TRITON_ENV not in os.environ:
+        _point_triton()
+
+
+def _point_triton() -> None:
+    global _triton_dir
+    _triton_dir = os.environ[TRITON_ENV] = str(root() / "triton")
 
 
 # the kernel layer's own switches: each changes what a tuned choice or a race measured

@@ -21,7 +21,7 @@ import textwrap
 import time
 import types
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -49,14 +49,18 @@ class BackendError(RuntimeError):
 Loader = Callable[[torch.device], Mapping[str, Callable]]
 
 
+# For a backend whose kernels compile on their first launch (Triton's): a context inside which its launches compile
+# what they would run, side by side, and run nothing (kernels.compile_only).
+CompilePass = Callable[[], contextlib.AbstractContextManager]
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
     loader: Loader
-    # its kernels compile on their first launch and honour kernels.compile_only() (Triton's): the self-tests' launches
-    # are made once in a compile pass first, so those compiles run side by side. Any other backend's self-test would
-    # only run twice
-    compiles_on_launch: bool = False
+    # given, the self-tests' launches are made once inside it first, so their compiles run side by side instead of
+    # one launch at a time; a backend built ahead (CUDA's) has none: its self-tests would only run twice
+    compile_only: CompilePass | None = None
 
 
 def _load_reference(device: torch.device) -> Mapping[str, Callable]:
@@ -68,11 +72,12 @@ _BACKENDS: list[Backend] = [Backend(REFERENCE_BACKEND, _load_reference)]
 
 
 def register_backend(name: str, loader: Loader, *, before: str = REFERENCE_BACKEND,
-                     compiles_on_launch: bool = False) -> None:
-    """Add (or replace) a backend, placed just ahead of `before` in the preference order."""
+                     compile_only: CompilePass | None = None) -> None:
+    """Add (or replace) a backend, placed just ahead of `before` in the preference order. compile_only: for a
+    backend whose kernels compile on their first launch, its compile pass (see Backend)."""
     unregister_backend(name)
     index = next(i for i, b in enumerate(_BACKENDS) if b.name == before)
-    _BACKENDS.insert(index, Backend(name, loader, compiles_on_launch))
+    _BACKENDS.insert(index, Backend(name, loader, compile_only))
 
 
 def unregister_backend(name: str) -> None:
@@ -195,6 +200,7 @@ REFERENCE = reference_selection()
 object.__setattr__(REFERENCE, "version", 0)
 
 _NOT_IMPLEMENTED = "does not implement this op"
+_UNAVAILABLE = "unavailable: "  # how a backend that cannot load here is rejected
 
 # Self-test sizes: a single row, an odd row count, and the model's own width plus an awkward one.
 SELF_TEST_ROWS = (1, 37)
@@ -221,13 +227,14 @@ def _self_test(fn: Callable, op: str, device: torch.device, dtypes: Iterable[tor
     return known[key]
 
 
-def _compile_self_tests(fns: list[tuple[Callable, str]], device: torch.device, dtypes: tuple, cols: tuple) -> None:
+def _compile_self_tests(passes: Sequence[CompilePass], fns: list[tuple[Callable, str]], device: torch.device,
+                        dtypes: tuple, cols: tuple) -> None:
     """Compile the kernels the self-tests of these (fn, op) will launch, side by side, before they run one after
-    another (kernels.compile_only: the launches compile and run nothing; each check's verdict is thrown away). A
-    fn whose verdict is cached runs no self-test and is skipped."""
-    from fusedserve.kernels import compile_only  # the package's: a no-op until the Triton backend is loaded
-
-    with compile_only():
+    another: inside the backends' compile passes (Backend.compile_only: the launches compile and run nothing; each
+    check's verdict is thrown away). A fn whose verdict is cached runs no self-test and is skipped."""
+    with contextlib.ExitStack() as inside:
+        for compile_pass in passes:
+            inside.enter_context(compile_pass())
         for fn, op in fns:
             with contextlib.suppress(TypeError):
                 if (op, str(device), dtypes, cols) in _verdicts.get(fn, {}):
@@ -331,6 +338,22 @@ def _saved_races(device: torch.device) -> dict[str, dict]:
     return _saved[path]
 
 
+def _why_reference(rejected: Mapping[str, str], device: torch.device) -> str:
+    """Why auto mode left an op on the reference: no fused backend can run it here (said plainly, not as a failure;
+    each backend's own reason is in `rejected`), or one that could failed its self-test."""
+    fused = {name: why for name, why in rejected.items() if name != REFERENCE_BACKEND}
+    groups: dict[str, list[str]] = {}
+    for name, why in fused.items():
+        if why == _NOT_IMPLEMENTED:
+            groups.setdefault("does not implement it", []).append(name)
+        elif why.startswith(_UNAVAILABLE):
+            groups.setdefault("cannot run here", []).append(name)
+        else:
+            return "reference path: no fused backend passed its self-test"
+    whys = "; ".join(f"{' and '.join(names)} {what}" for what, names in groups.items())
+    return f"reference path: no fused backend runs this op on {device.type}" + (f" ({whys})" if whys else "")
+
+
 def select(
     device: torch.device | str = "cpu",
     dtypes: Iterable[torch.dtype] = (torch.float32,),
@@ -381,10 +404,10 @@ def select(
             try:
                 loaded[b.name] = b.loader(device)
             except BackendUnavailable as exc:
-                loaded[b.name] = f"unavailable: {exc}"
+                loaded[b.name] = f"{_UNAVAILABLE}{exc}"
             except Exception as exc:  # a broken backend is skipped (auto) or named (forced), never fatal here
                 log.warning("backend %s failed to load on %s", b.name, device, exc_info=True)
-                loaded[b.name] = f"unavailable: failed to load ({type(exc).__name__}: {exc})"
+                loaded[b.name] = f"{_UNAVAILABLE}failed to load ({type(exc).__name__}: {exc})"
         return loaded[b.name]
 
     def implementation(name: str, op: str) -> Callable:
@@ -396,9 +419,10 @@ def select(
         return [b for b in _BACKENDS if forced in ("auto", b.name)]
 
     if fused and device.type == "cuda":  # the self-tests' compiles side by side, not one launch at a time
-        fns = [(impl[op], op) for op in OPS if op in wanted for b in candidates_of(op) if b.compiles_on_launch
-               if not isinstance(impl := load(b), str) and op in impl]
-        _compile_self_tests(fns, device, dtypes, test_cols)
+        compiling = [(b, op) for op in OPS if op in wanted for b in candidates_of(op) if b.compile_only is not None]
+        fns = [(impl[op], op) for b, op in compiling if not isinstance(impl := load(b), str) and op in impl]
+        passes = list({id(b.compile_only): b.compile_only for b, _ in compiling}.values())
+        _compile_self_tests(passes, fns, device, dtypes, test_cols)
 
     choices: dict[str, OpChoice] = {}
     for op in OPS:
@@ -442,7 +466,7 @@ def select(
             if forced != "auto":
                 reason = "forced by configuration; passed its self-test"
             elif passed[0] == REFERENCE_BACKEND:
-                reason = "reference path: no fused backend passed"
+                reason = _why_reference(rejected, device)
             else:
                 reason = "the only fused backend that passed its self-test"
         if (not backend_ and forced != "auto" and overrides.get(op, "auto") == "auto"

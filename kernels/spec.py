@@ -1,15 +1,16 @@
 """The op list, once. Each fused op's entry names its torch reference (whose signature is the op's signature:
 the public wrappers in kernels/__init__.py, the torch.library schema in kernels/library.py and the launchers of
-every backend follow it), its documentation, its fake (meta) implementation, the backends that implement it, and
-how the registry's self-test and the test suite build fresh random inputs for it. Adding an op touches this file,
-kernels/reference.py and the backends' launchers, nothing else.
+every backend follow it), its documentation, its fake (meta) implementation, the backends that implement it and the
+module holding each one's launcher, and how the registry's self-test and the test suite build fresh random inputs
+for it. Adding an op touches this file, kernels/reference.py and the backends' launchers, nothing else.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from dataclasses import dataclass
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -194,8 +195,22 @@ class OpSpec:
     race_cols: Callable[[int], int] = lambda hidden: hidden  # output width at a model's hidden size
     # (args, rows, cols, dtype) -> the output's (shape, dtype): [rows, cols] in the input dtype unless said
     output: Callable[..., tuple[tuple[int, ...], torch.dtype]] = _same_as_input
-    fused_in: tuple[str, ...] = ("triton", "cuda")  # the fused backends that implement it
+    # the fused backends that implement it: backend -> the module of kernels/<backend>/ whose function named after
+    # the op is its launcher (an op absent here runs on the reference only)
+    fused_in: Mapping[str, str] = field(kw_only=True, hash=False)
     differentiable: bool = False  # torch.library autograd (recomputed through the fp32 reference)
+
+    def __post_init__(self) -> None:  # read-only: the op list is fixed once this module is imported
+        object.__setattr__(self, "fused_in", types.MappingProxyType(dict(self.fused_in)))
+
+
+def _triton_and_cuda(triton_module: str) -> dict[str, str]:
+    # every CUDA launcher lives in kernels/cuda/launchers.py (its kernels are in csrc/)
+    return {"triton": triton_module, "cuda": "launchers"}
+
+
+def _triton_only(triton_module: str) -> dict[str, str]:
+    return {"triton": triton_module}
 
 
 def ops_of(backend: str) -> list[str]:
@@ -203,40 +218,51 @@ def ops_of(backend: str) -> list[str]:
     return [op for op, spec in OP_SPECS.items() if backend in spec.fused_in]
 
 
+def launcher_modules(backend: str) -> dict[str, str]:
+    """{op: module name under kernels/<backend>/ holding its launcher, a function named after the op} for the ops
+    `backend` implements."""
+    return {op: spec.fused_in[backend] for op, spec in OP_SPECS.items() if backend in spec.fused_in}
+
+
 _SPECS = (
-    OpSpec("layer_norm", reference.layer_norm, "LayerNorm over the last dimension.", _like_first, _ln_inputs),
+    OpSpec("layer_norm", reference.layer_norm, "LayerNorm over the last dimension.", _like_first, _ln_inputs,
+           fused_in=_triton_and_cuda("layer_norm")),
     OpSpec("layer_norm_gelu", reference.layer_norm_gelu,
            'GELU(LayerNorm(x)); exact erf GELU unless approximate="tanh".', _like_first, _ln_inputs,
-           differentiable=True),
+           differentiable=True, fused_in=_triton_and_cuda("layer_norm_gelu")),
     OpSpec("bias_gelu", reference.bias_gelu, "GELU(x + bias), bias broadcast over rows.", _like_first,
-           _bias_gelu_inputs),
+           _bias_gelu_inputs, fused_in=_triton_and_cuda("bias_gelu")),
     OpSpec("bias_residual_gelu", reference.bias_residual_gelu, "GELU(x + bias + residual).", _like_first,
-           _bias_residual_gelu_inputs),
+           _bias_residual_gelu_inputs, fused_in=_triton_and_cuda("bias_residual_gelu")),
     OpSpec("add_layer_norm", reference.add_layer_norm,
            "LayerNorm(x + bias + residual); with return_sum=True also the pre-norm sum.", _add_layer_norm_fake,
-           _add_ln_inputs, differentiable=True),
+           _add_ln_inputs, differentiable=True, fused_in=_triton_and_cuda("add_layer_norm")),
     OpSpec("embedding_layer_norm", reference.embedding_layer_norm,
            "LayerNorm(word[ids] + position[pos] + token_type[types]) for flat id vectors: [tokens] -> "
            "[tokens, hidden].",
-           lambda ids, pos, types, word, *rest: word.new_empty((*ids.shape, word.shape[1])), _embedding_ln_inputs),
+           lambda ids, pos, types, word, *rest: word.new_empty((*ids.shape, word.shape[1])), _embedding_ln_inputs,
+           fused_in=_triton_and_cuda("embedding_layer_norm")),
     OpSpec("linear_bias_gelu", reference.linear_bias_gelu,
            "GELU(x @ weight^T + bias), weight in nn.Linear's [out, in] layout: the FFN-in of an encoder layer.",
-           _gemm_fake, _linear_gelu_inputs, rowwise=False, race_cols=lambda hidden: 4 * hidden),
+           _gemm_fake, _linear_gelu_inputs, rowwise=False, race_cols=lambda hidden: 4 * hidden,
+           fused_in=_triton_and_cuda("linear_gelu")),
     OpSpec("linear_add_layer_norm", reference.linear_add_layer_norm,
            "LayerNorm(x @ weight^T + bias + residual), weight in nn.Linear's [out, in] layout: the attention-out "
-           "and FFN-out blocks of a post-LN encoder layer.", _gemm_fake, _linear_ln_inputs, rowwise=False),
+           "and FFN-out blocks of a post-LN encoder layer.", _gemm_fake, _linear_ln_inputs, rowwise=False,
+           fused_in=_triton_and_cuda("linear_layer_norm")),
     # mean pooling of a packed batch: [rows tokens, cols] -> [segments, cols] float32
     OpSpec("segment_mean", reference.segment_mean,
            "Mean of each segment of rows, x [T, H] and offsets cu_seqlens [B + 1] -> [B, H] float32 (empty "
            "segment: 0; rows past the last offset unread): the mean pooling of a packed batch.",
            lambda x, cu: x.new_empty((cu.shape[0] - 1, x.shape[1]), dtype=_fp32(x.dtype)), _segment_inputs,
-           rowwise=False, output=_per_segment),
+           rowwise=False, output=_per_segment, fused_in=_triton_and_cuda("segment_mean")),
     # a layer's QKV projection + attention over each packed sequence: [rows tokens, cols] -> [rows, cols]
     OpSpec("qkv_attention", reference.qkv_attention,
            "A layer's attention block before its output projection: q, k, v = x @ weight^T + bias (weight [3H, H], "
            "query/key/value stacked), softmax(q k^T / sqrt(d)) v per head within each packed sequence of x [T, H] "
            "(offsets cu_seqlens [B + 1], each at most max_seqlen long) -> [T, H]; rows past the last offset are "
-           "zeros.", _like_first, _qkv_attention_inputs, rowwise=False, fused_in=("triton",)),
+           "zeros.", _like_first, _qkv_attention_inputs, rowwise=False,
+           fused_in=_triton_only("qkv_attention")),
     # the few-token layer's pieces: attention + each head's share of the output projection -> [heads, rows, cols]
     # fp32; the FFN split over its intermediate width -> [splits, rows, cols] fp32; their LayerNorm over the sum
     OpSpec("attention_partials", reference.attention_partials,
@@ -244,16 +270,18 @@ _SPECS = (
            "[num_heads, T, H] float32 partial sums (summed: ctx @ out_weight^T), for partial_add_layer_norm.",
            lambda x, w, b, cu, max_seqlen, num_heads, out_weight: x.new_empty((num_heads, *x.shape),
                                                                               dtype=torch.float32),
-           _attention_partials_inputs, rowwise=False, output=_per_head, fused_in=("triton",)),
+           _attention_partials_inputs, rowwise=False, output=_per_head,
+           fused_in=_triton_only("qkv_attention")),
     OpSpec("ffn_partials", reference.ffn_partials,
            "GELU(x @ w1^T + b1) @ w2^T as `splits` float32 partial sums over chunks of the intermediate width: "
            "[splits, T, H], for partial_add_layer_norm.",
            lambda x, w1, b1, w2, splits, approximate: x.new_empty((splits, *x.shape), dtype=torch.float32),
-           _ffn_partials_inputs, rowwise=False, output=_per_split, fused_in=("triton",)),
+           _ffn_partials_inputs, rowwise=False, output=_per_split,
+           fused_in=_triton_only("ffn_partials")),
     OpSpec("partial_add_layer_norm", reference.partial_add_layer_norm,
            "LayerNorm(parts.sum(0) + bias + residual): parts [P, T, H] float32 -> [T, H] in residual's dtype.",
            lambda parts, bias, residual, *rest: torch.empty_like(residual), _partial_ln_inputs, rowwise=False,
-           fused_in=("triton",)),
+           fused_in=_triton_only("add_layer_norm")),
 )
 OP_SPECS: dict[str, OpSpec] = {spec.name: spec for spec in _SPECS}
 OPS: tuple[str, ...] = tuple(OP_SPECS)

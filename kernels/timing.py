@@ -87,9 +87,9 @@ def autotune_bench(fn: Callable[[], object], quantiles: tuple[float, ...] | None
     """The Triton autotuner's benchmark on a GPU (its `do_bench`): a candidate's device time as the model runs it
     (replayed from a CUDA graph) and as the kernel benchmark reports it, one call per replay with the L2 flushed
     before each, in milliseconds (the median, or the given quantiles). Triton's default times stream launches for
-    100 ms per candidate instead. The candidates of a LayerNorm-family key are often within 2% of each other, and the
-    kernel benchmark ranks them this way; the registry's race, which picks between backends, times CUDA-graph replays
-    too, of several calls each and without the flush."""
+    100 ms per candidate instead. The candidates of a LayerNorm-family key are often close enough that launch
+    overhead would decide between them, and the kernel benchmark ranks them this way; the registry's race, which picks
+    between backends, times CUDA-graph replays too, of several calls each and without the flush."""
     graph = capture(fn, calls=1, warmup=1)
     graph.replay()  # uploads the graph: not timed
     samples = [us / 1e3 for us in replay_us(graph, 1, AUTOTUNE_ROUNDS, flush_l2=True)]

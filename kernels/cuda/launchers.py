@@ -10,7 +10,6 @@ from torch import Tensor
 from fusedserve.kernels._layout import (as_rows, as_vector, common_device, embedding_inputs, output_like, same_shape,
                              segment_arguments)
 from fusedserve.kernels.cuda.tuning import TUNER, norm_candidates, pointwise_candidates
-from fusedserve.kernels.spec import ops_of
 
 _ops = torch.ops.fusedserve_cuda
 _GELU = {"none": 1, "tanh": 2}
@@ -132,7 +131,3 @@ def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) ->
     x2, cu, y = segment_arguments("segment_mean", x, cu_seqlens, out, torch.float32)
     _ops.segment_mean(x2, cu, y)
     return y
-
-
-# {op: launcher} for the ops kernels.spec lists as implemented in CUDA
-LAUNCHERS = {op: globals()[op] for op in ops_of("cuda")}

@@ -52,8 +52,8 @@ def norm_candidates(cols: int) -> list[Config]:
 def pointwise_candidates(cols: int, rows: int | None = None) -> list[Config]:
     """Configs for bias(+residual)+GELU over rows of `cols`; the first is the heuristic default: 4 rows per thread,
     but 1 below TUNE_MIN_ROWS rows (those take the default untuned). There the grid is one partial wave, and every
-    extra row a thread walks is one more memory round trip in series: on a few-token batch (MiniLM's FFN-in at b1
-    s16) the 4-row default left a handful of blocks each walking 4 rows, slower than Triton's one-row tiles."""
+    extra row a thread walks is one more memory round trip in series: on a few-token batch a 4-row default leaves a
+    handful of blocks each walking 4 rows one after another, where one row per thread spreads them over the GPU."""
     default = (256, 1) if rows is not None and rows < TUNE_MIN_ROWS else (256, 4)
     return [default] + [c for c in POINTWISE_CONFIGS if c != default]
 

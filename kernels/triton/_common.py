@@ -19,9 +19,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# as_rows/as_vector/output_like/row_bucket are shared with the CUDA backend; re-exported for the launchers here.
 from fusedserve.kernels import timing
-from fusedserve.kernels._layout import MAX_COLS, as_rows, as_vector, common_device, cpu_budget, output_like, row_bucket  # noqa: F401
+from fusedserve.kernels._layout import common_device, cpu_budget
+# as_rows/as_vector/output_like/row_bucket are shared with the CUDA backend; re-exported for the launchers here.
+from fusedserve.kernels._layout import MAX_COLS, as_rows, as_vector, output_like, row_bucket  # noqa: F401
 
 log = logging.getLogger(__name__)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -150,7 +151,7 @@ def autotune(configs: list[triton.Config], key: list[str], prune=None):
 
 
 # Threads that compile an untuned key's candidates side by side. The autotuner compiles each candidate as it first
-# times it, one after another, and without shipped tuning those compiles were most of a cold start. Triton's
+# times it, one after another, and without shipped tuning a cold start would wait for those compiles in series. Triton's
 # compiler releases the GIL through its MLIR passes and ptxas, so the candidates compile in parallel on a pool first
 # and the autotuner then finds them compiled and only times them. At most 16, and no more than the CPUs this
 # process may use (its affinity, and a container's CPU quota: each compile is a core's work and LLVM's memory).
@@ -252,7 +253,7 @@ def compile_only():
     run on the compile pool (an autotuned key's chosen config, or all of an untuned key's candidates) and returns,
     its outputs left unwritten. On exit, waits for every compile. For a pass whose results are thrown away, ahead of
     the same launches for real: the start-up's shape sweep meets its kernels one after another, and compiling them
-    serially on their first launches was most of a start with shipped tuning. On one thread at a time per
+    serially on their first launches would make a start wait for each compile in turn. On one thread at a time per
     kernel: the autotuner keeps per-call state on itself."""
     if INTERPRET or _current_pass() is not None:
         yield
@@ -320,8 +321,8 @@ def seed_tuning(table: dict) -> int:
 # Autotune timings are kept on disk (Triton 3.4+: `cache_results`, in TRITON_CACHE_DIR beside the compiled kernels),
 # so a restarted pod, the next replica on the node or the next test process takes each shape's tuned config instead
 # of benchmarking its candidates again: with the compiled kernels already cached, choosing kernels (self-tests and
-# races over shapes that each autotune) was most of a server's start. The key holds the kernel's source, the GPU,
-# Triton's version, the shape key and the candidate list, so any change re-tunes.
+# races over shapes that each autotune) would otherwise dominate a server's start. The key holds the kernel's source,
+# the GPU, Triton's version, the shape key and the candidate list, so any change re-tunes.
 _AUTOTUNE_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 

@@ -8,13 +8,13 @@ add, the pre-norm-sum store and the GELU, so each op compiles to exactly the cod
 A row is held as NCHUNK column blocks of CHUNK (a power of two, as Triton's blocks must be): widths of 3 x 2^k
 (384, 768, 1536, 3072: the encoders' hidden sizes) as three exact blocks, so no lane loads, computes or holds a
 padding column, and the loads need no column mask; any other width as one block padded to the next power of two
-(masked). Padding 768 to 1024 cost a quarter of the issue slots and registers, and the GELU kernels are
-issue-bound.
+(masked). A padded block spends its padding lanes' issue slots and registers on nothing (a quarter of them for 768
+padded to 1024), and the GELU kernels are issue-bound (docs/decisions/0011-layer-norm-blocks-and-eviction-hints.md).
 
 LayerNorm + GELU in a half type hints L2 eviction: the activations, read once, evict-first; the LayerNorm's weight
-and bias, which every program reads, evict-last. That made it faster on the H200; for the plain and add LayerNorm
-it was a wash, and for fp32 slower, so they keep the default
-(docs/decisions/0013-eviction-hints-for-layer-norm-gelu.md).
+and bias, which every program reads, evict-last. Only there: the hints pay where the kernel is furthest from a copy
+of the same bytes, and the other ops and fp32 keep the default because the hints did not pay for them (the
+measurements: docs/decisions/0013-eviction-hints-for-layer-norm-gelu.md).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def l2_policies(gelu_mode: int, dtype: torch.dtype) -> dict[str, str]:
 def norm_configs(row: int, chunk: int) -> list[tuple[int, int]]:
     """(BLOCK_M, num_warps) candidates for rows of `row` elements held in blocks of `chunk`, the heuristic first:
     tiles of up to 2048 / 4096 / 16384 / 512 / 1024 elements, 16, 8 or 32 elements of a block per thread (16-byte
-    vectors of a half type). Few warps over few rows won on the H200: many small programs keep more loads in flight
-    than a few wide ones, and one row of 768 or 1024 per program (the 512 / 1024 tiles) is the fastest candidate in
-    some fp32 cells and spreads a few-token batch over more SMs."""
+    vectors of a half type). Few warps over few rows first: many small programs keep more loads in flight than a few
+    wide ones. One row of 768 or 1024 per program (the 512 / 1024 tiles) spreads a few-token batch over more SMs; the
+    autotuner keeps whichever candidate is fastest per shape (docs/kernels.md, the bench results for figures)."""
     out = []
     for tile in (2048, 4096, 16384, 512, 1024):
         block_m = 1

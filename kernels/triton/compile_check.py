@@ -1,10 +1,11 @@
-"""Compile Triton kernels for a GPU architecture on a machine without one: `python -m fusedserve.kernels.triton.compile_check`.
+"""Compile Triton kernels for a GPU architecture on a machine without one:
+`python -m fusedserve.kernels.triton.compile_check`.
 
 Why: the interpreter (TRITON_INTERPRET=1, how CI runs the kernels) executes the Python body of a kernel and never
-runs the compiler, so errors only a compile finds pass CI and first show on the GPU. One did: a variable assigned in
-both branches of a runtime `if` with two different types (fp32 in one, fp16 in the other) is a CompilationError on
-the H200 and ran fine on the interpreter (in qkv_attention). triton.compile lowers a kernel through TTIR,
-TTGIR, LLVM IR and PTX to a cubin with the ptxas that ships in Triton's wheel; none of that needs a driver.
+runs the compiler, so errors only a compile finds pass CI and first show on the GPU: for one, a variable assigned in
+both branches of a runtime `if` with two different types (fp32 in one, fp16 in the other) is a CompilationError for
+the compiler and runs fine on the interpreter. triton.compile lowers a kernel through TTIR, TTGIR, LLVM IR and PTX
+to a cubin with the ptxas that ships in Triton's wheel; none of that needs a driver.
 
 Covered: the kernels of the few-token layer (qkv_attention and attention_partials, ffn_partials, the LayerNorm
 kernel summing partials) at the model's shapes, in fp16, bf16 and fp32; and in fp16 every kernel that can be

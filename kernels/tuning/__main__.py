@@ -1,5 +1,5 @@
-"""python -m fusedserve.kernels.tuning export|where: write kernels/tuning/<gpu>.json from the cache directory's tables for this
-GPU model (kernels.cache.export), or print the cache directory."""
+"""python -m fusedserve.kernels.tuning export|where [--cache-dir DIR]: write kernels/tuning/<gpu>.json from the cache
+directory's tables for this GPU model (kernels.cache.export), or print the cache directory."""
 
 from __future__ import annotations
 
@@ -14,14 +14,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["export", "where"],
                         help="export: write kernels/tuning/<gpu>.json from the cache directory; where: print the "
                              "cache directory")
+    parser.add_argument("--cache-dir", help="the cache directory a server started with (default: FUSEDSERVE_CACHE_DIR, "
+                                            "else ~/.cache/fusedserve)")
     args = parser.parse_args(argv)
+    cache.configure(args.cache_dir)
     if args.command == "where":
         print(cache.root())
         return 0
     path = cache.export()
     tables = json.loads(path.read_text())["tables"]
-    print(f"{path}: " + ", ".join(f"{name} {sum(len(v) for v in entries.values()) if name == 'triton' else len(entries)}"
-                                   for name, entries in tables.items()) + " entries")
+    counts = {name: sum(map(len, entries.values())) if name == "triton" else len(entries)
+              for name, entries in tables.items()}
+    print(f"{path}: " + ", ".join(f"{name} {count}" for name, count in counts.items()) + " entries")
     return 0
 
 

@@ -1,10 +1,51 @@
-"""Test bodies both fused backends share (the Triton and CUDA test modules call them with their launchers)."""
+"""What several kernel test modules share: test bodies both fused backends run (the Triton and CUDA test modules call
+them with their launchers), and a fake clock for kernels.timing."""
 
 from __future__ import annotations
 
+import contextlib
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 import torch
 
+from fusedserve import kernels
+from fusedserve.kernels import timing
 from fusedserve.kernels.testing import OP_SPECS, compare, float64_reference, ops_of
+
+
+class FakeClock:
+    """perf_counter for kernels.timing: time moves only when a timed function says so, so what a test times is the
+    durations it declares, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance_us(self, us: float) -> None:
+        self.now += us / 1e6
+
+
+@contextlib.contextmanager
+def cache_directory(path: Path) -> Iterator[Path]:
+    """The kernel layer's cache directory set to `path` inside (kernels.configure, as the model layer sets it), back to
+    the unconfigured fallback on exit."""
+    kernels.configure(cache_dir=str(path))
+    try:
+        yield path
+    finally:
+        kernels.configure(cache_dir=None)
+
+
+def install_fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """A FakeClock as kernels.timing's clock until the test ends."""
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
+    return fake
 
 
 def check_offsets_past_two_to_the_31(launchers, op: str) -> None:
@@ -40,3 +81,93 @@ def opcheck_custom_ops(backend: str, device: str) -> None:
             args = (*args, "none")
         custom = getattr(torch.ops.fusedserve, f"{backend}_{op}").default
         torch.library.opcheck(custom, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+# ---- each op's formula written out again in float64, independently of kernels/reference.py ------------------------
+# The oracle the kernels are checked against is kernels.reference evaluated in float64; these check that oracle (and
+# the reference at the serving dtypes) against the ops' definitions: plain mean/variance, erf, softmax and sums per
+# segment, no torch.nn.functional and nothing shared with the reference's code.
+
+
+def _f64(value):
+    return value.detach().to("cpu", torch.float64) if torch.is_tensor(value) and value.is_floating_point() else (
+        value.detach().cpu() if torch.is_tensor(value) else value)
+
+
+def _layer_norm64(h, weight, bias, eps):
+    mean = h.sum(-1, keepdim=True) / h.shape[-1]
+    var = ((h - mean) ** 2).sum(-1, keepdim=True) / h.shape[-1]  # biased, as LayerNorm's
+    return (h - mean) / torch.sqrt(var + eps) * weight + bias
+
+
+def _gelu64(h, approximate="none"):
+    if approximate == "none":  # x * Phi(x)
+        return h * 0.5 * (1.0 + torch.special.erf(h / 2**0.5))
+    assert approximate == "tanh"
+    return 0.5 * h * (1.0 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))
+
+
+def _attention64(x, weight, bias, cu_seqlens, max_seqlen, num_heads):
+    tokens, hidden = x.shape
+    d = hidden // num_heads
+    q, k, v = (x @ weight.T + bias).split(hidden, dim=1)
+    ctx = torch.zeros_like(x)
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        assert end - start <= max_seqlen
+        for h in range(num_heads if end > start else 0):
+            cols = slice(h * d, (h + 1) * d)
+            scores = q[start:end, cols] @ k[start:end, cols].T / d**0.5
+            weights = torch.exp(scores - scores.max(dim=1, keepdim=True).values)
+            ctx[start:end, cols] = (weights / weights.sum(dim=1, keepdim=True)) @ v[start:end, cols]
+    return ctx
+
+
+def _segment_mean64(x, cu_seqlens):
+    offsets = cu_seqlens.tolist()
+    rows = [x[start:end].sum(0) / (end - start) if end > start else torch.zeros(x.shape[1], dtype=x.dtype)
+            for start, end in zip(offsets[:-1], offsets[1:])]
+    return torch.stack(rows) if rows else x.new_zeros((0, x.shape[1]))
+
+
+def _attention_partials64(x, weight, bias, cu_seqlens, max_seqlen, num_heads, out_weight):
+    ctx = _attention64(x, weight, bias, cu_seqlens, max_seqlen, num_heads)
+    d = x.shape[1] // num_heads
+    return torch.stack([ctx[:, h * d:(h + 1) * d] @ out_weight[:, h * d:(h + 1) * d].T for h in range(num_heads)])
+
+
+def _ffn_partials64(x, w1, b1, w2, splits, approximate="none"):
+    inner = _gelu64(x @ w1.T + b1, approximate)
+    chunk = inner.shape[1] // splits
+    return torch.stack([inner[:, s * chunk:(s + 1) * chunk] @ w2[:, s * chunk:(s + 1) * chunk].T for s in range(splits)])
+
+
+def _add_layer_norm64(x, residual, bias, weight, ln_bias, eps=1e-12, *, return_sum=False):
+    s = x + residual + (bias if bias is not None else 0.0)
+    y = _layer_norm64(s, weight, ln_bias, eps)
+    return (y, s) if return_sum else y
+
+
+FORMULAS = {
+    "layer_norm": lambda x, w, b, eps=1e-12: _layer_norm64(x, w, b, eps),
+    "layer_norm_gelu": lambda x, w, b, eps=1e-12, approximate="none": _gelu64(_layer_norm64(x, w, b, eps), approximate),
+    "bias_gelu": lambda x, bias, approximate="none": _gelu64(x + bias, approximate),
+    "bias_residual_gelu": lambda x, bias, residual, approximate="none": _gelu64(x + bias + residual, approximate),
+    "add_layer_norm": _add_layer_norm64,
+    "embedding_layer_norm": lambda ids, pos, types, word, position, token_type, w, b, eps=1e-12: _layer_norm64(
+        word[ids] + position[pos] + token_type[types], w, b, eps),
+    "linear_bias_gelu": lambda x, w, b, approximate="none": _gelu64(x @ w.T + b, approximate),
+    "linear_add_layer_norm": lambda x, w, bias, residual, g, b, eps=1e-12: _layer_norm64(
+        x @ w.T + bias + residual, g, b, eps),
+    "segment_mean": _segment_mean64,
+    "qkv_attention": _attention64,
+    "attention_partials": _attention_partials64,
+    "ffn_partials": _ffn_partials64,
+    "partial_add_layer_norm": lambda parts, bias, residual, w, b, eps=1e-12: _layer_norm64(
+        parts.sum(0) + (bias if bias is not None else 0.0) + residual, w, b, eps),
+}
+
+
+def formula_float64(op: str, args: tuple, kwargs: dict):
+    """The op's definition evaluated in float64 on the CPU, on exactly the (already rounded) inputs."""
+    return FORMULAS[op](*map(_f64, args), **kwargs)

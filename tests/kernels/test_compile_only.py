@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -186,3 +188,24 @@ def test_watch_autotunes_reports_each_candidate_timed_until_stopped():
     assert tuner.do_bench is own and not kernels._own_benches  # the autotuners' own benchmarks back, none held
     launch(54)
     assert len(seen) == count
+
+
+def test_the_backend_queries_load_no_backend_and_answer_for_the_loaded_one(monkeypatch):
+    """kernels.pdl_enabled and kernels.cuda_launch_configs (what the model reports): in a process that loaded neither
+    fused backend they answer False and {} and load nothing; once loaded, the backend's own answer."""
+    code = ("import sys; from fusedserve import kernels; "
+            "print(kernels.pdl_enabled('cuda'), kernels.cuda_launch_configs(), "
+            "[m for m in ('triton', 'fusedserve.kernels.triton._common', 'fusedserve.kernels.cuda.tuning') "
+            "if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False {} []"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert kernels.pdl_enabled(device) is _common.pdl_enabled(device)
+    with _common.pdl_launches(False):
+        assert kernels.pdl_enabled(device) is False
+    from fusedserve.kernels.cuda import tuning
+
+    tuner = tuning.Tuner()
+    tuner._table["norm|float16|384|13"] = {"config": [128, 256], "us": 1.0, "heuristic_us": 2.0, "candidates": 2}
+    monkeypatch.setattr(tuning, "TUNER", tuner)
+    assert kernels.cuda_launch_configs() == tuner.table() and kernels.cuda_launch_configs() is not tuner._table

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fusedserve.kernels import reference
+from fusedserve.kernels.spec import launcher_modules
 from fusedserve.kernels.testing import OP_SPECS, ops_of, compare, float64_reference
 
 
@@ -51,7 +52,23 @@ def launchers(monkeypatch):
     fake = ReferenceOps()
     monkeypatch.setattr(module, "_ops", fake)
     monkeypatch.setattr(module, "_check", lambda *tensors: None)  # the real one demands CUDA tensors
-    return module.LAUNCHERS, fake
+    # kernels.cuda.load()'s table without the build: kernels.spec places every CUDA launcher in this module
+    modules = launcher_modules("cuda")
+    assert set(modules.values()) == {"launchers"} and list(modules) == ops_of("cuda")
+    return {op: getattr(module, op) for op in modules}, fake
+
+
+def test_load_returns_the_launchers_the_spec_places(monkeypatch):
+    """kernels.cuda.load() (the build stood in for): {op: launcher} for exactly the ops kernels.spec lists as CUDA's,
+    each the function named after its op in the module the spec names."""
+    from fusedserve.kernels import cuda
+    from fusedserve.kernels.cuda import build
+
+    monkeypatch.setattr(build, "load", lambda verbose=False: None)
+    table = cuda.load()
+    assert list(table) == ops_of("cuda")
+    for op, module in launcher_modules("cuda").items():
+        assert table[op].__name__ == op and table[op].__module__ == f"fusedserve.kernels.cuda.{module}"
 
 
 @pytest.mark.parametrize("op", ops_of("cuda"))

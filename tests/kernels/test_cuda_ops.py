@@ -13,7 +13,7 @@ import torch
 
 from fusedserve.kernels import library, reference
 from fusedserve.kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, compare, float64_reference
-from tests.kernels._shared import check_offsets_past_two_to_the_31, opcheck_custom_ops
+from tests.kernels._shared import cache_directory, check_offsets_past_two_to_the_31, opcheck_custom_ops
 from tests.conftest import DTYPES, ODD_COLS, ROWS
 
 pytestmark = pytest.mark.gpu
@@ -93,12 +93,17 @@ def test_unsupported_config_is_a_clear_error(launchers):
         torch.ops.fusedserve_cuda.norm(x, None, None, w.cpu(), b, 1e-5, 0, y, None, 128, 256)
 
 
-def test_tuner_sweeps_once_per_shape_class_and_caches_to_disk(launchers, tmp_path, monkeypatch):
+@pytest.fixture
+def cache_dir(tmp_path):
+    with cache_directory(tmp_path):
+        yield tmp_path
+
+
+def test_tuner_sweeps_once_per_shape_class_and_caches_to_disk(launchers, cache_dir, monkeypatch):
     from fusedserve.kernels.cuda import tuning
 
-    monkeypatch.setenv("FUSEDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
-    monkeypatch.setattr("kernels.cuda.launchers.TUNER", tuning.TUNER)
+    monkeypatch.setattr("fusedserve.kernels.cuda.launchers.TUNER", tuning.TUNER)
     gen = torch.Generator().manual_seed(3)
     args, _ = OP_SPECS["layer_norm_gelu"].make_inputs(4096, 768, torch.bfloat16, "cuda", gen)
     out = launchers["layer_norm_gelu"](*args)
@@ -112,7 +117,7 @@ def test_tuner_sweeps_once_per_shape_class_and_caches_to_disk(launchers, tmp_pat
     assert len(tuning.TUNER.table()) == 1  # same bucket: no new sweep
     launchers["layer_norm_gelu"](*OP_SPECS["layer_norm_gelu"].make_inputs(7, 768, torch.bfloat16, "cuda", gen)[0])
     assert len(tuning.TUNER.table()) == 1  # below TUNE_MIN_ROWS: heuristic, nothing recorded
-    files = list(tmp_path.glob("tuning-*.json"))
+    files = list(cache_dir.glob("tuning-*.json"))
     assert len(files) == 1 and "norm|bfloat16|768|13" in files[0].read_text()
     fresh = tuning.Tuner()  # a later process on the same GPU model starts tuned
     assert fresh.choose("norm", torch.bfloat16, 768, 4096, [(999, 999), (998, 998)],

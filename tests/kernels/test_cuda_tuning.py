@@ -13,6 +13,7 @@ import torch
 
 from fusedserve.kernels import _layout
 from fusedserve.kernels.cuda import tuning
+from tests.kernels._shared import cache_directory
 
 GPU = "NVIDIA Test GPU 80GB"
 FILE = "tuning-nvidia-test-gpu-80gb-sources.json"
@@ -22,11 +23,10 @@ ROWS = 4096  # above TUNE_MIN_ROWS: a sweep
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """An empty cache directory (FUSEDSERVE_CACHE_DIR), a named GPU and kernel-source fingerprint, and a device timer
+    """An empty cache directory (kernels.configure), a named GPU and kernel-source fingerprint, and a device timer
     that runs the candidate once and says (128, 1) is fastest."""
     from fusedserve.kernels import cache as cache_dir
 
-    monkeypatch.setenv("FUSEDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cache_dir, "fingerprint", lambda: "sources")
     monkeypatch.delenv("FUSEDSERVE_CUDA_TUNE", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: GPU)
@@ -39,7 +39,8 @@ def cache(tmp_path, monkeypatch):
         return {(256, 4): 9.0, (128, 1): 4.0, (512, 16): 6.0}[chosen[-1]]
 
     monkeypatch.setattr(tuning, "device_us", device_us)
-    return tmp_path, chosen.append
+    with cache_directory(tmp_path):
+        yield tmp_path, chosen.append
 
 
 def _tune(tuner: tuning.Tuner, run) -> tuple[int, int]:

@@ -8,17 +8,23 @@ import torch
 
 from fusedserve import kernels
 from fusedserve.kernels import registry
+from tests.kernels._shared import cache_directory
 
 pytestmark = pytest.mark.gpu
 
 
-def test_a_later_selection_takes_the_saved_race(tmp_path, monkeypatch):
-    monkeypatch.setenv("FUSEDSERVE_CACHE_DIR", str(tmp_path))
+@pytest.fixture
+def cache_dir(tmp_path):
+    with cache_directory(tmp_path):
+        yield tmp_path
+
+
+def test_a_later_selection_takes_the_saved_race(cache_dir, monkeypatch):
     monkeypatch.setattr(registry, "_race_cache", {})
     monkeypatch.setattr(registry, "_saved", {})
     ops = ("layer_norm", "bias_gelu")
     first = kernels.select("cuda", (torch.float16,), hidden_sizes=(384,), ops=ops)
-    assert len(list(tmp_path.glob("races-*.json"))) == 1
+    assert len(list(cache_dir.glob("races-*.json"))) == 1
     monkeypatch.setattr(registry, "_race_cache", {})  # a new process: only the file remains
     monkeypatch.setattr(registry, "_saved", {})
 

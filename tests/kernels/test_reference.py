@@ -1,4 +1,5 @@
-"""The torch reference ops against a float64 evaluation, and the checker itself (it must be able to fail)."""
+"""The torch reference ops against the ops' formulas written out again in float64 (tests/kernels/_shared.py), at every
+dtype and as the float64 oracle the backends are checked against; and the checker itself (it must be able to fail)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,42 @@ from fusedserve.kernels import reference
 from fusedserve.kernels.spec import REFERENCE_OPS
 from fusedserve.kernels.testing import OP_SPECS, compare, check_op, float64_reference
 from tests.conftest import DTYPES, ODD_COLS, ROWS
+from tests.kernels._shared import formula_float64
 
 CASES = list(itertools.product(OP_SPECS, ROWS, ODD_COLS, DTYPES))
 
 
 @pytest.mark.parametrize("op,rows,cols,dtype", CASES, ids=lambda v: str(v).removeprefix("torch."))
-def test_reference_matches_float64(op, rows, cols, dtype):
+def test_reference_matches_the_ops_formula(op, rows, cols, dtype):
+    """The reference at `dtype`, into a poisoned out=, within the dtype's tolerance of the op's formula in float64;
+    and at float32's inputs the oracle (the reference evaluated in float64) within float64's: a formula the reference
+    gets wrong fails here, though every backend checked against it would pass."""
     seed = zlib.crc32(f"{op}-{rows}-{cols}-{dtype}".encode())
-    report = check_op(REFERENCE_OPS[op], op, rows, cols, dtype, "cpu", seed=seed)
+    report = check_op(REFERENCE_OPS[op], op, rows, cols, dtype, "cpu", seed=seed, oracle=formula_float64)
     assert report.ok, report
+    if dtype == torch.float32 and cols <= 1023:  # once per shape, the widest left out to keep the sweep quick
+        args, kwargs = OP_SPECS[op].make_inputs(rows, cols, dtype, "cpu", torch.Generator().manual_seed(seed))
+        report = compare(float64_reference(op, args, kwargs), formula_float64(op, args, kwargs), torch.float64)
+        assert report.ok, f"the float64 oracle: {report}"
+
+
+def test_the_formula_check_fails_a_wrong_reference():
+    """The check above can fail: a LayerNorm with eps outside the square root (a difference far below the float32
+    tolerance) is caught by the float64 comparison, and a 1% gain error at every dtype."""
+    def eps_outside(x, w, b, eps=1e-12, *, out=None):
+        h = x.double()
+        mean = h.mean(-1, keepdim=True)
+        y = (h - mean) / ((h - mean).pow(2).mean(-1, keepdim=True).sqrt() + eps) * w.double() + b.double()
+        return out.copy_(y) if out is not None else y
+
+    args, kwargs = OP_SPECS["layer_norm"].make_inputs(37, 300, torch.float32, "cpu", torch.Generator().manual_seed(1))
+    expected = formula_float64("layer_norm", args, kwargs)
+    assert compare(eps_outside(*args), expected, torch.float32).ok  # what the float32 tolerance alone lets through
+    assert not compare(eps_outside(*args), expected, torch.float64).ok
+    for dtype in DTYPES:
+        report = check_op(lambda x, w, b, eps, *, out: reference.layer_norm(x, w * 1.01, b, eps, out=out),
+                          "layer_norm", 37, 300, dtype, "cpu", seed=2, oracle=formula_float64)
+        assert not report.ok, dtype
 
 
 @pytest.mark.parametrize("op", OP_SPECS)

@@ -3,12 +3,20 @@ immutable Selection it returns (dispatch through kernels.use, derived selections
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from fusedserve import kernels
 from fusedserve.kernels import reference, registry
 from fusedserve.kernels.registry import BackendError, BackendUnavailable
+from tests.kernels._shared import install_fake_clock
+
+
+def _fake_compile_pass():
+    """A stand-in backend's compile pass (Backend.compile_only): entering it compiles nothing here."""
+    return contextlib.nullcontext()
 
 
 def _drifting_layer_norm(x, w, b, eps, *, out=None):
@@ -19,9 +27,9 @@ def _drifting_layer_norm(x, w, b, eps, *, out=None):
 
 @pytest.fixture
 def fake_backends():
-    """Four fake fused backends ahead of the reference. Three say their kernels compile on their first launch:
-    'broken' (wrong layer_norm), 'good' (correct layer_norm and bias_gelu, nothing else) and 'missing' (cannot load
-    here). 'prebuilt' (correct layer_norm) says they do not."""
+    """Four fake fused backends ahead of the reference. Three say their kernels compile on their first launch (they
+    have a compile pass): 'broken' (wrong layer_norm), 'good' (correct layer_norm and bias_gelu, nothing else) and
+    'missing' (cannot load here). 'prebuilt' (correct layer_norm) has none."""
     calls = {"good": 0}
 
     def good_layer_norm(*args, **kwargs):
@@ -36,17 +44,35 @@ def fake_backends():
 
     # placed ahead of the real fused backends, so the outcome does not depend on what this machine has
     first = registry.backend_names()[0]
-    registry.register_backend("missing", load_missing, before=first, compiles_on_launch=True)
+    registry.register_backend("missing", load_missing, before=first, compile_only=_fake_compile_pass)
     registry.register_backend("broken", lambda device: {"layer_norm": _drifting_layer_norm}, before=first,
-                              compiles_on_launch=True)
+                              compile_only=_fake_compile_pass)
     registry.register_backend("good", lambda device: {"layer_norm": good_layer_norm,
                                                       "bias_gelu": reference.bias_gelu}, before=first,
-                              compiles_on_launch=True)
+                              compile_only=_fake_compile_pass)
     # built ahead, as CUDA's kernels are: a compile pass would only run its self-tests twice
     registry.register_backend("prebuilt", lambda device: {"layer_norm": prebuilt_layer_norm}, before=first)
     yield calls
     for name in ("missing", "broken", "good", "prebuilt"):
         registry.unregister_backend(name)
+
+
+def test_every_op_of_the_spec_is_a_public_callable_with_its_signature_and_doc():
+    """kernels.<op> for each op of kernels.spec (the one op list), introspectable as the op it stands for, and every
+    name of __all__ there."""
+    import inspect
+
+    from fusedserve.kernels import layer_norm
+    from fusedserve.kernels.library import signature
+    from fusedserve.kernels.spec import OP_SPECS
+
+    assert layer_norm is kernels.layer_norm
+    for op, spec in OP_SPECS.items():
+        public = getattr(kernels, op)
+        assert op in kernels.__all__ and public.__name__ == op and public.__module__ == "fusedserve.kernels"
+        assert public.__doc__ == spec.doc and inspect.signature(public) == signature(spec)
+        assert "out" not in inspect.signature(public).parameters
+    assert all(hasattr(kernels, name) for name in kernels.__all__)
 
 
 def test_preference_order(fake_backends):
@@ -163,13 +189,21 @@ def test_selection_as_dict_is_json_ready():
     assert data["dtypes"] == ["float32"]
 
 
-def test_auto_mode_races_passing_backends_and_takes_the_fastest(monkeypatch):
+@pytest.fixture
+def clock(monkeypatch):
+    """The race's eager timer on a fake clock: a race's outcome is the stand-ins' declared costs, whatever the load."""
+    return install_fake_clock(monkeypatch)
+
+
+def test_auto_mode_races_passing_backends_and_takes_the_fastest(monkeypatch, clock):
     """With race=True (the default on CUDA), every fused backend that passes is timed at the model's shape
     and the fastest wins, whatever the preference order; the timings are reported."""
-    import time
-
     def slow_layer_norm(*args, **kwargs):
-        time.sleep(0.05)
+        clock.advance_us(50_000)
+        return reference.layer_norm(*args, **kwargs)
+
+    def fast_layer_norm(*args, **kwargs):
+        clock.advance_us(1_000)
         return reference.layer_norm(*args, **kwargs)
 
     monkeypatch.setattr(registry, "RACE_ROWS", 16)
@@ -179,12 +213,12 @@ def test_auto_mode_races_passing_backends_and_takes_the_fastest(monkeypatch):
     # the outcome depend on the machine's load (a CI run saw triton win the second race)
     monkeypatch.setattr(registry, "_BACKENDS", [b for b in registry._BACKENDS if b.name == registry.REFERENCE_BACKEND])
     registry.register_backend("slow", lambda device: {"layer_norm": slow_layer_norm})
-    registry.register_backend("fast", lambda device: {"layer_norm": reference.layer_norm})  # behind "slow"
+    registry.register_backend("fast", lambda device: {"layer_norm": fast_layer_norm})  # behind "slow"
     try:
         sel = kernels.select("cpu", (torch.float32,), hidden_sizes=(48,), race=True)
         ln = sel.choices["layer_norm"]
         assert ln.backend == "fast", ln
-        assert {"slow", "fast"} <= set(ln.timings_us) and ln.timings_us["slow"] > 2 * ln.timings_us["fast"]
+        assert ln.timings_us == pytest.approx({"slow": 50_000, "fast": 1_000})
         assert ln.reason.startswith("fastest of") and "eager timing, at 16x48 float32" in ln.reason
         assert sel.as_dict()["ops"]["layer_norm"]["timings_us"]["fast"] == ln.timings_us["fast"]
         # device timing needs CUDA graphs: off the GPU the race falls back to eager calls and says so
@@ -200,20 +234,18 @@ def test_auto_mode_races_passing_backends_and_takes_the_fastest(monkeypatch):
         registry.unregister_backend("fast")
 
 
-def test_the_race_takes_each_backends_best_round_so_interference_does_not_decide(monkeypatch):
+def test_the_race_takes_each_backends_best_round_so_interference_does_not_decide(monkeypatch, clock):
     """A backend that is faster on its own but was disturbed in most rounds (another replica's self-tests on the
     same GPU) still wins: interference only adds time, so the race compares each backend's best round."""
-    import time
-
     calls = {"n": 0}
 
-    def disturbed(*args, **kwargs):  # 2 ms alone, 30 ms more in two calls of every three (6 of the 9 rounds)
+    def disturbed(*args, **kwargs):  # 2 ms alone, 30 ms more in two calls of every three
         calls["n"] += 1
-        time.sleep(0.002 + (0.03 if calls["n"] % 3 else 0.0))
+        clock.advance_us(2_000 + (30_000 if calls["n"] % 3 else 0))
         return reference.layer_norm(*args, **kwargs)
 
-    def steady(*args, **kwargs):  # 12 ms every round
-        time.sleep(0.012)
+    def steady(*args, **kwargs):  # 12 ms every call
+        clock.advance_us(12_000)
         return reference.layer_norm(*args, **kwargs)
 
     monkeypatch.setattr(registry, "RACE_ROWS", 16)
@@ -226,9 +258,9 @@ def test_the_race_takes_each_backends_best_round_so_interference_does_not_decide
         ln = sel.choices["layer_norm"]
         assert registry.RACE_ROUNDS == 9
         assert ln.backend == "disturbed", ln
-        # relative only (a loaded machine's sleeps overshoot by milliseconds): the median of disturbed's rounds
-        # (>= 32 ms) would have lost to steady's 12 ms; its best round (2 ms) wins
-        assert ln.timings_us["disturbed"] < ln.timings_us["steady"], ln.timings_us
+        # the median of disturbed's rounds (32 ms: disturbed in 6 of the 9) would have lost to steady's 12 ms; its best
+        # round (2 ms) wins
+        assert ln.timings_us == pytest.approx({"disturbed": 2_000, "steady": 12_000}), ln.timings_us
     finally:
         registry.unregister_backend("steady")
         registry.unregister_backend("disturbed")
@@ -246,6 +278,29 @@ def test_cuda_backend_is_registered_and_reports_why_it_cannot_run_here():
         assert choice.rejected["cuda"] == "unavailable: needs a CUDA device, got cpu"
         assert choice.backend in ("triton", "torch")
     assert "rejected cuda for every op: unavailable: needs a CUDA device, got cpu" in sel.report()
+
+
+def test_an_op_no_fused_backend_can_run_here_says_so_rather_than_failed(fake_backends, monkeypatch):
+    """Auto mode leaves an op on the reference for one of two reasons, and says which: no fused backend can run it
+    here (cannot load on this device, or lacks the op: a CPU server), or one that could failed its self-test."""
+    every = list(registry._BACKENDS)
+
+    def only(*names):
+        monkeypatch.setattr(registry, "_BACKENDS", [b for b in every if b.name in (*names, "torch")])
+
+    only("missing", "good")
+    sel = kernels.select("cpu", (torch.float32,), ops=("layer_norm_gelu",))
+    assert sel.choices["layer_norm_gelu"].reason == ("reference path: no fused backend runs this op on cpu (missing "
+                                                     "cannot run here; good does not implement it)")
+    only("missing", "broken")
+    sel = kernels.select("cpu", (torch.float32,), ops=("layer_norm",))
+    assert sel.choices["layer_norm"].reason == "reference path: no fused backend passed its self-test"
+    assert sel.choices["layer_norm"].rejected["broken"].startswith("self-test failed")
+    only("cuda")  # the real CUDA backend on the CPU, as a CPU-only server meets it
+    sel = kernels.select("cpu", (torch.float32,), ops=("layer_norm",))
+    assert sel.choices["layer_norm"].reason == ("reference path: no fused backend runs this op on cpu (cuda cannot run "
+                                                "here)")
+    assert "passed" not in sel.report()
 
 
 def test_the_ffn_in_gemm_races_at_the_ffn_shape(monkeypatch):
@@ -345,15 +400,14 @@ def test_the_self_tests_kernels_are_compiled_ahead_inside_one_compile_pass(monke
         calls.append((passes[-1] if passes else None, tuple(x.shape), x.dtype))
         return out.copy_(reference.layer_norm(x, w, b, eps))
 
-    monkeypatch.setattr(kernels, "compile_only", Pass)
     dtypes, cols = (torch.float32, torch.float16), (7, 300)
-    registry._compile_self_tests([(recorded, "layer_norm")], torch.device("cpu"), dtypes, cols)
+    registry._compile_self_tests([Pass], [(recorded, "layer_norm")], torch.device("cpu"), dtypes, cols)
     assert passes == ["open", "closed"]
     expected = {("open", (rows, n), dtype) for dtype in dtypes for rows in registry.SELF_TEST_ROWS for n in cols}
     assert set(calls) == expected and len(calls) == len(expected)
     assert registry._self_test(recorded, "layer_norm", torch.device("cpu"), dtypes, cols) is None  # the real one
     calls.clear()
-    registry._compile_self_tests([(recorded, "layer_norm")], torch.device("cpu"), dtypes, cols)
+    registry._compile_self_tests([Pass], [(recorded, "layer_norm")], torch.device("cpu"), dtypes, cols)
     assert calls == []  # its verdict is known: no self-test will run, nothing to compile
 
 
@@ -363,8 +417,9 @@ def test_on_a_gpu_select_compiles_the_fused_candidates_self_tests_first(fake_bac
     respected; the reference, backends built ahead, and backends that do not load or lack the op left out)."""
     order = []
     monkeypatch.setattr(registry, "_compile_self_tests",
-                        lambda fns, device, dtypes, cols: order.append(("pass", {op for _, op in fns},
-                                                                        {fn.__name__ for fn, _ in fns}, cols)))
+                        lambda passes, fns, device, dtypes, cols: order.append(("pass", {op for _, op in fns},
+                                                                                {fn.__name__ for fn, _ in fns}, cols,
+                                                                                passes)))
 
     def self_test(fn, op, device, dtypes, cols):
         order.append(("self-test", op))
@@ -375,7 +430,7 @@ def test_on_a_gpu_select_compiles_the_fused_candidates_self_tests_first(fake_bac
     monkeypatch.setattr(registry, "_BACKENDS", [b for b in registry._BACKENDS if b.name not in ("triton", "cuda")])
     sel = kernels.select("cuda", (torch.float16,), hidden_sizes=(384,), ops=("layer_norm", "bias_gelu"))
     assert order[0] == ("pass", {"layer_norm", "bias_gelu"}, {"_drifting_layer_norm", "good_layer_norm", "bias_gelu"},
-                        (*registry.SELF_TEST_COLS, 384))
+                        (*registry.SELF_TEST_COLS, 384), [_fake_compile_pass])  # the stand-ins' one pass, entered once
     assert all(step[0] == "self-test" for step in order[1:]) and len(order) > 1
     assert sel.backend_of("layer_norm") in ("broken", "good")  # passed (stubbed) and raced
     order.clear()
@@ -387,7 +442,8 @@ def test_on_a_gpu_select_compiles_the_fused_candidates_self_tests_first(fake_bac
 
 
 def test_triton_kernels_compile_on_launch_and_the_cuda_extensions_do_not():
-    """What decides which self-tests join the compile pass: Triton's kernels honour kernels.compile_only(); the CUDA
-    extension is built ahead, so a compile pass would only run its self-tests twice."""
-    how = {b.name: b.compiles_on_launch for b in registry._BACKENDS}
-    assert how["triton"] is True and how["cuda"] is False and how["torch"] is False
+    """What decides which self-tests join the compile pass: Triton's kernels honour kernels.compile_only(), handed to
+    the registry as the Triton backend's compile pass; the CUDA extension is built ahead, so a compile pass would only
+    run its self-tests twice."""
+    passes = {b.name: b.compile_only for b in registry._BACKENDS}
+    assert passes["triton"] is kernels.compile_only and passes["cuda"] is None and passes["torch"] is None

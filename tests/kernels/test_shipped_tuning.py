@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
+from fusedserve import kernels
 from fusedserve.kernels import cache, registry
 from fusedserve.kernels.cuda import tuning
+from tests.kernels._shared import cache_directory
 
 GPU = "test-gpu-h200"
 
@@ -21,13 +25,13 @@ GPU = "test-gpu-h200"
 @pytest.fixture
 def dirs(tmp_path, monkeypatch):
     """An empty cache directory and shipped folder, and a GPU name for the tables (no CUDA needed)."""
-    monkeypatch.setenv(cache.ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(cache, "SHIPPED", tmp_path / "shipped")
     monkeypatch.setattr(cache, "gpu_name", lambda device=None: "Test GPU H200")
     monkeypatch.setattr(cache, "_shipped_said", set())
     for name in cache.SWITCHES:
         monkeypatch.delenv(name, raising=False)
-    return tmp_path
+    with cache_directory(tmp_path / "cache"):
+        yield tmp_path
 
 
 def _ship(dirs, tables: dict, **overrides) -> None:
@@ -38,6 +42,43 @@ def _ship(dirs, tables: dict, **overrides) -> None:
 
 RACES = {"layer_norm|float16|384|256": {"us": {"triton": 3.5, "cuda": 4.25}, "how": "device"}}
 CUDA_TUNING = {"norm|float16|384|1024": {"config": [2, 128], "us": 5.0, "heuristic_us": 6.0, "candidates": 4}}
+
+
+def test_the_cache_directory_comes_as_an_argument_with_the_environment_as_fallback(tmp_path, monkeypatch):
+    """kernels.configure(cache_dir=...) (the model layer passes the service's setting) wins over FUSEDSERVE_CACHE_DIR,
+    the kernel layer's fallback for standalone use, and None goes back to it; every table follows. Triton's cache
+    follows where the kernel layer chose it; a TRITON_CACHE_DIR the user set stays."""
+    monkeypatch.setattr(cache, "_configured", None)  # whatever configured the process before: back after the test
+    monkeypatch.setattr(cache, "_triton_dir", None)
+    monkeypatch.delenv(cache.TRITON_ENV, raising=False)  # restored after the test, whatever this test sets
+    monkeypatch.setenv(cache.ENV, str(tmp_path / "env"))
+    monkeypatch.setattr(cache, "gpu_name", lambda device=None: "Test GPU H200")
+    assert cache.root() == tmp_path / "env"
+    cache.use_for_triton()  # the Triton backend's load
+    assert os.environ[cache.TRITON_ENV] == str(tmp_path / "env" / "triton")
+    kernels.configure(cache_dir=str(tmp_path / "configured"))
+    assert cache.root() == tmp_path / "configured"
+    assert {cache.gpu_file(table).parent for table in cache.TABLES} == {tmp_path / "configured"}
+    assert os.environ[cache.TRITON_ENV] == str(tmp_path / "configured" / "triton")
+    kernels.configure(cache_dir="")  # an empty setting: unconfigured
+    assert cache.root() == tmp_path / "env" and os.environ[cache.TRITON_ENV] == str(tmp_path / "env" / "triton")
+    monkeypatch.setenv(cache.TRITON_ENV, str(tmp_path / "users"))
+    kernels.configure(cache_dir=str(tmp_path / "again"))
+    cache.use_for_triton()
+    assert cache.root() == tmp_path / "again" and os.environ[cache.TRITON_ENV] == str(tmp_path / "users")
+    monkeypatch.delenv(cache.ENV)
+    kernels.configure(cache_dir=None)
+    assert cache.root() == Path.home() / ".cache" / "fusedserve"
+
+
+def test_the_tuning_command_takes_the_cache_directory_as_an_argument(tmp_path, monkeypatch, capsys):
+    from fusedserve.kernels.tuning.__main__ import main
+
+    monkeypatch.setattr(cache, "_configured", None)  # whatever configured the process before: back after the test
+    monkeypatch.setenv(cache.ENV, str(tmp_path / "env"))
+    assert main(["where", "--cache-dir", str(tmp_path / "given")]) == 0
+    assert main(["where"]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "given"), str(tmp_path / "env")]
 
 
 def test_the_shipped_table_is_taken_for_its_sources_and_switches_only(dirs, monkeypatch, caplog):

@@ -1,5 +1,5 @@
-"""fusedserve.kernels.timing: the eager paths on the CPU (real sleeps compared relatively, and a fake clock where exact numbers
-are checked: reducers, per-call division, warm-up left out, interleaving), the CUDA-graph paths on a GPU."""
+"""fusedserve.kernels.timing: the eager paths on the CPU (real sleeps compared relatively, and a fake clock where exact
+numbers are checked: reducers, per-call division, warm-up left out, interleaving), the CUDA-graph paths on a GPU."""
 
 from __future__ import annotations
 
@@ -10,28 +10,14 @@ import pytest
 import torch
 
 from fusedserve.kernels import timing
+from tests.kernels._shared import FakeClock, install_fake_clock
 
 CPU = torch.device("cpu")
 
 
-class FakeClock:
-    """perf_counter for kernels.timing: time moves only when a timed function says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def advance_us(self, us: float) -> None:
-        self.now += us / 1e6
-
-
 @pytest.fixture
 def clock(monkeypatch):
-    fake = FakeClock()
-    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=fake.perf_counter))
-    return fake
+    return install_fake_clock(monkeypatch)
 
 
 def _stepper(clock: FakeClock, durations_us: list[float]):

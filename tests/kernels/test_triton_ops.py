@@ -13,10 +13,10 @@ import torch
 from fusedserve import kernels
 from fusedserve.kernels import library, reference
 from fusedserve.kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, compare, float64_reference
-from fusedserve.kernels.spec import attention_heads
+from fusedserve.kernels.spec import attention_heads, launcher_modules
 from fusedserve.kernels.triton import LAUNCHERS as triton_launchers
 from fusedserve.kernels.triton.qkv_attention import MAX_HEAD_DIM
-from tests.kernels._shared import check_offsets_past_two_to_the_31, opcheck_custom_ops
+from tests.kernels._shared import FORMULAS, check_offsets_past_two_to_the_31, opcheck_custom_ops
 from tests.conftest import DTYPES, INTERPRETER, ODD_COLS, ROWS
 
 # The generic sweep: every op x ROWS x ODD_COLS x DTYPES, less the cases another test already runs here:
@@ -105,6 +105,16 @@ def test_tanh_gelu_option(device, op, cols):
     assert not torch.equal(out, exact)
 
 
+def test_each_launcher_is_the_function_the_spec_places_it_in():
+    """kernels.triton.LAUNCHERS is derived from kernels.spec: every Triton op, the function named after it defined
+    in the module the spec names (not one imported there from another launcher's module)."""
+    modules = launcher_modules("triton")
+    assert list(triton_launchers) == list(modules) == ops_of("triton")
+    for op, module in modules.items():
+        assert triton_launchers[op].__name__ == op
+        assert triton_launchers[op].__module__ == f"fusedserve.kernels.triton.{module}"
+
+
 def test_clear_errors(device):
     x = torch.randn(4, 8, device=device)
     with pytest.raises(ValueError, match=r"expected shape \(8,\)"):
@@ -151,24 +161,26 @@ def test_gradcheck_float64(device, triton_ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradients_match_reference(device, dtype, triton_ops):
+def test_gradients_match_float64_autograd_of_the_formula(device, dtype, triton_ops):
+    """The differentiable fused ops' gradients (torch.library autograd, recomputed through the reference) against
+    float64 autograd of the ops' formulas written out independently (tests/kernels/_shared.py), on the same rounded
+    inputs and output gradient, within the dtype's tolerance."""
     gen = torch.Generator().manual_seed(7)
     (x, residual, bias, w, b, eps), _ = OP_SPECS["add_layer_norm"].make_inputs(8, 300, dtype, device, gen)
     grad_out = torch.randn(8, 300, generator=gen).to(device, dtype)
 
-    def grads(fn):
-        leaves = [t.detach().clone().requires_grad_() for t in (x, residual, bias, w, b)]
-        fn(*leaves, eps).backward(grad_out)
+    def grads(fn, inputs, upstream):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        fn(*leaves, eps).backward(upstream)
         return [t.grad for t in leaves]
 
-    for ours, theirs in zip(grads(triton_ops["add_layer_norm"]), grads(reference.add_layer_norm)):
-        assert compare(ours, theirs.double(), dtype).ok
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
-    triton_ops["layer_norm_gelu"](*leaves, eps).backward(grad_out)
-    ref_leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
-    reference.layer_norm_gelu(*ref_leaves, eps).backward(grad_out)
-    for ours, theirs in zip(leaves, ref_leaves):
-        assert compare(ours.grad, theirs.grad.double(), dtype).ok
+    for op, inputs in (("add_layer_norm", (x, residual, bias, w, b)), ("layer_norm_gelu", (x, w, b))):
+        ours = grads(triton_ops[op], inputs, grad_out)
+        exact = grads(FORMULAS[op], [t.detach().to("cpu", torch.float64) for t in inputs], grad_out.cpu().double())
+        for i, (got, want) in enumerate(zip(ours, exact)):
+            assert got.dtype == dtype
+            report = compare(got, want, dtype)
+            assert report.ok, f"{op}: gradient of input {i}: {report}"
 
 
 def test_torch_compile_fullgraph_on_fused_encoder(device):
