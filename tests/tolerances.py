@@ -1,4 +1,4 @@
-"""The embedding tolerance table, beside the kernel one.
+"""The embedding and score tolerance tables, beside the kernel one.
 
 kernels.testing.TOLERANCES bounds one op's output against its float64 reference (the registry's start-up self-test and
 the kernel tests use it). EMBEDDING_TOLERANCES bounds a whole model's embeddings against a float32 reference embedding
@@ -7,9 +7,13 @@ in another layout, eagerly instead of from a CUDA graph. Per dtype of the model 
 similarity of any row, and the largest elementwise absolute difference (on unit-length embeddings, or the tiny
 test models' raw pooled vectors, of the same order).
 
-Every model, server, load and GPU test compares embeddings through assert_embeddings_close (or reads the table);
-a test that checks something else on purpose (bitwise equality, a fault that must change the output) says so where
-it does.
+SCORE_TOLERANCES bounds a classifier's scores (and cosine similarities) the same way: per dtype of the model under
+test, the largest absolute difference from a float32 reference score (raw logits: relative to their size).
+assert_same_rows is the exact case: the same request's rows as another route or wire format carries them.
+
+Every model, server, load and GPU test compares embeddings through assert_embeddings_close or assert_same_rows and
+scores through assert_scores_close (or reads the tables); a test that checks something else on purpose (bitwise
+equality, a fault that must change the output) says so where it does.
 """
 
 from __future__ import annotations
@@ -38,9 +42,29 @@ EMBEDDING_TOLERANCES: dict[torch.dtype, EmbeddingTolerance] = {
 }
 
 
+# Scores: a classifier's sigmoid or softmax outputs (in [0, 1]) and cosine similarities, in absolute terms. Raw logits
+# are not bounded like scores, so they get the same bound relative to their size (at least 1). float32 is the same
+# math in another order; float16 / bfloat16 are the classifier run in that dtype on the fused kernels against an fp32
+# reference (the bound the GPU classifier tests hold them to).
+SCORE_TOLERANCES: dict[torch.dtype, float] = {
+    torch.float32: 1e-5,
+    torch.float16: 1e-2,
+    torch.bfloat16: 1e-2,
+}
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
 def tolerance(dtype: torch.dtype | str = torch.float32) -> EmbeddingTolerance:
     """The table's entry for a dtype, given as a torch.dtype or its name ("float16")."""
-    return EMBEDDING_TOLERANCES[getattr(torch, dtype) if isinstance(dtype, str) else dtype]
+    return EMBEDDING_TOLERANCES[_dtype(dtype)]
+
+
+def score_tolerance(dtype: torch.dtype | str = torch.float32) -> float:
+    """The largest absolute error of a score for a dtype, given as a torch.dtype or its name."""
+    return SCORE_TOLERANCES[_dtype(dtype)]
 
 
 def _float64(x) -> torch.Tensor:
@@ -75,3 +99,37 @@ def assert_unit_length(vectors, dtype: torch.dtype | str = torch.float32) -> Non
     v = _float64(vectors)
     error = float((v.reshape(-1, v.shape[-1]).norm(dim=1) - 1).abs().max())
     assert error <= tolerance(dtype).max_abs, f"a row's length differs from 1 by {error:.2e}"
+
+
+def assert_scores_close(got, want, dtype: torch.dtype | str = torch.float32, *, logits: bool = False,
+                        what: str = "") -> float:
+    """Fail unless every score of `got` is within the score table's entry for `dtype` of `want` (any shape: tensors,
+    arrays, lists, one number); logits=True: raw logits, bounded relative to the reference's size (at least 1).
+    Returns the largest absolute difference."""
+    a, b = _float64(got), _float64(want)
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    difference = (a - b).abs()
+    bound = score_tolerance(dtype) * (b.abs().clamp(min=1.0) if logits else torch.ones_like(b))
+    worst = int((difference - bound).argmax()) if difference.numel() else 0
+    assert bool((difference <= bound).all()), (
+        f"{what + ': ' if what else ''}{'logit' if logits else 'score'} {a.flatten()[worst].item():.7g} differs from "
+        f"{b.flatten()[worst].item():.7g} by {difference.flatten()[worst].item():.2e} (at most "
+        f"{bound.flatten()[worst].item():.0e}) in {dtype}")
+    return float(difference.max()) if difference.numel() else 0.0
+
+
+# The same rows through another route or wire format, exactly. One server answers a repeated request with the same
+# rows (the same inputs form the same batch, which runs the same kernels), and a float32 crosses every float encoding
+# unchanged: JSON carries the shortest decimal that reads back as that float32, base64 and KServe's binary tensor data
+# carry its bytes. A comparison whose two sides batch the inputs differently (one input alone against it in a batch,
+# another model run) goes through assert_embeddings_close instead.
+def assert_same_rows(got, want, what: str = "") -> None:
+    """Fail unless `got` and `want` ([rows, dim] or [dim]: tensors, arrays, lists) are the same float32 values."""
+    a = _float64(got).to(torch.float32)
+    b = _float64(want).to(torch.float32)
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    if not torch.equal(a, b):
+        differs = (a != b).nonzero()
+        first = tuple(differs[0].tolist())
+        raise AssertionError(f"{what + ': ' if what else ''}{len(differs)} of {a.numel()} values differ, the first at "
+                             f"{first}: {a[first].item():.9g} against {b[first].item():.9g}")

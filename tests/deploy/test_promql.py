@@ -5,6 +5,7 @@ is checked is that the series they watch exist. Dashboard variables become match
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -76,21 +77,22 @@ def prometheus_with_traffic(tmp_path_factory):
 
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while True:
             try:
                 if query('up{job="fusedserve"} == 1'):
                     break
             except (httpx.HTTPError, AssertionError, ValueError):  # ValueError: a starting Prometheus answers a
                 pass  # plain-text 503 "Service Unavailable" until its storage is ready (not JSON)
+            assert time.monotonic() < deadline, "Prometheus never scraped the server"
             time.sleep(0.5)
-        # traffic between scrapes, including a rejection, so every rate() has something to show
-        for i in range(8):
-            httpx.post(server.url + "/infer", json={"inputs": [f"sentence {i}", "word " * (i * 5 + 1)]}, timeout=60)
-            time.sleep(0.4)
+        # traffic, including a rejection, so that every series the expressions read exists
+        sent = 8
+        for i in range(sent):
+            r = httpx.post(server.url + "/infer", json={"inputs": [f"sentence {i}", "word " * (i * 5 + 1)]}, timeout=60)
+            assert r.status_code == 200, r.text
         httpx.post(server.url + "/admin/faults", json={"op": "embedding_layer_norm", "mode": "delay", "factor": 1.0},
                    headers=admin_headers())
         bodies = [{"inputs": ["a"]}, {"inputs": ["b", "c"]}, {"inputs": ["d"]}]
-        import asyncio
 
         async def burst():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
@@ -98,12 +100,38 @@ def prometheus_with_traffic(tmp_path_factory):
 
         statuses = [r.status_code for r in asyncio.run(burst())]
         assert 429 in statuses
-        time.sleep(4)  # a few scrapes after the traffic
+        sent += len(bodies)
+        # the server has recorded the traffic: every request counted (as its response ends, which the client may see
+        # first), and a sampled batch's kernel timings (taken after its answer, once the worker is idle)
+        deadline = time.monotonic() + 60
+        while not _recorded(httpx.get(server.url + "/metrics", timeout=10).text, sent):
+            assert time.monotonic() < deadline, "the server's /metrics never showed the traffic"
+            time.sleep(0.1)
+        # then two scrapes: rate() and increase() need two samples of a series in their window, and a series the
+        # last request created has them once Prometheus has scraped twice since
+        recorded = time.time()  # Prometheus stamps a sample with its scrape's start, on the same clock
+        deadline = time.monotonic() + 60
+        while (scrapes := _scrapes_since(query, recorded)) < 2:
+            assert time.monotonic() < deadline, f"{scrapes} scrapes of the server in 60 s"
+            time.sleep(0.2)
         yield query
     finally:
         prom.terminate()
         prom.wait(timeout=20)
         server.stop()
+
+
+def _recorded(metrics: str, requests: int) -> bool:
+    """The exposition counts `requests` answers on /infer and holds a kernel timing."""
+    answered = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("fusedserve_requests_total{") and 'route="/infer"' in line)
+    return answered >= requests and "fusedserve_kernel_duration_seconds_count{" in metrics
+
+
+def _scrapes_since(query, since: float) -> int:
+    """How many scrapes of the server Prometheus holds that started after `since` (seconds since the epoch)."""
+    series = query('up{job="fusedserve"}[1m]')
+    return sum(float(stamp) > since for s in series for stamp, _ in s["values"])
 
 
 @pytest.mark.parametrize("name,expr", dashboard_exprs() + alert_exprs(), ids=lambda v: v if len(v) < 60 else None)

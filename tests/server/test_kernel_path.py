@@ -29,9 +29,9 @@ def _serve(settings: Settings) -> Service:
 
 def _embed(service: Service | ModelService, rows: list[list[int]]):
     service = service.default if isinstance(service, Service) else service
+
     async def run():
-        job = service.batcher.submit(rows, True, 60)
-        return await job.future
+        return await service.batcher.submit(await service.prepare(rows), 60).future
 
     return asyncio.run(run())
 
@@ -39,21 +39,20 @@ def _embed(service: Service | ModelService, rows: list[list[int]]):
 def _fall_back_by_verifier(service: Service, op: str = "linear_add_layer_norm") -> None:
     """Make the served path drift (one op's output tilted, as tests.support.server's faults do), send a batch, and
     wait for the verifier to see the mismatch and fall back."""
-    service = service.default
-    e = service.embedder
+    served = service.default
+    e = served.model.embedder  # past the seam, as tests.support.server's faults reach it
     original = e.selection.impls[op]
 
     def drifting(*args, **kwargs):
         out = original(*args, **kwargs)
         return out.add_(torch.linspace(-0.5, 0.5, out.shape[-1], dtype=out.dtype))
 
-    service.batcher.call_between_batches(
-        lambda: e.use(e.selection.with_impl(op, drifting, "test drift"))).result(10)
-    _embed(service, [[101, 2023, 2003, 102]])
+    served.batcher.between_batches(lambda: e.use(e.selection.with_impl(op, drifting, "test drift"))).result(10)
+    _embed(served, [[101, 2023, 2003, 102]])
     deadline = time.monotonic() + 60
-    while e.fallback is None and time.monotonic() < deadline:
+    while (fallback := service.info()["fallback"]) is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert e.fallback == "verify_mismatch"
+    assert fallback == "verify_mismatch"
 
 
 def _kernel_samples(service: Service) -> dict[tuple[str, str], float]:
@@ -67,7 +66,7 @@ def _kernel_samples(service: Service) -> dict[tuple[str, str], float]:
 
 def _idle(service: Service) -> None:
     """Until the worker has been idle: a sampled batch's timing still waiting has run (it goes before idle work)."""
-    service.default.batcher.call_when_idle(lambda: None).result(30)
+    service.default.batcher.when_idle(lambda: None).result(30)
 
 
 def _samples_after(service: Service, before: dict) -> dict[tuple[str, str], float]:
@@ -161,15 +160,77 @@ def test_the_server_never_imports_the_kernels_package():
     assert {f: names for f, names in offenders.items() if names} == {}
 
 
-def test_no_op_table_is_written_outside_the_registry_and_the_embedder():
-    """No module-level mutable op table: the registry returns immutable selections and the Embedder keeps its own."""
+OP_TABLES = {"impls", "choices"}  # a Selection's two tables, op -> implementation and op -> choice
+MUTATORS = {"update", "pop", "popitem", "clear", "setdefault", "__setitem__", "__delitem__"}
+
+
+def _table_writes(source: str) -> list[str]:
+    """Each place in `source` that changes an op table in place: an item of `.impls` or `.choices` assigned or
+    deleted, such a table assigned (plainly or through __setattr__), or a mutating method called on one."""
+    def is_table(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr in OP_TABLES
+
+    def flat(targets):
+        for target in targets:
+            yield from flat(target.elts) if isinstance(target, (ast.Tuple, ast.List)) else (target,)
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            targets = []
+        for target in flat(targets):
+            if is_table(target) or (isinstance(target, ast.Subscript) and is_table(target.value)):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                (node.func.attr in MUTATORS and is_table(node.func.value))
+                or (node.func.attr == "__setattr__" and len(node.args) > 1
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in OP_TABLES)):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_op_tables_hold_the_op_list_and_change_only_by_a_new_selection():
+    """No module-level mutable op table: the registry returns selections that hold every op of the op list, cannot
+    be written, and change only by making a new selection (with a new version, which CUDA graphs are keyed on); the
+    Embedder keeps its own. Nothing in the server, the model, the command or the benchmarks writes a table."""
     from fusedserve import kernels
     from fusedserve.kernels import registry
+    from fusedserve.kernels.spec import OPS, REFERENCE_OPS
 
     assert not hasattr(registry, "active") and not hasattr(kernels, "reference_path")
     selection = kernels.select("cpu", (torch.float32,), fused=False)
-    with pytest.raises(TypeError):
-        selection.impls["layer_norm"] = None
-    for path in [*(ROOT / "server").rglob("*.py"), *(ROOT / "model").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]:
-        text = path.read_text()
-        assert ".impls[" not in text.replace(".impls[op]", "").replace('.impls["', ""), path
+    # what the table must hold: every op once, each on its torch reference, saying why
+    assert list(selection.impls) == list(selection.choices) == list(OPS)
+    assert {op: fn for op, fn in selection.impls.items() if fn is not REFERENCE_OPS[op]} == {}
+    reasons = {(c.backend, c.reason) for c in selection.choices.values()}
+    assert reasons == {("torch", "fused path disabled by configuration")}, reasons
+    op = OPS[0]
+    for table in (selection.impls, selection.choices):
+        with pytest.raises(TypeError):
+            table[op] = None
+        with pytest.raises(TypeError):
+            del table[op]
+    # a change of path is a new selection; the one it came from is as it was
+    def replacement(*args, **kwargs):
+        return REFERENCE_OPS[op](*args, **kwargs)
+
+    changed = selection.with_impl(op, replacement, "a test's replacement")
+    assert changed.impls[op] is replacement and changed.choices[op].reason == "a test's replacement"
+    assert selection.impls[op] is REFERENCE_OPS[op] and changed.version > selection.version
+    back = changed.on_reference([op], "back to the reference")
+    assert back.impls[op] is REFERENCE_OPS[op] and changed.impls[op] is replacement
+
+    # the scan finds each way of writing a table (it is the check below, so it must be able to fail)
+    writes = ["s.impls[op] = f", 's.impls["layer_norm"] = f', "s.choices[op], x = c, 1", "del s.impls[op]",
+              "s.impls[op] += f", "s.impls = {}", "s.impls.update(x)", "s.choices.pop(op)",
+              'object.__setattr__(s, "impls", {})']
+    assert [w for w in writes if not _table_writes(w)] == []
+    assert _table_writes("f = s.impls[op]\nbackend = s.choices[op].backend\nops = list(s.impls)") == []
+    files = [path for folder in ("server", "model", "fusedserve", "bench") for path in (ROOT / folder).rglob("*.py")]
+    assert len(files) > 10
+    found = {str(path.relative_to(ROOT)): lines for path in files if (lines := _table_writes(path.read_text()))}
+    assert found == {}

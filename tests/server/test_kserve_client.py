@@ -11,6 +11,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.model.sentences import SENTENCES
+from tests.tolerances import assert_same_rows
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = [SENTENCES[0], "東京は日本の首都です。", "", "x" * 3]
@@ -40,7 +41,7 @@ def test_infer(client, expected, binary_in, binary_out):
     result = client.infer(MODEL, [_input(binary_in)], outputs=outputs, request_id="r-1")
     got = result.as_numpy("embedding")
     assert got.dtype == np.float32 and got.shape == (len(TEXTS), 384)
-    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+    assert_same_rows(got, expected)  # /infer's request: the same rows, float32 exactly in JSON and binary alike
     response = result.get_response()
     assert response["id"] == "r-1" and response["model_name"] == MODEL
     assert ("binary_data_size" in (response["outputs"][0].get("parameters") or {})) == (binary_out is not False)
@@ -49,7 +50,7 @@ def test_infer(client, expected, binary_in, binary_out):
 def test_compressed_request(client, expected):
     for algorithm in ("gzip", "deflate"):
         result = client.infer(MODEL, [_input(True)], request_compression_algorithm=algorithm)
-        np.testing.assert_allclose(result.as_numpy("embedding"), expected, rtol=0, atol=1e-6)
+        assert_same_rows(result.as_numpy("embedding"), expected, what=algorithm)
 
 
 def test_server_metadata_config_and_stats(client):

@@ -23,9 +23,8 @@ from tritonclient.utils import InferenceServerException
 from fusedserve.model.weights import default_model_dir
 from tests.model import checkpoints
 from tests.server.conftest import admin_headers, start_server
-from tests.tolerances import assert_embeddings_close
+from tests.tolerances import assert_embeddings_close, assert_scores_close
 
-MAX_SCORE_ERROR = 1e-5  # fp32 CPU against CrossEncoder on the same weights
 NAMES = ["minilm", "xlmr", "reranker"]
 TEXTS = ["A man is eating food.", "Fused kernels make encoders fast.", "x"]
 QUERY = "how do fused kernels make an encoder fast?"
@@ -79,11 +78,12 @@ def test_each_model_answers_on_its_routes_as_served_alone(multi, models):
         assert r.status_code == 200, r.text
         assert r.json()["model"] == "reranker"
         assert [x["index"] for x in r.json()["results"]] == [e["corpus_id"] for e in ranked]
-        for x, e in zip(r.json()["results"], ranked):
-            assert abs(x["relevance_score"] - float(e["score"])) <= MAX_SCORE_ERROR
+        # fp32 on the CPU against CrossEncoder on the same weights
+        assert_scores_close([x["relevance_score"] for x in r.json()["results"]], [e["score"] for e in ranked],
+                            what=f"/v1/rerank {body}")
     scores = models["reranker"].predict([(QUERY, d) for d in DOCUMENTS])
     tei = httpx.post(multi.url + "/rerank", json={"query": QUERY, "texts": DOCUMENTS}, timeout=60).json()
-    assert all(abs(x["score"] - float(scores[x["index"]])) <= MAX_SCORE_ERROR for x in tei)
+    assert_scores_close([x["score"] for x in tei], [scores[x["index"]] for x in tei], what="/rerank")
 
 
 def test_openai_client_picks_the_model_by_name(multi, models):
@@ -237,7 +237,7 @@ def test_concurrent_requests_to_the_models_get_their_own_answers(multi):
         assert minilm.json()["model"] == "minilm" and xlmr.json()["model"] == "xlmr"
         assert_embeddings_close(minilm.json()["embeddings"], alone["minilm"][i: i + 1], what=f"minilm {text}")
         assert_embeddings_close([xlmr.json()["data"][0]["embedding"]], alone["xlmr"][i: i + 1], what=f"xlmr {text}")
-        assert abs(rerank.json()["results"][0]["relevance_score"] - scores[text]) <= MAX_SCORE_ERROR
+        assert_scores_close(rerank.json()["results"][0]["relevance_score"], scores[text], what=f"reranker {text}")
 
 
 # ---- the fail policy -----------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ import numpy as np
 import openai
 import pytest
 
+from tests.tolerances import assert_embeddings_close, assert_same_rows, assert_unit_length
+
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = ["A man is eating food.", "東京は日本の首都です。"]
 
@@ -35,14 +37,17 @@ def test_embeddings_float_base64_dimensions(client, server):
     expected = infer(server, TEXTS)
     default = client.embeddings.create(input=TEXTS, model=MODEL)  # the client asks for base64 and decodes it
     as_float = client.embeddings.create(input=TEXTS, model=MODEL, encoding_format="float")
-    for result in (default, as_float):
+    for result, encoding in ((default, "base64"), (as_float, "float")):
         assert [d.index for d in result.data] == [0, 1]
-        np.testing.assert_allclose([d.embedding for d in result.data], expected, rtol=0, atol=1e-6)
+        # the inputs of /infer's request, so the same rows, and either encoding carries float32 exactly
+        assert_same_rows([d.embedding for d in result.data], expected, what=encoding)
         assert result.model == MODEL and result.usage.prompt_tokens == result.usage.total_tokens > 4
     short = client.embeddings.create(input=TEXTS[0], model=MODEL, dimensions=64, user="someone")
     v = np.array(short.data[0].embedding)
-    assert v.shape == (64,) and abs(np.linalg.norm(v) - 1) < 1e-5
-    np.testing.assert_allclose(v, expected[0, :64] / np.linalg.norm(expected[0, :64]), rtol=0, atol=1e-6)
+    assert v.shape == (64,)
+    assert_unit_length(v)
+    # one input alone (another batch than /infer's two), its first 64 dimensions renormalized
+    assert_embeddings_close(v, expected[0, :64] / np.linalg.norm(expected[0, :64]), what="dimensions=64")
 
 
 def test_truncate(client):

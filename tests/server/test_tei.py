@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.model.sentences import SENTENCES
+from tests.tolerances import assert_embeddings_close, assert_same_rows, assert_scores_close, assert_unit_length
 
 MODEL = "all-MiniLM-L6-v2"
 
@@ -54,11 +55,12 @@ def test_inference_client_feature_extraction(server, hf_client):
     texts = SENTENCES[:3]
     got = client.feature_extraction(texts)
     assert got.dtype == np.float32 and got.shape == (3, 384)
-    np.testing.assert_allclose(got, infer(server, texts), rtol=0, atol=1e-6)
+    assert_same_rows(got, infer(server, texts))  # /infer's request through TEI's route: the same rows
     raw = client.feature_extraction(texts[0], normalize=False, truncate=True, truncation_direction="right")
-    np.testing.assert_allclose(raw, infer(server, [texts[0]], normalize=False), rtol=0, atol=1e-5)
+    assert_same_rows(raw, infer(server, [texts[0]], normalize=False))
     short = client.feature_extraction(texts[0], dimensions=32)
-    assert short.shape == (1, 32) and abs(np.linalg.norm(short) - 1) < 1e-5
+    assert short.shape == (1, 32)
+    assert_unit_length(short)
     with pytest.raises(Exception, match="prompt_name"):  # MiniLM has no prompts: refused, never ignored
         client.feature_extraction(texts[0], prompt_name="query")
 
@@ -68,9 +70,10 @@ def test_inference_client_sentence_similarity_and_health(server, hf_client):
 
     scores = InferenceClient(model=server.url).sentence_similarity(SENTENCES[0], SENTENCES[1:4])
     vectors = infer(server, SENTENCES[:4])
-    np.testing.assert_allclose(scores, vectors[1:] @ vectors[0], rtol=0, atol=1e-5)
+    assert_scores_close(scores, vectors[1:] @ vectors[0], what="cosine similarity")
+    # the client's request, as JSON: the same scores
     assert post(server, "/similarity", {"inputs": {"source_sentence": SENTENCES[0], "sentences": SENTENCES[1:4]}}
-                ).json() == pytest.approx(scores, abs=1e-6)
+                ).json() == list(scores)
     assert InferenceClient(model=server.url, provider="hf-inference").health_check()
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200 and r.content == b""
@@ -79,9 +82,9 @@ def test_inference_client_sentence_similarity_and_health(server, hf_client):
 def test_curl_embed(server):
     texts = ["A man is eating food.", "hello"]
     got = np.array(curl(server, "/embed", {"inputs": texts}), dtype=np.float32)
-    np.testing.assert_allclose(got, infer(server, texts), rtol=0, atol=1e-6)
-    # POST / answers as /embed does (the default route of a TEI server serving an embedding model)
-    assert np.allclose(curl(server, "/", {"inputs": texts[1]}), got[1:], atol=1e-6)
+    assert_same_rows(got, infer(server, texts))
+    # POST / answers as /embed does (the default route of a TEI server serving an embedding model); one input alone
+    assert_embeddings_close(curl(server, "/", {"inputs": texts[1]}), got[1:], what="POST /")
 
 
 def test_curl_tokenize(server):
@@ -109,9 +112,9 @@ def test_curl_decode(server):
 def test_token_ids_and_mixed_inputs(server):
     ids = [101, 7592, 2088, 102]  # "hello world"
     text = infer(server, ["hello world"])
-    assert np.allclose(post(server, "/embed", {"inputs": ids}).json(), text, atol=1e-6)
+    assert_same_rows(post(server, "/embed", {"inputs": ids}).json(), text)  # the text's own ids: the same row
     mixed = post(server, "/embed", {"inputs": ["hi", ids, "hello world"]}).json()
-    assert np.allclose(mixed[1], text[0], atol=1e-6) and np.allclose(mixed[2], text[0], atol=1e-6)
+    assert_embeddings_close(mixed[1:], [text[0], text[0]], what="in a batch of three")
 
 
 def test_truncation(server):
@@ -119,8 +122,9 @@ def test_truncation(server):
     right = np.array(post(server, "/embed", {"inputs": long_text}).json())
     left = np.array(post(server, "/embed", {"inputs": long_text, "truncation_direction": "left"}).json())
     # right keeps the start ("alpha ..."), left the end ("... omega")
-    assert np.allclose(right, infer(server, ["alpha " * 254]), atol=1e-5)
-    assert np.allclose(left, infer(server, ["alpha " * 253 + "omega"]), atol=1e-5)
+    # each the same ids as the shorter text (256 tokens with [CLS] and [SEP]): the same row
+    assert_same_rows(right, infer(server, ["alpha " * 254]), what="right")
+    assert_same_rows(left, infer(server, ["alpha " * 253 + "omega"]), what="left")
     r = post(server, "/embed", {"inputs": long_text, "truncate": False})
     assert r.status_code == 413 and r.json()["error_type"] == "validation" and "256" in r.json()["error"]
 
@@ -131,7 +135,9 @@ def test_embed_all_is_the_per_token_output(server):
     # mean pooling of the per-token states is the (unnormalized) sentence embedding
     pooled = infer(server, ["hello world", "a longer input sentence"], normalize=False)
     for tokens, expected in zip(rows, pooled):
-        np.testing.assert_allclose(np.mean(tokens, axis=0), expected, rtol=0, atol=1e-4)
+        # both scaled by the embedding's length: the table bounds embeddings of unit length, these are not normalized
+        length = np.linalg.norm(expected)
+        assert_embeddings_close(np.mean(tokens, axis=0) / length, expected / length, what="mean of the tokens")
 
 
 def test_tei_errors_and_strict_flags(server):

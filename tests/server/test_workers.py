@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 
 from tests.server.test_startup import launch
+from tests.tolerances import assert_same_rows
 
 TEXTS = [f"sentence number {i} about workers sharing one port" for i in range(24)]
 
@@ -43,18 +44,21 @@ def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
                 pids.add(info["worker"]["pid"])
         assert len(pids) == 2, "every connection went to one worker"
         assert "worker 1: waiting for the first worker to be ready" in open(log_path).read()  # it fills the cache
-        # the same text gets the same vector from either worker (same random init: the preset's fixed seed)
+        # the same text gets the same vector from either worker: the same request to the same weights (the preset's
+        # fixed seed) on the same kernels
         for _ in range(4):
             with httpx.Client(base_url=url, timeout=30) as client:
                 again = np.asarray(client.post("/infer", json={"inputs": TEXTS[0]}).json()["embeddings"][0])
-            np.testing.assert_allclose(again, vectors[TEXTS[0]], rtol=0, atol=1e-6)
-        time.sleep(1.2)  # the workers' once-a-second copies of scrape-time values
-        metrics = httpx.get(url + "/metrics", timeout=30).text
-        answered = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                       if line.startswith("fusedserve_requests_total{") and 'route="/infer"' in line
-                       and 'status="200"' in line)
-        assert answered == len(TEXTS) + 4  # both workers' counts, from whichever answered the scrape
-        assert 'fusedserve_model_ready{model="tiny (random init)"} 1.0' in metrics
+            assert_same_rows(again, vectors[TEXTS[0]])
+        # both workers' counts, from whichever answers the scrape; a request is counted as its response ends, which
+        # the client may see first: poll until every answer is counted (more would fail at once)
+        expected = len(TEXTS) + 4
+        deadline = time.monotonic() + 30
+        while (answered := _answered(metrics := httpx.get(url + "/metrics", timeout=30).text)) < expected:
+            assert time.monotonic() < deadline, f"{answered} of {expected} answers counted:\n{metrics}"
+            time.sleep(0.05)
+        assert answered == expected, metrics
+        assert f'fusedserve_model_ready{{model="{info["model"]}"}} 1.0' in metrics
         # the fused switch would reach one worker of two: refused, saying what to do instead
         r = httpx.post(url + "/admin/fused", json={"enabled": False}, headers={"Authorization": "Bearer secret"})
         assert r.status_code == 409 and "FUSEDSERVE_FUSED=false" in r.json()["error"]["message"], r.text
@@ -63,24 +67,28 @@ def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
         assert process.wait(timeout=60) == 0, open(log_path).read()
 
 
+def _answered(metrics: str) -> float:
+    """The /infer requests answered 200, summed over every series (the workers' files are summed already)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("fusedserve_requests_total{") and 'route="/infer"' in line and 'status="200"' in line)
+
+
 def test_workers_share_out_the_cores_unless_torch_threads_is_set(monkeypatch, tmp_path):
     """Without TORCH_THREADS each of N workers takes cores / N intra-op threads (at least one), the cores being the
     affinity capped by a cgroup CPU quota; one worker, or an operator's OMP_NUM_THREADS, keeps torch's default (0)."""
-    from fusedserve.server import service
+    from fusedserve.server import workers
 
-    from fusedserve.kernels import _layout
-
-    monkeypatch.setattr(_layout.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     quota = tmp_path / "cpu.max"
-    real_path = _layout.Path
-    monkeypatch.setattr(_layout, "Path", lambda p: quota if p == "/sys/fs/cgroup/cpu.max" else real_path(p))
+    real_path = workers.Path
+    monkeypatch.setattr(workers, "Path", lambda p: quota if p == "/sys/fs/cgroup/cpu.max" else real_path(p))
     quota.write_text("max 100000\n")
-    assert [service._worker_threads(n) for n in (1, 2, 3, 4, 16, 32)] == [0, 8, 5, 4, 1, 1]
+    assert [workers.threads_per_worker(n) for n in (1, 2, 3, 4, 16, 32)] == [0, 8, 5, 4, 1, 1]
     quota.write_text("400000 100000\n")  # a pod limited to four CPUs on a 16-core node
-    assert [service._worker_threads(n) for n in (2, 4, 8)] == [2, 1, 1]
+    assert [workers.threads_per_worker(n) for n in (2, 4, 8)] == [2, 1, 1]
     quota.unlink()  # no cgroup v2 file: the affinity alone
-    assert service._worker_threads(2) == 8
+    assert workers.threads_per_worker(2) == 8
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert service._worker_threads(4) == 0
+    assert workers.threads_per_worker(4) == 0
