@@ -173,6 +173,7 @@ class Description:
     labels: tuple[str, ...] = ()   # a classifier's labels
     activation: str = "identity"   # a classifier's scores from its logits (scores())
     fused: bool = False            # the fused path is on and has not fallen back
+    path: str = "reference"        # "fused" while any op the model calls runs on a fused backend
     kernels: Mapping[str, str] = field(default_factory=dict)  # op -> backend, for the ops a forward calls
     graphs: Mapping[str, object] = field(default_factory=dict)  # CUDA graph counters ({} without graphs)
     memory: Mapping[str, int] = field(default_factory=dict)    # bytes held on the device, by what holds them

@@ -103,7 +103,7 @@ class Served:
             name=self.name, kind=self.kind, dim=e.dim, max_length=self._limit, device=str(e.device),
             labels=tuple(classifier.labels) if classifier is not None else (),
             activation=classifier.activation if classifier is not None else "identity",
-            fused=e.fused, kernels=dict(e.selection.used), graphs=graphs, memory=memory,
+            fused=e.fused, path=e.path, kernels=dict(e.selection.used), graphs=graphs, memory=memory,
             info={"max_seq_length": self._limit, "device": str(e.device),
                   "dtype": str(e.dtype).removeprefix("torch."), **state},
             report=self._report())
@@ -259,6 +259,10 @@ class Served:
 
 
 def load_served(path: str, options: LoadOptions) -> Served:
+    # the op names are the kernel layer's; checked here, before a checkpoint is read, naming the option (and setting)
+    unknown = sorted(set(options.backend_overrides) - set(kernels.OPS))
+    if unknown:
+        raise ValueError(f"backend_overrides: unknown op(s) {unknown}; ops are {', '.join(kernels.OPS)}")
     if options.cache_dir:
         kernels.configure(cache_dir=options.cache_dir)
     embedder, report = Embedder.load(

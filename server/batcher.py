@@ -149,6 +149,8 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name=f"fusedserve-batcher[{metrics.model}]", daemon=True)
         self.batches = 0
         self.overlapped = 0  # batches launched while the one before was still in flight (overlap_batches)
+        # the path the next forward takes, as the last launch said (a launch that raises says nothing)
+        self.path = model.describe().path
 
     # ---- called from the event loop ---------------------------------------------------------------
     def start(self) -> None:
@@ -500,9 +502,10 @@ class Batcher:
         """One forward on the current path. A fused forward that raises or yields NaN/Inf is re-run on the
         reference path (counted); non-finite output from the reference itself is an error, never an answer."""
         started = time.perf_counter()
-        pending = self.model.launch(rows)
-        path = pending.path
+        path = self.path
         try:
+            pending = self.model.launch(rows)  # on an eager path the forward runs here, and may raise here
+            path = self.path = pending.path
             block = pending.rows()
             if not np.isfinite(block).all():
                 raise NonFiniteOutput(f"{path} forward produced NaN/Inf")

@@ -339,10 +339,13 @@ class ModelService:
         if self.model is None:
             return {**entry, "progress": self.progress}
         description = self.model.describe()
+        memory = dict(description.memory)
+        if self.verifier is not None:  # the verifier's fp32 copy lives on the same device
+            memory["reference_copy_bytes"] = self.verifier.reference_bytes
         return {
             **entry,
             **_state(description),
-            "memory": dict(description.memory),
+            "memory": memory,
             "batches": self.batcher.batches if self.batcher else 0,
             "overlapped": self.batcher.overlapped if self.batcher else 0,
             # int8/uint8 calibration (server.quantize): per-dimension [min, max] of normalized embeddings

@@ -27,7 +27,8 @@ class Verifier:
         model's own series. One verifier per model."""
         self.settings, self.metrics, self.on_mismatch = settings, metrics, on_mismatch
         self.reference = reference
-        self.kind = reference.describe().kind
+        description = reference.describe()
+        self.kind, self.reference_bytes = description.kind, description.memory.get("parameters_bytes", 0)
         self._queue: queue.Queue = queue.Queue(maxsize=settings.verify_queue)
         self._thread = threading.Thread(target=self._run, name=f"fusedserve-verify[{metrics.model}]",
                                         daemon=True)
