@@ -149,8 +149,6 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, name=f"fusedserve-batcher[{metrics.model}]", daemon=True)
         self.batches = 0
         self.overlapped = 0  # batches launched while the one before was still in flight (overlap_batches)
-        # the path the next forward takes, as the last launch said (a launch that raises says nothing)
-        self.path = model.describe().path
 
     # ---- called from the event loop ---------------------------------------------------------------
     def start(self) -> None:
@@ -502,16 +500,18 @@ class Batcher:
         """One forward on the current path. A fused forward that raises or yields NaN/Inf is re-run on the
         reference path (counted); non-finite output from the reference itself is an error, never an answer."""
         started = time.perf_counter()
-        path = self.path
+        path = None
         try:
             pending = self.model.launch(rows)  # on an eager path the forward runs here, and may raise here
-            path = self.path = pending.path
+            path = pending.path
             block = pending.rows()
             if not np.isfinite(block).all():
                 raise NonFiniteOutput(f"{path} forward produced NaN/Inf")
         except OutOfMemory:
             raise
         except Exception as exc:
+            if path is None:  # the launch itself raised: the path it would have taken, as the model says now
+                path = self.model.describe().path
             if path == "reference":
                 raise
             reason = "non_finite" if isinstance(exc, NonFiniteOutput) else "exception"

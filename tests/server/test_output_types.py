@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from sentence_transformers.util import quantization
 
-from fusedserve.server.batcher import l2_normalize
+from fusedserve.model.api import l2_normalize
 from fusedserve.server.quantize import CALIBRATION_TEXTS
 from tests.model.sentences import SENTENCES
 
