@@ -12,6 +12,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 from fusedserve.model.modules import activate
 from fusedserve.model.runner import Embedder
 from tests.model import checkpoints
+from tests.tolerances import assert_scores_close, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +21,6 @@ TEXTS = ["A man is eating food.", "x", "Fused kernels make encoders fast, even f
          "The quick brown fox jumps over the lazy dog " * 12]
 PAIRS = [("how do fused kernels help?", "They cut memory traffic between ops."), ("what is a cat", "A small feline."),
          ("q", "a much longer passage about nothing in particular " * 10)]
-MIN_COSINE, MAX_SCORE_ERROR = 0.999, 1e-2  # half precision on the fused kernels against an fp32 reference
 
 
 def _builds(tmp_path):
@@ -42,7 +42,7 @@ def test_embedding_models_on_the_fused_kernels(tmp_path, model, dtype):
     for rows in (TEXTS[:1], TEXTS):  # one short input (the few-token layer where it runs) and a mixed batch
         got = ours.embed(rows)
         cosine = torch.nn.functional.cosine_similarity(got.double(), expected[: len(rows)].double(), dim=1)
-        assert float(cosine.min()) >= MIN_COSINE, (model, dtype, cosine)
+        assert float(cosine.min()) >= tolerance(dtype).min_cosine, (model, dtype, cosine)
     assert ours.graphs.stats()["replays"] >= 2
 
 
@@ -56,4 +56,4 @@ def test_classifiers_on_the_fused_kernels(tmp_path, architecture, num_labels, dt
     reference.model.float()
     expected = torch.as_tensor(reference.predict(PAIRS, apply_softmax=num_labels > 1, convert_to_numpy=True))
     scores = activate(ours.predict(PAIRS), ours.classifier.activation)
-    assert float((scores - expected.reshape(scores.shape)).abs().max()) <= MAX_SCORE_ERROR
+    assert_scores_close(scores, expected.reshape(scores.shape), dtype, what=f"{architecture}, {num_labels} labels")
