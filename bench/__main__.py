@@ -9,17 +9,19 @@ import importlib
 import os
 import sys
 
-import torch
-
 SUITES = {
     "kernels": "each fused op vs eager and torch.compile, per backend, against the copy ceiling",
     "encoder": "the encoder forward vs eager PyTorch, torch.compile and torch.compile + CUDA graphs",
-    "serve": "the real server: closed-loop, single, workers, replicas, soak, startup",
+    "serve": "the real server: closed-loop, single, workers, replicas, soak, startup, peer, openai-load",
     "report": "markdown tables (stdout) and PNG plots from the committed results",
 }
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch here rather than at the top: the serving suite's load-generator processes import this module again as
+    # their __main__ (multiprocessing's spawn), and they need no torch
+    import torch
+
     argv = sys.argv[1:] if argv is None else argv
     # Without a GPU the kernel and encoder suites run the Triton kernels on the interpreter. Decided before the suites
     # are imported (the kernels read it at import), and not for `serve`: its servers and its in-process runner (the

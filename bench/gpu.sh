@@ -9,24 +9,42 @@
 #   serve     python -m bench serve closed-loop single, then workers under CUDA MPS -> bench/results/<gpu>/serve.json
 #   startup   python -m bench serve startup (cold and warm time to ready, first requests) -> serve.json
 #   retune    the shipped tuning re-exported for this checkout's kernel sources (a start that tunes everything, then
-#             python -m fusedserve.kernels.tuning export), then the startup suite with it -> kernels/tuning/<gpu>.json, serve.json
+#             python -m fusedserve.kernels.tuning export), then the startup suite with it -> kernels/tuning/<gpu>.json,
+#             serve.json
 #   peer      python -m bench serve peer (Infinity beside our server; carry .whl-infinity too) -> serve.json
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
 #   nsight    Nsight Compute on one launch per fused row-wise op and provider (python -m bench.nsight)
 #                                                                        -> bench/results/<gpu>/kernels.json (nsight)
+#   compare   before/after in one session, the older tree (.gpu-assets/baseline) against this one: serving, python -m
+#             bench serve openai-load --baseline (each tree's server started 3 times, alternating; medians side by
+#             side) -> serve.json (scenario openai-load); then the encoder rows as compare-encoder does, in the time
+#             left. Run retune first when the kernel sources changed, or this tree's starts tune
+#   compare-encoder  before/after encoder rows only: the encoder suite's "ours" rows of the older tree, then of this
+#             one -> $OUT/encoder-baseline.json, $OUT/encoder-current.json and their table (python -m bench report
+#             --compare) in $OUT/encoder-compare.md
 #
 # Here (the development machine), once: ../shared/tools/gpu-wheels.sh orjson httptools fastapi-offline py-spy (the
-# server's packages the GPU image lacks -> .whl/), and before each call: python -m bench.gpu_assets (the fp16 MiniLM copy and this
-# checkout's commit -> .gpu-assets/). The device call, carrying [".whl", ".gpu-assets"]:
+# server's packages the GPU image lacks -> .whl/; the image has aiohttp, which the openai-load clients use). Before each
+# call: python -m bench.gpu_assets (the fp16 MiniLM copy and this checkout's commit -> .gpu-assets/, this tree's wheel
+# -> .whl/), with --baseline COMMIT for the compare suites (the tree to compare with -> .gpu-assets/baseline/). The
+# device call, carrying [".whl", ".gpu-assets"]:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; bash bench/gpu.sh SUITE
-# $OUT comes back: the suite's log and, for a benchmark suite, its updated results file (copy it over
-# bench/results/<gpu>/ and commit it).
+# The import names fusedserve.kernels, .model and .server exist only in an install of this tree (pyproject maps them
+# onto the top folders): here the editable one, there the wheel in /tmp/site, which this script checks is this tree's.
+# This tree's own fusedserve/ folder holds the command only, so nothing may put the tree's root ahead of /tmp/site on
+# the path: PYTHONSAFEPATH keeps `python -m` from prepending the working directory, and pytest appends the root
+# rather than prepending it. $OUT comes back: the suite's log and, for a benchmark suite, its updated results file
+# (copy it over bench/results/<gpu>/ and commit it).
 set -uo pipefail
-suite=${1:?usage: bash bench/gpu.sh tests|sanitize|kernels|gemm|encoder|serve|startup|retune|peer|profile|nsight}
+suites="tests|sanitize|kernels|gemm|encoder|serve|startup|retune|peer|profile|nsight|compare|compare-encoder"
+suite=${1:?usage: bash bench/gpu.sh $suites [ARGS: compare: openai-load options; compare-encoder: encoder ones]}
+shift
+extra=("$@")  # more arguments of the compare suites' harness commands (e.g. --starts 1; encoder case names)
 OUT=${OUT:-/tmp/bench-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export PYTHONSAFEPATH=1 PYTEST_ADDOPTS="--import-mode=append ${PYTEST_ADDOPTS:-}"
 export FUSEDSERVE_CUDA_CACHE=/tmp/fusedserve-cuda-cache  # one CUDA build for the tests, benches and servers
 export FUSEDSERVE_TEST_MODEL_DIR=.gpu-assets/minilm
 export FUSEDSERVE_BENCH_SOURCE=$PWD/.gpu-assets/source.json  # the commit the results headers record
@@ -39,7 +57,35 @@ need = ("fastapi", "fastapi_offline", "uvicorn", "pydantic_settings", "orjson", 
 missing = [name for name in need if importlib.util.find_spec(name) is None]
 print("server packages: all present" if not missing else
       f"server packages MISSING: {' '.join(missing)} (the server fails without them, or serves slower without httptools)")
+if importlib.util.find_spec("aiohttp") is None:
+    print("aiohttp MISSING: the openai-load clients need it (carry its wheels: see the header)")
 PY
+# the wheel in /tmp/site must be this tree: one built before an edit would run the old code under the new name
+python3 -m bench.gpu_assets --check-installed || exit
+BASELINE=$PWD/.gpu-assets/baseline
+baseline() {  # a command of the older tree's own, from its root with its packages first on the path
+  (cd "$BASELINE" && PYTHONPATH=$BASELINE:$PYTHONPATH FUSEDSERVE_BENCH_SOURCE=$BASELINE/source.json "$@")
+}
+need_baseline() {
+  [ -f "$BASELINE/server/__main__.py" ] && return
+  echo "no older tree in $BASELINE: python -m bench.gpu_assets --baseline COMMIT (here), and carry .gpu-assets" >&2
+  exit 2
+}
+encoder_compare() {  # the encoder suite's "ours" rows of the older tree, then of this one, each within $1 seconds
+  local limit=$1
+  shift
+  if [ "$limit" -lt 30 ]; then
+    echo "encoder rows: no time left in this call (compare-encoder runs them alone)"
+    return
+  fi
+  # the torch providers are the same code in both trees: only our rows are timed
+  baseline timeout "$limit" python3 -m bench encoder --providers ours --out "$OUT/encoder-baseline.json" "$@" 2>&1 \
+    | tee "$OUT/encoder-baseline.log" | grep -v '^\['
+  timeout "$limit" python3 -m bench encoder --providers ours --out "$OUT/encoder-current.json" "$@" 2>&1 \
+    | tee "$OUT/encoder-current.log" | grep -v '^\['
+  python3 -m bench report --no-plots --compare "$OUT/encoder-baseline.json" "$OUT/encoder-current.json" \
+    | tee "$OUT/encoder-compare.md"
+}
 
 build() {  # the CUDA extension, into the cache every process here shares
   python3 -m fusedserve.kernels.cuda.build 2>&1 | tail -1
@@ -161,7 +207,7 @@ case "$suite" in
     mkdir -p "$OUT/untuned"
     startup_suite "$OUT/untuned" 300
     FUSEDSERVE_CACHE_DIR=$(ls -td /tmp/fusedserve-cache-* | head -1) python3 -m fusedserve.kernels.tuning export || exit
-    path=$(python3 -c "from kernels import cache; print(cache.SHIPPED / f'{cache.gpu_slug()}.json')")
+    path=$(python3 -c "from fusedserve.kernels import cache; print(cache.SHIPPED / f'{cache.gpu_slug()}.json')")
     cp "$path" "$OUT/" && echo "shipped tuning: $path (copied to \$OUT; commit it with the start-up below)"
     startup_suite "$OUT" 180
     results serve
@@ -176,8 +222,25 @@ case "$suite" in
       | tee "$OUT/peer.log" | grep -vE "^(INFO|Loading)"
     results serve
     ;;
+  compare)
+    need_baseline
+    build
+    baseline python3 -m kernels.cuda.build 2>&1 | tail -1
+    # each tree's server started 3 times, alternating; every point 2 s of warm-up and 8 s measured
+    timeout 400 python3 -m bench serve openai-load --baseline "$BASELINE" --model "$MODEL" --seconds 8 \
+      --warm-seconds 2 --log-dir "$OUT" ${extra[@]+"${extra[@]}"} 2>&1 | tee "$OUT/compare.log" \
+      | grep -vE "^(INFO|Loading)"
+    results serve
+    encoder_compare $(( (570 - SECONDS) / 2 ))
+    ;;
+  compare-encoder)
+    need_baseline
+    build
+    baseline python3 -m kernels.cuda.build 2>&1 | tail -1
+    encoder_compare 270 ${extra[@]+"${extra[@]}"}
+    ;;
   *)
-    echo "unknown suite $suite: tests|sanitize|kernels|encoder|serve|startup|retune|peer|profile" >&2
+    echo "unknown suite $suite: $suites" >&2
     exit 2
     ;;
 esac

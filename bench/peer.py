@@ -13,7 +13,6 @@ import contextlib
 import importlib.metadata
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,10 +21,11 @@ from pathlib import Path
 
 import httpx
 
-from bench import serve
+from bench.harness import (SAME_MODEL_MIN_COSINE, free_port, load, log_path, min_cosine, on_cuda, percentiles_ms,
+                           request_body, running_servers, sentences, server_settings, traffic, wait_until_ready)
 
 INFINITY_VERSION = "0.0.78"
-PAYLOAD = "openai"  # serve.request_body: texts to /v1/embeddings, base64 vectors
+PAYLOAD = "openai"  # harness.request_body: texts to /v1/embeddings, base64 vectors
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings(args: argparse.Namespace) -> dict:
     return {"clients": args.peer_clients, "batch_sizes": args.peer_batch_sizes,
             "sweep_clients": args.peer_sweep_clients, "infinity_dtype": infinity_dtype(args),
-            "route": serve.request_body(PAYLOAD, [])[0], "body": serve.request_body(PAYLOAD, ["..."])[1]}
+            "route": request_body(PAYLOAD, [])[0], "body": request_body(PAYLOAD, ["..."])[1]}
 
 
 def model_dir(args: argparse.Namespace) -> Path:
@@ -60,7 +60,7 @@ def infinity_dtype(args: argparse.Namespace) -> str:
     """Our server's dtype when one is set; else what ours picks by default: float16 on a GPU, float32 on the CPU."""
     if args.dtype != "auto":
         return args.dtype
-    return "float16" if serve._cuda(args) else "float32"
+    return "float16" if on_cuda(args) else "float32"
 
 
 def infinity_version(site: str) -> str:
@@ -83,7 +83,7 @@ def running_infinity(site: str, model: Path, *, device: str, dtype: str, batch_s
                HF_HUB_DISABLE_TELEMETRY="1", INFINITY_ANONYMOUS_USAGE_STATS="0", DO_NOT_TRACK="1",
                PYTHONPATH=os.pathsep.join(p for p in (site, str(REPO), os.environ.get("PYTHONPATH")) if p))
     env.pop("TRITON_INTERPRET", None)  # the harness's own switch on a CPU, as running_servers drops it for ours
-    port = serve.free_port()
+    port = free_port()
     command = [sys.executable, "-m", "bench.peer_launch", "v2", "--model-id", str(model), "--engine", "torch",
                "--device", device_type, "--dtype", dtype, "--batch-size", str(batch_size), "--url-prefix", "/v1",
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
@@ -93,7 +93,7 @@ def running_infinity(site: str, model: Path, *, device: str, dtype: str, batch_s
     with open(log_path, "a") as log:
         process = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
-        if not serve.wait_until_ready(process, url + "/health", time.monotonic() + ready_timeout_s):
+        if not wait_until_ready(process, url + "/health", time.monotonic() + ready_timeout_s):
             tail = Path(log_path).read_text(errors="replace")[-3000:] if log_path != os.devnull else ""
             raise RuntimeError(f"Infinity did not become ready (exit code {process.poll()}); its log "
                                f"{log_path} ends:\n{tail}")
@@ -122,24 +122,16 @@ def embeddings(url: str, texts: list[str]) -> tuple[list[list[float]], dict]:
     return [item["embedding"] for item in sorted(body["data"], key=lambda item: item["index"])], body.get("usage", {})
 
 
-def min_cosine(a: list[list[float]], b: list[list[float]]) -> float:
-    import torch
-
-    x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return float(torch.nn.functional.cosine_similarity(x, y, dim=1).min())
-
-
 def measure(args: argparse.Namespace, url: str, texts: list[str], tokens: list[int], clients: int, **labels) -> dict:
-    run = serve.load(url, texts, clients, args.seconds, args.per_request, tokens, args.client_processes, PAYLOAD)
+    run = load(url, texts, clients, args.seconds, args.per_request, tokens, args.client_processes, PAYLOAD)
     latencies, elapsed = run["latencies"], run["elapsed"]
-    q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
     return {**labels, "clients": clients, "per_request": args.per_request, "requests": len(latencies),
             "errors": run["errors"], "seconds": elapsed, "texts_per_s": len(latencies) * args.per_request / elapsed,
-            "tokens_per_s": run["tokens"] / elapsed, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3}
+            "tokens_per_s": run["tokens"] / elapsed, **percentiles_ms(latencies)}
 
 
 def warm(args: argparse.Namespace, url: str, texts: list[str]) -> None:
-    serve.load(url, texts, 64, 3, args.per_request, processes=args.client_processes, payload=PAYLOAD)
+    load(url, texts, 64, 3, args.per_request, processes=args.client_processes, payload=PAYLOAD)
 
 
 def _table(rows: list[dict]) -> str:
@@ -169,7 +161,7 @@ def ratios(rows: list[dict]) -> dict:
 
 def _log(args: argparse.Namespace, name: str) -> str:
     """The scenario's log for `name`: in --log-dir, else a temporary file (its tail goes into a start-up error)."""
-    path = serve._log(args, name)
+    path = log_path(args, name)
     if path == os.devnull:
         handle, path = tempfile.mkstemp(prefix=f"fusedserve-{name}-", suffix=".log")
         os.close(handle)
@@ -187,10 +179,10 @@ def peer_scenario(args: argparse.Namespace, save) -> None:
     site = str(Path(args.infinity_site).resolve())
     model = model_dir(args)
     dtype = infinity_dtype(args)
-    texts = serve._traffic(args)
+    texts = traffic(args)
     # fixed 20-word sentences and a few of the traffic's texts, the longest among them: both servers must give the
     # same vectors for them, or the two would not be serving the same model
-    check = serve.sentences(4, 20) + sorted(texts, key=len)[-4:] + texts[:4]
+    check = sentences(4, 20) + sorted(texts, key=len)[-4:] + texts[:4]
     summary: dict = {"texts": len(texts), "model_dir": str(model), "per_request": args.per_request,
                      "infinity": {"version": infinity_version(site), "engine": "torch", "dtype": dtype, "site": site},
                      "libraries": {name: _version(name) for name in ("torch", "transformers", "sentence-transformers",
@@ -206,7 +198,7 @@ def peer_scenario(args: argparse.Namespace, save) -> None:
               f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {r['errors']} errors", file=sys.stderr, flush=True)
         save(rows, summary, False)
 
-    with serve.running_servers(1, _log(args, "peer-fusedserve"), **serve.server_settings(args)) as servers:
+    with running_servers(1, _log(args, "peer-fusedserve"), **server_settings(args)) as servers:
         url = servers[0][1]
         info = httpx.get(url + "/info", timeout=30).json()
         tokens = token_counts(model, info["max_seq_length"], texts)
@@ -234,7 +226,7 @@ def peer_scenario(args: argparse.Namespace, save) -> None:
                 summary["infinity"]["check_usage"] = their_usage
                 print(f"[peer] Infinity vs ours on {len(check)} texts: lowest cosine {cosine:.6f}", file=sys.stderr,
                       flush=True)
-                if not cosine > 0.999:
+                if not cosine > SAME_MODEL_MIN_COSINE:
                     raise RuntimeError(f"Infinity's embeddings differ from ours (lowest cosine {cosine:.6f}): the "
                                        f"two do not serve the same model from {model}")
             warm(args, url, texts)

@@ -2,6 +2,7 @@
 
     python -m bench report                      # every results file's tables, and the plots of bench/results/h200
     python -m bench report --no-plots bench/results/h200/encoder.json
+    python -m bench report --no-plots --compare BEFORE.json AFTER.json   # two encoder runs, row by row
 
 Each table names the file and scenario its numbers come from; a number in a row is that row's field in
 `scenarios.<scenario>.results` (or `.summary`) of that file.
@@ -193,6 +194,25 @@ def encoder_table(blocks: dict[str, dict]) -> str:
     return _table(["ms per forward"] + cases, rows)
 
 
+def encoder_comparison(before: dict, after: dict) -> str:
+    """Two encoder results documents (an older tree's run and this one's) row by row: per case and row label in both,
+    ms per forward before and after and their ratio (below 1: faster now). Rows only one of them has are listed
+    with a dash for the other."""
+    rows = []
+    for case in [c for c in after["scenarios"] if c != "profile"] + \
+            [c for c in before["scenarios"] if c != "profile" and c not in after["scenarios"]]:
+        cells: dict[str, dict[str, dict]] = {}
+        for side, doc in (("before", before), ("after", after)):
+            for r in (doc["scenarios"].get(case) or {}).get("results", []):
+                if "ms" in r:
+                    cells.setdefault(encoder_label(r), {})[side] = r
+        for label, pair in cells.items():
+            b, a = pair.get("before"), pair.get("after")
+            ratio = a["ms"] / b["ms"] if a and b else None
+            rows.append([case, label, _f(b and b["ms"], 3), _f(a and a["ms"], 3), _f(ratio, 3, "x")])
+    return _table(["case", "row", "before ms", "after ms", "after / before"], rows)
+
+
 def profile_table(block: dict) -> str:
     rows = []
     for r in block["results"]:
@@ -245,12 +265,32 @@ def soak_table(block: dict) -> str:
                    "server RSS MiB"], rows)
 
 
+def openai_load_table(block: dict) -> str:
+    """Each tree's medians over its starts per point; with a baseline, this tree's over the baseline's."""
+    summary = block["summary"]
+    per_tree = summary.get("medians") or {}
+    compared = (summary.get("comparison") or {}).get("points", {})
+    rows = []
+    for tree, points in per_tree.items():
+        for name, m in points.items():
+            c = compared.get(name) if tree == "current" else None
+            rows.append([tree, name, str(m["starts"]), _f(m["requests_per_s"], 0), _f(m["texts_per_s"], 0),
+                         _f(m["tokens_per_s"] / 1e3, 1), f"{_f(m['p50_ms'], 2)} / {_f(m['p99_ms'], 1)}",
+                         str(m["errors"]),
+                         f"x{_f(c['requests_per_s_ratio'], 3)}, x{_f(c['tokens_per_s_ratio'], 3)}, "
+                         f"{c['p50_ms_change']:+.3f} ms" + ("" if c["within_bounds"] else " **out of bounds**")
+                         if c else "-"])
+    return _table(["tree", "clients x texts", "starts", "requests/s", "texts/s", "k tokens/s", "p50 / p99 ms",
+                   "errors", "vs baseline: requests/s, tokens/s, p50"], rows)
+
+
 TABLES: dict[tuple[str, str], Callable[[dict], str]] = {
     ("kernels", "fused-ops"): fused_ops_table, ("kernels", "gemm-epilogues"): gemm_table,
     ("kernels", "nsight"): nsight_table,
     ("encoder", "profile"): profile_table, ("serve", "closed-loop"): closed_loop_table,
     ("serve", "single"): single_table, ("serve", "replicas"): _sharing_table("replicas", "servers"),
     ("serve", "workers"): _sharing_table("workers", "WORKERS"), ("serve", "soak"): soak_table,
+    ("serve", "openai-load"): openai_load_table,
 }
 
 
@@ -420,9 +460,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the results directory the plots are drawn from")
     parser.add_argument("--images", type=Path, default=Path("docs/img"), help="where the PNGs go")
     parser.add_argument("--no-plots", dest="draw", action="store_false")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+                        help="instead: two encoder results files side by side, row by row")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.compare:
+        before, after = (store.load(path) for path in args.compare)
+        for path, doc in zip(args.compare, (before, after), strict=True):
+            if doc is None or doc["suite"] != "encoder":
+                raise SystemExit(f"{path}: not an encoder results file")
+        print("\n".join(_source(path, case, block) for path, doc in zip(args.compare, (before, after), strict=True)
+                        for case, block in list(doc["scenarios"].items())[:1]))
+        print(encoder_comparison(before, after))
+        return 0
     for path in args.files or store.committed_files():
         print(f"### {_shown(path)}\n")
         print(tables(path))

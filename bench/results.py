@@ -61,7 +61,7 @@ def default_path(suite: str, device: str) -> Path:
     return RESULTS / gpu_slug(name) / f"{suite}.json"
 
 
-def _git() -> tuple[str | None, bool | None]:
+def git_source() -> tuple[str | None, bool | None]:
     """(commit, tracked files changed since) of the code that runs: from $FUSEDSERVE_BENCH_SOURCE where set, else
     from git, else unknown."""
     source = os.environ.get(SOURCE_ENV)
@@ -120,7 +120,7 @@ def header(device: str, argv: list[str] | None = None) -> dict:
     Python, torch, Triton, CUDA, driver, GPU and its clocks at the start, and the host."""
     import torch
 
-    sha, dirty = _git()
+    sha, dirty = git_source()
     argv = sys.argv[1:] if argv is None else argv
     out = {
         "date": dt.datetime.now(dt.timezone.utc).date().isoformat(),

@@ -20,6 +20,10 @@ Scenarios:
                the same clients, at each of --peer-clients: tokens/s, texts/s, p50/p99 and ours/Infinity per count
                (bench/peer.py). Infinity's wheels: `bash bench/peer-wheels.sh` (-> .whl-infinity/), installed with
                pip's --target into the folder --infinity-site names
+  openai-load  POST /v1/embeddings (float JSON) from aiohttp clients in load-generator processes of their own, at
+               each of --openai-points (CLIENTSxTEXTS; 1x1 is single sequential requests), over 5-200-word texts;
+               with --baseline DIR, an older tree's server started in turn with ours, the medians of --starts starts
+               side by side with their ratios (bench/openai_load.py)
 """
 
 from __future__ import annotations
@@ -31,93 +35,25 @@ import contextlib
 import http.client
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench import peer
+from bench import openai_load, peer
 from bench import results as store
+from bench.harness import (load, log_path, mixed_texts, on_cuda, percentiles_ms, request_body, running_servers,
+                           sentences, server_settings, traffic)
+from bench.harness import free_port  # noqa: F401  (tests/server/conftest.py imports it from here)
 
-SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer")
+SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer", "openai-load")
 DEFAULT_SCENARIOS = ("closed-loop", "single", "workers")
-
-WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or had not but "
-         "one all their there been has more when who will would into them its some could time these two may "
-         "first then do any like my now over such our man me even most made after also did many off before "
-         "must through back years where much your way well down should because each just those people how too "
-         "little state good very make world still own see men work long get here between both life being under "
-         "never day same another know while last might us great old year come since against go came right used "
-         "take three kernel fused batch token encoder layer norm embedding vector server request latency").split()
-
-
-def sentences(n: int, words: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "." for _ in range(n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until_ready(process: subprocess.Popen, url: str, deadline: float) -> bool:
-    """Poll `url` until it answers 200 (True), or until `deadline` passes or `process` exits (False)."""
-    while True:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or process.poll() is not None:
-            return False
-        time.sleep(0.3)
-
-
-@contextlib.contextmanager
-def running_servers(count: int, log_path: str = os.devnull, *, command: list[str] | None = None,
-                    ready_timeout_s: float = 480, **settings: str):
-    """`count` x `fusedserve serve` (or `command`, which takes the same --port/--log-level arguments) on free loopback
-    ports with FUSEDSERVE_* settings, started together (replicas on one machine, as a Kubernetes node runs several
-    pods), all writing to `log_path`. Yields [(process, url)] once every one is ready (a first start on a fresh GPU
-    machine compiles, self-tests and races the kernels before it is)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
-    env.pop("TRITON_INTERPRET", None)  # the harness's own switch on a CPU: a server chooses kernels as deployed
-    command = command or [sys.executable, "-m", "fusedserve", "serve"]
-    servers, log = [], open(log_path, "a")
-    try:
-        for _ in range(count):
-            port = free_port()
-            process = subprocess.Popen([*command, "--port", str(port), "--log-level", "warning"], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT)
-            servers.append((process, f"http://127.0.0.1:{port}"))
-        deadline = time.monotonic() + ready_timeout_s
-        for process, url in servers:
-            if not wait_until_ready(process, url + "/readyz", deadline):
-                raise RuntimeError("server did not become ready")
-        yield servers
-    finally:
-        for process, _ in servers:
-            process.terminate()
-        for process, _ in servers:
-            process.wait(timeout=60)
-        log.close()
-
-
-@contextlib.contextmanager
-def running_server(**settings: str):
-    """One `fusedserve serve` (see running_servers); yields (process, url) once ready."""
-    with running_servers(1, **settings) as servers:
-        yield servers[0]
 
 
 def kernel_choices(urls: list[str]) -> dict[str, dict[str, int]]:
@@ -128,79 +64,6 @@ def kernel_choices(urls: list[str]) -> dict[str, dict[str, int]]:
         for op, choice in httpx.get(url + "/info").json()["kernels"].items():
             counts.setdefault(op, collections.Counter())[choice["backend"]] += 1
     return {op: dict(c) for op, c in counts.items()}
-
-
-def request_body(payload: str, rows: list) -> tuple[str, dict]:
-    """The route and JSON body of one request: "text" sends texts to /infer; "ids" sends token ids to the
-    OpenAI route with base64 vectors (what a client that tokenizes itself sends: no tokenizer on the server)."""
-    if payload in ("ids", "openai"):  # openai: texts, as OpenAI's client sends them (any compatible server: peer)
-        return "/v1/embeddings", {"input": rows, "encoding_format": "base64"}
-    return "/infer", {"inputs": rows}
-
-
-async def closed_loop(urls: str | list[str], texts: list, clients: int, seconds: float, per_request: int,
-                      count_tokens: list[int] | None = None, seed: int = 1, payload: str = "text") -> dict:
-    """`clients` connections, each sending its next request when the last is answered, for `seconds`. Every
-    client has its own connection (one httpx client each: a shared pool costs the load generator time that grows
-    with the number of connections); with several servers (replicas) the clients are spread over them in turn,
-    as a Kubernetes Service spreads connections. `texts` are strings, or token-id lists for payload "ids";
-    `count_tokens[i]` is the token count of `texts[i]`."""
-    urls = [urls] if isinstance(urls, str) else urls
-    latencies: list[float] = []
-    errors = sent = 0
-    stop = time.monotonic() + seconds
-    rng = random.Random(seed)
-
-    async def client_loop(url: str) -> None:
-        nonlocal errors, sent
-        async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1)) as client:
-            while time.monotonic() < stop:
-                picked = [rng.randrange(len(texts)) for _ in range(per_request)]
-                route, body = request_body(payload, [texts[i] for i in picked])
-                t = time.perf_counter()
-                try:
-                    r = await client.post(route, json=body)
-                except httpx.HTTPError as exc:  # counted, and the run goes on: the report says how many
-                    errors += 1
-                    print(f"client error: {type(exc).__name__}: {exc}", file=sys.stderr)
-                    await asyncio.sleep(0.1)
-                    continue
-                if r.status_code == 200:
-                    latencies.append(time.perf_counter() - t)
-                    if count_tokens is not None:
-                        sent += sum(count_tokens[i] for i in picked)
-                else:
-                    errors += 1
-
-    started = time.monotonic()
-    await asyncio.gather(*(client_loop(urls[(seed + i) % len(urls)]) for i in range(clients)))
-    return {"latencies": latencies, "errors": errors, "elapsed": time.monotonic() - started, "tokens": sent}
-
-
-def _load_process(job: tuple) -> dict:
-    start_at, args = job[0], job[1:]
-    time.sleep(max(start_at - time.time(), 0))
-    return asyncio.run(closed_loop(*args))
-
-
-def load(urls: str | list[str], texts: list, clients: int, seconds: float, per_request: int,
-         count_tokens: list[int] | None = None, processes: int = 1, payload: str = "text") -> dict:
-    """closed_loop, spread over `processes` load-generator processes that start together (one Python process
-    cannot drive hundreds of connections against a fast server without becoming the bottleneck itself)."""
-    processes = max(1, min(processes, clients))
-    if processes == 1:
-        return asyncio.run(closed_loop(urls, texts, clients, seconds, per_request, count_tokens, 1, payload))
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    shares = [clients // processes + (i < clients % processes) for i in range(processes)]
-    start_at = time.time() + 3.0  # the workers' interpreters start first
-    jobs = [(start_at, urls, texts, n, seconds, per_request, count_tokens, i + 1, payload)
-            for i, n in enumerate(shares)]
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        parts = list(pool.map(_load_process, jobs))
-    return {"latencies": [x for p in parts for x in p["latencies"]], "errors": sum(p["errors"] for p in parts),
-            "elapsed": max(p["elapsed"] for p in parts), "tokens": sum(p["tokens"] for p in parts)}
 
 
 # what -> (sample name, labels it must carry): summed over every other label (the model, a replica's worker)
@@ -298,9 +161,8 @@ def single_requests(url: str, texts: list[str], count: int = 200, warm: int = 20
             t = time.perf_counter()
             client.get("/healthz").raise_for_status()
             floor.append(time.perf_counter() - t)
-    q = statistics.quantiles(latencies, n=100)
     raw = raw_client_latency(url, texts, count)
-    return {"requests": count, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
+    return {"requests": count, **percentiles_ms(latencies),
             "mean_ms": statistics.fmean(latencies) * 1e3, "server": inside,
             "healthz_p50_ms": statistics.median(floor) * 1e3, "raw_client": raw}
 
@@ -322,48 +184,12 @@ def raw_client_latency(url: str, texts: list[str], count: int = 200, warm: int =
             if response.status != 200:
                 raise RuntimeError(f"{method} {path}: HTTP {response.status}")
             latencies.append(time.perf_counter() - t)
-        q = statistics.quantiles(latencies[warm:], n=100)
-        out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = q[49] * 1e3, q[98] * 1e3
+        out.update({f"{name}_{k}": v for k, v in percentiles_ms(latencies[warm:]).items()})
     connection.close()
     return out
 
 
-def mixed_texts(n: int, seed: int = 0, low: int = 1, high: int = 200) -> list[str]:
-    """Texts of 1-200 words (uniform), the GPU traffic mix."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))) + "." for _ in range(n)]
-
-
-
-
 # ---- the scenarios ----------------------------------------------------------------------------------------------
-def _cuda(args: argparse.Namespace) -> bool:
-    return args.device.startswith("cuda")
-
-
-def server_settings(args: argparse.Namespace) -> dict[str, str]:
-    """The servers' FUSEDSERVE_* settings (without the prefix): the suite's batch limits, then --setting extras."""
-    settings = {"model": args.model, "device": args.device, "dtype": args.dtype,
-                "max_batch_requests": str(args.max_batch), "max_batch_tokens": str(args.max_batch_tokens),
-                "max_wait_ms": str(args.max_wait_ms), "max_queue": "65536", "max_client_batch": "256"}
-    for key, value in (("kernel_timing_sample_rate", args.timing_rate), ("verify_sample_rate", args.verify_rate)):
-        if value is not None:
-            settings[key] = str(value)
-    settings.update(dict(kv.split("=", 1) for kv in args.setting))
-    return settings
-
-
-def _log(args: argparse.Namespace, name: str) -> str:
-    if not args.log_dir:
-        return os.devnull
-    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    return str(Path(args.log_dir) / f"serve-{name}.log")
-
-
-def _traffic(args: argparse.Namespace) -> list[str]:
-    return mixed_texts(args.texts, high=args.max_words)
-
-
 def _batches(ids: list[list[int]], max_batch: int, max_tokens: int) -> list[list[list[int]]]:
     """The token-id rows in length-sorted batches under the servers' limits (what their batcher forms: packed
     batches are budgeted by their real tokens)."""
@@ -390,7 +216,7 @@ def raw_runner(args: argparse.Namespace, texts: list[str]) -> tuple[list[list[in
     batches = _batches(ids, args.max_batch, args.max_batch_tokens)
     for batch in batches:  # warm: one graph capture per bucket
         embedder.embed_ids(batch)
-    passes = 3 if _cuda(args) else 1
+    passes = 3 if on_cuda(args) else 1
     started = time.perf_counter()
     for _ in range(passes):
         for batch in batches:
@@ -414,9 +240,9 @@ def sentence_transformers_rate(args: argparse.Namespace, texts: list[str], token
     from fusedserve.model.weights import default_model_dir
 
     st = SentenceTransformer(str(default_model_dir() if args.model == "default" else args.model), device=args.device)
-    if _cuda(args):
+    if on_cuda(args):
         st = st.half()
-    batch_size = 512 if _cuda(args) else 64
+    batch_size = 512 if on_cuda(args) else 64
     st.encode(texts[:batch_size], batch_size=batch_size)  # warm
     started = time.perf_counter()
     st.encode(texts, batch_size=batch_size)
@@ -439,11 +265,10 @@ def _release_device() -> None:
 
 def _point(run: dict, inside: dict, raw: float, st_rate: float | None, **labels) -> dict:
     latencies, elapsed = run["latencies"], run["elapsed"]
-    q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
     served = run["tokens"] / elapsed
     return {**labels, "requests": len(latencies), "errors": run["errors"], "seconds": elapsed,
-            "requests_per_s": len(latencies) / elapsed, "tokens_per_s": served, "p50_ms": q[49] * 1e3,
-            "p99_ms": q[98] * 1e3, "served_vs_raw": served / raw,
+            "requests_per_s": len(latencies) / elapsed, "tokens_per_s": served, **percentiles_ms(latencies),
+            "served_vs_raw": served / raw,
             "vs_sentence_transformers": served / st_rate if st_rate else None, "server": inside}
 
 
@@ -479,24 +304,24 @@ def flame_graph(pid: int, seconds: float, path: str | None):
 
 
 def closed_loop_scenario(args: argparse.Namespace, save) -> None:
-    texts = _traffic(args)
+    texts = traffic(args)
     ids, raw = raw_runner(args, texts)
     tokens = list(map(len, ids))
     st_rate = sentence_transformers_rate(args, texts, sum(tokens))
     summary = {"texts": len(texts), "tokens": sum(tokens), "runner_raw_tokens_per_s": raw,
                "sentence_transformers_tokens_per_s": st_rate, "mps": _mps()}
     rows: list[dict] = []
-    with running_servers(args.servers, _log(args, "closed-loop"), **server_settings(args)) as servers:
+    with running_servers(args.servers, log_path(args, "closed-loop"), **server_settings(args)) as servers:
         urls = [url for _, url in servers]
         summary["kernel_choices"] = kernel_choices(urls)
         summary["info"] = httpx.get(urls[0] + "/info", timeout=30).json()
         for payload in args.payloads:
-            traffic = ids if payload == "ids" else texts
-            load(urls, traffic, 64, 3, args.per_request, processes=args.client_processes, payload=payload)  # warm
+            sent = ids if payload == "ids" else texts
+            load(urls, sent, 64, 3, args.per_request, processes=args.client_processes, payload=payload)  # warm
             for clients in args.clients:
                 first = payload == args.payloads[0] and clients == args.clients[0]
                 with flame_graph(servers[0][0].pid, args.seconds, args.flame_graph if first else None):
-                    run, inside = measured_load(urls, traffic, clients, args.seconds, args.per_request, tokens,
+                    run, inside = measured_load(urls, sent, clients, args.seconds, args.per_request, tokens,
                                                 args.client_processes, payload)
                 rows.append(_point(run, inside, raw, st_rate, servers=args.servers, payload=payload, clients=clients))
                 _say(f"{args.servers} server(s), {payload}", rows[-1])
@@ -509,7 +334,7 @@ def single_scenario(args: argparse.Namespace, save) -> None:
     # no sampled kernel timing unless asked: one eagerly timed batch among a few hundred sequential requests would
     # be their p99 and most of their mean
     settings = {"kernel_timing_sample_rate": "0", **server_settings(args)}
-    with running_servers(1, _log(args, "single"), **settings) as servers:
+    with running_servers(1, log_path(args, "single"), **settings) as servers:
         url = servers[0][1]
         single = single_requests(url, one, args.single_count)
         info = httpx.get(url + "/info", timeout=30).json()
@@ -538,10 +363,9 @@ def first_requests(url: str, texts: list[str]) -> dict:
             t = time.perf_counter()
             client.post("/infer", json={"inputs": text}).raise_for_status()
             latencies.append(time.perf_counter() - t)
-    q = statistics.quantiles(latencies, n=100)
     # the tail, request by request: where in the sequence and how long its text was says what it paid for
     slowest = sorted(range(len(texts)), key=latencies.__getitem__, reverse=True)[:12]
-    return {"requests": len(texts), "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "max_ms": max(latencies) * 1e3,
+    return {"requests": len(texts), **percentiles_ms(latencies), "max_ms": max(latencies) * 1e3,
             "slowest": [{"index": i, "words": len(texts[i].split()), "ms": round(latencies[i] * 1e3, 2)}
                         for i in sorted(slowest)]}
 
@@ -568,7 +392,7 @@ def startup_scenario(args: argparse.Namespace, save) -> None:
     rows = []
     for start in ("cold", "warm"):
         started = time.monotonic()
-        with running_servers(1, _log(args, f"startup-{start}"), **env) as servers:
+        with running_servers(1, log_path(args, f"startup-{start}"), **env) as servers:
             row = {"start": start, "ready_s": time.monotonic() - started, **_cache_contents(Path(cache))}
             url = servers[0][1]
             if start == "cold":
@@ -591,12 +415,12 @@ def _mps() -> bool:
     return pipe.exists()
 
 
-def _sharing_point(args: argparse.Namespace, urls: list[str], traffic: list, tokens: list[int], raw: float,
+def _sharing_point(args: argparse.Namespace, urls: list[str], sent: list, tokens: list[int], raw: float,
                    st_rate: float | None, payload: str, **labels) -> dict:
     """`payload` (texts or their token ids) from --replica-clients clients at the servers `urls` (warmed first): one
     point, served tokens/s against the runner's raw rate and sentence-transformers'."""
-    load(urls, traffic, args.replica_clients, 3, args.per_request, processes=args.client_processes, payload=payload)
-    run, inside = measured_load(urls, traffic, args.replica_clients, args.seconds, args.per_request, tokens,
+    load(urls, sent, args.replica_clients, 3, args.per_request, processes=args.client_processes, payload=payload)
+    run, inside = measured_load(urls, sent, args.replica_clients, args.seconds, args.per_request, tokens,
                                 args.client_processes, payload)
     return _point(run, inside, raw, st_rate, payload=payload, clients=args.replica_clients, **labels)
 
@@ -604,7 +428,7 @@ def _sharing_point(args: argparse.Namespace, urls: list[str], traffic: list, tok
 def _sharing_scenario(args: argparse.Namespace, save, label: str, counts: list[int], start) -> None:
     """One point per count and payload: `start(count)` is a context yielding [(process, url)] of the servers
     sharing the device (several servers, or one with several workers)."""
-    texts = _traffic(args)
+    texts = traffic(args)
     ids, raw = raw_runner(args, texts)
     tokens = list(map(len, ids))
     st_rate = sentence_transformers_rate(args, texts, sum(tokens))
@@ -627,14 +451,14 @@ def _sharing_scenario(args: argparse.Namespace, save, label: str, counts: list[i
 
 def replicas_scenario(args: argparse.Namespace, save) -> None:
     _sharing_scenario(args, save, "replicas", args.replica_counts,
-                      lambda n: running_servers(n, _log(args, f"replicas-{n}"), **server_settings(args)))
+                      lambda n: running_servers(n, log_path(args, f"replicas-{n}"), **server_settings(args)))
 
 
 def workers_scenario(args: argparse.Namespace, save) -> None:
     """One server with WORKERS=n (n processes on one port, each with its model on the device; under CUDA MPS when
     its daemon runs), one point per n in --worker-counts."""
     _sharing_scenario(args, save, "workers", args.worker_counts,
-                      lambda n: running_servers(1, _log(args, f"workers-{n}"),
+                      lambda n: running_servers(1, log_path(args, f"workers-{n}"),
                                                 **{**server_settings(args), "workers": str(n)}))
 
 
@@ -644,7 +468,7 @@ def soak_scenario(args: argparse.Namespace, save) -> None:
     from bench.load import check, rss_bytes, run_clients, texts_of_mixed_length
 
     settings = server_settings(args)
-    with running_servers(1, _log(args, "soak"), **settings) as servers:
+    with running_servers(1, log_path(args, "soak"), **settings) as servers:
         process, url = servers[0]
         pool = texts_of_mixed_length(40)
         singles = {t: torch.tensor(httpx.post(url + "/infer", json={"inputs": [t]}, timeout=60).json()["embeddings"][0])
@@ -656,13 +480,12 @@ def soak_scenario(args: argparse.Namespace, save) -> None:
         rss_after = rss_bytes(process.pid)
     statuses = collections.Counter(str(r.status_code) for _, r, _ in outcomes)
     latencies = sorted(s for _, r, s in outcomes if r.status_code == 200)
-    q = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
     atol = args.soak_atol if args.soak_atol is not None else (1e-5 if args.dtype in ("float32", "auto") and
-                                                              not _cuda(args) else 2e-3)
+                                                              not on_cuda(args) else 2e-3)
     row = {"clients": args.soak_clients, "seconds": elapsed, "cancel_rate": args.cancel_rate,
            "answered": len(outcomes), "cancelled": cancelled, "statuses": dict(statuses),
            "wrong_answers": check(outcomes, singles, atol), "atol": atol,
-           "requests_per_s": len(outcomes) / elapsed, "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
+           "requests_per_s": len(outcomes) / elapsed, **percentiles_ms(latencies),
            "rss_before_mib": rss_before / 2**20, "rss_after_mib": rss_after / 2**20}
     print(f"soak: {row['answered']} answered, {cancelled} cancelled, statuses {dict(statuses)}, "
           f"{row['wrong_answers']} wrong; RSS {row['rss_before_mib']:.0f} -> {row['rss_after_mib']:.0f} MiB",
@@ -724,6 +547,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "measured point, written here")
     parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/serve.json)")
     peer.add_arguments(parser)
+    openai_load.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -733,9 +557,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     out = args.out or store.default_path("serve", args.device)
-    gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device)) if _cuda(args) else None)
+    gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device)) if on_cuda(args) else None)
     scenarios = {"closed-loop": closed_loop_scenario, "single": single_scenario, "workers": workers_scenario,
-                 "peer": peer.peer_scenario,
+                 "peer": peer.peer_scenario, "openai-load": openai_load.openai_load_scenario,
                  "replicas": replicas_scenario, "soak": soak_scenario, "startup": startup_scenario}
     started = time.monotonic()
     for scenario in args.scenarios or DEFAULT_SCENARIOS:
@@ -750,8 +574,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                          "replicas": {"replica_counts": args.replica_counts, "clients": args.replica_clients,
                                       "payloads": args.payloads},
                          "soak": {"clients": args.soak_clients, "cancel_rate": args.cancel_rate},
-                         "peer": peer.settings(args),
+                         "peer": peer.settings(args), "openai-load": openai_load.settings(args),
                          "startup": {"first_requests": args.first_requests}}[scenario])
+        if scenario == "openai-load":  # its points say how many texts a request carries
+            del settings["per_request"]
 
         def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,
                  settings: dict = settings) -> None:

@@ -1,14 +1,20 @@
 """bench.gpu_assets: the fp16 copy the GPU runs load holds every file of the packaged model, each weight the fp32
-one rounded to fp16, and embeds the test sentences like the original (fp16 rounding of the weights alone)."""
+one rounded to fp16, and embeds the test sentences like the original (fp16 rounding of the weights alone); this
+tree's wheel installs this tree, and the check gpu.sh runs tells a stale install apart; the baseline export is the
+commit's tree."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from bench.gpu_assets import ROOT, build_wheel, export_tree
 from fusedserve.model.runner import Embedder
 from fusedserve.model.weights import default_model_dir
 from tests.model.sentences import SENTENCES
@@ -16,7 +22,8 @@ from tests.model.sentences import SENTENCES
 
 def test_fp16_copy_of_the_packaged_model(tmp_path):
     out = tmp_path / "minilm"
-    subprocess.run([sys.executable, "-m", "bench.gpu_assets", "--out", str(out)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "bench.gpu_assets", "--out", str(out), "--no-wheel"], check=True,
+                   capture_output=True)
     src = default_model_dir()
     assert sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file()) == \
         sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
@@ -30,3 +37,45 @@ def test_fp16_copy_of_the_packaged_model(tmp_path):
     cosine = torch.nn.functional.cosine_similarity(a.embed(SENTENCES[:16]).double(), b.embed(SENTENCES[:16]).double())
     assert float(cosine.min()) >= 0.999
     assert float(cosine.min()) < 1.0  # the copy really is rounded (not the same file)
+
+
+def test_the_wheel_installs_this_tree_and_the_check_sees_any_other(tmp_path):
+    """build_wheel's wheel, installed with pip --target as the GPU machine installs it, is this tree file for file
+    (--check-installed passes); an installed file edited or missing afterwards is named, and the check fails."""
+    wheel = build_wheel(tmp_path / "wheels")
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
+                    str(wheel)], check=True, capture_output=True)
+
+    def check() -> subprocess.CompletedProcess:
+        # from a folder holding neither the tree nor fusedserve: the install first on the path, then the tree (bench)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(site), str(ROOT)))}
+        return subprocess.run([sys.executable, "-m", "bench.gpu_assets", "--check-installed"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    clean = check()
+    assert clean.returncode == 0, clean.stderr
+    (site / "fusedserve" / "kernels" / "spec.py").write_text("# not this tree's\n", encoding="utf-8")
+    (site / "fusedserve" / "server" / "app.py").unlink()
+    stale = check()
+    assert stale.returncode != 0
+    assert "fusedserve.kernels: spec.py differs" in stale.stderr and "fusedserve.server: app.py is not installed" \
+        in stale.stderr
+
+
+def test_the_baseline_export_holds_the_commit_tree(tmp_path):
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    out = tmp_path / "baseline"
+    (out / "stale").mkdir(parents=True)  # emptied first
+    record = export_tree("HEAD", out)
+    assert record == {"git_sha": head, "git_dirty": False}
+    assert json.loads((out / "source.json").read_text()) == record
+    assert sorted(p.name for p in out.iterdir()) == ["bench", "kernels", "model", "server", "source.json"]
+    assert (out / "server" / "__main__.py").is_file() and not (out / "bench" / "results").exists()
+    committed = subprocess.run(["git", "show", "HEAD:kernels/spec.py"], cwd=ROOT, capture_output=True, check=True,
+                               timeout=10).stdout
+    assert (out / "kernels" / "spec.py").read_bytes() == committed

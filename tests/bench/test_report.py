@@ -88,3 +88,42 @@ def test_plots_from_a_results_directory(results_dir, tmp_path):
     for name in report.PLOTS:
         png = images / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name
+
+
+def test_two_encoder_runs_compared_row_by_row(tmp_path, capsys):
+    before, after = tmp_path / "before", tmp_path / "after"
+    _write(before, "encoder", "minilm-b1-s16", [
+        {"provider": "ours", "backend": "auto", "mode": "graphs", "ms": 0.25, "tokens": 16, "padded_tokens": 16},
+        {"provider": "ours", "backend": "auto", "mode": "eager", "ms": 2.0, "tokens": 16, "padded_tokens": 16}])
+    _write(after, "encoder", "minilm-b1-s16", [
+        {"provider": "ours", "backend": "auto", "mode": "graphs", "ms": 0.2, "tokens": 16, "padded_tokens": 16},
+        {"provider": "ours", "backend": "cuda", "mode": "graphs", "ms": 0.3, "tokens": 16, "padded_tokens": 16},
+        {"provider": "ours", "backend": "triton", "mode": "graphs", "error": "RuntimeError: no"}])
+    assert main(["report", "--no-plots", "--compare", str(before / "encoder.json"), str(after / "encoder.json")]) == 0
+    text = capsys.readouterr().out
+    assert "| case | row | before ms | after ms | after / before |" in text
+    assert "| minilm-b1-s16 | ours, CUDA graphs | 0.250 | 0.200 | 0.800x |" in text
+    assert "| minilm-b1-s16 | ours, eager | 2.000 | - | - |" in text  # a row of one run only
+    assert "| minilm-b1-s16 | ours cuda, CUDA graphs | - | 0.300 | - |" in text
+    assert "ours triton" not in text  # a failed row has no time to compare
+    assert text.count("scenario `minilm-b1-s16`") == 2  # each run's source
+    with pytest.raises(SystemExit):
+        main(["report", "--no-plots", "--compare", str(before / "encoder.json"), str(tmp_path / "none.json")])
+
+
+def test_openai_load_table(tmp_path):
+    from bench import openai_load
+
+    def row(tree, start, rate, p50):
+        return {"tree": tree, "start": start, "point": "64x1", "clients": 64, "per_request": 1, "requests": 100,
+                "errors": 0, "seconds": 8.0, "requests_per_s": rate, "texts_per_s": rate, "tokens_per_s": 50 * rate,
+                "p50_ms": p50, "p99_ms": 2 * p50}
+
+    rows = [row("baseline", 0, 1000.0, 40.0), row("current", 0, 950.0, 42.0)]
+    per_tree = openai_load.medians(rows)
+    summary = {"medians": per_tree, "comparison": openai_load.comparison(per_tree, 0.03, 0.1)}
+    _write(tmp_path, "serve", "openai-load", rows, summary)
+    text = report.tables(tmp_path / "serve.json")
+    assert "| baseline | 64x1 | 1 | 1000 | 1000 | 50.0 | 40.00 / 80.0 | 0 | - |" in text
+    assert "| current | 64x1 | 1 | 950 | 950 | 47.5 | 42.00 / 84.0 | 0 | x0.950, x0.950, +2.000 ms " \
+           "**out of bounds** |" in text

@@ -7,7 +7,8 @@ import os
 
 import httpx
 
-from bench.serve import kernel_choices, measured_load, running_servers, single_requests
+from bench.harness import running_servers
+from bench.serve import kernel_choices, measured_load, single_requests
 from fusedserve.model.tokenizer import TextTokenizer
 from fusedserve.model.weights import default_model_dir
 
