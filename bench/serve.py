@@ -50,7 +50,6 @@ from bench import openai_load, peer
 from bench import results as store
 from bench.harness import (load, log_path, mixed_texts, on_cuda, percentiles_ms, request_body, running_servers,
                            sentences, server_settings, traffic)
-from bench.harness import free_port  # noqa: F401  (tests/server/conftest.py imports it from here)
 
 SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer", "openai-load")
 DEFAULT_SCENARIOS = ("closed-loop", "single", "workers")

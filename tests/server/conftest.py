@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from bench.serve import free_port  # noqa: F401  (also imported by other test modules)
+from bench.harness import free_port  # noqa: F401  (also imported by other test modules)
 
 ADMIN_TOKEN = "test-admin-token"
 
