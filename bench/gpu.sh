@@ -23,8 +23,8 @@
 #             one -> $OUT/encoder-baseline.json, $OUT/encoder-current.json and their table (python -m bench report
 #             --compare) in $OUT/encoder-compare.md
 #
-# Here (the development machine), once: ../shared/tools/gpu-wheels.sh orjson httptools fastapi-offline py-spy (the
-# server's packages the GPU image lacks -> .whl/; the image has aiohttp, which the openai-load clients use). Before each
+# Here (the development machine), once: the pip download of docs/development.md (the server's packages the GPU
+# image lacks, py-spy among them -> .whl/; the image has aiohttp, which the openai-load clients use). Before each
 # call: python -m bench.gpu_assets (the fp16 MiniLM copy and this checkout's commit -> .gpu-assets/, this tree's wheel
 # -> .whl/), with --baseline COMMIT for the compare suites (the tree to compare with -> .gpu-assets/baseline/). The
 # device call, carrying [".whl", ".gpu-assets"]:
@@ -171,7 +171,7 @@ case "$suite" in
   serve)
     build
     # one server (its first start on a fresh machine compiles and tunes the kernels the later starts find cached)
-    # py-spy comes with the carried wheels (../shared/tools/gpu-wheels.sh py-spy): a flame graph of the server during
+    # py-spy comes with the carried wheels (docs/development.md): a flame graph of the server during
     # the first closed-loop point
     flame=()
     if [ -x /tmp/site/bin/py-spy ]; then

@@ -3,7 +3,7 @@
 # `python -m bench serve peer`) and the packages of its server that it pins apart from ours (uvicorn < 0.33, typer,
 # click, rich and theirs) or that the GPU image lacks; by default for CPython 3.12 x86-64 (the GPU image).
 # Not fetched: what the image already has (torch, transformers, sentence-transformers, numpy, tokenizers,
-# huggingface_hub), fastapi/starlette/pydantic (the server's .whl/ brings them, see ../shared/tools/gpu-wheels.sh),
+# huggingface_hub), fastapi/starlette/pydantic (the server's .whl/ brings them, see docs/development.md),
 # and posthog (Infinity's anonymous usage statistics: without it they are off whatever the environment says).
 # Usage: bash bench/peer-wheels.sh [--python-version 3.11]   (3.11 for a test on this machine's venv)
 # Then carry ".whl-infinity" in the device run and install it with the line this script prints.
