@@ -112,10 +112,11 @@ case "$suite" in
     # cold machine; the autotuned path is the one the encoder and serve suites run. The kernel sweeps run
     # beside the model and server tests; at the limit pytest gets SIGINT and still prints what failed so far
     export FUSEDSERVE_TRITON_AUTOTUNE=0
-    timeout --signal=INT --kill-after=30 480 \
+    limit=${TESTS_LIMIT_S:-480}  # a shorter call: pytest is interrupted there and reports what ran
+    timeout --signal=INT --kill-after=30 "$limit" \
       python3 -m pytest -m gpu -q -rfs -p no:cacheprovider -n 8 tests/kernels > "$OUT/tests-kernels.log" 2>&1 &
     kernel_tests=$!
-    timeout --signal=INT --kill-after=30 480 python3 -m pytest -m gpu -v -rfs --durations=15 -p no:cacheprovider \
+    timeout --signal=INT --kill-after=30 "$limit" python3 -m pytest -m gpu -v -rfs --durations=15 -p no:cacheprovider \
       -n 3 tests/gpu tests/model > "$OUT/tests-model.log" 2>&1
     echo "== model and server tests: exit $?"
     pytest_summary "$OUT/tests-model.log"
