@@ -66,16 +66,22 @@ class Token:
     stop: int | None
 
 
-@dataclass(frozen=True, eq=False)
 class Rows:
     """Token-id rows as arrays: every row's ids back to back in `ids`, each row's length in `lengths`. For a text
     pair, `second[i]` is where the pair's second text starts within row i (token type 1 from there on); None when
-    no row is a pair. What prepare() returns, what the batcher gathers from several requests, what launch() takes."""
+    no row is a pair. What prepare() returns, what the batcher gathers from several requests, what launch() takes.
+    Never written after it is made (the batcher, the verifier and the model share it); a plain slotted class, since
+    one is made for every request on the event loop."""
 
-    ids: np.ndarray                  # [tokens] int64
-    lengths: np.ndarray              # [n] int64, each >= 1
-    second: np.ndarray | None = None  # [n] int64 or None
-    details: list[list[Token]] | None = field(default=None, compare=False)  # TextOptions.details only
+    __slots__ = ("ids", "lengths", "second", "details", "_pieces")
+
+    def __init__(self, ids: np.ndarray, lengths: np.ndarray, second: np.ndarray | None = None,
+                 details: list[list[Token]] | None = None) -> None:
+        self.ids = ids          # [tokens] int64
+        self.lengths = lengths  # [n] int64, each >= 1
+        self.second = second    # [n] int64 or None
+        self.details = details  # TextOptions.details only
+        self._pieces: list[np.ndarray] | None = None  # each row's ids, split once (gather)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -88,14 +94,8 @@ class Rows:
     def longest(self) -> int:
         return int(self.lengths.max()) if len(self.lengths) else 0
 
-    @property
-    def starts(self) -> np.ndarray:
-        """[n] int64: where each row begins in `ids`."""
-        return np.cumsum(self.lengths) - self.lengths
-
     def row(self, i: int) -> np.ndarray:
-        start = int(self.lengths[:i].sum())
-        return self.ids[start: start + int(self.lengths[i])]
+        return self._split()[i]
 
     def slice(self, start: int, stop: int) -> Rows:
         """Rows start..stop-1 (a batch split in halves when the device runs out of memory)."""
@@ -104,7 +104,12 @@ class Rows:
                     None if self.second is None else self.second[start:stop])
 
     def tolist(self) -> list[list[int]]:
-        return [r.tolist() for r in np.split(self.ids, np.cumsum(self.lengths)[:-1])] if len(self) else []
+        return [piece.tolist() for piece in self._split()]
+
+    def _split(self) -> list[np.ndarray]:
+        if self._pieces is None:
+            self._pieces = [self.ids] if len(self.lengths) == 1 else np.split(self.ids, np.cumsum(self.lengths)[:-1])
+        return self._pieces
 
     @classmethod
     def of(cls, rows: Sequence[Sequence[int]], second: Sequence[int | None] | None = None) -> Rows:
@@ -114,7 +119,7 @@ class Rows:
             second = [getattr(r, "second", None) for r in rows]
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         ids = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(lengths.sum()))
-        if second is not None and any(s is not None for s in second):
+        if any(s is not None for s in second):
             second = np.array([len(r) if s is None else s for r, s in zip(rows, second)], dtype=np.int64)
         else:
             second = None
@@ -122,30 +127,17 @@ class Rows:
 
     @classmethod
     def gather(cls, picks: Sequence[tuple[Rows, int]]) -> Rows:
-        """One row of each (rows, index) pair, in order: a batch made of several requests' inputs."""
+        """One row of each (rows, index) pair, in order: a batch made of several requests' inputs (each request's
+        rows are split once, however many batches they land in)."""
         if len(picks) == 1 and len(picks[0][0]) == 1:
             return picks[0][0]
-        pieces, lengths, seconds, paired = [], np.empty(len(picks), dtype=np.int64), [], False
-        for k, (rows, i) in enumerate(picks):
-            start = rows._offsets()[i]
-            length = int(rows.lengths[i])
-            pieces.append(rows.ids[start: start + length])
-            lengths[k] = length
-            if rows.second is not None:
-                paired = True
-                seconds.append(int(rows.second[i]))
-            else:
-                seconds.append(length)
-        second = np.array(seconds, dtype=np.int64) if paired else None
+        pieces = [rows._split()[i] for rows, i in picks]
+        lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+        second = None
+        if any(rows.second is not None for rows, _ in picks):
+            second = np.array([len(piece) if rows.second is None else rows.second[i]
+                               for (rows, i), piece in zip(picks, pieces)], dtype=np.int64)
         return cls(np.concatenate(pieces) if pieces else np.empty(0, np.int64), lengths, second)
-
-    def _offsets(self) -> np.ndarray:
-        # row starts, computed once per Rows (a request's rows are gathered one at a time into batches)
-        cached = self.__dict__.get("_starts")
-        if cached is None:
-            cached = self.starts
-            object.__setattr__(self, "_starts", cached)
-        return cached
 
 
 class Pending(Protocol):

@@ -79,10 +79,11 @@ class TextTokenizer:
 
 def _rows_of(encodings) -> Rows:
     """The encodings' ids as Rows, turned into arrays once, here."""
-    lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
-    ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64,
-                      count=int(lengths.sum()))
-    return Rows(ids, lengths)
+    rows = [e.ids for e in encodings]  # each .ids read builds a list: read once
+    if len(rows) == 1:
+        return Rows(np.array(rows[0], dtype=np.int64), np.array([len(rows[0])], dtype=np.int64))
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    return Rows(np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum())), lengths)
 
 
 def cut(rows: list[list[int]], limit: int, truncate: bool, direction: str) -> list[list[int]]:
@@ -121,6 +122,8 @@ class TextPreparation:
 
     def prepare(self, inputs: Sequence, options: TextOptions) -> Rows:
         """Texts, text pairs (tuples) or token-id rows, or texts and id rows mixed -> Rows, in input order."""
+        if all(type(x) is str for x in inputs):  # the common request: texts only
+            return self.texts(list(inputs), options)
         texts = [(i, x) for i, x in enumerate(inputs) if isinstance(x, str)]
         pairs = [(i, x) for i, x in enumerate(inputs) if isinstance(x, tuple)]
         given = [(i, x) for i, x in enumerate(inputs) if not isinstance(x, (str, tuple))]

@@ -35,6 +35,7 @@ from fusedserve.server.config import Settings
 from fusedserve.server.errors import Overloaded, ServiceError, Timeout, Unavailable
 from fusedserve.server.metrics import ModelMetrics
 from fusedserve.server.observability import Throttle
+from fusedserve.server.quantize import shape
 
 log = logging.getLogger("fusedserve.batcher")
 
@@ -79,6 +80,8 @@ class Job:
     deadline: float
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    normalize: bool = False  # how the request's rows are shaped on delivery (quantize.shape)
+    dimensions: int | None = None
     result: np.ndarray | None = None  # [n, width] float32, filled batch by batch
     remaining: int = 0
     cancelled: bool = False
@@ -112,6 +115,11 @@ class Job:
 
     def deliver(self, indices: list[int], rows: np.ndarray) -> None:
         """This request's inputs `indices` got `rows` (one row each, in that order)."""
+        if self.result is None and len(indices) == len(self.rows) and indices == sorted(indices):
+            self.remaining = 0  # every row in one batch, in order (a one-text request): the rows are the answer
+            self.done = time.monotonic()
+            self._settle(rows)
+            return
         if self.result is None:
             self.result = np.empty((len(self.rows), rows.shape[1]), dtype=np.float32)
         self.result[indices] = rows
@@ -158,12 +166,13 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._pending)
 
-    def submit(self, rows: Rows, timeout_s: float) -> Job:
+    def submit(self, rows: Rows, timeout_s: float, *, normalize: bool = False, dimensions: int | None = None) -> Job:
         """Queue a request's rows; its job's future resolves to their output rows [len(rows), width] float32, in
-        order, or to the error that stopped them."""
+        order (the first `dimensions` of each, L2-normalized where asked: quantize.shape), or to the error that
+        stopped them."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        job = Job(rows, now + timeout_s, loop.create_future(), loop)
+        job = Job(rows, now + timeout_s, loop.create_future(), loop, normalize, dimensions)
         with self._cond:
             if self._draining or self._stopping:
                 self.metrics.rejected.labels("draining").inc()
@@ -475,8 +484,13 @@ class Batcher:
             _, positions, indices = by_job.setdefault(id(it.job), (it.job, [], []))
             positions.append(position)
             indices.append(it.index)
+        shaped: dict[tuple[bool, int | None], np.ndarray] = {}  # once per batch and request shape, vectorized
         for job, positions, indices in by_job.values():
-            job.deliver(indices, block[positions])
+            key = (job.normalize, job.dimensions)
+            if key not in shaped:
+                shaped[key] = shape(block, normalize=job.normalize, dimensions=job.dimensions)
+            rows = shaped[key]
+            job.deliver(indices, rows[positions[0]: positions[0] + 1] if len(positions) == 1 else rows[positions])
         self.batches += 1
         if self.on_batch is not None and random.random() < self.settings.verify_sample_rate:
             self.on_batch(rows, block)

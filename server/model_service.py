@@ -18,13 +18,13 @@ from starlette.requests import Request
 
 from fusedserve.model import load
 from fusedserve.model.api import (Description, InputError, InputTooLong, LoadOptions, Rows, ServedModel,
-                                  TextOptions, l2_normalize, name_of)
+                                  TextOptions, name_of)
 from fusedserve.server.batcher import Batcher
 from fusedserve.server.config import ModelSpec, Settings
 from fusedserve.server.errors import BadRequest, PayloadTooLarge, ServiceError, Timeout, Unavailable, Unprocessable
 from fusedserve.server.metrics import Metrics, ModelMetrics
 from fusedserve.server.observability import CURRENT
-from fusedserve.server.quantize import CALIBRATION_TEXTS, QUANTIZED, encode, ranges_of
+from fusedserve.server.quantize import CALIBRATION_TEXTS, QUANTIZED, encode, ranges_of, shape
 from fusedserve.server.verify import Verifier
 
 log = logging.getLogger("fusedserve")
@@ -40,8 +40,16 @@ PHASES = ("waiting", "loading", "warmup", "cuda_graphs", "calibration", "loaded"
 
 @dataclass
 class Result:
-    rows: np.ndarray  # [n, width] float32: raw pooled embeddings or a classifier's logits, one row per input
+    rows: np.ndarray  # [n, width] float32, one row per input: embeddings as the request shaped them, or logits
     tokens: int
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Expired(Exception):
+    pass
 
 
 def refreeze() -> None:
@@ -208,34 +216,41 @@ class ModelService:
         except InputError as exc:
             raise Unprocessable(str(exc), param=exc.param) from None
 
-    async def run(self, rows: Rows, request: Request) -> Result:
-        """The model's output rows for `rows` through the batcher, as one block (raw: not normalized). A client that
-        disconnects meanwhile cancels its inputs that have not run; past request_timeout_s it is a 504."""
-        job = self.batcher.submit(rows, self.settings.request_timeout_s)
-        disconnected = asyncio.ensure_future(_disconnect(request))
+    async def run(self, rows: Rows, request: Request, *, normalize: bool = False,
+                  dimensions: int | None = None) -> Result:
+        """The model's output rows for `rows` through the batcher, as one block: the first `dimensions` of each,
+        L2-normalized where asked (quantize.shape, run by the batcher once per batch), else raw. A client that
+        disconnects meanwhile cancels its inputs that have not run; past request_timeout_s it is a 504. The job's
+        future is the one thing awaited: the client's disconnect (the next ASGI message) and the deadline settle it
+        too, so nothing polls."""
+        job = self.batcher.submit(rows, self.settings.request_timeout_s, normalize=normalize, dimensions=dimensions)
+        loop = asyncio.get_running_loop()
+        watcher = loop.create_task(_watch(request, job.future))
+        deadline = loop.call_later(self.settings.request_timeout_s + 1.0, _settle, job.future, _Expired())
         try:
-            done, _ = await asyncio.wait({job.future, disconnected}, timeout=self.settings.request_timeout_s + 1.0,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            block = await job.future
+        except _ClientGone:
+            self.batcher.cancel(job)
+            raise asyncio.CancelledError("client disconnected") from None
+        except _Expired:
+            self.batcher.cancel(job, "timeout")
+            raise Timeout(f"not served within {self.settings.request_timeout_s:g}s") from None
         except asyncio.CancelledError:
             self.batcher.cancel(job)
             raise
         finally:
-            disconnected.cancel()
-        if job.future not in done:
-            if disconnected in done:
-                self.batcher.cancel(job)
-                raise asyncio.CancelledError("client disconnected")
-            self.batcher.cancel(job, "timeout")
-            raise Timeout(f"not served within {self.settings.request_timeout_s:g}s")
-        block = job.future.result()
+            watcher.cancel()
+            deadline.cancel()
         record = CURRENT.get()
         if record is not None and job.started is not None and job.done is not None:
             record.served(job.enqueued, job.started, job.done, len(rows), rows.tokens)
         return Result(block, rows.tokens)
 
-    async def embed(self, inputs: Sequence, options: TextOptions, request: Request) -> Result:
+    async def embed(self, inputs: Sequence, options: TextOptions, request: Request, *, normalize: bool = False,
+                    dimensions: int | None = None) -> Result:
         """prepare, then run."""
-        return await self.run(await self.prepare(inputs, options), request)
+        return await self.run(await self.prepare(inputs, options), request, normalize=normalize,
+                              dimensions=dimensions)
 
     async def token_rows(self, rows: Rows) -> list[np.ndarray]:
         """Per-token hidden states ([tokens, dim] float32 per input, special tokens included), as one forward on
@@ -285,9 +300,8 @@ class ModelService:
         return self._ranges[key]
 
     async def output(self, rows: np.ndarray, encoding: str, *, normalize: bool, dimensions: int | None = None):
-        """Raw embeddings as the request asked for them: the first `dimensions`, normalized or not, then the output
-        type (server.quantize)."""
-        rows = shape(rows, normalize=normalize, dimensions=dimensions)
+        """Embeddings shaped as the request asked (run's normalize and dimensions) in the output type it asked
+        for (server.quantize); the int8/uint8 ranges are calibrated on embeddings shaped the same way."""
         ranges = await self._quantization_ranges(normalize, dimensions) if encoding in QUANTIZED else None
         return encode(rows, encoding, ranges)
 
@@ -361,16 +375,14 @@ def _state(description: Description) -> dict:
     return {"kind": description.kind, "dim": description.dim, **description.info}
 
 
-def shape(rows: np.ndarray, *, normalize: bool, dimensions: int | None) -> np.ndarray:
-    """Raw rows as a request asks for them: the first `dimensions` columns (Matryoshka), then L2-normalized when it
-    asks for normalized embeddings: the one place embeddings are normalized on their way out."""
-    if dimensions is not None and dimensions < rows.shape[1]:
-        rows = rows[:, :dimensions]
-    return l2_normalize(rows) if normalize else rows
+def _settle(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
-async def _disconnect(request: Request) -> None:
-    """Returns when the client has gone: the request's body is read, so the next ASGI message is the disconnect
-    (no polling)."""
+async def _watch(request: Request, future: asyncio.Future) -> None:
+    """Settles `future` with _ClientGone when the client has gone: the request's body is read, so the next ASGI
+    message is the disconnect."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+    _settle(future, _ClientGone())

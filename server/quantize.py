@@ -18,6 +18,8 @@ import base64
 
 import numpy as np
 
+from fusedserve.model.api import l2_normalize
+
 ENCODINGS = ("float", "base64", "int8", "uint8", "binary", "ubinary")
 QUANTIZED = ("int8", "uint8")
 
@@ -123,3 +125,12 @@ def encode(matrix: np.ndarray, encoding: str, ranges: np.ndarray | None = None):
         rows = np.ascontiguousarray(matrix, dtype="<f4")
         return [base64.b64encode(row.tobytes()).decode() for row in rows]
     return quantize(matrix, encoding, ranges)
+
+
+def shape(rows: np.ndarray, *, normalize: bool, dimensions: int | None) -> np.ndarray:
+    """Raw rows as a request asks for them: the first `dimensions` columns (Matryoshka), then L2-normalized when it
+    asks for normalized embeddings: the one place embeddings are normalized on their way out (the batcher runs it once per batch and
+    request shape, on its worker thread)."""
+    if dimensions is not None and dimensions < rows.shape[1]:
+        rows = rows[:, :dimensions]
+    return l2_normalize(rows) if normalize else rows

@@ -54,7 +54,8 @@ class InferResponse(BaseModel):
 async def infer(body: InferRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
     model = service.model(body.model, "embedding")
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    result = await model.embed(texts, TextOptions(truncate=body.truncate, prompt_name=body.prompt_name), request)
+    result = await model.embed(texts, TextOptions(truncate=body.truncate, prompt_name=body.prompt_name), request,
+                               normalize=body.normalize)
     embeddings = await model.output(result.rows, body.encoding_format, normalize=body.normalize)
     return EmbeddingResponse({"embeddings": embeddings, "model": model.name,
                               "dim": model.dim, "usage": {"tokens": result.tokens}})

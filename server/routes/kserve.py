@@ -25,7 +25,6 @@ from pydantic import BaseModel, ValidationError
 from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import ServiceDep
 from fusedserve.server.errors import BadRequest, PayloadTooLarge, Unprocessable
-from fusedserve.server.model_service import shape
 from fusedserve.server.responses import EmbeddingResponse, OrjsonRoute
 from fusedserve.server.service import VERSION
 
@@ -262,8 +261,7 @@ async def infer(name: str, service: ServiceDep, request: Request) -> Response:
         binary = _flag(body.parameters, "binary_data_output", False)
         for output in body.outputs or ():
             binary = _flag(output.parameters, "binary_data", binary)
-        result = await model.embed(texts, TextOptions(), request)
-        embeddings = shape(result.rows, normalize=normalize, dimensions=None)
+        embeddings = (await model.embed(texts, TextOptions(), request, normalize=normalize)).rows
     except Exception:
         stats.fail += 1
         stats.fail_ns += time.perf_counter_ns() - started

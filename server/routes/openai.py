@@ -82,7 +82,7 @@ async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Requ
     else:
         inputs = list(data)
     options = TextOptions(truncate=body.truncate, prompt_name=body.prompt_name if _has_text(inputs) else None)
-    result = await model.embed(inputs, options, request)
+    result = await model.embed(inputs, options, request, normalize=True, dimensions=body.dimensions)
     rows = await model.output(result.rows, body.encoding_format, normalize=True, dimensions=body.dimensions)
     items = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
     return EmbeddingResponse({"object": "list", "data": items, "model": model.name,

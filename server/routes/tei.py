@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field, RootModel, StrictBool
 
-from fusedserve.model.api import TextOptions, l2_normalize
+from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import ServiceDep
 from fusedserve.server.responses import EmbeddingResponse, LeanRoute
 from fusedserve.server.routes.infer import ENCODING_HELP, Encoding
@@ -107,7 +107,8 @@ async def _embed(body: EmbedRequest, service, request: Request) -> EmbeddingResp
     model = service.model(None, "embedding")
     model.check_dimensions(body.dimensions)
     result = await model.embed(_items(body.inputs), _options(body.truncate, body.truncation_direction,
-                                                             body.prompt_name), request)
+                                                             body.prompt_name), request,
+                               normalize=body.normalize, dimensions=body.dimensions)
     rows = await model.output(result.rows, body.encoding_format, normalize=body.normalize,
                               dimensions=body.dimensions)
     return EmbeddingResponse(rows)
@@ -118,8 +119,8 @@ async def _similarity(body: SimilarityRequest, service, request: Request) -> Emb
     params = body.parameters or SimilarityParameters()
     texts = [body.inputs.source_sentence, *body.inputs.sentences]
     result = await model.embed(texts, _options(params.truncate, params.truncation_direction, params.prompt_name),
-                               request)
-    unit = l2_normalize(result.rows)
+                               request, normalize=True)
+    unit = result.rows
     return EmbeddingResponse(unit[1:] @ unit[0])  # cosine similarity of unit vectors
 
 
