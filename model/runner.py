@@ -24,7 +24,7 @@ from torch import Tensor
 from fusedserve import kernels
 from fusedserve.kernels.registry import REFERENCE_BACKEND
 from fusedserve.kernels.timing import OpTimer
-from fusedserve.model.api import Rows, TextOptions, l2_normalize
+from fusedserve.model.api import Rows, TextOptions, l2_normalize, name_of
 from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
 from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Encoder, Packed, kernel_ops, resolve_attention
 from fusedserve.model.modules import ClassificationHead, Classifier, EmbeddingHead, Pipeline, read_classifier, read_pipeline
@@ -172,14 +172,14 @@ class Embedder:
         if model in PRESETS:
             config = EncoderConfig.from_name(model)
             encoder, tokenizer_dir, source = Encoder(config), default_model_dir(), " (random init)"
-            name = name or model
+            name = name or name_of(model)
             if pooling:
                 pipeline = Pipeline(read_pipeline(tokenizer_dir, pooling).pooling, source="POOLING setting")
         else:
             path = default_model_dir() if model == "default" else Path(model)
             encoder, rest = load_checkpoint(path)
             tokenizer_dir = path
-            name = name or ("all-MiniLM-L6-v2" if model == "default" else path.name)
+            name = name or name_of(model)
             classifier = read_classifier(path, encoder.config, rest)
             if classifier is None:
                 check_encoder_only(rest, encoder.config)
