@@ -489,8 +489,8 @@ class Batcher:
             key = (job.normalize, job.dimensions)
             if key not in shaped:
                 shaped[key] = shape(block, normalize=job.normalize, dimensions=job.dimensions)
-            rows = shaped[key]
-            job.deliver(indices, rows[positions[0]: positions[0] + 1] if len(positions) == 1 else rows[positions])
+            out = shaped[key]
+            job.deliver(indices, out[positions[0]: positions[0] + 1] if len(positions) == 1 else out[positions])
         self.batches += 1
         if self.on_batch is not None and random.random() < self.settings.verify_sample_rate:
             self.on_batch(rows, block)
