@@ -146,13 +146,15 @@ def hf_model(config, device: str, dtype: torch.dtype, head: str = "embedding"):
 
 def random_classifier(config):
     """A one-label classification head of the architecture's shape, random weights (a cross-encoder's)."""
-    from fusedserve.model.modules import HEAD_LAYERS, Classifier
+    from fusedserve.model.families import family
+    from fusedserve.model.modules import Classifier
 
     gen, h = torch.Generator().manual_seed(5), config.hidden_size
-    names = HEAD_LAYERS[config.architecture]
+    head = family(config).classifier
+    names = (head.first, head.second)
     tensors = {f"{names[0]}.weight": torch.randn(h, h, generator=gen) * h**-0.5, f"{names[0]}.bias": torch.zeros(h),
                f"{names[1]}.weight": torch.randn(1, h, generator=gen) * h**-0.5, f"{names[1]}.bias": torch.zeros(1)}
-    return Classifier(config.architecture, tensors, ("score",), "sigmoid")
+    return Classifier(head, tensors, ("score",), "sigmoid")
 
 
 def embedder(encoder, device: str, dtype: torch.dtype, *, backend: str, graphs: bool, max_tokens: int,
@@ -176,7 +178,7 @@ def _release() -> None:
 def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Callable[[list[dict], bool], None]
              ) -> list[dict]:
     from fusedserve.model.config import EncoderConfig
-    from fusedserve.model.encoder import Encoder
+    from fusedserve.model.families import family
 
     preset, batch, seq, varlen, head = CASES[name]
     config = EncoderConfig.from_name(preset)
@@ -245,7 +247,7 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
             _release()
 
     if "ours" in providers:
-        encoder = Encoder(config)  # one random init, shared by the backends' Embedders
+        encoder = family(config).encoder(config)  # one random init, shared by the backends' Embedders
         classifier = random_classifier(config) if head == "classifier" else None
         backends = args.backends or (["auto", "triton", "cuda"] if cuda else ["auto"])
         built: dict[str, tuple[dict, Callable[[], object], float | None]] = {}
@@ -321,7 +323,7 @@ def breakdown(fn: Callable[[], object], iters: int = 20) -> dict:
 
 def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], None]) -> None:
     from fusedserve.model.config import EncoderConfig
-    from fusedserve.model.encoder import Encoder
+    from fusedserve.model.families import family
 
     if not args.device.startswith("cuda"):
         raise SystemExit("encoder profile: needs a GPU (it reads the kernels' device time from torch.profiler)")
@@ -329,7 +331,7 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
     for name in args.profile_cases:
         preset, batch, seq, varlen, _ = CASES[name]
         config = EncoderConfig.from_name(preset)
-        encoder = Encoder(config)
+        encoder = family(config).encoder(config)
         rows = token_rows(lengths_for(batch, seq, varlen), config.vocab_size)
         for backend, mode in [("auto", "graphs"), ("auto", "eager"),
                               *((b, "graphs") for b in args.backends or () if b != "auto")]:

@@ -1,9 +1,8 @@
-"""The post-LN encoder of the BERT family (BERT, RoBERTa / XLM-RoBERTa, DistilBERT: model.config). Token-wise work
-runs on flattened [tokens, hidden] tensors through the fused `kernels.*` ops; GEMMs are plain torch matmuls with
-their bias folded into the following fused op where one exists.
+"""What every family's encoder shares: the packed batch, the attention modes and pooling. A family's layers
+(model/bert.py) run token-wise work on flattened [tokens, hidden] tensors through the fused `kernels.*` ops.
 
-Two layouts: `forward` takes a padded [batch, seq] batch; `forward_packed` takes a `Packed` batch, the real
-tokens of every sequence back to back ([tokens, hidden], no padding), so GEMMs and the fused ops touch real
+Two layouts: an encoder's `forward` takes a padded [batch, seq] batch; `forward_packed` takes a `Packed` batch, the
+real tokens of every sequence back to back ([tokens, hidden], no padding), so GEMMs and the fused ops touch real
 tokens only. Attention in the packed layout either scatters q/k/v into a padded [batch, seq] block for SDPA
 and gathers the context back ("pad", works everywhere and inside CUDA graphs; attention is a few per cent
 of an encoder's FLOPs at these lengths), or runs torch's variable-length flash attention ("varlen"), or runs the
@@ -28,25 +27,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fusedserve import kernels
 from fusedserve.model.api import Rows
 from fusedserve.model.config import EncoderConfig
-
-
-class Embeddings(nn.Module):
-    def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.word_embeddings = nn.Parameter(torch.empty(config.vocab_size, h))
-        self.position_embeddings = nn.Parameter(torch.empty(config.max_position_embeddings, h))
-        self.token_type_embeddings = nn.Parameter(torch.empty(config.type_vocab_size, h))
-        self.ln_weight = nn.Parameter(torch.ones(h))
-        self.ln_bias = nn.Parameter(torch.zeros(h))
-        self.eps = config.layer_norm_eps
-
-    def forward(self, input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor) -> Tensor:
-        # ids: [tokens] -> [tokens, hidden]
-        return kernels.embedding_layer_norm(
-            input_ids, position_ids, token_type_ids, self.word_embeddings, self.position_embeddings,
-            self.token_type_embeddings, self.ln_weight, self.ln_bias, self.eps,
-        )
 
 
 @dataclass
@@ -151,7 +131,7 @@ class Packed:
 
 
 @functools.cache
-def _varlen_attention():
+def varlen_attention():
     """Variable-length flash attention over packed rows, (q, k, v, cu_q, cu_k, max_q, max_k) -> context, or None where
     torch has none (a torch without torch.nn.attention.varlen, the API this path was built and measured against, is
     taken as none). It is the flash branch of torch.nn.attention.varlen.varlen_attn for these arguments (no dropout,
@@ -180,9 +160,9 @@ FEW_TOKEN_OPS = ("attention_partials", "ffn_partials", "partial_add_layer_norm")
 OFFSET_ATTENTIONS = ("varlen", "fused")  # attend within cu_seqlens: no padded block, filler sequences of length 0
 
 
-def _varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """torch's varlen attention runs here: fp16/bf16 on CUDA, and _varlen_attention found in this torch."""
-    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _varlen_attention() is not None
+def varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch's varlen attention runs here: fp16/bf16 on CUDA, and varlen_attention found in this torch."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and varlen_attention() is not None
 
 
 # SDPA's backends for the padded and equal-length batches: not cuDNN's attention, which torch prefers on Hopper and
@@ -196,6 +176,30 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 _SDPA_FLAGS = threading.Lock()
 
 
+def padded_attention(qkv: Tensor, batch: int, seq: int, heads: int, attn_mask: Tensor | None) -> Tensor:
+    """SDPA over a padded block: qkv [batch * seq, 3 * hidden] (query, key, value stacked) -> context
+    [batch * seq, hidden]; attn_mask [batch, 1, 1, seq] bool (True = attend) or None for rows of equal length."""
+    q, k, v = qkv.view(batch, seq, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    # traced by torch.compile the backend is chosen at compile time, and Dynamo cannot enter a lock
+    lock = contextlib.nullcontext() if torch.compiler.is_compiling() else _SDPA_FLAGS
+    with lock, sdpa_kernel(SDPA_BACKENDS):
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    return ctx.transpose(1, 2).reshape(batch * seq, -1)
+
+
+def packed_attention(qkv: Tensor, p: Packed, heads: int, attention: str) -> Tensor:
+    """Attention of a packed batch, qkv [T, 3 * hidden] -> context [T, hidden]: a dense batch as the padded block
+    it is; "varlen": flash attention over cu_seqlens; else ("pad") scattered into a padded block for SDPA and
+    gathered back."""
+    if p.dense:  # rows of equal length back to back: the packed layout is the padded one, unmasked
+        return padded_attention(qkv, p.batch, p.seq, heads, None)
+    if attention == "varlen":
+        q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)
+        return varlen_attention()(q, k, v, p.cu_seqlens, p.cu_seqlens, p.seq, p.seq).reshape(qkv.shape[0], -1)
+    padded = qkv.new_zeros((p.batch * p.seq + 1, qkv.shape[1])).index_copy_(0, p.pad_index, qkv)
+    return padded_attention(padded[:-1], p.batch, p.seq, heads, p.attn_mask).index_select(0, p.gather_index)
+
+
 def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
     """The attention mode to start from. auto -> "fused" where torch's variable-length flash attention runs (fp16/bf16
     on CUDA, a torch built with it): the few-token layer for batches of at most FUSED_LAYER_TOKENS tokens, the
@@ -204,7 +208,7 @@ def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) 
     backend (FEW_TOKEN_OPS; model.runner.Embedder._attention_for), since their reference path is slower than
     varlen. "varlen" (no padded block, no mask) and "fused" (the QKV projection and attention of each sequence as one
     op, `kernels.qkv_attention`, where varlen does not run) are taken as asked."""
-    usable = _varlen_runs(device, dtype)
+    usable = varlen_runs(device, dtype)
     if attention == "auto":
         return "fused" if usable else "pad"
     if attention == "varlen" and not usable:
@@ -213,155 +217,6 @@ def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) 
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     return attention
-
-
-def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-    """The `kernels.*` ops a forward calls in this layout ("packed" or "padded") and attention mode (resolved: pad,
-    varlen or fused) on this device and dtype. The registry self-tests and races these only; the rest stay on the
-    reference, untested."""
-    ops = ["embedding_layer_norm", "linear_add_layer_norm", "linear_bias_gelu"]
-    if layout == "packed":
-        ops.append("segment_mean")  # pooling over cu_seqlens
-        if attention == "fused":  # the few-token layer; above FUSED_LAYER_TOKENS varlen, or qkv_attention where
-            ops += list(FEW_TOKEN_OPS)  # varlen does not run
-            ops += [] if _varlen_runs(device, dtype) else ["qkv_attention"]
-    return tuple(ops)
-
-
-def ffn_splits(inner: int, chunk: int = 64) -> int:
-    """How many chunks the few-token layer splits its FFN into: the most that divide the intermediate width evenly
-    without going under `chunk` columns (24 for MiniLM's 1536, 48 for BERT-base's 3072): one SM each."""
-    return max(s for s in range(1, max(inner // chunk, 1) + 1) if inner % s == 0)
-
-
-class Layer(nn.Module):
-    def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.num_heads, self.head_dim, self.eps = config.num_heads, config.head_dim, config.layer_norm_eps
-        self.qkv = nn.Linear(h, 3 * h)  # query, key, value stacked: one GEMM
-        self.attn_out = nn.Linear(h, h)
-        self.attn_ln_weight = nn.Parameter(torch.ones(h))
-        self.attn_ln_bias = nn.Parameter(torch.zeros(h))
-        self.ffn_in = nn.Linear(h, i)
-        self.ffn_out = nn.Linear(i, h)
-        self.ffn_ln_weight = nn.Parameter(torch.ones(h))
-        self.ffn_ln_bias = nn.Parameter(torch.zeros(h))
-        self.ffn_splits = ffn_splits(i)
-
-    def forward(self, x: Tensor, batch: int, seq: int, attn_mask: Tensor) -> Tensor:
-        # x: [batch * seq, hidden]; attn_mask: [batch, 1, 1, seq] bool, True = attend
-        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
-        return self._residual_blocks(x, self._attend(qkv, batch, seq, attn_mask))
-
-    def forward_packed(self, x: Tensor, p: Packed, attention: str = "pad") -> Tensor:
-        """One layer on a packed batch: x [T, hidden] (real and filler tokens, no padding) -> [T, hidden]; attention
-        "pad" (scatter into a padded block for SDPA), "varlen" (flash attention over cu_seqlens) or "fused" (the
-        few-token layer for small batches, else varlen or qkv_attention)."""
-        if attention == "fused":  # dense batches too (their offsets are regular)
-            if x.shape[0] <= FUSED_LAYER_TOKENS:
-                return self._few_token_layer(x, p)
-            if not _varlen_runs(x.device, x.dtype):
-                ctx = kernels.qkv_attention(x, self.qkv.weight, self.qkv.bias, p.cu_seqlens, p.seq, self.num_heads)
-                return self._residual_blocks(x, ctx)
-            # larger batches where varlen runs: cuBLAS QKV + varlen flash attention (qkv_attention re-projects a
-            # longer sequence's keys per query block, slower at 128-token sequences)
-            attention = "varlen"
-        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
-        if p.dense:  # rows of equal length back to back: the packed layout is the padded one, unmasked
-            ctx = self._attend(qkv, p.batch, p.seq, None)
-        elif attention == "varlen":
-            q, k, v = qkv.view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-            ctx = _varlen_attention()(q, k, v, p.cu_seqlens, p.cu_seqlens, p.seq, p.seq).reshape(x.shape)
-        else:
-            padded = qkv.new_zeros((p.batch * p.seq + 1, qkv.shape[1])).index_copy_(0, p.pad_index, qkv)
-            ctx = self._attend(padded[:-1], p.batch, p.seq, p.attn_mask).index_select(0, p.gather_index)
-        return self._residual_blocks(x, ctx)
-
-    def _few_token_layer(self, x: Tensor, p: Packed) -> Tensor:
-        # four kernels where the blocks above take eight: attention with each head's share of the output projection,
-        # then the FFN split over its intermediate width, each as fp32 partial sums that a LayerNorm kernel adds up
-        # with the bias and the residual (kernels/triton/qkv_attention.py, ffn_partials.py)
-        parts = kernels.attention_partials(x, self.qkv.weight, self.qkv.bias, p.cu_seqlens, p.seq, self.num_heads,
-                                           self.attn_out.weight)
-        x = kernels.partial_add_layer_norm(parts, self.attn_out.bias, x, self.attn_ln_weight, self.attn_ln_bias,
-                                           self.eps)
-        parts = kernels.ffn_partials(x, self.ffn_in.weight, self.ffn_in.bias, self.ffn_out.weight, self.ffn_splits)
-        return kernels.partial_add_layer_norm(parts, self.ffn_out.bias, x, self.ffn_ln_weight, self.ffn_ln_bias,
-                                              self.eps)
-
-    def _attend(self, qkv: Tensor, batch: int, seq: int, attn_mask: Tensor | None) -> Tensor:
-        # [batch * seq, 3*hidden] -> 3 x [batch, heads, seq, head_dim] -> context [batch * seq, hidden]
-        q, k, v = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        # traced by torch.compile the backend is chosen at compile time, and Dynamo cannot enter a lock
-        lock = contextlib.nullcontext() if torch.compiler.is_compiling() else _SDPA_FLAGS
-        with lock, sdpa_kernel(SDPA_BACKENDS):
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        return ctx.transpose(1, 2).reshape(batch * seq, -1)
-
-    def _residual_blocks(self, x: Tensor, ctx: Tensor) -> Tensor:
-        # post-LN residual blocks: x = LN(x + dense(ctx) + b); x = LN(x + W2 gelu(W1 x + b1) + b2). Each GEMM +
-        # bias + residual + LayerNorm is one op (cuBLAS + the chosen backend's add_layer_norm kernel; a split GEMM +
-        # LayerNorm kernel lost to that: docs/decisions/0001-split-gemm-layer-norm.md)
-        x = kernels.linear_add_layer_norm(ctx, self.attn_out.weight, self.attn_out.bias, x, self.attn_ln_weight,
-                                          self.attn_ln_bias, self.eps)
-        # GELU(x W1^T + b1): one Triton GEMM with the bias + GELU epilogue, or cuBLAS + the bias_gelu kernel, as
-        # the registry chose (self-test, then a race at [4096, 4 x hidden])
-        h = kernels.linear_bias_gelu(x, self.ffn_in.weight, self.ffn_in.bias)
-        return kernels.linear_add_layer_norm(h, self.ffn_out.weight, self.ffn_out.bias, x, self.ffn_ln_weight,
-                                             self.ffn_ln_bias, self.eps)
-
-
-class Encoder(nn.Module):
-    def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embeddings = Embeddings(config)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self, seed: int = 0) -> None:
-        """BERT's initialisation (normal(0, 0.02) matrices, zero biases, unit LayerNorm) from a fixed seed."""
-        gen = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
-            if "ln_weight" in name:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
-        # input_ids, attention_mask, token_type_ids: [batch, seq] -> hidden states [batch, seq, hidden]
-        batch, seq = input_ids.shape
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        position_ids = (torch.arange(seq, device=input_ids.device) + self.config.position_offset).expand(batch, seq)
-        x = self.embeddings(input_ids.reshape(-1), position_ids.reshape(-1), token_type_ids.reshape(-1))
-        attn_mask = attention_mask.bool()[:, None, None, :]
-        for layer in self.layers:
-            x = layer(x, batch, seq, attn_mask)
-        return x.view(batch, seq, -1)
-
-    def forward_packed(self, p: Packed, attention: str = "pad") -> Tensor:
-        """Hidden states [T, hidden] of a packed batch (filler tokens' rows are garbage, never read)."""
-        for x in self.packed_steps(p, attention):
-            pass
-        return x
-
-    def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
-        """forward_packed one block at a time: the embeddings' output, then each layer's (the last is the hidden
-        states), for a caller that does other work between blocks."""
-        if attention == "varlen":  # the one check of where varlen runs (raises with the reason)
-            resolve_attention("varlen", p.input_ids.device, self.embeddings.word_embeddings.dtype)
-        if attention in OFFSET_ATTENTIONS and p.cu_seqlens is None:
-            raise ValueError(f"{attention} attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
-        x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
-        yield x
-        for layer in self.layers:
-            x = layer.forward_packed(x, p, attention)
-            yield x
 
 
 def packed_mean_pool(hidden: Tensor, p: Packed, normalize: bool) -> Tensor:

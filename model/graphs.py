@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from fusedserve.model.api import Rows
-from fusedserve.model.encoder import OFFSET_ATTENTIONS, Encoder, Packed, packed_mean_pool
+from fusedserve.model.encoder import OFFSET_ATTENTIONS, Packed, packed_mean_pool
 
 log = logging.getLogger("fusedserve.model")
 
@@ -86,7 +86,7 @@ def _ceil_pow4(n: int) -> int:
 
 
 class CudaGraphs:
-    def __init__(self, encoder: Encoder, device: torch.device, *, max_tokens: int, max_batch: int,
+    def __init__(self, encoder: torch.nn.Module, device: torch.device, *, max_tokens: int, max_batch: int,
                  max_graphs: int = 256, head: Callable[[Tensor, Packed], Tensor] | None = None, pad_token_id: int = 0,
                  position_offset: int = 0, pair_types: bool = False, attention: str = "pad") -> None:
         """head: hidden states [T, H] and the batch -> the output rows [batch, dim] (default: mean pooling)."""

@@ -7,7 +7,7 @@ either sentence-transformers' or none. A plain Hugging Face directory (no module
 default, unless `pooling=` says otherwise.
 
 Classifiers (config.json architectures `*ForSequenceClassification`): the architecture's own head on the first token
-(BERT: pooler + classifier; RoBERTa: classifier.dense + out_proj; DistilBERT: pre_classifier + ReLU + classifier),
+(the family's ClassifierHead: BERT pooler + tanh + classifier, DistilBERT pre_classifier + ReLU + classifier, ...),
 logits out; the activation (sigmoid for one label, softmax otherwise, or what config.json's sentence_transformers
 section names) is applied by whoever serves the scores.
 
@@ -28,6 +28,8 @@ from torch import Tensor, nn
 
 from fusedserve import kernels
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
+from fusedserve.model.families import family
+from fusedserve.model.family import ClassifierHead
 
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens")
 _LEGACY_POOLING = {  # sentence-transformers' pooling_mode_* flags, in its order of concatenation
@@ -37,9 +39,6 @@ _LEGACY_POOLING = {  # sentence-transformers' pooling_mode_* flags, in its order
 }
 _ST = "sentence_transformers.models."
 _ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
-# each architecture's classification head: (the layer on the first token, the output layer), by checkpoint name
-HEAD_LAYERS = {"bert": ("pooler.dense", "classifier"), "roberta": ("classifier.dense", "classifier.out_proj"),
-               "distilbert": ("pre_classifier", "classifier")}
 SCORE_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity",
                      "torch.nn.modules.activation.Softmax": "softmax"}
 
@@ -68,7 +67,7 @@ class Pipeline:
 class Classifier:
     """A sequence-classification model's head: logits of the first token."""
 
-    kind: str  # bert | roberta | distilbert
+    head: ClassifierHead  # the family's layers, by checkpoint name
     tensors: Mapping[str, Tensor]
     labels: tuple[str, ...]  # id2label in label order
     activation: str  # sigmoid | softmax | identity (what predict applies by default)
@@ -124,8 +123,9 @@ def _dense(path: Path) -> Dense:
     return Dense(weight, bias.float() if bias is not None else None, activation)
 
 
-def read_pipeline(path: str | Path, pooling: str | None = None) -> Pipeline:
-    """The embedding pipeline of a model directory; `pooling` (the POOLING setting) overrides its pooling."""
+def read_pipeline(path: str | Path, pooling: str | None = None, plain: tuple[str, ...] = ("mean",)) -> Pipeline:
+    """The embedding pipeline of a model directory; `pooling` (the POOLING setting) overrides its pooling; `plain`:
+    the family's pooling of a plain Hugging Face directory (Family.pooling)."""
     path = Path(path)
     modules_file = path / "modules.json"
     st = _json(path / "config_sentence_transformers.json") if (path / "config_sentence_transformers.json").is_file() \
@@ -138,9 +138,10 @@ def read_pipeline(path: str | Path, pooling: str | None = None) -> Pipeline:
     common = dict(prompts=prompts, default_prompt_name=default_prompt,
                   do_lower_case=bool(bert.get("do_lower_case", False)))
     if not modules_file.is_file():
-        modes = parse_pooling(pooling) if pooling else ("mean",)
+        modes = parse_pooling(pooling) if pooling else plain
         return Pipeline(modes, normalize=True, source="POOLING setting" if pooling else
-                        "plain Hugging Face directory: mean pooling (the default; POOLING overrides)", **common)
+                        f"plain Hugging Face directory: {'+'.join(plain)} pooling (the family's default; POOLING "
+                        "overrides)", **common)
     modes, dense, normalize = None, [], False
     for i, module in enumerate(_json(modules_file)):
         kind, where = module.get("type", ""), path / module.get("path", "")
@@ -176,7 +177,8 @@ def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, 
     hf = _json(Path(path) / "config.json")
     if not any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
         return None
-    wanted = tuple(f"{layer}.{kind}" for layer in HEAD_LAYERS[config.architecture] for kind in ("weight", "bias"))
+    head = family(config).classifier
+    wanted = tuple(f"{layer}.{kind}" for layer in (head.first, head.second) for kind in ("weight", "bias"))
     missing = [n for n in wanted if n not in rest]
     if missing:
         raise UnsupportedModel(f"{path}: the classification head lacks {missing}")
@@ -197,7 +199,7 @@ def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, 
         activation = "sigmoid"
     else:
         activation = "sigmoid" if num_labels == 1 else "softmax"
-    return Classifier(config.architecture, {n: rest[n].float() for n in wanted}, labels, activation)
+    return Classifier(head, {n: rest[n].float() for n in wanted}, labels, activation)
 
 
 def _first_tokens(hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
@@ -269,8 +271,8 @@ class ClassificationHead(nn.Module):
     def __init__(self, classifier: Classifier) -> None:
         super().__init__()
         t = classifier.tensors
-        first, second = HEAD_LAYERS[classifier.kind]
-        self.kind = classifier.kind
+        first, second = classifier.head.first, classifier.head.second
+        self.activation = classifier.head.activation
         self.inner = nn.Linear(*t[first + ".weight"].shape[::-1])
         self.out = nn.Linear(*t[second + ".weight"].shape[::-1])
         with torch.no_grad():
@@ -287,7 +289,7 @@ class ClassificationHead(nn.Module):
 
     def _classify(self, first: Tensor) -> Tensor:
         x = F.linear(first.float(), self.inner.weight.float(), self.inner.bias.float())
-        x = torch.relu(x) if self.kind == "distilbert" else torch.tanh(x)
+        x = torch.relu(x) if self.activation == "relu" else torch.tanh(x)
         return F.linear(x, self.out.weight.float(), self.out.bias.float())
 
 

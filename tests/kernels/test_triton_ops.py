@@ -185,7 +185,7 @@ def test_gradients_match_float64_autograd_of_the_formula(device, dtype, triton_o
 
 def test_torch_compile_fullgraph_on_fused_encoder(device):
     from fusedserve.model.config import EncoderConfig
-    from fusedserve.model.encoder import Encoder
+    from fusedserve.model.bert import Encoder
 
     selection = kernels.select(device, (torch.float32,), backend="triton", hidden_sizes=(64,))
     encoder = Encoder(EncoderConfig.from_name("tiny").replace(num_layers=1)).to(device).eval()

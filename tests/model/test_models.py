@@ -156,8 +156,8 @@ def test_what_cannot_be_served_exactly_is_refused_naming_it(tmp_path):
     path = checkpoints.minilm(tmp_path / "mpnet", ["mean"])
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "model_type": "mpnet", "architectures": ["MPNetModel"]}))
-    with pytest.raises(CheckpointError, match="model_type 'mpnet' \\(MPNetModel\\) is not supported; supported: BERT, "
-                                              "RoBERTa, XLM-RoBERTa and DistilBERT"):
+    with pytest.raises(CheckpointError, match="model_type 'mpnet' \\(MPNetModel\\) is not supported; supported model "
+                                              "types: bert, roberta, xlm-roberta, distilbert"):
         Embedder.load(str(path), device="cpu")
     ce = checkpoints.cross_encoder(tmp_path / "ce", 1)
     with pytest.raises(UnsupportedModel, match="is a classifier"):

@@ -18,7 +18,8 @@ from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
 
 from fusedserve.model.config import EncoderConfig
-from fusedserve.model.encoder import FUSED_LAYER_TOKENS, Encoder
+from fusedserve.model.bert import Encoder
+from fusedserve.model.encoder import FUSED_LAYER_TOKENS
 from fusedserve.model.runner import Embedder
 from fusedserve.model.tokenizer import TextTokenizer
 from tests.model.checkpoints import source_dir

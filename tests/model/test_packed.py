@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fusedserve.model.config import EncoderConfig
-from fusedserve.model.encoder import Encoder, Packed, _varlen_runs, mean_pool, packed_mean_pool, resolve_attention
+from fusedserve.model.bert import Encoder
+from fusedserve.model.encoder import Packed, mean_pool, packed_mean_pool, resolve_attention, varlen_runs
 from fusedserve.model.graphs import SEQ_BUCKETS, CudaGraphs, token_buckets
 from tests.tolerances import assert_embeddings_close
 
@@ -131,7 +132,7 @@ def test_kernel_ops_name_exactly_the_ops_each_path_calls(encoder, monkeypatch):
     reference unnoticed, one too many costs start-up compiles. Each path's calls, over batches above and below
     FUSED_LAYER_TOKENS, must be exactly that set."""
     from fusedserve import kernels
-    from fusedserve.model.encoder import kernel_ops
+    from fusedserve.model.bert import kernel_ops
 
     cpu = torch.device("cpu")
     called: set[str] = set()
@@ -156,13 +157,13 @@ def test_kernel_ops_name_exactly_the_ops_each_path_calls(encoder, monkeypatch):
     cuda = torch.device("cuda")  # where varlen runs, fused mode runs it above FUSED_LAYER_TOKENS: no qkv_attention
     assert set(kernel_ops("packed", "varlen", cuda, torch.float16)) == \
         set(kernel_ops("packed", "pad", cpu, torch.float32))
-    if _varlen_runs(cuda, torch.float16):
+    if varlen_runs(cuda, torch.float16):
         assert set(kernel_ops("packed", "fused", cuda, torch.float16)) == \
             set(kernel_ops("packed", "fused", cpu, torch.float32)) - {"qkv_attention"}
 
 
 def test_runner_configures_only_the_ops_it_calls():
-    from fusedserve.model.encoder import kernel_ops
+    from fusedserve.model.bert import kernel_ops
     from fusedserve.model.runner import Embedder
 
     embedder, report = Embedder.load("tiny", device="cpu", backend="torch")
@@ -272,7 +273,7 @@ def test_varlen_graph_buckets_drop_the_sequence_length():
     assert resolve_attention("auto", torch.device("cpu"), torch.float32) == "pad"
     assert resolve_attention("auto", torch.device("cuda"), torch.float32) == "pad"
     assert resolve_attention("auto", torch.device("cuda"), torch.float16) == (
-        "fused" if _varlen_runs(torch.device("cuda"), torch.float16) else "pad")
+        "fused" if varlen_runs(torch.device("cuda"), torch.float16) else "pad")
     with pytest.raises(ValueError, match="varlen attention needs"):
         resolve_attention("varlen", torch.device("cpu"), torch.float16)
     assert resolve_attention("fused", torch.device("cpu"), torch.float32) == "fused"

@@ -54,9 +54,10 @@ def test_auto_attention_takes_the_few_token_layer_only_while_its_ops_are_fused(m
     after the fused switch, a fallback of one of them, or an override. The CPU stands in for a GPU here (varlen
     declared runnable; no forward runs): only the decision is tested."""
     import fusedserve.model.encoder as encoder_module
-    from fusedserve.model.encoder import FEW_TOKEN_OPS, kernel_ops
+    from fusedserve.model.bert import kernel_ops
+    from fusedserve.model.encoder import FEW_TOKEN_OPS
 
-    monkeypatch.setattr(encoder_module, "_varlen_runs", lambda device, dtype: True)
+    monkeypatch.setattr(encoder_module, "varlen_runs", lambda device, dtype: True)
     e, report = Embedder.load("tiny", device="cpu", backend="triton")
     assert e.attention == "fused" and "few-token layer" in e.attention_reason, e.attention_reason
     assert all(report.kernels.backend_of(op) == "triton" for op in FEW_TOKEN_OPS)

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fusedserve.model.config import EncoderConfig
+from fusedserve.model.families import config_from_dir
 from fusedserve.model.weights import CheckpointError, convert_state_dict, default_model_dir, load_encoder
 
 
@@ -27,7 +28,7 @@ def model_copy(tmp_path):
 
 
 def test_default_config_matches_minilm():
-    config = EncoderConfig.from_dir(default_model_dir())
+    config = config_from_dir(default_model_dir())
     assert config == EncoderConfig.from_name("minilm-l6")
     assert config.max_seq_length == 256 and config.normalize
 

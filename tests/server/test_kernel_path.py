@@ -121,8 +121,8 @@ def test_a_verify_fallback_takes_auto_attention_off_the_few_token_layer(monkeypa
     and partial_add_layer_norm on their slow torch references. The CPU stands in for a GPU where varlen runs."""
     import fusedserve.model.encoder as encoder_module
 
-    monkeypatch.setattr(encoder_module, "_varlen_runs", lambda device, dtype: True)
-    monkeypatch.setattr(encoder_module, "_varlen_attention", lambda: _cpu_varlen)
+    monkeypatch.setattr(encoder_module, "varlen_runs", lambda device, dtype: True)
+    monkeypatch.setattr(encoder_module, "varlen_attention", lambda: _cpu_varlen)
     service = _serve(Settings(model="tiny", device="cpu", backend="triton", warmup=False, kernel_timing_sample_rate=1,
                               verify_sample_rate=1, verify_action="fallback", verify_tolerance=1e-4))
     try:

@@ -1,0 +1,56 @@
+"""What an architecture family declares. Each family is one file (model/bert.py: BERT, RoBERTa / XLM-RoBERTa,
+DistilBERT) that builds its layers from `fusedserve.kernels` ops and declares, in one `Family` per config.json
+model type, everything the rest of the model package asks of an architecture: how to read its config.json, where
+its weights live in a checkpoint, its classification head, the kernels its forward calls, and what it needs
+(pooling of a plain Hugging Face directory, attention kind, position scheme). model/families.py is the table of
+families; nothing else in the model package, and nothing in the server, branches on the architecture."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fusedserve.model.config import EncoderConfig
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """Checkpoint tensor names (after prefix stripping) -> the family's parameter names. `{i}.` follows
+    layer_prefix; the query, key and value projections are stacked into one `qkv` matrix."""
+
+    embeddings: Mapping[str, str]
+    layer_prefix: str
+    layer: Mapping[str, str]
+    qkv: tuple[str, str, str]  # the three projections' names under the layer prefix, before ".weight"/".bias"
+
+
+@dataclass(frozen=True)
+class ClassifierHead:
+    """A `*ForSequenceClassification` head on the first token: `first` (a dense layer), its activation, then the
+    output layer `second`, by checkpoint name."""
+
+    first: str
+    activation: str  # tanh | relu
+    second: str
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                      # EncoderConfig.architecture
+    model_types: tuple[str, ...]   # config.json model_type values it serves
+    label: str                     # for messages: "RoBERTa / XLM-RoBERTa"
+    read_config: Callable[[dict], dict]  # config.json -> EncoderConfig fields (raises UnsupportedModel)
+    weights: WeightLayout
+    classifier: ClassifierHead
+    encoder: Callable[[EncoderConfig], nn.Module]  # the layers, randomly initialised
+    # (layout, attention, device, dtype) -> the kernels.* ops a forward calls: the registry tests and races these
+    kernel_ops: Callable[[str, str, torch.device, torch.dtype], tuple[str, ...]]
+    pooling: tuple[str, ...] = ("mean",)  # a plain Hugging Face directory's pooling (no modules.json)
+    attention: str = "bidirectional"
+    positions: str = "learned absolute"
+
+    def describe(self) -> str:
+        return f"{self.label}: {self.attention} attention, {self.positions} positions"
