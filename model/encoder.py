@@ -15,18 +15,16 @@ import contextlib
 import functools
 import importlib.util
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fusedserve import kernels
 from fusedserve.model.api import Rows
-from fusedserve.model.config import EncoderConfig
 
 
 @dataclass

@@ -60,7 +60,17 @@ _threads_per_worker()
 # Odd widths on purpose: a single column, sub-warp, non-power-of-two, just over / under a power of two.
 ODD_COLS = (1, 7, 300, 769, 1023, 4097)
 ROWS = (1, 333)
+# On the interpreter every program runs as numpy, so a case costs rows x columns: at the widest column count the
+# second row count is one that still leaves a ragged row block (BLOCK_M 32-256 tiles 45 rows with a tail; the
+# tails after several blocks are covered by the narrower columns at 333 rows). On a GPU every case runs at ROWS.
+WIDE_COLS, WIDE_ROWS_ON_THE_INTERPRETER = 4097, 45
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def shapes() -> list[tuple[int, int]]:
+    """(rows, cols) of the kernel sweeps: ROWS x ODD_COLS (see WIDE_ROWS_ON_THE_INTERPRETER)."""
+    return [(WIDE_ROWS_ON_THE_INTERPRETER if INTERPRETER and cols >= WIDE_COLS and rows > 1 else rows, cols)
+            for rows in ROWS for cols in ODD_COLS]
 
 NO_GPU = "needs a CUDA GPU and this machine has none (run them on a GPU machine with `pytest -m gpu`)"
 

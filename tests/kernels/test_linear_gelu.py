@@ -12,7 +12,7 @@ import torch
 from fusedserve.kernels import reference
 from fusedserve.kernels.testing import compare
 from fusedserve.kernels.triton import linear_gelu
-from tests.conftest import DTYPES, ODD_COLS, ROWS
+from tests.conftest import DTYPES, shapes
 
 DEPTHS = (7, 769)  # K: below one BLOCK_K, and a ragged last K step
 
@@ -29,7 +29,10 @@ def _reference(x, weight, bias, approximate="none"):
     return reference.linear_bias_gelu(*(t.detach().cpu().double() for t in (x, weight, bias)), approximate)
 
 
-@pytest.mark.parametrize("m,k,n,dtype", list(itertools.product(ROWS, DEPTHS, ODD_COLS, DTYPES)),
+CASES = [(m, k, n, dtype) for (m, n), k, dtype in itertools.product(shapes(), DEPTHS, DTYPES)]
+
+
+@pytest.mark.parametrize("m,k,n,dtype", CASES,
                          ids=lambda v: str(v).removeprefix("torch."))
 def test_matches_float64_reference(device, m, k, n, dtype):
     x, weight, bias = _inputs(m, k, n, dtype, device, zlib.crc32(f"{m}-{k}-{n}-{dtype}".encode()))

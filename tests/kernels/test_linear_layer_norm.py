@@ -13,7 +13,7 @@ import torch
 from fusedserve.kernels import reference
 from fusedserve.kernels.testing import compare
 from fusedserve.kernels.triton import linear_layer_norm as lln
-from tests.conftest import DTYPES, ODD_COLS, ROWS
+from tests.conftest import DTYPES, shapes
 
 DEPTHS = (7, 769)  # K: a short reduction, and a long one where the GEMM's rounding in fp16/bf16 shows
 
@@ -34,7 +34,10 @@ def _reference(x, weight, bias, residual, ln_weight, ln_bias):
                                                                                  ln_weight, ln_bias)), 1e-5)
 
 
-@pytest.mark.parametrize("m,k,n,dtype", list(itertools.product(ROWS, DEPTHS, ODD_COLS, DTYPES)),
+CASES = [(m, k, n, dtype) for (m, n), k, dtype in itertools.product(shapes(), DEPTHS, DTYPES)]
+
+
+@pytest.mark.parametrize("m,k,n,dtype", CASES,
                          ids=lambda v: str(v).removeprefix("torch."))
 def test_matches_float64_reference(device, m, k, n, dtype):
     args = _inputs(m, k, n, dtype, device, zlib.crc32(f"{m}-{k}-{n}-{dtype}".encode()))

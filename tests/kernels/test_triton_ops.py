@@ -17,9 +17,9 @@ from fusedserve.kernels.spec import attention_heads, launcher_modules
 from fusedserve.kernels.triton import LAUNCHERS as triton_launchers
 from fusedserve.kernels.triton.qkv_attention import MAX_HEAD_DIM
 from tests.kernels._shared import FORMULAS, check_offsets_past_two_to_the_31, opcheck_custom_ops
-from tests.conftest import DTYPES, INTERPRETER, ODD_COLS, ROWS
+from tests.conftest import DTYPES, INTERPRETER, shapes
 
-# The generic sweep: every op x ROWS x ODD_COLS x DTYPES, less the cases another test already runs here:
+# The generic sweep: every op x shapes() x DTYPES, less the cases another test already runs here:
 # - the GEMM ops: tests/kernels/test_linear_gelu.py and test_linear_layer_norm.py sweep the same rows x cols x dtypes
 #   through the same launchers, at two reduction depths each;
 # - on the interpreter, bf16 of the ops whose bf16 path it cannot run (its bf16 dot is wrong and its fp32 -> bf16
@@ -41,7 +41,8 @@ def _swept(op: str, cols: int, dtype: torch.dtype) -> bool:
     return True
 
 
-SWEEP = [case for case in itertools.product(ops_of("triton"), ROWS, ODD_COLS, DTYPES) if _swept(case[0], *case[2:])]
+SWEEP = [(op, rows, cols, dtype) for op, (rows, cols), dtype in itertools.product(ops_of("triton"), shapes(), DTYPES)
+         if _swept(op, cols, dtype)]
 
 
 def _seed(*parts) -> int:
