@@ -45,13 +45,15 @@ class TextOptions:
     cut ("right" or "left"; the first and last special tokens stay). prompt_name: one of the model's prompts to put
     before each text (None: the model's default prompt, if it has one). special_tokens: add [CLS]/[SEP] (only
     /tokenize turns it off). details: keep each token's text and character offsets (Rows.details) for /tokenize;
-    nothing is truncated then."""
+    nothing is truncated then. max_tokens: with details, the most tokens all inputs may hold together (InputTooLong
+    beyond, before any detail is built)."""
 
     truncate: bool = True
     direction: Literal["right", "left"] = "right"
     prompt_name: str | None = None
     special_tokens: bool = True
     details: bool = False
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,9 @@ class TextPreparation:
         if options.details:  # /tokenize: every token, with the text it covers (in the text as prepared)
             encodings = self.tokenizer.untruncated.encode_batch(texts, add_special_tokens=options.special_tokens)
             rows = _rows_of(encodings)
+            if options.max_tokens is not None and rows.tokens > options.max_tokens:
+                raise _InputTooLong(f"{rows.tokens} tokens in one request; per-token output is limited to "
+                                    f"{options.max_tokens}")
             return Rows(rows.ids, rows.lengths, details=[_tokens(text, e) for text, e in zip(texts, encodings)])
         if options.direction == "left":
             rows = [e.ids for e in self.tokenizer.untruncated.encode_batch(texts)]

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fusedserve.server.config import Settings
-from fusedserve.server.errors import ServiceError, error_response, service_error_response
+from fusedserve.server.errors import ServiceError, ascii_int, error_response, service_error_response
 from fusedserve.server.observability import CURRENT, TIMING_HEADERS, RequestRecord, request_id
 from fusedserve.server.routes import admin, health, infer, kserve, openai, rerank, tei
 from fusedserve.server.service import VERSION, Service
@@ -29,8 +29,15 @@ from fusedserve.server.service import VERSION, Service
 log = logging.getLogger("fusedserve")
 
 
-class BodyLimit:
-    """Pure ASGI middleware: 413 once a request body passes max_body_bytes (declared or streamed)."""
+# what one request's headers may hold (431 beyond), as front proxies bound them (nginx: 8 KiB lines, 32 KiB in
+# all; hyper, which text-embeddings-inference runs on: 100 headers)
+MAX_HEADERS, MAX_HEADER_BYTES = 100, 32 * 1024
+
+
+class HeaderLimits:
+    """Pure ASGI middleware, before anything reads the request: at most MAX_HEADERS headers of MAX_HEADER_BYTES in
+    all (431); one Authorization header (400: the API-key and admin checks must read the same one); one
+    Content-Length of ASCII digits (400), not over max_body_bytes (413)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -38,40 +45,65 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or {}).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._reject(scope, send)
-        seen = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge()
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await self._reject(scope, send)
-
-    async def _reject(self, scope: Scope, send: Send) -> None:
-        response = error_response(scope["path"], 413, "payload_too_large", f"request body over {self.max_bytes} bytes")
-        await response({"type": "http"}, None, send)  # type: ignore[arg-type]
+        headers = scope.get("headers") or ()
+        if len(headers) > MAX_HEADERS or sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES:
+            return await _reject(scope, send, 431, "headers_too_large",
+                                 f"request headers over {MAX_HEADERS} fields or {MAX_HEADER_BYTES} bytes")
+        if sum(k == b"authorization" for k, _ in headers) > 1:
+            return await _reject(scope, send, 400, "invalid_request", "more than one Authorization header")
+        declared = [v for k, v in headers if k == b"content-length"]
+        if declared and (len(declared) > 1 or not ascii_int(declared[0])):
+            return await _reject(scope, send, 400, "invalid_request", "Content-Length is not one number")
+        if declared and int(declared[0]) > self.max_bytes:
+            return await _reject(scope, send, 413, "payload_too_large", f"request body over {self.max_bytes} bytes")
+        await self.app(scope, receive, send)
 
 
-class _TooLarge(Exception):
-    pass
+class BodyLimit:
+    """Pure ASGI middleware after the API-key check: the body, declared or streamed (chunked too), read here up to
+    max_body_bytes (413 beyond) and handed on whole, so no route's body parser turns an over-long body into another
+    status (a chunked one used to get FastAPI's 400 on the routes that parse their body as a model). A body not
+    received within timeout_s (request_timeout_s) is a 408."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks, seen, more = [], 0, True
+        try:  # a client that sends its body slowly, or stops half-way, holds a connection for no longer
+            async with asyncio.timeout(self.timeout_s):
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client went away: the route sees it as it would
+                        return await self.app(scope, _replay([], message, receive), send)
+                    chunks.append(message.get("body", b""))
+                    seen += len(chunks[-1])
+                    if seen > self.max_bytes:
+                        return await _reject(scope, send, 413, "payload_too_large",
+                                             f"request body over {self.max_bytes} bytes")
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            return await _reject(scope, send, 408, "request_timeout",
+                                 f"request body not received within {self.timeout_s:g}s")
+        await self.app(scope, _replay(chunks, None, receive), send)
+
+
+async def _reject(scope: Scope, send: Send, status: int, kind: str, message: str) -> None:
+    response = error_response(scope["path"], status, kind, message)
+    await response({"type": "http"}, None, send)  # type: ignore[arg-type]
+
+
+def _replay(chunks: list[bytes], last: Message | None, receive: Receive) -> Receive:
+    """A receive that gives the body read ahead as one message (or the message that ended the read), then the
+    client's own receive (its disconnect)."""
+    pending: list[Message] = [last] if last is not None else [
+        {"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+    return replayed
 
 
 class RequestObserver:
@@ -250,10 +282,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return error_response(request.scope["path"], 500, "internal_error", "internal error")
 
     # outermost last: CORS (answers preflights, decorates every answer) -> the observer (ids, timings, metrics,
-    # spans; it sees the 401s and 413s too) -> API keys (before the body is read) -> the body limit -> the routes
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # spans; it sees the 401s, 413s and 431s too) -> the header limits (one Authorization header, read alike by the
+    # key check and the admin check) -> API keys (before the body is read) -> the body, read whole -> the routes
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.request_timeout_s)
     if settings.api_keys:
         app.add_middleware(ApiKeys, keys=settings.api_keys, probes=settings.auth_probes)
+    app.add_middleware(HeaderLimits, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestObserver, service=service)
     if settings.cors_allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["*"],

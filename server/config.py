@@ -115,8 +115,13 @@ class Settings(BaseSettings):
     max_queue: int = Field(4096, ge=1, description="queued inputs beyond which requests get 429 (each model has its "
                            "own queue and batcher, under the same limits)")
     max_client_batch: int = Field(256, ge=1, description="inputs per request")
-    request_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take; inputs still waiting then "
-                                     "are answered 504 and never run (a batch already running gets 1 s of grace)")
+    max_request_chars: int = Field(
+        512 * 1024, ge=1, description="characters of text per request, all inputs together (413 beyond, before any "
+        "is tokenized: the tokenizer's memory grows with the whole text, truncated or not)")
+    request_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take from its arrival (its body's "
+                                     "read, tokenizing and the queue count): a body not received by then is a 408; "
+                                     "inputs still waiting are answered 504 and never run (a batch already running "
+                                     "gets 1 s of grace)")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit in bytes (413 beyond)")
     warmup: bool = Field(True, description="before ready: run the model once at every launch shape a batch can meet "
                          "(so no request pays a kernel compile or autotune), capture the first CUDA graphs, "

@@ -13,7 +13,21 @@ of the route, so each family's own clients can read them:
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
+
+
+def ascii_int(value: str | bytes) -> bool:
+    """A numeric header or field as the protocols write one: 1-18 ASCII digits (str.isdigit() also takes '²', which
+    int() then refuses)."""
+    return re.fullmatch(rb"[0-9]{1,18}", value if isinstance(value, bytes) else value.encode()) is not None
+
+
+def quoted(value: str, limit: int = 100) -> str:
+    """A client's value as an error message repeats it: quoted, and cut at `limit` characters (a message never
+    echoes a whole oversized field back)."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
 
 
 class ServiceError(Exception):

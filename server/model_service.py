@@ -184,6 +184,27 @@ class ModelService:
         if n > self.settings.max_client_batch:
             raise PayloadTooLarge(f"{n} inputs in one request; the limit is {self.settings.max_client_batch}")
 
+    def _left(self) -> float:
+        """Seconds left of the request's deadline: request_timeout_s from its arrival (the body's read, tokenizing
+        and waiting for the batcher all count), a 504 once none is left."""
+        record = CURRENT.get()
+        if record is None:  # a call from outside a request (warm-up, tests)
+            return self.settings.request_timeout_s
+        left = record.started + self.settings.request_timeout_s - time.monotonic()
+        if left <= 0:
+            raise self._timeout()
+        return left
+
+    def _timeout(self) -> Timeout:
+        return Timeout(f"not served within {self.settings.request_timeout_s:g}s")
+
+    def check_token_output(self, tokens: int) -> None:
+        """A per-token answer (/tokenize, /decode, /embed_all) covers at most max_batch_tokens tokens: its size
+        grows with each token."""
+        if tokens > self.settings.max_batch_tokens:
+            raise PayloadTooLarge(f"{tokens} tokens in one request; per-token output is limited to "
+                                  f"max_batch_tokens ({self.settings.max_batch_tokens})")
+
     def check_dimensions(self, dimensions: int | None) -> None:
         if dimensions is not None and not 1 <= dimensions <= self.dim:
             raise BadRequest(f"dimensions must be between 1 and {self.dim}", param="dimensions")
@@ -195,11 +216,16 @@ class ModelService:
         started = time.monotonic()
         chars = sum(len(x) if isinstance(x, str) else sum(map(len, x)) if isinstance(x, tuple) else 0
                     for x in inputs)
+        if chars > self.settings.max_request_chars:
+            raise PayloadTooLarge(f"{chars} characters of text in one request; the limit is "
+                                  f"{self.settings.max_request_chars} (max_request_chars)")
         try:
             if chars <= INLINE_TOKENIZE_CHARS:
                 rows = self.model.prepare(inputs, options)
             else:
-                rows = await asyncio.to_thread(self.model.prepare, inputs, options)
+                rows = await asyncio.wait_for(asyncio.to_thread(self.model.prepare, inputs, options), self._left())
+        except asyncio.TimeoutError:
+            raise self._timeout() from None
         except InputTooLong as exc:
             raise PayloadTooLarge(str(exc), param=exc.param) from None
         except InputError as exc:
@@ -211,6 +237,7 @@ class ModelService:
 
     def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:
         self.check_count(len(rows))
+        self.check_token_output(sum(map(len, rows)))
         try:
             return self.model.decode(rows, skip_special_tokens)
         except InputError as exc:
@@ -223,10 +250,11 @@ class ModelService:
         disconnects meanwhile cancels its inputs that have not run; past request_timeout_s it is a 504. The job's
         future is the one thing awaited: the client's disconnect (the next ASGI message) and the deadline settle it
         too, so nothing polls."""
-        job = self.batcher.submit(rows, self.settings.request_timeout_s, normalize=normalize, dimensions=dimensions)
+        left = self._left()
+        job = self.batcher.submit(rows, left, normalize=normalize, dimensions=dimensions)
         loop = asyncio.get_running_loop()
         watcher = loop.create_task(_watch(request, job.future))
-        deadline = loop.call_later(self.settings.request_timeout_s + 1.0, _settle, job.future, _Expired())
+        deadline = loop.call_later(left + 1.0, _settle, job.future, _Expired())
         try:
             block = await job.future
         except _ClientGone:
@@ -234,7 +262,7 @@ class ModelService:
             raise asyncio.CancelledError("client disconnected") from None
         except _Expired:
             self.batcher.cancel(job, "timeout")
-            raise Timeout(f"not served within {self.settings.request_timeout_s:g}s") from None
+            raise self._timeout() from None
         except asyncio.CancelledError:
             self.batcher.cancel(job)
             raise
@@ -255,9 +283,7 @@ class ModelService:
     async def token_rows(self, rows: Rows) -> list[np.ndarray]:
         """Per-token hidden states ([tokens, dim] float32 per input, special tokens included), as one forward on
         the batcher's thread between batches."""
-        if rows.tokens > self.settings.max_batch_tokens:
-            raise PayloadTooLarge(f"{rows.tokens} tokens in one request; per-token output is limited to "
-                                  f"max_batch_tokens ({self.settings.max_batch_tokens})")
+        self.check_token_output(rows.tokens)
         stamps: dict[str, float] = {}
 
         def run() -> np.ndarray:
@@ -270,9 +296,9 @@ class ModelService:
         enqueued = time.monotonic()
         try:
             block = await asyncio.wait_for(asyncio.wrap_future(self.batcher.between_batches(run)),
-                                           timeout=self.settings.request_timeout_s)
+                                           timeout=self._left())
         except asyncio.TimeoutError:
-            raise Timeout(f"not served within {self.settings.request_timeout_s:g}s") from None
+            raise self._timeout() from None
         record = CURRENT.get()
         if record is not None:
             record.served(enqueued, stamps["started"], stamps["done"], len(rows), rows.tokens)

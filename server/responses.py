@@ -17,8 +17,10 @@ integer beyond 64 bits reads as a float, which an int field then refuses (422).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -36,6 +38,13 @@ from fusedserve.server.errors import BadRequest
 class EmbeddingResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+async def off_the_loop(make: Callable[[], Any]) -> Response:
+    """A JSON answer that grows with every token (/tokenize, /embed_all: megabytes), built and serialized on a worker
+    thread: on the event loop it held every other request of the process for seconds."""
+    body = await asyncio.to_thread(lambda: orjson.dumps(make(), option=orjson.OPT_SERIALIZE_NUMPY))
+    return Response(body, media_type="application/json")
 
 
 class OrjsonRequest(Request):
@@ -67,7 +76,7 @@ class LeanRoute(APIRoute):
     content type is application/json or application/*+json (else, a missing type included, the raw bytes, which
     then fail validation), a malformed body is a json_invalid error, an empty one a missing body, and pydantic's
     errors are reported under "body" like FastAPI's (the app turns them into 400 / 422); a client that goes away
-    mid-body gets the 400 FastAPI gives, and an over-long body still reaches BodyLimit (413)."""
+    mid-body gets the 400 FastAPI gives (an over-long body never gets here: BodyLimit answers 413)."""
 
     def get_route_handler(self):
         params = list(inspect.signature(self.endpoint).parameters)

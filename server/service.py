@@ -17,7 +17,7 @@ import torch
 
 from fusedserve.server import workers
 from fusedserve.server.config import Settings
-from fusedserve.server.errors import NotFound, Unavailable, Unprocessable
+from fusedserve.server.errors import NotFound, Unavailable, Unprocessable, quoted
 from fusedserve.server.metrics import Metrics
 from fusedserve.server.model_service import ModelService, refreeze
 from fusedserve.server.observability import CURRENT
@@ -86,7 +86,7 @@ class Service:
         if name:
             chosen = next((m for m in self.models if m.name == name), None)
             if chosen is None:
-                raise NotFound(f"model {name!r} is not served here; this server serves {self.names()}",
+                raise NotFound(f"model {quoted(name)} is not served here; this server serves {self.names()}",
                                param="model", code="model_not_found")
         else:
             chosen = self._first_of(kind)

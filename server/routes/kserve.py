@@ -20,11 +20,11 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, StrictInt, ValidationError
 
 from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import ServiceDep
-from fusedserve.server.errors import BadRequest, PayloadTooLarge, Unprocessable
+from fusedserve.server.errors import BadRequest, PayloadTooLarge, Unprocessable, ascii_int, quoted
 from fusedserve.server.responses import EmbeddingResponse, OrjsonRoute
 from fusedserve.server.service import VERSION
 
@@ -37,7 +37,7 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 
 class TensorInput(BaseModel):
     name: str
-    shape: list[int]
+    shape: list[StrictInt]
     datatype: str
     parameters: dict[str, Any] | None = None
     data: list[Any] | None = None
@@ -180,6 +180,8 @@ def _decompress(raw: bytes, encoding: str | None, limit: int) -> bytes:
         raise BadRequest(f"body is not valid {encoding} data: {exc}") from None
     if len(out) > limit:
         raise PayloadTooLarge(f"decompressed request body over {limit} bytes")
+    if not inflater.eof or inflater.unused_data:  # a cut-off stream, or bytes after its end
+        raise BadRequest(f"body is not one complete {encoding} stream")
     return out
 
 
@@ -202,8 +204,9 @@ def _parse(raw: bytes, header_length: str | None) -> tuple[InferenceRequest, lis
     """The request and its texts, from JSON or JSON + binary tensor data."""
     binary = b""
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(raw):
-            raise BadRequest(f"Inference-Header-Content-Length {header_length!r} does not fit a {len(raw)}-byte body")
+        if not ascii_int(header_length) or int(header_length) > len(raw):
+            raise BadRequest(f"Inference-Header-Content-Length {quoted(header_length)} does not fit a "
+                             f"{len(raw)}-byte body")
         raw, binary = raw[: int(header_length)], raw[int(header_length):]
     try:
         body = InferenceRequest.model_validate_json(raw)

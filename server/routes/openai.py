@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, StrictBool
+from pydantic import BaseModel, Field, StrictBool, StrictInt
 
 from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import ServiceDep
@@ -19,12 +19,12 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 
 
 class EmbeddingsRequest(StrictRequest):
-    input: str | list[str] | list[int] | list[list[int]] = Field(
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
         ..., description="a text, texts, one input's token ids, or several inputs' token ids")
     model: str | None = Field(None, description="one of the served models' ids (GET /v1/models); empty or absent: the "
                               "first embedding model")
     encoding_format: Encoding = Field("float", description=ENCODING_HELP)
-    dimensions: int | None = Field(None, description="keep the first N dimensions (renormalized)")
+    dimensions: StrictInt | None = Field(None, description="keep the first N dimensions (renormalized)")
     truncate: StrictBool = Field(True, description="cut inputs at max_seq_length tokens; false makes an over-long "
                                  "input a 413")
     user: str | None = Field(None, description="the end user's id (accepted, not used)")

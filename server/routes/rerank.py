@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, StrictBool
+from pydantic import BaseModel, Field, StrictBool, StrictInt
 
 from fusedserve.model.api import TextOptions, scores
 from fusedserve.server.deps import ServiceDep
@@ -64,7 +64,7 @@ class CohereRerankRequest(BaseModel):
     model: str | None = Field(None, description="one of the server's classifiers; absent: the first")
     query: str
     documents: list[str | Document] = Field(..., min_length=1)
-    top_n: int | None = Field(None, ge=1)
+    top_n: StrictInt | None = Field(None, ge=1)
     return_documents: StrictBool = False
     truncate: StrictBool = True
 

@@ -12,17 +12,17 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, Field, RootModel, StrictBool
+from pydantic import BaseModel, Field, RootModel, StrictBool, StrictInt
 
 from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import ServiceDep
-from fusedserve.server.responses import EmbeddingResponse, LeanRoute
+from fusedserve.server.responses import EmbeddingResponse, LeanRoute, off_the_loop
 from fusedserve.server.routes.infer import ENCODING_HELP, Encoding
 
 router = APIRouter(tags=["text-embeddings-inference"], route_class=LeanRoute)
 
 Direction = Literal["right", "left", "Right", "Left"]
-Inputs = str | list[int] | list[str | list[int]]
+Inputs = str | list[StrictInt] | list[str | list[StrictInt]]
 
 INPUTS_HELP = "a text, one input's token ids, or a list of texts and token-id lists"
 TRUNCATE_HELP = "cut inputs over max_seq_length tokens (default true); false makes an over-long input a 413"
@@ -37,7 +37,7 @@ class EmbedRequest(BaseModel):
     truncate: StrictBool | None = Field(None, description=TRUNCATE_HELP)
     truncation_direction: Direction = Field("right", description=DIRECTION_HELP)
     prompt_name: str | None = Field(None, description=PROMPT_HELP)
-    dimensions: int | None = Field(None, description="keep the first N dimensions (renormalized when normalize)")
+    dimensions: StrictInt | None = Field(None, description="keep the first N dimensions (renormalized when normalize)")
     encoding_format: Encoding = Field("float", description=ENCODING_HELP)
 
 
@@ -75,7 +75,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DecodeRequest(BaseModel):
-    ids: list[int] | list[list[int]] = Field(..., description="one input's token ids, or a list of them")
+    ids: list[StrictInt] | list[list[StrictInt]] = Field(..., description="one input's token ids, or a list of them")
     skip_special_tokens: StrictBool = Field(True, description="leave special tokens out of the text")
 
 
@@ -146,24 +146,25 @@ async def similarity(body: SimilarityRequest, service: ServiceDep, request: Requ
 
 
 @router.post("/embed_all", response_model=list[list[list[float]]])
-async def embed_all(body: EmbedAllRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
+async def embed_all(body: EmbedAllRequest, service: ServiceDep, request: Request) -> Response:
     """Per-token hidden states of each input, special tokens included: `[[[float]]]` (inputs x tokens x dim)."""
     model = service.model(None, "embedding")
     rows = await model.prepare(_items(body.inputs), _options(body.truncate, body.truncation_direction,
                                                              body.prompt_name))
-    return EmbeddingResponse(await model.token_rows(rows))
+    block = await model.token_rows(rows)
+    return await off_the_loop(lambda: block)
 
 
 @router.post("/tokenize", response_model=list[list[SimpleToken]])
-async def tokenize(body: TokenizeRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
+async def tokenize(body: TokenizeRequest, service: ServiceDep, request: Request) -> Response:
     """Each text's tokens: `id`, `text` (the input's text it covers; the token itself for special tokens),
     `special`, and `start` / `stop` (UTF-8 byte offsets in the input, null for special tokens)."""
     model = service.model()
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    rows = await model.prepare(texts, TextOptions(prompt_name=body.prompt_name,
-                                                  special_tokens=body.add_special_tokens, details=True))
-    return EmbeddingResponse([[{"id": t.id, "text": t.text, "special": t.special, "start": t.start, "stop": t.stop}
-                               for t in tokens] for tokens in rows.details])
+    rows = await model.prepare(texts, TextOptions(prompt_name=body.prompt_name, special_tokens=body.add_special_tokens,
+                                                  details=True, max_tokens=service.settings.max_batch_tokens))
+    return await off_the_loop(lambda: [[{"id": t.id, "text": t.text, "special": t.special, "start": t.start,
+                                         "stop": t.stop} for t in tokens] for tokens in rows.details])
 
 
 @router.post("/decode", response_model=list[str])

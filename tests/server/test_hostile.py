@@ -3,7 +3,11 @@ never a 5xx or a hang, and the server keeps serving."""
 
 from __future__ import annotations
 
+import gzip
+import zlib
+
 import httpx
+import orjson
 import pytest
 
 JSON = {"content-type": "application/json"}
@@ -14,7 +18,17 @@ CASES = [
     ("deeply nested inside a field", "/infer", b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
     ("invalid UTF-8", "/infer", b'{"inputs": ["\xff\xfe"]}', 400),
     ("10^5 inputs", "/infer", {"inputs": ["a"] * 100_000}, 413),
-    ("10^6-character string", "/infer", {"inputs": ["ab " * 333_333]}, 200),
+    ("10^6-character string", "/infer", {"inputs": ["ab " * 333_333]}, 413),  # over max_request_chars
+    ("5 x 10^5-character string", "/infer", {"inputs": ["ab " * 170_000]}, 200),  # under it
+    ("JSON booleans as token ids", "/v1/embeddings", {"input": [True, False]}, 422),
+    ("TEI JSON booleans as token ids", "/embed", {"inputs": [[101, True, 102]]}, 422),
+    ("TEI decode booleans", "/decode", {"ids": [True, False]}, 422),
+    ("dimensions as a string", "/v1/embeddings", {"input": "x", "dimensions": "5"}, 422),
+    ("dimensions as a float", "/v1/embeddings", {"input": "x", "dimensions": 2.0}, 422),
+    ("TEI dimensions as a string", "/embed", {"inputs": "x", "dimensions": "5"}, 422),
+    ("TEI decode over max_batch_tokens ids", "/decode", {"ids": [1000] * 3000}, 413),  # the tests' limit: 2048
+    ("TEI tokenize over max_batch_tokens tokens", "/tokenize", {"inputs": "a " * 3000}, 413),
+    ("KServe truncated gzip", f"/v2/models/{NAME}/infer", "gzip-cut", 400),
     ("NUL bytes", "/infer", {"inputs": ["a\u0000b\u0000"]}, 200),
     ("lone surrogate escape", "/infer", b'{"inputs": ["ok", "\\ud800"]}', 400),  # orjson: not valid JSON text
     ("null inputs", "/infer", {"inputs": None}, 422),
@@ -53,14 +67,21 @@ CASES = [
 
 @pytest.mark.parametrize("name,path,body,status", CASES, ids=[c[0] for c in CASES])
 def test_hostile_input(server, name, path, body, status):
-    kwargs = {"content": body, "headers": JSON} if isinstance(body, bytes) else {"json": body}
+    if body == "gzip-cut":  # a valid request, gzip-compressed, its stream cut short
+        whole = gzip.compress(orjson.dumps({"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES",
+                                                        "data": ["a"]}]}))
+        body = whole[: len(whole) - 6]
+        assert zlib.decompressobj(wbits=31).decompress(body)  # the cut stream still inflates, in part
+        kwargs = {"content": body, "headers": {**JSON, "content-encoding": "gzip"}}
+    else:
+        kwargs = {"content": body, "headers": JSON} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(server.url + path, timeout=60, **kwargs)
     assert r.status_code == status, r.text[:300]
     if status >= 400:
         error = r.json()["error"]
         if path.startswith("/v2/"):  # the Open Inference Protocol's error body: {"error": "<message>"}
             assert isinstance(error, str) and error
-        elif path in ("/embed", "/decode"):  # text-embeddings-inference's: {"error", "error_type"}
+        elif path in ("/embed", "/decode", "/tokenize"):  # text-embeddings-inference's: {"error", "error_type"}
             assert isinstance(error, str) and error and r.json()["error_type"]
         else:
             assert error["type"] and error["message"]

@@ -1,0 +1,129 @@
+"""What a hostile or careless client can do to the server, at the protocol level: headers, bodies that never
+finish or never stop, duplicate credentials, oversized echoes, and the memory one request may cost. Raw sockets
+where an HTTP client would refuse to send the request."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import admin_headers
+
+NAME = "all-MiniLM-L6-v2"
+
+
+def _raw(server, request: bytes, pause_after: int | None = None, pause_s: float = 0.0, timeout: float = 30) -> bytes:
+    """Send `request` over a fresh connection (optionally stopping `pause_s` after its first `pause_after`
+    bytes) and return the whole answer."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        if pause_after is not None:
+            sock.sendall(request[:pause_after])
+            time.sleep(pause_s)
+            request = request[pause_after:]
+        try:
+            sock.sendall(request)
+        except OSError:  # the server answered and closed before reading it all
+            pass
+        chunks = []
+        while data := sock.recv(65536):
+            chunks.append(data)
+    return b"".join(chunks)
+
+
+def _status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+def _post(path: str, body: bytes, headers: list[tuple[str, str]] = ()) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json", "Connection: close",
+             *(f"{k}: {v}" for k, v in headers)]
+    if not any(k.lower() in ("content-length", "transfer-encoding") for k, _ in headers):
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def test_a_numeric_header_of_non_ascii_digits_is_a_400_not_a_500(server):
+    body = b'{"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["a"]}]}'
+    answer = _raw(server, _post(f"/v2/models/{NAME}/infer", body,
+                                [("Inference-Header-Content-Length", "\u00b2")]))  # one byte, 0xb2
+    assert _status(answer) == 400 and b"Inference-Header-Content-Length" in answer, answer[:300]
+    answer = _raw(server, _post("/infer", b'{"inputs": "a"}', [("Content-Length", "\u00b9\u00b5")]))
+    assert _status(answer) == 400, answer[:300]
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/predict", "/v1/rerank", "/admin/fused", "/infer"])
+def test_a_chunked_body_over_the_limit_is_a_413_on_every_route(make_server, path):
+    srv = make_server(model="tiny", warmup=False, max_body_bytes=4096)
+    chunk = b"x" * 1000
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(8)) + b"0\r\n\r\n"
+    headers = [("Transfer-Encoding", "chunked"), *admin_headers().items()]
+    answer = _raw(srv, _post(path, chunked, headers))
+    assert _status(answer) == 413, answer[:300]
+
+
+def test_duplicate_authorization_headers_are_refused_by_both_checks(make_server):
+    srv = make_server(model="tiny", warmup=False, api_keys="key-a")
+    good, other = ("Authorization", "Bearer key-a"), ("Authorization", "Bearer nope")
+    assert _status(_raw(srv, _post("/infer", b'{"inputs": "a"}', [good]))) == 200
+    for pair in ([good, other], [other, good]):
+        assert _status(_raw(srv, _post("/infer", b'{"inputs": "a"}', pair))) == 400
+        admin = [(k, v) for k, v in admin_headers().items()]
+        assert _status(_raw(srv, _post("/admin/fused", b'{"enabled": true}', [*admin, *pair]))) == 400
+
+
+def test_headers_beyond_their_limits_are_a_431(server):
+    many = [(f"X-Filler-{i}", "v") for i in range(200)]
+    assert _status(_raw(server, _post("/infer", b'{"inputs": "a"}', many))) == 431
+    big = [("X-Filler", "v" * 40_000)]
+    assert _status(_raw(server, _post("/infer", b'{"inputs": "a"}', big))) == 431
+    assert httpx.post(server.url + "/infer", json={"inputs": "still serving"}, timeout=30).status_code == 200
+
+
+def test_an_unknown_model_name_is_not_echoed_whole(server):
+    name = "m" * 100_000
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "x", "model": name}, timeout=30)
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    assert len(message) < 1000 and "100000 characters" in message
+
+
+def test_a_body_that_stops_half_way_gets_a_408_within_the_request_timeout(make_server):
+    srv = make_server(model="tiny", warmup=False, request_timeout_s=1.5)
+    request = _post("/infer", b'{"inputs": "a"}', [("Content-Length", "100")])
+    started = time.monotonic()
+    answer = _raw(srv, request, timeout=10)
+    assert _status(answer) == 408 and b"not received within 1.5s" in answer, answer[:300]
+    assert 1.4 < time.monotonic() - started < 5
+    # a body that arrives within the time is served
+    assert _status(_raw(srv, _post("/infer", b'{"inputs": "a"}'), pause_after=120, pause_s=0.3)) == 200
+
+
+def _rss_mib(pid: int, field: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def test_the_largest_allowed_requests_cost_a_bounded_amount_of_memory(server):
+    """One request may grow the process by at most 256 MiB (docs/operations.md, "Limits"): the largest text a request
+    may send (max_request_chars) to the routes whose work or answer grows with it, and past it a 413 before any
+    tokenizing."""
+    pid = server.process.pid
+    httpx.post(server.url + "/infer", json={"inputs": ["warm " * 100]}, timeout=60)
+    before = _rss_mib(pid, "VmRSS")
+    limit = 512 * 1024
+    for path, body in [("/tokenize", {"inputs": "a " * (limit // 2)}),
+                       ("/infer", {"inputs": ["a " * (limit // 2)]}),
+                       ("/embed_all", {"inputs": "a " * (limit // 2)}),
+                       ("/tokenize", {"inputs": "a " * (limit // 2 + 1)})]:
+        r = httpx.post(server.url + path, json=body, timeout=120)
+        assert r.status_code in (200, 413), r.text[:300]
+        assert _rss_mib(pid, "VmHWM") - before < 256, (path, _rss_mib(pid, "VmHWM"), before)
+    r = httpx.post(server.url + "/tokenize", json={"inputs": "a " * (limit // 2 + 1)}, timeout=120)
+    assert r.status_code == 413 and "max_request_chars" in r.json()["error"]
