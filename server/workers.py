@@ -1,10 +1,14 @@
-"""WORKERS=N: N server processes on one listening socket, each with its own models on the same device.
+"""WORKERS=N: N server processes on one port, each with its own listening socket and its own models on the same
+device.
 
 One Python process is host-bound long before an H200 is busy (its event loop parses, tokenizes and answers every
 request), so the throughput of one GPU comes from several processes feeding it, as replicas under CUDA MPS did by
-hand. The parent binds the socket once and spawns the workers (spawn, not fork: CUDA must not be initialized in a
-forked child); the kernel spreads accepted connections over them. With the CUDA MPS daemon running (docs/operations.md)
-their kernels share the GPU concurrently instead of time-slicing.
+hand. The parent binds one socket per worker on the port (SO_REUSEPORT) and spawns the workers (spawn, not fork:
+CUDA must not be initialized in a forked child); the kernel spreads new connections over the sockets by a hash of
+each. With one shared socket a worker that woke accepted every connection waiting (asyncio takes the whole backlog at
+once), and keep-alive clients stay where they land: 64 clients landed 49/13/2/0 on 4 workers, and the busiest worker
+capped the throughput of all. With the CUDA MPS daemon running (docs/operations.md) their kernels share the GPU
+concurrently instead of time-slicing.
 
 - Start: the first worker loads alone and fills the kernel cache (compiles, autotuning, races); the others load
   once it is ready, from the cache.
@@ -74,14 +78,25 @@ def all_ready() -> bool:
     return len(list(directory.glob("ready-*"))) >= int(os.environ.get("FUSEDSERVE_WORKERS", "1"))
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def bind_each(host: str, port: int, count: int) -> list[socket.socket]:
+    """One listening socket per worker on host:port (port 0: the first one's), SO_REUSEPORT; where the platform has
+    no SO_REUSEPORT, one socket shared by all."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        return [bind(host, port)] * count
+    first = bind(host, port, reuse_port=True)
+    return [first, *(bind(host, first.getsockname()[1], reuse_port=True) for _ in range(count - 1))]
 
 
 def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
@@ -92,10 +107,10 @@ def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
     (state / "metrics").mkdir()
     os.environ.update({STATE_ENV: str(state), "FUSEDSERVE_WORKERS": str(count),
                        "PROMETHEUS_MULTIPROC_DIR": str(state / "metrics")})
-    sock = bind(host, port)
+    sockets = bind_each(host, port, count)
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=target, args=(argv, sock, i), name=f"fusedserve-worker-{i}", daemon=False)
-               for i in range(count)]
+               for i, sock in enumerate(sockets)]
     signalled = False
 
     def stop_all() -> None:  # SIGTERM whatever the parent got: each worker drains as a single server does
@@ -135,7 +150,8 @@ def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        sock.close()
+        for sock in set(sockets):
+            sock.close()
         shutil.rmtree(state, ignore_errors=True)
 
 
