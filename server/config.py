@@ -96,8 +96,9 @@ class Settings(BaseSettings):
                            "cache, the CUDA launch tuning, the backend races; keyed by GPU model, versions and kernel "
                            "sources; replicas may share it). Empty: ~/.cache/fusedserve (the GPU image: /cache)")
     workers: int = Field(1, ge=1, description="server processes on one port (a socket each, over which the "
-                         "kernel spreads new connections), each with its own models on the same device (one process is host-bound long before a GPU is busy; run the CUDA MPS "
-                         "daemon so their kernels share the GPU); metrics are summed over the workers")
+                         "kernel spreads new connections), each with its own models on the same device (one process "
+                         "is host-bound long before a GPU is busy; run the CUDA MPS daemon so their kernels share the "
+                         "GPU); metrics are summed over the workers")
     max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)",
                                  json_schema_extra={"advanced": True})
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default; with "
