@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fusedserve.server.config import Settings
+from fusedserve.server.heap import LARGE_BODY_BYTES, HeapTrimmer
 from fusedserve.server.errors import ServiceError, ascii_int, error_response, service_error_response
 from fusedserve.server.observability import CURRENT, TIMING_HEADERS, RequestRecord, request_id
 from fusedserve.server.routes import admin, health, infer, kserve, openai, rerank, tei
@@ -67,6 +68,7 @@ class BodyLimit:
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+        self.heap = HeapTrimmer()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -87,7 +89,11 @@ class BodyLimit:
         except TimeoutError:
             return await _reject(scope, send, 408, "request_timeout",
                                  f"request body not received within {self.timeout_s:g}s")
-        await self.app(scope, _replay(chunks, None, receive), send)
+        try:
+            await self.app(scope, _replay(chunks, None, receive), send)
+        finally:
+            if seen >= LARGE_BODY_BYTES:  # its memory is free now: give it back to the OS
+                self.heap.after_large_request()
 
 
 async def _reject(scope: Scope, send: Send, status: int, kind: str, message: str) -> None:
