@@ -149,6 +149,7 @@ class Batcher:
         self._idle_work: list[tuple[Callable[[], object], concurrent.futures.Future]] = []  # when_idle
         self._timing: _Sample | None = None
         self._stepped = False  # a block of the sample ran since the last batch was taken
+        self._oldest_next = False  # the last batch was built around a newcomer (_seed)
         self._slow_work = Throttle(SLOW_WORK_LOG_S)  # _note_wait: one warning per kind of work per interval
         self._stopping = False
         self._draining = False
@@ -307,15 +308,18 @@ class Batcher:
                     continue
                 self._cond.wait()
                 continue
-            oldest = self._pending[0]  # arrival order
+            oldest = self._seed()
             waited = time.monotonic() - oldest.enqueued
-            batch = self._choose(oldest)
+            # a newcomer's batch holds newcomers only: filled up with the large request's inputs it would take as
+            # long as that request's own batches (on a CPU a batch's time grows with its tokens)
+            batch = self._choose(oldest, newcomers=oldest is not self._pending[0])
             longest, total = max(it.length for it in batch), sum(it.length for it in batch)
             full = len(batch) >= s.max_batch_requests or \
                 total + longest > s.max_batch_tokens or \
                 len(batch) < len(self._pending)
             if full or waited * 1e3 >= s.max_wait_ms or self._draining:
                 self._stepped = False  # the next block of a sample may run after this batch
+                self._oldest_next = oldest is not self._pending[0]  # a newcomer's turn: the oldest's next
                 taken = set(map(id, batch))
                 self._pending = [it for it in self._pending if id(it) not in taken]
                 self.metrics.queue_depth.set(len(self._pending))
@@ -387,12 +391,24 @@ class Batcher:
             alive.append(it)
         self._pending = alive
 
-    def _choose(self, oldest: Item) -> list[Item]:
-        """The window of similar lengths around the oldest input that fits the token and row budgets."""
+    def _seed(self) -> Item:
+        """Under the lock: the input the next batch is built around. The oldest waiting input; but where a request
+        none of whose inputs has run yet is waiting (a newcomer), every other batch is built around its oldest
+        input: otherwise a one-input request that comes after a request of hundreds of long inputs waits for all
+        of that request's batches. Alternating keeps the large request moving while newcomers keep coming."""
+        oldest = self._pending[0]  # arrival order
+        if self._oldest_next or oldest.job.started is None:
+            return oldest
+        return next((it for it in self._pending if it.job.started is None), oldest)
+
+    def _choose(self, oldest: Item, newcomers: bool = False) -> list[Item]:
+        """The window of similar lengths around the oldest input (of newcomers only: _seed) that fits the token and
+        row budgets."""
         s = self.settings
+        pool = [it for it in self._pending if it.job.started is None] if newcomers else self._pending
         # a stable sort of the arrival-ordered queue: by length, then arrival (cheaper than a (length, enqueued) key
         # at thousands of waiting inputs); the oldest input is the first of its length
-        by_length = sorted(self._pending, key=attrgetter("length"))
+        by_length = sorted(pool, key=attrgetter("length"))
         lo = hi = bisect.bisect_left([it.length for it in by_length], oldest.length)
         longest = total = oldest.length
         while hi - lo + 1 < s.max_batch_requests:

@@ -17,6 +17,10 @@ from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSourc
 
 log = logging.getLogger("fusedserve")
 
+# max_batch_tokens on a CPU device unless set: a 2-core machine runs MiniLM at a few thousand tokens/s, so a batch of
+# 16384 tokens held a one-input request for seconds, and requests of 256 long inputs ran no faster in such batches
+CPU_BATCH_TOKENS = 2048
+
 # removed setting -> why, for the start-up warning (drop an entry one release after its removal)
 REMOVED_SETTINGS = {
     "layout": "the packed layout is the only one served (docs/decisions/0006-padded-layout-not-a-setting.md)",
@@ -106,7 +110,10 @@ class Settings(BaseSettings):
                                "workers, unless OMP_NUM_THREADS or MKL_NUM_THREADS is set)")
 
     # batching and limits
-    max_batch_tokens: int = Field(16384, ge=1, description="real tokens per batch (the packed layout runs no padding)")
+    max_batch_tokens: int = Field(
+        16384, ge=1, description="real tokens per batch (the packed layout runs no padding); unset on a CPU device: "
+        f"{CPU_BATCH_TOKENS} (a CPU batch's time grows with its tokens, so larger ones gain nothing and only hold the "
+        "next request longer)")
     max_batch_requests: int = Field(64, ge=1, description="inputs per batch")
     max_wait_ms: float = Field(0.0, ge=0, description="longest an input waits for company before its batch closes "
                                "(0: the worker takes whatever is queued as soon as it is free)")
@@ -223,6 +230,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self):
+        if "max_batch_tokens" not in self.model_fields_set and not _on_gpu(self.device):
+            object.__setattr__(self, "max_batch_tokens", CPU_BATCH_TOKENS)  # frozen: set once, here
         if self.max_batch_requests > self.max_queue:
             raise ValueError("max_batch_requests must not exceed max_queue")
         if self.models and {"model", "model_name"} & self.model_fields_set:
@@ -252,3 +261,11 @@ class Settings(BaseSettings):
             else:
                 raise ValueError(f"FUSEDSERVE_CONFIG: {path}: use a .yaml, .yml or .toml file")
         return tuple(sources)
+
+
+def _on_gpu(device: str) -> bool:
+    if device != "auto":
+        return device.startswith("cuda")
+    import torch  # only for "auto": which device a model will load on (the model package decides the same way)
+
+    return torch.cuda.is_available()

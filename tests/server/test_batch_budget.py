@@ -80,3 +80,28 @@ def test_the_oldest_goes_first_among_many_of_its_length(model, loop):
     items = _queue(batcher, loop, [50] * 41)
     with batcher._cond:
         assert batcher._next_batch() == items[:10]
+
+
+def test_a_newcomer_does_not_wait_for_every_batch_of_a_large_request(model, loop):
+    """A request of 300 long inputs whose first batch has run, then one-input requests: the next batch is built
+    around the newcomers and holds only them, the one after around the large request's oldest input, and so on
+    alternately."""
+    batcher = _batcher(model, 2048)
+    large = _queue(batcher, loop, [100] * 300)
+    large[0].job.started = 0.0  # its first batch ran
+    small_job = Job(Rows.of([[1] * 10]), 1e12, loop.create_future(), loop)
+    small = Item(small_job, 0, 10, 1e6)
+    second_job = Job(Rows.of([[1] * 10]), 1e12, loop.create_future(), loop)
+    second = Item(second_job, 0, 10, 2e6)
+    batcher._pending.extend([small, second])
+    with batcher._cond:
+        first = batcher._next_batch()
+        assert first == [small, second]  # built around the newcomer, of newcomers only
+        small_job.started = second_job.started = 0.0
+        oldest = batcher._pending[0]
+        assert oldest.job is large[0].job and oldest in batcher._next_batch()  # the large request's turn
+        third = Item(Job(Rows.of([[1] * 150]), 1e12, loop.create_future(), loop), 0, 150, 3e6)
+        batcher._pending.append(third)
+        assert batcher._next_batch() == [third]  # a newcomer again
+        oldest = batcher._pending[0]
+        assert oldest in batcher._next_batch()  # and the oldest again
