@@ -6,12 +6,15 @@ import argparse
 import functools
 import logging
 import os
+import resource
 import sys
 import threading
 
 import uvicorn
 
 from fusedserve.server import workers
+
+log = logging.getLogger("fusedserve")
 
 
 class DrainingServer(uvicorn.Server):
@@ -40,6 +43,18 @@ class DrainingServer(uvicorn.Server):
         timer.start()
 
 
+def _open_files_to_the_hard_limit() -> None:
+    """Each connection is a file descriptor, and the soft limit is often 1,024 (Docker's default too): raise it to the
+    hard limit, as servers do, so connections run out long after the client's patience does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            log.warning("open files limit stays %d (could not raise it to %d)", soft, wanted)
+
+
 def main(argv: list[str] | None = None, app_factory=None, sockets: list | None = None) -> int:
     """app_factory: Settings -> app (default server.app.create_app; the tests mount their hooks through it).
     sockets: a worker of WORKERS > 1 (server.workers) serves on its parent's listening socket."""
@@ -60,6 +75,7 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
     from fusedserve.server.app import create_app
     from fusedserve.server.config import Settings
     from fusedserve.server.observability import configure_logging
+    from fusedserve.server.protocol import guarded
 
     try:
         settings = Settings()
@@ -67,6 +83,7 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, settings.log_format)
+    _open_files_to_the_hard_limit()
     if settings.workers > 1 and sockets is None:
         return workers.supervise(settings.workers, list(sys.argv[1:] if argv is None else argv), args.host,
                                  args.port, functools.partial(workers.run_worker, main))
@@ -74,7 +91,8 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
     # JSON logs: uvicorn's loggers propagate to the root's JSON handler instead of configuring their own format
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5)
+                            timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
+                            http=guarded(settings.header_timeout_s))
     service = app.state.service
     DrainingServer(config, service, settings.drain_delay_s).run(sockets=sockets)
     if service.load_error is not None:

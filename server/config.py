@@ -130,6 +130,9 @@ class Settings(BaseSettings):
                                      "read, tokenizing and the queue count): a body not received by then is a 408; "
                                      "inputs still waiting are answered 504 and never run (a batch already running "
                                      "gets 1 s of grace)")
+    header_timeout_s: float = Field(10.0, gt=0, description="seconds a connection may take to send a request's headers "
+                                    "(from connecting, or from the request's first byte); a connection still sending "
+                                    "them is closed")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit in bytes (413 beyond)")
     warmup: bool = Field(True, description="before ready: run the model once at every launch shape a batch can meet "
                          "(so no request pays a kernel compile or autotune), capture the first CUDA graphs, "

@@ -4,6 +4,7 @@ where an HTTP client would refuse to send the request."""
 
 from __future__ import annotations
 
+import resource
 import socket
 import time
 from pathlib import Path
@@ -127,3 +128,40 @@ def test_the_largest_allowed_requests_cost_a_bounded_amount_of_memory(server):
         assert _rss_mib(pid, "VmHWM") - before < 256, (path, _rss_mib(pid, "VmHWM"), before)
     r = httpx.post(server.url + "/tokenize", json={"inputs": "a " * (limit // 2 + 1)}, timeout=120)
     assert r.status_code == 413 and "max_request_chars" in r.json()["error"]
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(make_server):
+    srv = make_server(model="tiny", warmup=False, header_timeout_s=1.0)
+    host, port = srv.url.removeprefix("http://").split(":")
+    silent = socket.create_connection((host, int(port)), timeout=10)  # sends nothing at all
+    half = socket.create_connection((host, int(port)), timeout=10)
+    half.sendall(b"POST /infer HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")  # stops inside its headers
+    started = time.monotonic()
+    try:
+        for sock in (silent, half):
+            assert sock.recv(1024) == b""  # the server closed it
+        assert 0.9 < time.monotonic() - started < 5
+        # a keep-alive connection's second request gets the same deadline for its headers
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 1")
+            assert sock.recv(65536) == b""
+        # slow but in time is served
+        assert _status(_raw(srv, _post("/infer", b'{"inputs": "a"}'), pause_after=20, pause_s=0.5)) == 200
+    finally:
+        silent.close()
+        half.close()
+
+
+def test_the_server_raises_its_open_files_limit_to_the_hard_limit(make_server):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # the server inherits a low soft limit
+    try:
+        srv = make_server(model="tiny", warmup=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    line = next(text for text in Path(f"/proc/{srv.process.pid}/limits").read_text().splitlines()
+                if text.startswith("Max open files"))
+    limits = line.split()[3:5]
+    assert limits[0] == limits[1] or limits == [str(1 << 20), "unlimited"], line

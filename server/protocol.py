@@ -1,0 +1,51 @@
+"""The HTTP/1.1 connection: uvicorn's httptools protocol with a deadline for each request's headers. uvicorn times
+out a connection only while it is idle between two requests; one that connects and sends nothing, or half of its
+headers, was held for as long as the client liked, and 21,000 such connections took every file descriptor the
+process had. Each request's headers must now be complete within header_timeout_s of the connection opening or of
+the request's first byte, else the connection is closed (nginx's client_header_timeout, hyper's
+header_read_timeout). The body has its own deadline (server.app.BodyLimit)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+def guarded(timeout_s: float) -> type[HttpToolsProtocol]:
+    """The protocol class for uvicorn.Config(http=...), closing connections whose headers are late."""
+
+    class HeaderDeadline(HttpToolsProtocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(timeout_s, self._late)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _late(self) -> None:
+            self._deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
