@@ -30,6 +30,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import filelock
 import torch
 
 log = logging.getLogger("fusedserve.kernels")
@@ -206,6 +207,22 @@ def write_table(path: Path, table: dict) -> OSError | None:
     return None
 
 
+def merge_table(path: Path, valid: Callable[[object], bool], what: str, merge: Callable[[dict], None]
+                ) -> OSError | None:
+    """Read `path`, let `merge` add this process's entries to the table, write it back: under a lock file beside it,
+    so replicas sharing the cache directory never drop each other's entries (a read-merge-write of two processes at
+    once kept only the later writer's). The error when the directory is not writable, else None."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(str(path) + ".lock", timeout=60)
+        with lock:
+            table = read_table(path, valid, what)
+            merge(table)
+            return write_table(path, table)
+    except (OSError, filelock.Timeout) as exc:
+        return exc if isinstance(exc, OSError) else OSError(str(exc))
+
+
 def _triton_version() -> str:
     try:
         import triton
@@ -262,10 +279,11 @@ def save_triton(device: torch.device) -> None:
     if INTERPRET:
         return
     path = gpu_file("triton", device)
-    table = read_table(path, _valid_triton, "Triton tuning cache")
-    for name, entries in tuning_table().items():
-        table.setdefault(name, {}).update(entries)
-    error = write_table(path, table)
+
+    def merge(table: dict) -> None:
+        for name, entries in tuning_table().items():
+            table.setdefault(name, {}).update(entries)
+    error = merge_table(path, _valid_triton, "Triton tuning cache", merge)
     if error is not None:
         log.warning("cannot save the Triton tuning table %s (%s: %s); the next start tunes again", path,
                     type(error).__name__, error)
