@@ -47,12 +47,18 @@ class HeaderLimits:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = scope.get("headers") or ()
-        if len(headers) > MAX_HEADERS or sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES:
+        size, authorizations, declared = 0, 0, []
+        for key, value in headers:  # one pass: this runs on every request
+            size += len(key) + len(value)
+            if key == b"authorization":
+                authorizations += 1
+            elif key == b"content-length":
+                declared.append(value)
+        if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
             return await _reject(scope, send, 431, "headers_too_large",
                                  f"request headers over {MAX_HEADERS} fields or {MAX_HEADER_BYTES} bytes")
-        if sum(k == b"authorization" for k, _ in headers) > 1:
+        if authorizations > 1:
             return await _reject(scope, send, 400, "invalid_request", "more than one Authorization header")
-        declared = [v for k, v in headers if k == b"content-length"]
         if declared and (len(declared) > 1 or not ascii_int(declared[0])):
             return await _reject(scope, send, 400, "invalid_request", "Content-Length is not one number")
         if declared and int(declared[0]) > self.max_bytes:

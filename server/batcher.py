@@ -308,18 +308,18 @@ class Batcher:
                     continue
                 self._cond.wait()
                 continue
-            oldest = self._seed()
+            oldest, newcomers = self._seed()
             waited = time.monotonic() - oldest.enqueued
             # a newcomer's batch holds newcomers only: filled up with the large request's inputs it would take as
             # long as that request's own batches (on a CPU a batch's time grows with its tokens)
-            batch = self._choose(oldest, newcomers=oldest is not self._pending[0])
+            batch = self._choose(oldest, newcomers)
             longest, total = max(it.length for it in batch), sum(it.length for it in batch)
             full = len(batch) >= s.max_batch_requests or \
                 total + longest > s.max_batch_tokens or \
                 len(batch) < len(self._pending)
             if full or waited * 1e3 >= s.max_wait_ms or self._draining:
                 self._stepped = False  # the next block of a sample may run after this batch
-                self._oldest_next = oldest is not self._pending[0]  # a newcomer's turn: the oldest's next
+                self._oldest_next = newcomers  # a newcomer's turn: the oldest's next
                 taken = set(map(id, batch))
                 self._pending = [it for it in self._pending if id(it) not in taken]
                 self.metrics.queue_depth.set(len(self._pending))
@@ -391,15 +391,17 @@ class Batcher:
             alive.append(it)
         self._pending = alive
 
-    def _seed(self) -> Item:
-        """Under the lock: the input the next batch is built around. The oldest waiting input; but where a request
-        none of whose inputs has run yet is waiting (a newcomer), every other batch is built around its oldest
-        input: otherwise a one-input request that comes after a request of hundreds of long inputs waits for all
-        of that request's batches. Alternating keeps the large request moving while newcomers keep coming."""
+    def _seed(self) -> tuple[Item, bool]:
+        """Under the lock: the input the next batch is built around, and whether it is a newcomer's taking its turn
+        ahead of the oldest. The oldest waiting input; but where a request none of whose inputs has run yet is
+        waiting (a newcomer), every other batch is built around its oldest input: otherwise a one-input request that
+        comes after a request of hundreds of long inputs waits for all of that request's batches. Alternating keeps
+        the large request moving while newcomers keep coming."""
         oldest = self._pending[0]  # arrival order
         if self._oldest_next or oldest.job.started is None:
-            return oldest
-        return next((it for it in self._pending if it.job.started is None), oldest)
+            return oldest, False
+        newcomer = next((it for it in self._pending if it.job.started is None), None)
+        return (oldest, False) if newcomer is None else (newcomer, True)
 
     def _choose(self, oldest: Item, newcomers: bool = False) -> list[Item]:
         """The window of similar lengths around the oldest input (of newcomers only: _seed) that fits the token and
