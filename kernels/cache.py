@@ -186,10 +186,20 @@ def read_table(path: Path, valid: Callable[[object], bool], what: str) -> dict:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        # said once per file content: a table is read at start and again under the lock of each save
+        with contextlib.suppress(OSError):
+            stat = path.stat()
+            seen = (str(path), stat.st_mtime_ns, stat.st_size)
+            if seen in _reported:
+                return {}
+            _reported.add(seen)
         log.warning("%s %s is unreadable (%s: %s); starting from an empty table, the next save overwrites it",
                     what, path, type(exc).__name__, exc)
         return {}
     return table
+
+
+_reported: set[tuple[str, int, int]] = set()
 
 
 def write_table(path: Path, table: dict) -> OSError | None:

@@ -306,11 +306,10 @@ def _race(op: str, impls: Mapping[str, Callable], device: torch.device, dtype: t
         timings = timing_.interleaved_us(calls, device, timing="eager", calls=RACE_CALLS, rounds=RACE_ROUNDS)
     _race_cache[key] = (timings, how)
     if device.type == "cuda" and how == timing:  # a fallback timing is this start's makeshift, not kept
-        path = cache.gpu_file("races", device)
-        saved.update({k: v for k, v in cache.read_table(path, _valid_races, "race timings cache").items()
-                      if k not in saved})  # what other processes saved meanwhile
         saved[entry] = {"us": {n: round(us, 3) for n, us in timings.items()}, "how": how}
-        error = cache.write_table(path, saved)
+        # under the cache's lock: what other processes saved meanwhile is kept, and this race is added to it
+        error = cache.merge_table(cache.gpu_file("races", device), _valid_races, "race timings cache",
+                                  lambda table: table.update({entry: saved[entry]}))
         if error is not None:
             log.warning("cannot save the race timings (%s: %s); the next start races again", type(error).__name__,
                         error)

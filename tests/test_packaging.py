@@ -255,8 +255,6 @@ def runnable_modules() -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="fusedserve.kernels.cuda imports its build module, which is also the command "
-                   "`python -m fusedserve.kernels.cuda.build`: runpy then runs build.py a second time as __main__")
 def test_no_package_imports_a_module_that_runs_as_main():
     """`python -m NAME` imports NAME's package first and then runs NAME's file as __main__: were NAME imported by
     then, the process would hold that file twice (runpy warns "found in sys.modules ... prior to execution")."""

@@ -20,7 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+import filelock
 import torch
+
+from fusedserve.kernels.cuda import BuildUnavailable
 
 log = logging.getLogger("fusedserve.kernels.cuda")
 
@@ -31,10 +34,6 @@ NAME = "fusedserve_cuda"
 CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 _loaded: Path | None = None
-
-
-class BuildUnavailable(RuntimeError):
-    """The extension cannot be built or loaded here; the message says why."""
 
 
 def cache_root() -> Path:
@@ -91,11 +90,7 @@ def load(verbose: bool = False) -> Path:
         raise BuildUnavailable("this torch build has no CUDA support")
     directory = build_dir()
     if library_path().is_file():
-        started = time.perf_counter()
-        torch.ops.load_library(str(library_path()))
-        log.info("CUDA extension loaded from cache in %.1fs (%s)", time.perf_counter() - started, directory)
-        _loaded = directory
-        return directory
+        return _load_cached(directory)
     home = cuda_home()
     if home is None:
         raise BuildUnavailable("nvcc not found and no pre-built extension in the cache (set CUDA_HOME or put nvcc "
@@ -106,21 +101,52 @@ def load(verbose: bool = False) -> Path:
 
     if not cpp_extension.is_ninja_available():
         raise BuildUnavailable("building needs ninja (pip install ninja)")
-    directory.mkdir(parents=True, exist_ok=True)
+    # Replicas sharing the cache build once: the first takes the lock and builds, the others wait and then load its
+    # library. The build goes to a directory of this process's own, renamed into place when complete, so the
+    # lock-free check above never finds a library the linker is still writing.
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with filelock.FileLock(f"{directory}.lock", timeout=900):
+            if library_path().is_file():
+                return _load_cached(directory)
+            _build(cpp_extension, directory, verbose)
+    except (OSError, filelock.Timeout) as exc:
+        raise BuildUnavailable(f"cannot build into the cache {directory.parent} ({type(exc).__name__}: {exc})"
+                               ) from exc
+    _loaded = directory
+    return directory
+
+
+def _load_cached(directory: Path) -> Path:
+    global _loaded
+    started = time.perf_counter()
+    torch.ops.load_library(str(library_path()))
+    log.info("CUDA extension loaded from cache in %.1fs (%s)", time.perf_counter() - started, directory)
+    _loaded = directory
+    return directory
+
+
+def _build(cpp_extension, directory: Path, verbose: bool) -> None:
+    """nvcc over csrc/ into `directory`, through a temporary directory beside it (the build also loads the library
+    into this process)."""
+    staging = directory.with_name(f"{directory.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
     log.warning("building the CUDA extension into %s (first start for these sources; about a minute)...",
                 directory)
     started = time.perf_counter()
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", arch_list())
     try:
         cpp_extension.load(
-            name=NAME, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(directory),
+            name=NAME, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(staging),
             extra_cflags=["-O3"], extra_cuda_cflags=CUDA_FLAGS, extra_include_paths=[str(CSRC)],
             is_python_module=False, verbose=verbose)
     except Exception as exc:  # a compiler error is long: keep its tail, which names the failing line
+        shutil.rmtree(staging, ignore_errors=True)
         raise BuildUnavailable(f"building the extension failed: {str(exc)[-2000:]}") from exc
+    shutil.rmtree(directory, ignore_errors=True)  # an interrupted build's leftovers (no library: checked above)
+    staging.rename(directory)
     log.info("CUDA extension built in %.1fs (%s)", time.perf_counter() - started, directory)
-    _loaded = directory
-    return directory
 
 
 def main(argv: list[str] | None = None) -> int:

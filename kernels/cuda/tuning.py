@@ -90,10 +90,11 @@ class Tuner:
             self._table.update(cache.read_table(self._file, _valid_table, "CUDA tuning cache"))
         return self._file
 
-    def _save(self) -> None:
-        # kernels.cache.write_table: a reader never sees half a file, and replicas sharing the cache directory never
-        # write into each other's temporary file. A read-only cache only costs a re-tune next start: said once.
-        error = cache.write_table(self._file, self._table)
+    def _save(self, key: str) -> None:
+        # kernels.cache.merge_table: under a lock file, so replicas sharing the cache directory keep each other's
+        # entries, and a reader never sees half a file. A read-only cache only costs a re-tune next start: said once.
+        error = cache.merge_table(self._file, _valid_table, "CUDA tuning cache",
+                                  lambda table: table.update({key: self._table[key]}))
         if error is not None and not self._save_failed:
             log.warning("cannot save the CUDA tuning cache %s (%s: %s); tuned configs last only this process",
                         self._file, type(error).__name__, error)
@@ -132,7 +133,7 @@ class Tuner:
                                 "candidates": len(timings)}
             log.info("cuda tune %s x %d rows: %s %.2f us (heuristic %s %.2f us, %d candidates)", key, rows, best,
                      timings[best], candidates[0], timings.get(candidates[0], float("nan")), len(timings))
-            self._save()
+            self._save(key)
             self._chosen[fast_key] = best
             return best
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -53,3 +55,58 @@ def test_missing_toolkit_is_a_reason(monkeypatch):
     monkeypatch.setattr(build, "library_path", lambda: build.Path("/nonexistent/fusedserve_cuda.so"))
     with pytest.raises(build.BuildUnavailable, match="nvcc not found and no pre-built extension"):
         build.load()
+
+
+@pytest.fixture
+def fake_toolchain(monkeypatch, tmp_path):
+    """build.load with nvcc replaced by a slow fake: it 'links' the library in two writes, as a linker does."""
+    from torch.utils import cpp_extension
+
+    builds, loaded = [], []
+
+    def link(name, sources, build_directory, **kwargs):
+        library = build.Path(build_directory) / f"{name}.so"
+        builds.append(build_directory)
+        library.write_bytes(b"\x7fELF half")
+        seen_while_linking.append(build.library_path().exists())
+        time.sleep(0.3)
+        with library.open("ab") as f:
+            f.write(b" and the rest")
+        loaded.append(str(library))
+
+    seen_while_linking: list[bool] = []
+    monkeypatch.setenv("FUSEDSERVE_CUDA_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    monkeypatch.setattr(build, "_loaded", None)
+    monkeypatch.setattr(build, "cuda_home", lambda: tmp_path)
+    monkeypatch.setattr(build.torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "load", link)
+    monkeypatch.setattr(build.torch.ops, "load_library", loaded.append)
+    return builds, loaded, seen_while_linking
+
+
+def test_a_library_being_linked_is_never_at_the_path_other_processes_load(fake_toolchain):
+    builds, loaded, seen_while_linking = fake_toolchain
+    directory = build.load()
+    assert seen_while_linking == [False]  # the build wrote elsewhere and was renamed into place whole
+    assert build.library_path().read_bytes() == b"\x7fELF half and the rest"
+    assert directory == build.build_dir() and not list(directory.parent.glob("*.tmp"))
+
+
+def test_replicas_sharing_the_cache_build_once(fake_toolchain, monkeypatch):
+    builds, loaded, _ = fake_toolchain
+    results, start = [], threading.Barrier(3)
+
+    def replica():
+        start.wait()
+        build._loaded = None  # each thread plays a process of its own
+        results.append(build.load())
+
+    threads = [threading.Thread(target=replica) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(results) == 3 and len(builds) == 1, builds  # the others waited on the lock, then loaded its library
+    assert str(build.library_path()) in loaded
