@@ -203,10 +203,12 @@ def request_body(payload: str, rows: list) -> tuple[str, dict]:
 async def closed_loop(urls: str | list[str], texts: list, clients: int, seconds: float, per_request: int,
                       count_tokens: list[int] | None = None, seed: int = 1, payload: str = "text") -> dict:
     """`clients` connections, each sending its next request when the last is answered, for `seconds`. Every
-    client has its own connection (one httpx client each: a shared pool costs the load generator time that grows
-    with the number of connections); with several servers (replicas) the clients are spread over them in turn,
-    as a Kubernetes Service spreads connections. `texts` are strings, or token-id lists for payload "ids";
-    `count_tokens[i]` is the token count of `texts[i]`."""
+    client is an aiohttp session of one connection (httpx costs the load generator several times aiohttp's CPU
+    per request, which on a shared host leaks into the latencies measured); with several servers (replicas) the
+    clients are spread over them in turn, as a Kubernetes Service spreads connections. `texts` are strings, or
+    token-id lists for payload "ids"; `count_tokens[i]` is the token count of `texts[i]`."""
+    import aiohttp
+
     urls = [urls] if isinstance(urls, str) else urls
     latencies: list[float] = []
     errors = sent = 0
@@ -215,19 +217,22 @@ async def closed_loop(urls: str | list[str], texts: list, clients: int, seconds:
 
     async def client_loop(url: str) -> None:
         nonlocal errors, sent
-        async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1)) as client:
+        async with aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=1),
+                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
             while time.monotonic() < stop:
                 picked = [rng.randrange(len(texts)) for _ in range(per_request)]
                 route, body = request_body(payload, [texts[i] for i in picked])
                 t = time.perf_counter()
                 try:
-                    r = await client.post(route, json=body)
-                except httpx.HTTPError as exc:  # counted, and the run goes on: the report says how many
+                    async with session.post(route, json=body) as r:
+                        await r.read()
+                        status = r.status
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # counted, and the run goes on
                     errors += 1
                     print(f"client error: {type(exc).__name__}: {exc}", file=sys.stderr)
                     await asyncio.sleep(0.1)  # back off a server that refuses connections
                     continue
-                if r.status_code == 200:
+                if status == 200:
                     latencies.append(time.perf_counter() - t)
                     if count_tokens is not None:
                         sent += sum(count_tokens[i] for i in picked)

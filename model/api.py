@@ -11,6 +11,7 @@ no kernel code until it loads a model.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -120,7 +121,7 @@ class Rows:
         if second is None:
             second = [getattr(r, "second", None) for r in rows]
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        ids = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(lengths.sum()))
+        ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
         if any(s is not None for s in second):
             second = np.array([len(r) if s is None else s for r, s in zip(rows, second)], dtype=np.int64)
         else:
