@@ -162,10 +162,10 @@ def _log_tail(path: str, chars: int = 3000) -> str:
 
 @contextlib.contextmanager
 def running_servers(count: int, log: str = os.devnull, *, launch: ServerLaunch = CURRENT,
-                    ready_timeout_s: float = 480, **settings: str):
+                    ready_timeout_s: float = 480, log_level: str = "warning", **settings: str):
     """`count` servers (this tree's `fusedserve serve` unless `launch` says otherwise) on free loopback ports with
     FUSEDSERVE_* settings, started together (replicas on one machine, as a Kubernetes node runs several pods), all
-    writing to `log`. Yields [(process, url)] once every one is ready (a first start on a fresh GPU machine compiles,
+    writing to `log` (at `log_level`: "info" keeps the start-up report). Yields [(process, url)] once every one is ready (a first start on a fresh GPU machine compiles,
     self-tests and races the kernels before it is)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
     env.pop("TRITON_INTERPRET", None)  # the harness's own switch on a CPU: a server chooses kernels as deployed
@@ -174,7 +174,7 @@ def running_servers(count: int, log: str = os.devnull, *, launch: ServerLaunch =
     try:
         for _ in range(count):
             port = free_port()
-            process = subprocess.Popen([*launch.argv, "--port", str(port), "--log-level", "warning"], env=env,
+            process = subprocess.Popen([*launch.argv, "--port", str(port), "--log-level", log_level], env=env,
                                        cwd=launch.cwd, stdout=handle, stderr=subprocess.STDOUT)
             servers.append((process, f"http://127.0.0.1:{port}"))
         deadline = time.monotonic() + ready_timeout_s

@@ -391,7 +391,8 @@ def startup_scenario(args: argparse.Namespace, save) -> None:
     rows = []
     for start in ("cold", "warm"):
         started = time.monotonic()
-        with running_servers(1, log_path(args, f"startup-{start}"), **env) as servers:
+        # at info: the log keeps the start-up report, whose phases say where the time to ready went
+        with running_servers(1, log_path(args, f"startup-{start}"), log_level="info", **env) as servers:
             row = {"start": start, "ready_s": time.monotonic() - started, **_cache_contents(Path(cache))}
             url = servers[0][1]
             if start == "cold":
