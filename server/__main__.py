@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
                             timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
-                            http=guarded(settings.header_timeout_s))
+                            http=guarded(settings.header_timeout_s, settings.max_connections))
     service = app.state.service
     DrainingServer(config, service, settings.drain_delay_s).run(sockets=sockets)
     if service.load_error is not None:

@@ -24,6 +24,7 @@ from fusedserve.server.config import Settings
 from fusedserve.server.heap import LARGE_BODY_BYTES, HeapTrimmer
 from fusedserve.server.errors import ServiceError, ascii_int, error_response, service_error_response
 from fusedserve.server.observability import CURRENT, TIMING_HEADERS, RequestRecord, request_id
+from fusedserve.server.protocol import OVER_CAPACITY
 from fusedserve.server.routes import admin, health, infer, kserve, openai, rerank, tei
 from fusedserve.server.service import VERSION, Service
 
@@ -38,7 +39,8 @@ MAX_HEADERS, MAX_HEADER_BYTES = 100, 32 * 1024
 class HeaderLimits:
     """Pure ASGI middleware, before anything reads the request: at most MAX_HEADERS headers of MAX_HEADER_BYTES in
     all (431); one Authorization header (400: the API-key and admin checks must read the same one); one
-    Content-Length of ASCII digits (400), not over max_body_bytes (413)."""
+    Content-Length of ASCII digits (400), not over max_body_bytes (413). A request the connection layer marked as
+    arriving past max_connections (server.protocol) is answered 503 and its connection closed, unless it is a probe."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -46,6 +48,10 @@ class HeaderLimits:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope.get(OVER_CAPACITY) and scope["path"] not in PROBE_PATHS:
+            response = error_response(scope["path"], 503, "overloaded", "too many open connections; retry shortly",
+                                      headers={"Retry-After": "1", "Connection": "close"})
+            return await response(scope, receive, send)
         headers = scope.get("headers") or ()
         size, authorizations, declared = 0, 0, []
         for key, value in headers:  # one pass: this runs on every request

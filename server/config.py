@@ -133,6 +133,9 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(10.0, gt=0, description="seconds a connection may take to send a request's headers "
                                     "(from connecting, or from the request's first byte); a connection still sending "
                                     "them is closed")
+    max_connections: int = Field(4096, ge=1, description="open connections a worker serves requests on; past it the "
+                                 "probes and /metrics are still answered, any other request gets a 503 (with "
+                                 "Retry-After) and its connection closed, and a new connection has 1 s for its headers")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit in bytes (413 beyond)")
     warmup: bool = Field(True, description="before ready: run the model once at every launch shape a batch can meet "
                          "(so no request pays a kernel compile or autotune), capture the first CUDA graphs, "

@@ -4,6 +4,7 @@ where an HTTP client would refuse to send the request."""
 
 from __future__ import annotations
 
+import json
 import resource
 import socket
 import time
@@ -170,3 +171,29 @@ def test_the_server_raises_its_open_files_limit_to_the_hard_limit(make_server):
                 if text.startswith("Max open files"))
     limits = line.split()[3:5]
     assert limits[0] == limits[1] or limits == [str(1 << 20), "unlimited"], line
+
+
+def test_past_max_connections_the_probes_are_answered_and_other_requests_get_a_503(make_server):
+    srv = make_server(model="tiny", warmup=False, max_connections=3)
+    host, port = srv.url.removeprefix("http://").split(":")
+    held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]  # the cap, idle
+    try:
+        time.sleep(0.2)  # accepted by the server's loop
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert _status(_raw(srv, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())) == 200
+        answer = _raw(srv, _post("/infer", b'{"inputs": "a"}'))  # the connection is closed after the answer
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert _status(answer) == 503 and b"retry-after: 1" in head.lower(), answer[:300]
+        assert json.loads(body)["error"]["type"] == "overloaded"
+        # a connection opened past the cap gets a short deadline for its headers
+        late = socket.create_connection((host, int(port)), timeout=10)
+        started = time.monotonic()
+        assert late.recv(1024) == b"" and time.monotonic() - started < 5
+        late.close()
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 15  # once the held connections are gone (or timed out), requests are served again
+    while _status(_raw(srv, _post("/infer", b'{"inputs": "a"}'))) != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
