@@ -244,6 +244,12 @@ def single_table(block: dict) -> str:
     return _table(["client", "request", "p50 ms", "p99 ms"], rows)
 
 
+def head_of_line_table(block: dict) -> str:
+    rows = [[r["client"], r["beside"], str(r["requests"]), f"{_f(r['p50_ms'])} / {_f(r['p99_ms'])}",
+             _f(r["max_ms"]), ", ".join(f"{k}: {v}" for k, v in r["failed"].items()) or "0"] for r in block["results"]]
+    return _table(["client", "beside", "requests", "p50 / p99 ms", "max ms", "failed"], rows)
+
+
 def _sharing_table(label: str, column: str) -> Callable[[dict], str]:
     """`replicas` (servers) and `workers` (WORKERS of one server): one row per count and payload."""
     def table(block: dict) -> str:
@@ -290,7 +296,7 @@ TABLES: dict[tuple[str, str], Callable[[dict], str]] = {
     ("encoder", "profile"): profile_table, ("serve", "closed-loop"): closed_loop_table,
     ("serve", "single"): single_table, ("serve", "replicas"): _sharing_table("replicas", "servers"),
     ("serve", "workers"): _sharing_table("workers", "WORKERS"), ("serve", "soak"): soak_table,
-    ("serve", "openai-load"): openai_load_table,
+    ("serve", "openai-load"): openai_load_table, ("serve", "head-of-line"): head_of_line_table,
 }
 
 

@@ -20,6 +20,9 @@ Scenarios:
                the same clients, at each of --peer-clients: tokens/s, texts/s, p50/p99 and ours/Infinity per count
                (bench/peer.py). Infinity's wheels: `bash bench/peer-wheels.sh` (-> .whl-infinity/), installed with
                pip's --target into the folder --infinity-site names
+  head-of-line one client sending a one-input request every --gap-ms, first alone, then while another sends the
+               largest requests the limits allow (max_client_batch inputs of max_request_chars in all) back to back:
+               the one input's p50/p99 beside the large requests', at the server's default batch limits
   openai-load  POST /v1/embeddings (float JSON) from aiohttp clients in load-generator processes of their own, at
                each of --openai-points (CLIENTSxTEXTS; 1x1 is single sequential requests), over 5-200-word texts;
                with --baseline DIR, an older tree's server started in turn with ours, the medians of --starts starts
@@ -34,6 +37,7 @@ import collections
 import contextlib
 import http.client
 import json
+import math
 import os
 import shutil
 import signal
@@ -51,7 +55,7 @@ from bench import results as store
 from bench.harness import (load, log_path, mixed_texts, on_cuda, percentiles_ms, request_body, running_servers,
                            sentences, server_settings, traffic)
 
-SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer", "openai-load")
+SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer", "openai-load", "head-of-line")
 DEFAULT_SCENARIOS = ("closed-loop", "single", "workers")
 
 
@@ -408,6 +412,80 @@ def startup_scenario(args: argparse.Namespace, save) -> None:
     save(rows, {"cache_dir": "a fresh temporary directory"}, True)
 
 
+async def _one_beside_large(url: str, one: str, large: list[str] | None, seconds: float, gap_s: float) -> dict:
+    """One client posting `one` to /infer every gap_s for `seconds` (its latencies), and, with `large`, another
+    posting `large` back to back meanwhile (its latencies too). aiohttp, one connection each."""
+    import aiohttp
+
+    stop = time.monotonic() + seconds
+    small_s: list[float] = []
+    large_s: list[float] = []
+    failed: collections.Counter = collections.Counter()
+
+    async def post(session: aiohttp.ClientSession, texts: list[str], into: list[float]) -> None:
+        t = time.perf_counter()
+        async with session.post("/infer", json={"inputs": texts}) as r:
+            await r.read()
+            if r.status == 200:
+                into.append(time.perf_counter() - t)
+            else:
+                failed[str(r.status)] += 1
+
+    def session() -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=1),
+                                     timeout=aiohttp.ClientTimeout(total=120))
+
+    async def small() -> None:
+        async with session() as s:
+            while time.monotonic() < stop:
+                started = time.monotonic()
+                await post(s, [one], small_s)
+                await asyncio.sleep(max(0.0, gap_s - (time.monotonic() - started)))
+
+    async def big() -> None:
+        async with session() as s:
+            while time.monotonic() < stop:
+                await post(s, large, large_s)
+
+    await asyncio.gather(small(), *([big()] if large else []))
+    return {"small": small_s, "large": large_s, "failed": dict(failed)}
+
+
+def head_of_line_scenario(args: argparse.Namespace, save) -> None:
+    """A one-input request's latency, alone and beside the largest requests the server accepts, at the server's
+    default batch limits (a CPU device batches 2048 tokens: the suite's --max-batch-tokens is not passed)."""
+    from fusedserve.server.config import Settings
+
+    defaults = Settings.model_fields
+    inputs = defaults["max_client_batch"].default
+    chars = defaults["max_request_chars"].default // inputs
+    words = sentences(4096, 40, seed=3)
+    large = [(" ".join(words[i:i + 40]))[:chars] for i in range(inputs)]
+    one = sentences(1, 20)[0]
+    settings = {k: v for k, v in server_settings(args).items()
+                if k not in ("max_batch_tokens", "max_batch_requests", "max_client_batch")}
+    rows = []
+    with running_servers(1, log_path(args, "head-of-line"), **settings) as servers:
+        url = servers[0][1]
+        asyncio.run(_one_beside_large(url, one, large[:4], 2.0, args.gap_ms / 1e3))  # warm: compiles, first batches
+        for beside in (False, True):
+            got = asyncio.run(_one_beside_large(url, one, large if beside else None, args.seconds, args.gap_ms / 1e3))
+            row = {"client": "one input", "beside": "the largest requests" if beside else "nothing",
+                   "requests": len(got["small"]), **percentiles_ms(got["small"]),
+                   "max_ms": max(got["small"], default=math.nan) * 1e3, "failed": got["failed"]}
+            rows.append(row)
+            if beside:
+                rows.append({"client": f"{inputs} inputs of {chars} characters", "beside": "one input",
+                             "requests": len(got["large"]), **percentiles_ms(got["large"]),
+                             "max_ms": max(got["large"], default=math.nan) * 1e3, "failed": got["failed"]})
+            for r in rows[-1 - beside:]:
+                print(f"[head-of-line] {r['client']} beside {r['beside']}: {r['requests']} requests, p50 "
+                      f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms",
+                      file=sys.stderr, flush=True)
+            save(rows, {"gap_ms": args.gap_ms, "large_inputs": inputs, "large_chars_each": chars}, False)
+    save(rows, {"gap_ms": args.gap_ms, "large_inputs": inputs, "large_chars_each": chars}, True)
+
+
 def _mps() -> bool:
     """A CUDA MPS control daemon answers on this process's pipe directory (the servers' contexts then share the GPU
     through it)."""
@@ -537,6 +615,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-requests", type=int, default=1000,
                         help="startup: sequential single requests timed after the cold start")
     parser.add_argument("--soak-clients", type=int, default=200)
+    parser.add_argument("--gap-ms", type=float, default=50.0,
+                        help="head-of-line: the one-input client's pause between requests")
     parser.add_argument("--cancel-rate", type=float, default=0.1, help="soak: share of requests given up early")
     parser.add_argument("--soak-atol", type=float,
                         help="soak: largest element difference from the single-request embedding that counts as "
@@ -560,7 +640,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device)) if on_cuda(args) else None)
     scenarios = {"closed-loop": closed_loop_scenario, "single": single_scenario, "workers": workers_scenario,
                  "peer": peer.peer_scenario, "openai-load": openai_load.openai_load_scenario,
-                 "replicas": replicas_scenario, "soak": soak_scenario, "startup": startup_scenario}
+                 "replicas": replicas_scenario, "soak": soak_scenario, "startup": startup_scenario,
+                 "head-of-line": head_of_line_scenario}
     started = time.monotonic()
     for scenario in args.scenarios or DEFAULT_SCENARIOS:
         head = store.header(args.device, argv)
@@ -575,7 +656,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                                       "payloads": args.payloads},
                          "soak": {"clients": args.soak_clients, "cancel_rate": args.cancel_rate},
                          "peer": peer.settings(args), "openai-load": openai_load.settings(args),
-                         "startup": {"first_requests": args.first_requests}}[scenario])
+                         "startup": {"first_requests": args.first_requests},
+                         "head-of-line": {"gap_ms": args.gap_ms}}[scenario])
         if scenario == "openai-load":  # its points say how many texts a request carries
             del settings["per_request"]
 

@@ -15,13 +15,14 @@ def test_scenarios_against_real_servers(tmp_path):
     common = ["--device", "cpu", "--model", "tiny", "--setting", "torch_threads=1", "--setting", "backend=torch",
               "--seconds", "1.5",
               "--texts", "48", "--max-words", "12", "--per-request", "2", "--out", str(out)]
-    assert main(["serve", "closed-loop", "single", "workers", "replicas", "soak", "startup", *common, "--clients",
+    assert main(["serve", "closed-loop", "single", "workers", "replicas", "soak", "startup", "head-of-line", *common,
+                 "--gap-ms", "50", "--clients",
                  "4", "--payloads", "text", "ids", "--single-count", "12", "--replica-counts", "2",
                  "--worker-counts", "2", "--replica-clients", "4", "--soak-clients", "8", "--cancel-rate", "0.2", "--first-requests", "8",
                  "--log-dir", str(tmp_path)]) == 0
     doc = store.load(out)
-    assert store.validate(doc) == [] and list(doc["scenarios"]) == ["closed-loop", "replicas", "single", "soak",
-                                                                 "startup", "workers"]
+    assert store.validate(doc) == [] and list(doc["scenarios"]) == ["closed-loop", "head-of-line", "replicas",
+                                                                 "single", "soak", "startup", "workers"]
     assert all(b["complete"] for b in doc["scenarios"].values())
 
     loop = doc["scenarios"]["closed-loop"]
@@ -59,3 +60,10 @@ def test_scenarios_against_real_servers(tmp_path):
     assert len(slowest) == 8 and [r["index"] for r in slowest] == list(range(8))  # fewer than 12: all, in order
     assert max(r["ms"] for r in slowest) == pytest.approx(cold["first_requests"]["max_ms"], abs=0.01)
     assert (tmp_path / "serve-startup-cold.log").is_file() and (tmp_path / "serve-startup-warm.log").is_file()
+
+    alone, beside, large = doc["scenarios"]["head-of-line"]["results"]
+    assert (alone["beside"], beside["beside"], large["beside"]) == ("nothing", "the largest requests", "one input")
+    assert alone["requests"] > 0 and beside["requests"] > 0 and large["requests"] > 0
+    assert alone["failed"] == beside["failed"] == {} and beside["p99_ms"] <= beside["max_ms"]
+    summary = doc["scenarios"]["head-of-line"]["summary"]
+    assert summary["large_inputs"] * summary["large_chars_each"] <= 512 * 1024  # within max_request_chars
