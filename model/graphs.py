@@ -6,7 +6,8 @@ steps, eighth steps above 1024 tokens); filler tokens and sequences go to scratc
 With varlen attention (fp16/bf16 on CUDA, the default; "fused" attention buckets the same way) the row count is
 rounded up to a power of 4 and seq is min(model's longest, tokens): the longest row only bounds the attention grid,
 so a bucket is really (tokens, batch) and every reachable one can be captured ahead of traffic (`capture_all` for
-the first few before ready, `capture_next` for the rest after, while the model is idle). With pad attention the row
+the first few before ready, `capture_next` for the rest after, while the model is idle, the buckets traffic has
+already asked for first; one that batches keep missing is captured on the spot). With pad attention the row
 count goes to a power of two and the longest row to SEQ_BUCKETS (the padded block is batch x seq): too many to
 capture ahead, so those are captured on first use. `dense` marks a batch that fills its bucket exactly (equal-length
 rows, e.g. one input truncated at the model's limit): its graph runs attention without a mask and without the
@@ -25,7 +26,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,11 @@ log = logging.getLogger("fusedserve.model")
 SEQ_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
+# While captures are deferred (the owner captures ahead, when idle), a batch whose bucket is missing runs eagerly;
+# the bucket of one that has come this many times is captured on the spot. Under traffic that never leaves the model
+# idle the buckets it needs would otherwise wait for the deferral to end, every batch of theirs eager meanwhile (an
+# eager batch of ~100 inputs costs several times its replay; one capture, a few eager batches).
+CAPTURE_AFTER_MISSES = 4
 FINE_BUCKETS_FROM = 1024  # token counts above this get eighth-power-of-two steps
 
 
@@ -105,6 +111,7 @@ class CudaGraphs:
         # a batch whose bucket is not held is captured on the spot, except until this time.monotonic() deadline,
         # while the owner captures them ahead of traffic (it runs eagerly then: a request does not wait for a capture)
         self.defer_captures_until = 0.0
+        self.missed: Counter[tuple[int, int, int, bool]] = Counter()  # deferred buckets' eager batches, per bucket
         self.captures = self.evictions = self.eager_fallbacks = self.replays = 0
         self.capture_seconds = 0.0
         self.pool_bytes = 0  # growth of reserved device memory while capturing: what the graphs hold
@@ -150,9 +157,11 @@ class CudaGraphs:
         return keys
 
     def pending(self) -> list[tuple[int, int, int, bool]]:
-        """The reachable buckets not captured yet, as many as max_graphs leaves room for, in order of need: single
-        requests first (batch bucket 1, shortest first), then ever larger batches."""
-        keys = sorted((k for k in self.reachable_keys() if k not in self.graphs), key=lambda k: (k[1], k[0], k[3]))
+        """The reachable buckets not captured yet, as many as max_graphs leaves room for, in order of need: those
+        traffic has missed (most missed first), then single requests (batch bucket 1, shortest first), then ever
+        larger batches."""
+        keys = sorted((k for k in self.reachable_keys() if k not in self.graphs),
+                      key=lambda k: (-self.missed[k], k[1], k[0], k[3]))
         return keys[: max(self.max_graphs - len(self.graphs), 0)]
 
     def capture_all(self, progress: Callable[[int, int], None] | None = None, limit: int | None = None) -> int:
@@ -185,8 +194,10 @@ class CudaGraphs:
         entry = self.graphs.get(key)
         if entry is None:
             if time.monotonic() < self.defer_captures_until:  # captured ahead: this batch runs eagerly meanwhile
-                self.eager_fallbacks += 1
-                return None
+                self.missed[key] += 1
+                if self.missed[key] < CAPTURE_AFTER_MISSES:
+                    self.eager_fallbacks += 1
+                    return None
             entry = self._capture(key)
         self.graphs.move_to_end(key)
         tokens, batch, seq, _ = key

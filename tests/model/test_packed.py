@@ -3,6 +3,8 @@ CUDA-graph-style buckets (filler tokens and filler sequences), and the bucket ar
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -327,3 +329,36 @@ def test_pending_buckets_come_in_order_of_need_and_stop_at_the_limits():
     assert [k[1] for k in every] == sorted(k[1] for k in every)
     few = CudaGraphs(enc, torch.device("cpu"), max_tokens=8192, max_batch=64, attention="varlen", max_graphs=5)
     assert few.pending() == every[:5]
+
+
+def test_a_bucket_traffic_keeps_missing_is_captured_first_or_on_the_spot(monkeypatch):
+    """While the owner captures ahead (when idle), a batch without its graph runs eagerly; the buckets batches have
+    missed come first in the capture order, and one missed CAPTURE_AFTER_MISSES times is captured on the spot (under
+    traffic that never leaves the model idle it would otherwise run eagerly until the deferral ends)."""
+    from fusedserve.model import graphs as graphs_module
+
+    enc = Encoder(EncoderConfig.from_name("minilm-l6"))
+    graphs = CudaGraphs(enc, torch.device("cpu"), max_tokens=8192, max_batch=64, attention="varlen")
+    captured = []
+
+    class Captured(Exception):
+        pass
+
+    def capture(key):
+        captured.append(key)
+        raise Captured  # what follows a capture needs a GPU; reaching it is the point
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    graphs.defer_captures_until = time.monotonic() + 60
+    big = [[1] * 100] * 40
+    key = graphs.bucket(big)
+    assert graphs.pending()[0][1] == 1  # nothing missed yet: single requests first
+    for _ in range(graphs_module.CAPTURE_AFTER_MISSES - 1):
+        assert graphs.run(big) is None  # eager meanwhile
+    assert graphs.pending()[0] == key and graphs.eager_fallbacks == graphs_module.CAPTURE_AFTER_MISSES - 1
+    with pytest.raises(Captured):
+        graphs.run(big)
+    assert captured == [key]
+    graphs.defer_captures_until = 0.0  # after the deferral every missing bucket is captured at once, as before
+    with pytest.raises(Captured):
+        graphs.run([[1] * 5])
