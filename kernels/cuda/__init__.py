@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import importlib
 
+from fusedserve.kernels.cuda.errors import BuildUnavailable
 from fusedserve.kernels.spec import launcher_modules
 
-
-class BuildUnavailable(RuntimeError):
-    """The extension cannot be built or loaded here; the message says why. Defined here rather than in build.py,
-    which is also the command `python -m fusedserve.kernels.cuda.build`: a package that imported its own command's
-    module would have runpy execute that file a second time as __main__."""
 
 
 def load(verbose: bool = False) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 import filelock
 import torch
 
-from fusedserve.kernels.cuda import BuildUnavailable
+from fusedserve.kernels.cuda.errors import BuildUnavailable
 
 log = logging.getLogger("fusedserve.kernels.cuda")
 
