@@ -49,13 +49,23 @@ def traffic(args: argparse.Namespace, low: int = 1) -> list[str]:
     return mixed_texts(args.texts, low=min(low, args.max_words), high=args.max_words)
 
 
-def percentiles_ms(latencies: list[float]) -> dict[str, float]:
-    """p50 and p99 of latencies in seconds, in ms (the exclusive method of statistics.quantiles); NaN for fewer
-    than two samples."""
+def percentiles_ms(latencies: list[float], method: str = "exclusive") -> dict[str, float]:
+    """p50 and p99 of latencies in seconds, in ms (statistics.quantiles' `method`: "inclusive" stays within the
+    samples, where the exclusive one extrapolates past the largest of the few dozen a slow point yields); NaN for
+    fewer than two samples."""
     if len(latencies) < 2:
         return {"p50_ms": math.nan, "p99_ms": math.nan}
-    q = statistics.quantiles(latencies, n=100)
+    q = statistics.quantiles(latencies, n=100, method=method)
     return {"p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3}
+
+
+def one_connection_session(url: str):
+    """An aiohttp session of one connection, the load generators' client: httpx costs a client several times
+    aiohttp's CPU per request, which on a shared host leaks into the latencies measured."""
+    import aiohttp
+
+    return aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=1),
+                                 timeout=aiohttp.ClientTimeout(total=120))
 
 
 # Two servers said to serve the same model (another system beside ours, an older tree beside this one) must give the
@@ -165,7 +175,8 @@ def running_servers(count: int, log: str = os.devnull, *, launch: ServerLaunch =
                     ready_timeout_s: float = 480, log_level: str = "warning", **settings: str):
     """`count` servers (this tree's `fusedserve serve` unless `launch` says otherwise) on free loopback ports with
     FUSEDSERVE_* settings, started together (replicas on one machine, as a Kubernetes node runs several pods), all
-    writing to `log` (at `log_level`: "info" keeps the start-up report). Yields [(process, url)] once every one is ready (a first start on a fresh GPU machine compiles,
+    writing to `log` (at `log_level`: "info" keeps the start-up report). Yields [(process, url)] once every one is
+    ready (a first start on a fresh GPU machine compiles,
     self-tests and races the kernels before it is)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
     env.pop("TRITON_INTERPRET", None)  # the harness's own switch on a CPU: a server chooses kernels as deployed
@@ -203,9 +214,7 @@ def request_body(payload: str, rows: list) -> tuple[str, dict]:
 async def closed_loop(urls: str | list[str], texts: list, clients: int, seconds: float, per_request: int,
                       count_tokens: list[int] | None = None, seed: int = 1, payload: str = "text") -> dict:
     """`clients` connections, each sending its next request when the last is answered, for `seconds`. Every
-    client is an aiohttp session of one connection (httpx costs the load generator several times aiohttp's CPU
-    per request, which on a shared host leaks into the latencies measured); with several servers (replicas) the
-    clients are spread over them in turn, as a Kubernetes Service spreads connections. `texts` are strings, or
+    client is one_connection_session's; with several servers (replicas) the clients are spread over them in turn, as a Kubernetes Service spreads connections. `texts` are strings, or
     token-id lists for payload "ids"; `count_tokens[i]` is the token count of `texts[i]`."""
     import aiohttp
 
@@ -217,8 +226,7 @@ async def closed_loop(urls: str | list[str], texts: list, clients: int, seconds:
 
     async def client_loop(url: str) -> None:
         nonlocal errors, sent
-        async with aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=1),
-                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async with one_connection_session(url) as session:
             while time.monotonic() < stop:
                 picked = [rng.randrange(len(texts)) for _ in range(per_request)]
                 route, body = request_body(payload, [texts[i] for i in picked])

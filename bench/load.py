@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from bench.harness import one_connection_session
+
 
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -37,8 +39,7 @@ class Answer:
 
 async def run_clients(url: str, pool: list[str], clients: int, seconds: float, cancel_rate: float, seed: int = 1
                       ) -> tuple[list[tuple[list[str], Answer, float]], int]:
-    """Closed-loop clients, each an aiohttp session of one connection (the load generator's own CPU cost stays
-    small beside the server's); returns [(texts, answer, seconds)] for requests not cancelled, and the count of
+    """Closed-loop clients, each a session of one connection (bench.harness.one_connection_session); returns [(texts, answer, seconds)] for requests not cancelled, and the count of
     cancelled ones."""
     import aiohttp
 
@@ -54,8 +55,7 @@ async def run_clients(url: str, pool: list[str], clients: int, seconds: float, c
 
     async def client_loop() -> None:
         nonlocal cancelled
-        async with aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=1),
-                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async with one_connection_session(url) as session:
             while time.monotonic() < stop:
                 texts = rng.sample(pool, rng.randint(1, 3))
                 if rng.random() < cancel_rate:

@@ -32,7 +32,8 @@ import httpx
 
 from bench import results as store
 from bench.harness import (CURRENT, SAME_MODEL_MIN_COSINE, ClientProcesses, client_shares, extra_settings, log_path,
-                           merge_runs, min_cosine, percentiles_ms, running_servers, sentences, traffic, tree_launch)
+                           merge_runs, min_cosine, one_connection_session, percentiles_ms, running_servers, sentences,
+                           traffic, tree_launch)
 
 ROUTE = "/v1/embeddings"
 POINT_METRICS = ("requests_per_s", "texts_per_s", "tokens_per_s", "p50_ms", "p99_ms")
@@ -108,8 +109,7 @@ async def openai_clients(url: str, texts: list[str], clients: int, seconds: floa
 
     async def client_loop() -> None:
         nonlocal errors, tokens
-        async with aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=1),
-                                         timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async with one_connection_session(url) as session:
             while time.monotonic() < stop:
                 body = {"input": [texts[rng.randrange(len(texts))] for _ in range(per_request)],
                         "encoding_format": "float"}

@@ -52,8 +52,8 @@ import httpx
 
 from bench import openai_load, peer
 from bench import results as store
-from bench.harness import (load, log_path, mixed_texts, on_cuda, percentiles_ms, request_body, running_servers,
-                           sentences, server_settings, traffic)
+from bench.harness import (load, log_path, mixed_texts, on_cuda, one_connection_session, percentiles_ms, request_body,
+                           running_servers, sentences, server_settings, traffic)
 
 SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer", "openai-load", "head-of-line")
 DEFAULT_SCENARIOS = ("closed-loop", "single", "workers")
@@ -431,19 +431,15 @@ async def _one_beside_large(url: str, one: str, large: list[str] | None, seconds
             else:
                 failed[str(r.status)] += 1
 
-    def session() -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=1),
-                                     timeout=aiohttp.ClientTimeout(total=120))
-
     async def small() -> None:
-        async with session() as s:
+        async with one_connection_session(url) as s:
             while time.monotonic() < stop:
                 started = time.monotonic()
                 await post(s, [one], small_s)
                 await asyncio.sleep(max(0.0, gap_s - (time.monotonic() - started)))
 
     async def big() -> None:
-        async with session() as s:
+        async with one_connection_session(url) as s:
             while time.monotonic() < stop:
                 await post(s, large, large_s)
 
@@ -452,12 +448,8 @@ async def _one_beside_large(url: str, one: str, large: list[str] | None, seconds
 
 
 def _spread_ms(latencies: list[float]) -> dict[str, float]:
-    """p50, p99 and max in ms; the percentiles by the inclusive method, which stays within the samples (the
-    exclusive one extrapolates past the largest of the few dozen a slow point yields)."""
-    if len(latencies) < 2:
-        return {"p50_ms": math.nan, "p99_ms": math.nan, "max_ms": max(latencies, default=math.nan) * 1e3}
-    q = statistics.quantiles(latencies, n=100, method="inclusive")
-    return {"p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3, "max_ms": max(latencies) * 1e3}
+    """p50, p99 (inclusive: a slow point yields a few dozen samples) and max in ms."""
+    return {**percentiles_ms(latencies, method="inclusive"), "max_ms": max(latencies, default=math.nan) * 1e3}
 
 
 def head_of_line_scenario(args: argparse.Namespace, save) -> None:
@@ -473,7 +465,7 @@ def head_of_line_scenario(args: argparse.Namespace, save) -> None:
     one = sentences(1, 20)[0]
     settings = {k: v for k, v in server_settings(args).items()
                 if k not in ("max_batch_tokens", "max_batch_requests", "max_client_batch")}
-    rows = []
+    rows, summary = [], {"gap_ms": args.gap_ms, "large_inputs": inputs, "large_chars_each": chars}
     with running_servers(1, log_path(args, "head-of-line"), **settings) as servers:
         url = servers[0][1]
         asyncio.run(_one_beside_large(url, one, large[:4], 2.0, args.gap_ms / 1e3))  # warm: compiles, first batches
@@ -489,8 +481,8 @@ def head_of_line_scenario(args: argparse.Namespace, save) -> None:
                 print(f"[head-of-line] {r['client']} beside {r['beside']}: {r['requests']} requests, p50 "
                       f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms",
                       file=sys.stderr, flush=True)
-            save(rows, {"gap_ms": args.gap_ms, "large_inputs": inputs, "large_chars_each": chars}, False)
-    save(rows, {"gap_ms": args.gap_ms, "large_inputs": inputs, "large_chars_each": chars}, True)
+            save(rows, summary, False)
+    save(rows, summary, True)
 
 
 def _mps() -> bool:
