@@ -177,6 +177,9 @@ def export(device: torch.device | None = None) -> Path:
     return path
 
 
+_reported: set[tuple[str, int, int]] = set()  # (path, mtime, size) of the unreadable tables said so already
+
+
 def read_table(path: Path, valid: Callable[[object], bool], what: str) -> dict:
     """The JSON object in `path`: empty when missing; reported and empty when unreadable or not `valid`."""
     try:
@@ -197,9 +200,6 @@ def read_table(path: Path, valid: Callable[[object], bool], what: str) -> dict:
                     what, path, type(exc).__name__, exc)
         return {}
     return table
-
-
-_reported: set[tuple[str, int, int]] = set()
 
 
 def write_table(path: Path, table: dict) -> OSError | None:

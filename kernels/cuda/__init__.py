@@ -10,7 +10,6 @@ from fusedserve.kernels.cuda.errors import BuildUnavailable
 from fusedserve.kernels.spec import launcher_modules
 
 
-
 def load(verbose: bool = False) -> dict:
     """Build or load the extension and return {op name: launcher} for the ops kernels.spec lists as implemented in
     CUDA (the launcher modules need the built extension, so they are imported only after it loaded)."""

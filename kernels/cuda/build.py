@@ -90,7 +90,9 @@ def load(verbose: bool = False) -> Path:
         raise BuildUnavailable("this torch build has no CUDA support")
     directory = build_dir()
     if library_path().is_file():
-        return _load_cached(directory)
+        _load_cached(directory)
+        _loaded = directory
+        return directory
     home = cuda_home()
     if home is None:
         raise BuildUnavailable("nvcc not found and no pre-built extension in the cache (set CUDA_HOME or put nvcc "
@@ -107,9 +109,10 @@ def load(verbose: bool = False) -> Path:
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         with filelock.FileLock(f"{directory}.lock", timeout=900):
-            if library_path().is_file():
-                return _load_cached(directory)
-            _build(cpp_extension, directory, verbose)
+            if library_path().is_file():  # another replica built it while this one waited
+                _load_cached(directory)
+            else:
+                _build(cpp_extension, directory, verbose)
     except (OSError, filelock.Timeout) as exc:
         raise BuildUnavailable(f"cannot build into the cache {directory.parent} ({type(exc).__name__}: {exc})"
                                ) from exc
@@ -117,13 +120,10 @@ def load(verbose: bool = False) -> Path:
     return directory
 
 
-def _load_cached(directory: Path) -> Path:
-    global _loaded
+def _load_cached(directory: Path) -> None:
     started = time.perf_counter()
     torch.ops.load_library(str(library_path()))
     log.info("CUDA extension loaded from cache in %.1fs (%s)", time.perf_counter() - started, directory)
-    _loaded = directory
-    return directory
 
 
 def _build(cpp_extension, directory: Path, verbose: bool) -> None:
