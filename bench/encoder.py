@@ -8,6 +8,9 @@ Scenarios (one batch shape each, plus a profile):
   bert-base-b32-s128     BERT-base, 32 x 128
   bert-base-b128-varlen  BERT-base, 128 sequences of 8..128 tokens (seeded): what padding costs the others
   xlm-roberta-base-b32-s128      XLM-RoBERTa-base's shape (250k vocabulary, offset positions), 32 x 128
+  mpnet-base-b32-s128, mpnet-base-b128-varlen
+                         all-mpnet-base-v2's shape (relative position bias in every layer's attention), beside
+                         transformers' MPNetModel
   cross-encoder-minilm-b32-s128  MiniLM with a one-label classification head (a re-ranker), 32 pairs of 128 tokens,
                                  beside transformers' BertForSequenceClassification
   tiny-b3-varlen, tiny-cross-encoder-b3-varlen
@@ -45,13 +48,16 @@ CASES = {
     "bert-base-b32-s128": ("bert-base", 32, 128, False, "embedding"),
     "bert-base-b128-varlen": ("bert-base", 128, 128, True, "embedding"),
     "xlm-roberta-base-b32-s128": ("xlm-roberta-base", 32, 128, False, "embedding"),
+    "mpnet-base-b32-s128": ("mpnet-base", 32, 128, False, "embedding"),
+    "mpnet-base-b128-varlen": ("mpnet-base", 128, 128, True, "embedding"),
     "cross-encoder-minilm-b32-s128": ("minilm-l6", 32, 128, False, "classifier"),
     "tiny-b3-varlen": ("tiny", 3, 12, True, "embedding"),
     "tiny-cross-encoder-b3-varlen": ("tiny", 3, 12, True, "classifier"),
 }
 SCENARIOS = (*CASES, "profile")
 DEFAULT_SCENARIOS = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128", "bert-base-b128-varlen",
-                     "xlm-roberta-base-b32-s128", "cross-encoder-minilm-b32-s128")
+                     "xlm-roberta-base-b32-s128", "mpnet-base-b32-s128", "mpnet-base-b128-varlen",
+                     "cross-encoder-minilm-b32-s128")
 PROVIDERS = ("torch eager", "torch.compile", "torch.compile + CUDA graphs", "ours")
 PROFILE_CASES = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128")
 # first match wins: attention before GEMM (fmha kernels would match both)
@@ -128,9 +134,17 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], device: str) -> dict[st
 
 
 def hf_model(config, device: str, dtype: torch.dtype, head: str = "embedding"):
-    """transformers' model of the same shape: BertModel / XLMRobertaModel, or BertForSequenceClassification."""
+    """transformers' model of the same shape: BertModel / XLMRobertaModel / MPNetModel, or
+    BertForSequenceClassification."""
     import transformers
 
+    if config.architecture == "mpnet":  # its attention is transformers' own (adds the bias): no SDPA option
+        mpnet = transformers.MPNetConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                                         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+                                         intermediate_size=config.intermediate_size,
+                                         max_position_embeddings=config.max_position_embeddings,
+                                         layer_norm_eps=config.layer_norm_eps)
+        return transformers.MPNetModel(mpnet, add_pooling_layer=False).to(device=device, dtype=dtype).eval()
     shape = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
                  num_attention_heads=config.num_heads, intermediate_size=config.intermediate_size,
                  max_position_embeddings=config.max_position_embeddings, type_vocab_size=config.type_vocab_size,

@@ -29,6 +29,8 @@ class EncoderConfig:
     normalize: bool = True  # L2-normalize pooled embeddings by default (sentence-transformers' Normalize module)
     # added to every token's position within its sequence (RoBERTa counts positions from padding_idx + 1)
     position_offset: int = 0
+    # relative position bias buckets shared by all layers (MPNet's); 0: none
+    relative_attention_buckets: int = 0
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -65,4 +67,9 @@ PRESETS: dict[str, EncoderConfig] = {
                                       num_heads=12, intermediate_size=3072, max_position_embeddings=514,
                                       type_vocab_size=1, layer_norm_eps=1e-5, pad_token_id=1, position_offset=2,
                                       max_seq_length=512),
+    # all-mpnet-base-v2's shape, random init, for benchmarks.
+    "mpnet-base": EncoderConfig(architecture="mpnet", vocab_size=30527, hidden_size=768, num_layers=12, num_heads=12,
+                                intermediate_size=3072, max_position_embeddings=514, type_vocab_size=1,
+                                layer_norm_eps=1e-5, pad_token_id=1, position_offset=2, max_seq_length=512,
+                                relative_attention_buckets=32),
 }

@@ -51,6 +51,8 @@ class Family:
     pooling: tuple[str, ...] = ("mean",)  # a plain Hugging Face directory's pooling (no modules.json)
     attention: str = "bidirectional"
     positions: str = "learned absolute"
+    # the few-token layer (model.encoder.FEW_TOKEN_OPS) exists in its layers: auto attention may pick "fused"
+    few_token_layer: bool = True
 
     def describe(self) -> str:
         return f"{self.label}: {self.attention} attention, {self.positions} positions"

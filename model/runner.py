@@ -254,6 +254,8 @@ class Embedder:
             return attention, "as configured" if self.layout == "packed" else "padded layout"
         if attention != "fused":
             return attention, "auto: varlen attention needs fp16/bf16 on CUDA"
+        if not self.family.few_token_layer:
+            return "varlen", f"auto: varlen ({self.family.label} layers have no few-token layer)"
         on_reference = [op for op in FEW_TOKEN_OPS
                         if selection is not None and selection.backend_of(op) == REFERENCE_BACKEND]
         if on_reference:

@@ -67,7 +67,8 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig
     for theirs, ours in layout.embeddings.items():
         if (t := take(theirs)) is not None:
             out[ours] = t
-    if "embeddings.token_type_embeddings" not in out and not missing:  # DistilBERT: one all-zero token type
+    # a family without token types (DistilBERT, MPNet): one all-zero token type
+    if "embeddings.token_type_embeddings" not in out and not missing:
         out["embeddings.token_type_embeddings"] = torch.zeros(1, config.hidden_size, dtype=out["embeddings.ln_weight"].dtype)
     for i in range(config.num_layers):
         base = f"{layout.layer_prefix}{i}."

@@ -1,7 +1,8 @@
 """The models users bring, on the GPU's fused kernels in fp16 and bf16, against the real libraries on the same
-directories (built offline, fp32 references): SentenceTransformer for XLM-RoBERTa and DistilBERT embedding models and
-for MiniLM re-pooled with a Dense module; CrossEncoder for classifiers of each architecture. The packed layout,
-varlen or few-token attention and CUDA graphs are the serving defaults."""
+directories (built offline, fp32 references): SentenceTransformer for XLM-RoBERTa, DistilBERT and MPNet (tiny and
+all-mpnet-base-v2's shape) embedding models and for MiniLM re-pooled with a Dense module; CrossEncoder for
+classifiers of each architecture. The packed layout, varlen or few-token attention and CUDA graphs are the serving
+defaults."""
 
 from __future__ import annotations
 
@@ -28,11 +29,14 @@ def _builds(tmp_path):
         "minilm-cls-dense": lambda: checkpoints.minilm(tmp_path / "m", ["cls"], dense=[(384, 128, "tanh")]),
         "xlm-roberta": lambda: checkpoints.tiny_xlm_roberta(tmp_path / "x"),
         "distilbert": lambda: checkpoints.tiny_distilbert(tmp_path / "d", ["max"]),
+        "mpnet": lambda: checkpoints.mpnet(tmp_path / "mp", ["cls"]),
+        # all-mpnet-base-v2's shape (its real weights are a CPU test: too large to carry here)
+        "mpnet-base": lambda: checkpoints.mpnet(tmp_path / "mpb", shape="base"),
     }
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("model", ["minilm-cls-dense", "xlm-roberta", "distilbert"])
+@pytest.mark.parametrize("model", ["minilm-cls-dense", "xlm-roberta", "distilbert", "mpnet", "mpnet-base"])
 def test_embedding_models_on_the_fused_kernels(tmp_path, model, dtype):
     path = _builds(tmp_path)[model]()
     ours, _ = Embedder.load(str(path), device="cuda", dtype=dtype, max_batch_tokens=2048, max_batch=16)
@@ -47,7 +51,7 @@ def test_embedding_models_on_the_fused_kernels(tmp_path, model, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert", "mpnet"])
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_classifiers_on_the_fused_kernels(tmp_path, architecture, num_labels, dtype):
     path = checkpoints.cross_encoder(tmp_path / "ce", num_labels, architecture)

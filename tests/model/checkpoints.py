@@ -101,8 +101,35 @@ def tiny_distilbert(dest: Path, pooling: list[str] = ("mean",), **kwargs) -> Pat
     return dest
 
 
+# MPNet at a tiny shape and at all-mpnet-base-v2's (random weights; the real ones: tests/support/mpnet.py)
+MPNET_SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                 max_position_embeddings=130),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                 max_position_embeddings=514),
+}
+
+
+def mpnet(dest: Path, pooling: list[str] = ("mean",), shape: str = "tiny", **kwargs) -> Path:
+    """A random MPNet (transformers' MPNetModel) with sentence-transformers modules. The relative position bias is
+    drawn at order 1 (its init is 0.02 wide, next to nothing against order-1 scores), so a wrong distance or sign
+    in the bias changes the embeddings."""
+    from transformers import MPNetConfig, MPNetModel
+
+    torch.manual_seed(4)
+    config = MPNetConfig(vocab_size=30527, layer_norm_eps=1e-5, **MPNET_SHAPES[shape])
+    model = MPNetModel(config, add_pooling_layer=False)
+    with torch.no_grad():
+        model.encoder.relative_attention_bias.weight.normal_(0, 1.0)
+    model.save_pretrained(dest, safe_serialization=True)
+    _copy_tokenizer(dest)
+    _st_files(dest, list(pooling), max_seq_length=128 if shape == "tiny" else 384, **kwargs)
+    return dest
+
+
 def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Path:
-    """A sequence classifier: MiniLM's encoder with a random head (bert), or a tiny random XLM-R / DistilBERT one."""
+    """A sequence classifier: MiniLM's encoder with a random head (bert), or a tiny random XLM-R / DistilBERT / MPNet
+    one."""
     import transformers
 
     torch.manual_seed(3 + num_labels)
@@ -122,6 +149,10 @@ def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Pa
                                                max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
                                                num_labels=num_labels, id2label=id2label)
         model = transformers.XLMRobertaForSequenceClassification(config)
+    elif architecture == "mpnet":
+        config = transformers.MPNetConfig(vocab_size=30527, layer_norm_eps=1e-5, num_labels=num_labels,
+                                          id2label=id2label, **MPNET_SHAPES["tiny"])
+        model = transformers.MPNetForSequenceClassification(config)
     else:
         config = transformers.DistilBertConfig(vocab_size=30522, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
                                                max_position_embeddings=128, num_labels=num_labels, id2label=id2label)
@@ -130,9 +161,12 @@ def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Pa
         for name, p in model.named_parameters():
             if ("classifier" in name or "pooler" in name) and p.dim() == 2:
                 p.normal_(0, 1.5 * p.shape[1] ** -0.5)
+            elif "relative_attention_bias" in name:
+                p.normal_(0, 1.0)
     model.save_pretrained(dest, safe_serialization=True)
     _copy_tokenizer(dest)
-    if architecture == "roberta":  # one token type: the borrowed BERT tokenizer's pair types are not passed on
+    # one token type: the borrowed BERT tokenizer's pair types are not passed on
+    if architecture in ("roberta", "mpnet"):
         config = json.loads((dest / "tokenizer_config.json").read_text())
         config["model_input_names"] = ["input_ids", "attention_mask"]
         (dest / "tokenizer_config.json").write_text(json.dumps(config))

@@ -53,19 +53,21 @@ def test_minilm_with_dense_modules_matches_sentence_transformers(tmp_path):
     _agree(ours.embed(TEXTS), _reference(path).encode(TEXTS, convert_to_tensor=True))
 
 
-@pytest.mark.parametrize("build", [checkpoints.tiny_xlm_roberta, checkpoints.tiny_distilbert],
-                         ids=["xlm-roberta", "distilbert"])
+@pytest.mark.parametrize("build", [checkpoints.tiny_xlm_roberta, checkpoints.tiny_distilbert, checkpoints.mpnet],
+                         ids=["xlm-roberta", "distilbert", "mpnet"])
 @pytest.mark.parametrize("pooling", [["mean"], ["cls"]])
 def test_other_architectures_match_sentence_transformers(tmp_path, build, pooling):
     path = build(tmp_path / "m", pooling)
     ours, report = Embedder.load(str(path), device="cpu", backend="torch")
-    assert ours.config.architecture in ("roberta", "distilbert") and ours.config.architecture in str(report)
+    assert ours.config.architecture in ("roberta", "distilbert", "mpnet") and ours.config.architecture in str(report)
     _agree(ours.embed(TEXTS), _reference(path).encode(TEXTS, convert_to_tensor=True))
 
 
-def test_the_fused_kernels_serve_other_architectures(tmp_path):
-    """XLM-R's offset positions and single token type through the Triton kernels (on the interpreter here)."""
-    path = checkpoints.tiny_xlm_roberta(tmp_path / "m")
+@pytest.mark.parametrize("build", [checkpoints.tiny_xlm_roberta, checkpoints.mpnet], ids=["xlm-roberta", "mpnet"])
+def test_the_fused_kernels_serve_other_architectures(tmp_path, build):
+    """XLM-R's offset positions and single token type, MPNet's relative position bias, through the Triton kernels
+    (on the interpreter here)."""
+    path = build(tmp_path / "m")
     fused, _ = Embedder.load(str(path), device="cpu", backend="triton")
     assert set(fused.selection.used.values()) == {"triton"}
     _agree(fused.embed(TEXTS[:3]), _reference(path).encode(TEXTS[:3], convert_to_tensor=True))
@@ -85,7 +87,17 @@ def test_prompts_count_toward_truncation_as_sentence_transformers_counts_them(tm
         ours.embed(TEXTS, prompt_name="passage")
 
 
-@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert"])
+@pytest.mark.slow
+def test_base_shape_mpnet_matches_sentence_transformers(tmp_path):
+    """all-mpnet-base-v2's shape (12 heads of 64, the 384-token truncation): the relative bias reaches its
+    log-spaced buckets (distances past 8) and saturates (past 128) only in sequences this long."""
+    path = checkpoints.mpnet(tmp_path / "m", shape="base")
+    ours, _ = Embedder.load(str(path), device="cpu", backend="torch")
+    texts = TEXTS + ["relative positions reach far in long inputs " * 60]
+    _agree(ours.embed(texts), _reference(path).encode(texts, convert_to_tensor=True))
+
+
+@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert", "mpnet"])
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_classifiers_match_cross_encoder(tmp_path, architecture, num_labels):
     path = checkpoints.cross_encoder(tmp_path / "ce", num_labels, architecture)
@@ -153,11 +165,12 @@ def test_what_cannot_be_served_exactly_is_refused_naming_it(tmp_path):
     (path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(UnsupportedModel, match="module 'sentence_transformers.models.LayerNorm' is not supported"):
         Embedder.load(str(path), device="cpu")
-    path = checkpoints.minilm(tmp_path / "mpnet", ["mean"])
+    path = checkpoints.minilm(tmp_path / "deberta", ["mean"])
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "mpnet", "architectures": ["MPNetModel"]}))
-    with pytest.raises(CheckpointError, match="model_type 'mpnet' \\(MPNetModel\\) is not supported; supported model "
-                                              "types: bert, roberta, xlm-roberta, distilbert"):
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "deberta-v2",
+                                                  "architectures": ["DebertaV2Model"]}))
+    with pytest.raises(CheckpointError, match="model_type 'deberta-v2' \\(DebertaV2Model\\) is not supported; "
+                                              "supported model types: bert, roberta, xlm-roberta, distilbert, mpnet"):
         Embedder.load(str(path), device="cpu")
     ce = checkpoints.cross_encoder(tmp_path / "ce", 1)
     with pytest.raises(UnsupportedModel, match="is a classifier"):
