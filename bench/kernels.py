@@ -7,6 +7,9 @@ Scenarios:
                   against a float64 reference; on a GPU with both backends also what the registry's auto mode picks
   gemm-epilogues  the encoder's GEMM blocks (FFN-in GEMM + bias + GELU, FFN-out GEMM + bias + residual + LayerNorm)
                   at few and many tokens: device time and TFLOP/s per backend against eager and torch.compile
+  attention       relative_attention (MPNet's attention with its relative position bias) on packed batches at
+                  MPNet-base's width: device time and TFLOP/s of the real (unpadded) attention against the padded
+                  SDPA with a materialized bias that eager PyTorch and torch.compile run
 
 Time ("us"): on a GPU the device time of one call captured in a CUDA graph and replayed with the L2 flushed before
 each replay (kernels.timing.device_us, median); "launch_us" is the same call launched from Python back to back
@@ -30,7 +33,7 @@ from fusedserve.kernels import timing
 from fusedserve.kernels.spec import OP_SPECS, ROWWISE_OPS
 from fusedserve.kernels.testing import compare, float64_reference
 
-SCENARIOS = ("fused-ops", "gemm-epilogues")
+SCENARIOS = ("fused-ops", "gemm-epilogues", "attention")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHAPES = ("4096x768", "32768x384", "32768x768", "16384x1024", "8192x4096")
 # name: (op, tokens M, in features K, out features N) at MiniLM-L6 (hidden 384) and BERT-base (768) widths
@@ -46,10 +49,41 @@ GEMM_SHAPES = {
     "tiny ffn-out 8 tokens": ("linear_add_layer_norm", 8, 64, 16),
 }
 DEFAULT_GEMM_SHAPES = tuple(name for name in GEMM_SHAPES if not name.startswith("tiny"))
+# name: (hidden, heads, sequences, longest, varlen, table reach R) at MPNet-base's width (12 heads of 64, a bias table
+# over its 514 positions); varlen: lengths uniform in 1..longest, else all `longest`, max_seqlen = longest either way
+ATTENTION_SHAPES = {
+    "mpnet-base b32 s128": (768, 12, 32, 128, False, 514),
+    "mpnet-base b128 varlen s512": (768, 12, 128, 512, True, 514),
+    # the CPU test's: not in the default set
+    "tiny b3 varlen s16": (32, 2, 3, 16, True, 18),
+}
+DEFAULT_ATTENTION_SHAPES = tuple(name for name in ATTENTION_SHAPES if not name.startswith("tiny"))
 PROVIDERS = ("triton", "cuda", "eager", "compile")
 AUTO_WIDTHS = (384, 768)  # MiniLM-L6's and BERT-base's hidden sizes
 EPS = 1e-5
 DEVICE_ROUNDS = 100  # graph replays per cell (each with the L2 flushed): the median of these is the cell's time
+
+
+def padded_relative_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, bias):
+    """relative_attention as transformers computes it, from the packed batch: the rows padded into a [batch,
+    max_seqlen] block, the bias materialized for it as [batch, heads, max_seqlen, max_seqlen] with the padded keys at
+    -inf, SDPA in the input dtype, the real rows gathered back (filler rows: zeros). No host sync, as a CUDA-graph
+    captured forward needs."""
+    t, width = qkv.shape
+    batch, hidden = cu_seqlens.numel() - 1, width // 3
+    cu = cu_seqlens.long()
+    rows = torch.arange(t, device=qkv.device)
+    seq = torch.searchsorted(cu[1:], rows, right=True).clamp(max=batch - 1)
+    slot = torch.where(rows < cu[-1], seq * max_seqlen + rows - cu[seq], batch * max_seqlen)  # filler: a zero row
+    padded = qkv.new_zeros((batch * max_seqlen + 1, width)).index_copy_(0, slot, qkv)
+    q, k, v = padded[:-1].view(batch, max_seqlen, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4)
+    positions = torch.arange(max_seqlen, device=qkv.device)
+    reach = (bias.shape[1] + 1) // 2
+    padding = positions[None, :] >= (cu[1:] - cu[:-1])[:, None]  # [batch, keys]
+    mask = bias.to(qkv.dtype)[:, positions[None, :] - positions[:, None] + reach - 1][None].masked_fill(
+        padding[:, None, None, :], float("-inf"))
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(batch * max_seqlen, hidden)
+    return torch.cat([ctx, ctx.new_zeros((1, hidden))])[slot]
 
 
 # The unfused PyTorch a user would write, in the input dtype: the eager and torch.compile providers.
@@ -64,6 +98,7 @@ UNFUSED: dict[str, Callable] = {
     "linear_bias_gelu": lambda x, w, b: F.gelu(F.linear(x, w, b)),
     "linear_add_layer_norm": lambda x, w, bias, r, g, b, eps: F.layer_norm(F.linear(x, w, bias) + r, r.shape[-1:],
                                                                            g, b, eps),
+    "relative_attention": padded_relative_attention,
 }
 
 
@@ -90,6 +125,25 @@ def gemm_inputs(op: str, m: int, k: int, n: int, dtype: torch.dtype, device: str
     if op == "linear_bias_gelu":
         return (x, w, bias)
     return (x, w, bias, randn(m, n, scale=2.0), randn(n, scale=0.5, shift=1.0), randn(n, scale=0.5), EPS)
+
+
+def attention_inputs(name: str, dtype: torch.dtype, device: str, seed: int) -> tuple:
+    """(qkv, cu_seqlens, max_seqlen, heads, bias) of an attention case: q, k, v and the bias of order 1, as the
+    kernel tests draw them."""
+    hidden, heads, sequences, longest, varlen, reach = ATTENTION_SHAPES[name]
+    gen = torch.Generator().manual_seed(seed)
+    lengths = (torch.randint(1, longest + 1, (sequences,), generator=gen) if varlen
+               else torch.full((sequences,), longest))
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)]).to(device)
+    qkv = torch.randn(int(lengths.sum()), 3 * hidden, generator=gen).to(device, dtype)
+    bias = torch.randn(heads, 2 * reach - 1, generator=gen).to(device)
+    return (qkv, cu, longest, heads, bias)
+
+
+def attention_flops(cu_seqlens, hidden: int) -> int:
+    """q k^T and p v over the real tokens: 2 x 2 x length^2 x head_dim per head and sequence."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return 4 * int((lengths * lengths).sum()) * hidden
 
 
 def min_bytes(op: str, rows: int, cols: int, dtype: torch.dtype) -> int:
@@ -300,16 +354,58 @@ def gemm_epilogues(args: argparse.Namespace, save: Callable[[list[dict], dict, b
     save(rows, summary, True)
 
 
+def attention(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], None]) -> None:
+    device = args.device
+    names = args.attention_shapes or list(DEFAULT_ATTENTION_SHAPES)
+    dtypes = args.dtypes or (["float16", "bfloat16"] if device.startswith("cuda") else ["float32"])
+    op = "relative_attention"
+    # a fused backend without the op (the CUDA backend has no attention) is left out, neither loaded nor failing
+    fused = ("triton", "cuda")
+    provs, missing = providers([p for p in args.providers if p not in fused or p in OP_SPECS[op].fused_in])
+    rows: list[dict] = []
+    summary = {"unavailable": missing}
+    for i, (name, dtype_name) in enumerate([(n, d) for n in names for d in dtypes], 1):
+        dtype = DTYPES[dtype_name]
+        inputs = attention_inputs(name, dtype, device, seed=i)
+        qkv, cu = inputs[0], inputs[1]
+        # the float64 reference on the device: on a CPU its [batch, heads, seq, seq] bias and scores (GBs at b128
+        # s512) take minutes
+        ref = (OP_SPECS[op].reference(*(a.double() if torch.is_tensor(a) and a.is_floating_point() else a
+                                        for a in inputs)) if args.check else None)
+        flops = attention_flops(cu, qkv.shape[1] // 3)
+        shape = f"{qkv.shape[0]}x{qkv.shape[1]}"
+        line = []
+        for provider, get in provs.items():
+            try:
+                cell = _measure(get(op), inputs, ref, dtype, device)
+            except Exception as exc:
+                rows.append({"op": op, "case": name, "dtype": dtype_name, "shape": shape, "provider": provider,
+                             "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                line.append(f"{provider} FAILED")
+                continue
+            tflops = flops / cell["us"] / 1e6
+            rows.append({"op": op, "case": name, "dtype": dtype_name, "shape": shape, "provider": provider, **cell,
+                         "flops": flops, "tflops": tflops})
+            line.append(f"{provider} {cell['us']:8.1f} us {tflops:6.1f} TFLOP/s")
+        del ref
+        print(f"{name} {dtype_name}: " + " | ".join(line), file=sys.stderr, flush=True)
+        save(rows, summary, False)
+    save(rows, summary, True)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"any of {', '.join(SCENARIOS)} (default: all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     parser.add_argument("--ops", nargs="+", choices=list(ROWWISE_OPS), help="fused-ops: the ops (default: all)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
-                        help="default: all three for fused-ops; float16 (cpu: float32) for gemm-epilogues")
+                        help="default: all three for fused-ops; float16 (cpu: float32) for gemm-epilogues; float16 "
+                             "and bfloat16 (cpu: float32) for attention")
     parser.add_argument("--shapes", nargs="+", help=f"fused-ops: ROWSxCOLS (default: {' '.join(SHAPES)})")
     parser.add_argument("--gemm-shapes", nargs="+", choices=list(GEMM_SHAPES),
                         help=f"gemm-epilogues: the cases (default: {', '.join(DEFAULT_GEMM_SHAPES)})")
+    parser.add_argument("--attention-shapes", nargs="+", choices=list(ATTENTION_SHAPES),
+                        help=f"attention: the cases (default: {', '.join(DEFAULT_ATTENTION_SHAPES)})")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 accuracy check")
     parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/kernels.json)")
 
@@ -322,13 +418,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     for scenario in args.scenarios or SCENARIOS:
         head = store.header(args.device, argv)
         settings = {"device": args.device, "providers": args.providers, "ops": args.ops, "dtypes": args.dtypes,
-                    "shapes": args.shapes if scenario == "fused-ops" else args.gemm_shapes,
+                    "shapes": {"fused-ops": args.shapes, "gemm-epilogues": args.gemm_shapes,
+                               "attention": args.attention_shapes}[scenario],
                     "device_rounds": DEVICE_ROUNDS, "check": args.check}
 
         def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,
                  settings: dict = settings) -> None:
             store.write(out, "kernels", gpu, scenario, store.block(head, settings, rows, summary, complete=complete))
 
-        {"fused-ops": fused_ops, "gemm-epilogues": gemm_epilogues}[scenario](args, save)
+        {"fused-ops": fused_ops, "gemm-epilogues": gemm_epilogues, "attention": attention}[scenario](args, save)
         print(f"{scenario}: {out} ({time.monotonic() - started:.0f} s into the run)", file=sys.stderr, flush=True)
     return 0

@@ -182,6 +182,44 @@ def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, m
     return _store(ctx, x.dtype, out)
 
 
+def relative_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, bias: Tensor, *,
+                       out: Tensor | None = None) -> Tensor:
+    """Self-attention of each packed sequence with a relative position bias (MPNet's): per head h,
+    softmax(q k^T / sqrt(d) + B[h, j - i]) v within each sequence cu_seqlens[b] : cu_seqlens[b + 1], for qkv [T, 3H]
+    (query, key and value stacked along columns as qkv.view(T, 3, num_heads, d), d = H / num_heads) and the bias
+    table bias [num_heads, 2R - 1] (key - query distance r at column r + R - 1) -> [T, H] in qkv's dtype. Rows
+    outside cu_seqlens[0] : cu_seqlens[-1] (a packed batch's filler tokens) come out as zeros. Sequences must be at
+    most max_seqlen <= R long. Computed in float32 (float64 stays float64) through SDPA on a padded [batch,
+    max_seqlen] block built on the device, with the bias materialized for that block as SDPA's float mask [batch,
+    heads, max_seqlen, max_seqlen] (the masked keys -inf; memory the fused kernel never spends): no host sync, so it
+    runs inside CUDA graphs."""
+    compute = _compute_dtype(qkv.dtype)
+    t, width = qkv.shape
+    hidden = width // 3
+    batch, d = cu_seqlens.numel() - 1, hidden // num_heads
+    reach = (bias.shape[1] + 1) // 2
+    if max_seqlen > reach:
+        raise ValueError(f"relative_attention: max_seqlen {max_seqlen} is past the bias table's reach {reach} "
+                         f"(bias [{bias.shape[0]}, {bias.shape[1]}] covers distances up to {reach - 1})")
+    if batch * max_seqlen == 0:  # no sequence (or none may hold a token): every row is filler
+        return _store(qkv.new_zeros((t, hidden), dtype=compute), qkv.dtype, out)
+    cu = torch.cummax(cu_seqlens.to(device=qkv.device, dtype=torch.long).clamp(0, t), 0).values
+    rows = torch.arange(t, device=qkv.device)
+    seq = torch.searchsorted(cu[1:], rows, right=True).clamp(max=batch - 1)
+    real = (rows >= cu[0]) & (rows < cu[-1])
+    pad_index = torch.where(real, seq * max_seqlen + rows - cu[seq], batch * max_seqlen)  # filler -> scratch row
+    padded = qkv.new_zeros((batch * max_seqlen + 1, width), dtype=compute).index_copy_(0, pad_index, qkv.to(compute))
+    q, k, v = padded[:-1].view(batch, max_seqlen, 3, num_heads, d).permute(2, 0, 3, 1, 4)
+    positions = torch.arange(max_seqlen, device=qkv.device)
+    table = bias.to(compute)[:, positions[None, :] - positions[:, None] + reach - 1]  # [heads, seq(q), seq(k)]
+    keys = positions[None, :] < (cu[1:] - cu[:-1])[:, None]  # [batch, seq(k)]
+    mask = table[None].masked_fill(~keys[:, None, None, :], float("-inf"))  # [batch, heads, seq, seq]
+    ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [batch, heads, seq, d]
+    ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, hidden)
+    ctx = torch.where(real[:, None], ctx[pad_index.clamp(max=batch * max_seqlen - 1)], 0.0)
+    return _store(ctx, qkv.dtype, out)
+
+
 def attention_partials(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int,
                        out_weight: Tensor, *, out: Tensor | None = None) -> Tensor:
     """Each head's share of a layer's attention output projection: ctx_h @ out_weight[:, h*d : h*d + d]^T for the

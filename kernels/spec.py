@@ -123,6 +123,19 @@ def _qkv_attention_inputs(rows, cols, dtype, device, gen):
     return (x, w, b, offsets, max_seqlen, attention_heads(cols)), {}
 
 
+def _relative_attention_inputs(rows, cols, dtype, device, gen):
+    # packed sequences (_packed; filler tokens come out as zeros) of q, k and v stacked as [rows, 3 * cols]. Entries of
+    # order 1 give q k^T / sqrt(d) of order 1, and a bias of order 1 moves the scores as much again: softmax neither
+    # uniform nor one-hot. The table reaches past max_seqlen (a model's is sized by its positions, not the batch's).
+    _, lengths, offsets = _packed(rows, 64, 3, device, gen)
+    heads = attention_heads(cols)
+    qkv = _randn((rows, 3 * cols), dtype, device, gen)
+    max_seqlen = -(-max(lengths) // 16) * 16
+    reach = max_seqlen + 5
+    bias = _randn((heads, 2 * reach - 1), _fp32(dtype), device, gen)
+    return (qkv, offsets, max_seqlen, heads, bias), {}
+
+
 def _attention_partials_inputs(rows, cols, dtype, device, gen):
     (x, w, b, offsets, max_seqlen, heads), _ = _qkv_attention_inputs(rows, cols, dtype, device, gen)
     out_weight = _randn((cols, cols), dtype, device, gen, scale=cols**-0.5)
@@ -263,6 +276,14 @@ _SPECS = (
            "(offsets cu_seqlens [B + 1], each at most max_seqlen long) -> [T, H]; rows past the last offset are "
            "zeros.", _like_first, _qkv_attention_inputs, rowwise=False,
            fused_in=_triton_only("qkv_attention")),
+    # attention with a relative position bias (MPNet) over each packed sequence: [rows, 3 x cols] -> [rows, cols]
+    OpSpec("relative_attention", reference.relative_attention,
+           "softmax(q k^T / sqrt(d) + bias[h, j - i]) v per head within each packed sequence of qkv [T, 3H] (query, "
+           "key and value stacked as qkv.view(T, 3, num_heads, d); offsets cu_seqlens [B + 1], each at most "
+           "max_seqlen long) -> [T, H], the relative position bias read from the table bias [num_heads, 2R - 1] "
+           "(key - query distance r at column r + R - 1, max_seqlen <= R); rows past the last offset are zeros.",
+           lambda qkv, cu, max_seqlen, num_heads, bias: qkv.new_empty((qkv.shape[0], qkv.shape[1] // 3)),
+           _relative_attention_inputs, rowwise=False, fused_in=_triton_only("relative_attention")),
     # the few-token layer's pieces: attention + each head's share of the output projection -> [heads, rows, cols]
     # fp32; the FFN split over its intermediate width -> [splits, rows, cols] fp32; their LayerNorm over the sum
     OpSpec("attention_partials", reference.attention_partials,

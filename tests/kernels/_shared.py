@@ -123,6 +123,25 @@ def _attention64(x, weight, bias, cu_seqlens, max_seqlen, num_heads):
     return ctx
 
 
+def _relative_attention64(qkv, cu_seqlens, max_seqlen, num_heads, bias):
+    # per sequence and head: softmax(q k^T / sqrt(d) + B) v with B[i, j] = bias[h, (j - i) + R - 1] written out
+    tokens, hidden = qkv.shape[0], qkv.shape[1] // 3
+    d, reach = hidden // num_heads, (bias.shape[1] + 1) // 2
+    q, k, v = qkv.split(hidden, dim=1)
+    ctx = torch.zeros((tokens, hidden), dtype=qkv.dtype)
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        assert end - start <= max_seqlen <= reach
+        column = torch.tensor([[j - i + reach - 1 for j in range(end - start)] for i in range(end - start)],
+                              dtype=torch.long)
+        for h in range(num_heads if end > start else 0):
+            cols = slice(h * d, (h + 1) * d)
+            scores = q[start:end, cols] @ k[start:end, cols].T / d**0.5 + bias[h][column]
+            weights = torch.exp(scores - scores.max(dim=1, keepdim=True).values)
+            ctx[start:end, cols] = (weights / weights.sum(dim=1, keepdim=True)) @ v[start:end, cols]
+    return ctx
+
+
 def _segment_mean64(x, cu_seqlens):
     offsets = cu_seqlens.tolist()
     rows = [x[start:end].sum(0) / (end - start) if end > start else torch.zeros(x.shape[1], dtype=x.dtype)
@@ -161,6 +180,7 @@ FORMULAS = {
         x @ w.T + bias + residual, g, b, eps),
     "segment_mean": _segment_mean64,
     "qkv_attention": _attention64,
+    "relative_attention": _relative_attention64,
     "attention_partials": _attention_partials64,
     "ffn_partials": _ffn_partials64,
     "partial_add_layer_norm": lambda parts, bias, residual, w, b, eps=1e-12: _layer_norm64(

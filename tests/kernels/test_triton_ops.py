@@ -16,6 +16,7 @@ from fusedserve.kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, 
 from fusedserve.kernels.spec import attention_heads, launcher_modules
 from fusedserve.kernels.triton import LAUNCHERS as triton_launchers
 from fusedserve.kernels.triton.qkv_attention import MAX_HEAD_DIM
+from fusedserve.kernels.triton.relative_attention import MAX_HEAD_DIM as RELATIVE_MAX_HEAD_DIM
 from tests.kernels._shared import FORMULAS, check_offsets_past_two_to_the_31, opcheck_custom_ops
 from tests.conftest import DTYPES, INTERPRETER, shapes
 
@@ -26,9 +27,13 @@ from tests.conftest import DTYPES, INTERPRETER, shapes
 #   conversion truncates): they take the fp32 path there, which the float32 case covers (the GPU runs their bf16);
 # - on the interpreter, the attention ops at widths whose heads (spec.attention_heads) are too wide for the kernel:
 #   the launcher hands those to the torch reference, which tests/kernels/test_reference.py checks at the same rows,
-#   cols and dtype (the hand-off itself: test_qkv_attention.py's heads-too-wide test).
+#   cols and dtype (the hand-off itself: test_qkv_attention.py's and test_relative_attention.py's heads-too-wide
+#   tests).
 SWEPT_ELSEWHERE = ("linear_bias_gelu", "linear_add_layer_norm")
-FP32_ON_THE_INTERPRETER = ("qkv_attention", "attention_partials", "ffn_partials")
+FP32_ON_THE_INTERPRETER = ("qkv_attention", "attention_partials", "ffn_partials", "relative_attention")
+# the widest head each attention kernel takes (wider: the torch path)
+MAX_HEAD_DIMS = {"qkv_attention": MAX_HEAD_DIM, "attention_partials": MAX_HEAD_DIM,
+                 "relative_attention": RELATIVE_MAX_HEAD_DIM}
 
 
 def _swept(op: str, cols: int, dtype: torch.dtype) -> bool:
@@ -36,8 +41,8 @@ def _swept(op: str, cols: int, dtype: torch.dtype) -> bool:
         return False
     if INTERPRETER and op in FP32_ON_THE_INTERPRETER and dtype == torch.bfloat16:
         return False
-    if INTERPRETER and op in ("qkv_attention", "attention_partials"):
-        return cols // attention_heads(cols) <= MAX_HEAD_DIM
+    if INTERPRETER and op in MAX_HEAD_DIMS:
+        return cols // attention_heads(cols) <= MAX_HEAD_DIMS[op]
     return True
 
 
@@ -267,8 +272,8 @@ def test_exact_column_blocks_match_float64_reference(device, op, cols, dtype):
 
 def test_programmatic_dependent_launch_only_where_the_device_has_it(device):
     """FUSEDSERVE_TRITON_PDL asks for PDL; a launcher adds it only on a CUDA device of sm_90 or later (never under
-    the interpreter), and the few-token ops give the same results with the setting on (the GPU test checks every bit
-    with it actually in use, tests/gpu/test_graphs_gpu.py)."""
+    the interpreter), and the few-token ops and relative_attention give the same results with the setting on (the GPU
+    test checks every bit with it actually in use, tests/gpu/test_graphs_gpu.py)."""
     from fusedserve.kernels.triton._common import INTERPRET, pdl_args, pdl_launches
 
     x = torch.randn(16, 32, device=device)
@@ -279,7 +284,8 @@ def test_programmatic_dependent_launch_only_where_the_device_has_it(device):
         expected = (not INTERPRET and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
         assert pdl_args(x) == ({"USE_PDL": True, "launch_pdl": True} if expected else {"USE_PDL": False})
         assert pdl_args(x.cpu()) == {"USE_PDL": False}
-        for op in ("partial_add_layer_norm", "ffn_partials", "attention_partials", "segment_mean"):
+        for op in ("partial_add_layer_norm", "ffn_partials", "attention_partials", "segment_mean",
+                   "relative_attention"):
             report = check_op(triton_launchers[op], op, 7, 64, torch.float32, x.device, seed=_seed("pdl", op))
             assert report.ok, (op, report)
     assert pdl_args(x) == before  # the setting from before the test is back
