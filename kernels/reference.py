@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
+GLU_ACTIVATIONS = ("gelu", "silu")  # linear_glu's: exact-erf GELU (GeGLU), SiLU (SwiGLU)
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -203,21 +204,84 @@ def relative_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_hea
                          f"(bias [{bias.shape[0]}, {bias.shape[1]}] covers distances up to {reach - 1})")
     if batch * max_seqlen == 0:  # no sequence (or none may hold a token): every row is filler
         return _store(qkv.new_zeros((t, hidden), dtype=compute), qkv.dtype, out)
-    cu = torch.cummax(cu_seqlens.to(device=qkv.device, dtype=torch.long).clamp(0, t), 0).values
-    rows = torch.arange(t, device=qkv.device)
-    seq = torch.searchsorted(cu[1:], rows, right=True).clamp(max=batch - 1)
-    real = (rows >= cu[0]) & (rows < cu[-1])
-    pad_index = torch.where(real, seq * max_seqlen + rows - cu[seq], batch * max_seqlen)  # filler -> scratch row
-    padded = qkv.new_zeros((batch * max_seqlen + 1, width), dtype=compute).index_copy_(0, pad_index, qkv.to(compute))
+    padded, pad_index, real, lengths = _packed_block(qkv, cu_seqlens, max_seqlen, compute)
     q, k, v = padded[:-1].view(batch, max_seqlen, 3, num_heads, d).permute(2, 0, 3, 1, 4)
     positions = torch.arange(max_seqlen, device=qkv.device)
     table = bias.to(compute)[:, positions[None, :] - positions[:, None] + reach - 1]  # [heads, seq(q), seq(k)]
-    keys = positions[None, :] < (cu[1:] - cu[:-1])[:, None]  # [batch, seq(k)]
+    keys = positions[None, :] < lengths[:, None]  # [batch, seq(k)]
     mask = table[None].masked_fill(~keys[:, None, None, :], float("-inf"))  # [batch, heads, seq, seq]
     ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [batch, heads, seq, d]
     ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, hidden)
     ctx = torch.where(real[:, None], ctx[pad_index.clamp(max=batch * max_seqlen - 1)], 0.0)
     return _store(ctx, qkv.dtype, out)
+
+
+def _packed_block(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, compute: torch.dtype):
+    """A packed batch's rows scattered into a padded [batch, max_seqlen] block on the device (no host sync): the
+    block [batch * max_seqlen + 1, width] in `compute` (the last row a scratch row for filler tokens), each token's
+    row in it, whether it is a real token, and each sequence's length."""
+    t, width = qkv.shape
+    batch = cu_seqlens.numel() - 1
+    cu = torch.cummax(cu_seqlens.to(device=qkv.device, dtype=torch.long).clamp(0, t), 0).values
+    rows = torch.arange(t, device=qkv.device)
+    seq = torch.searchsorted(cu[1:], rows, right=True).clamp(max=max(batch - 1, 0))
+    real = (rows >= cu[0]) & (rows < cu[-1])
+    pad_index = torch.where(real, seq * max_seqlen + rows - cu[seq], batch * max_seqlen)  # filler -> scratch row
+    padded = qkv.new_zeros((batch * max_seqlen + 1, width), dtype=compute).index_copy_(0, pad_index, qkv.to(compute))
+    return padded, pad_index, real, cu[1:] - cu[:-1]
+
+
+def rotate_half(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """Rotary embedding of x [..., S, d] at positions [S]: x cos + rotate_half(x) sin with the angles
+    position * inv_freq repeated over both halves (transformers' apply_rotary_pos_emb; dimension i pairs with
+    i + d/2), computed in x's dtype with the angles in float32 (float64 stays)."""
+    angles = positions[:, None].to(inv_freq.dtype if x.dtype != torch.float64 else x.dtype) * inv_freq.to(
+        torch.float64 if x.dtype == torch.float64 else torch.float32)[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    half = x.shape[-1] // 2
+    return x * angles.cos().to(x.dtype) + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * angles.sin().to(x.dtype)
+
+
+def rotary_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, inv_freq: Tensor,
+                     window: int = 0, *, out: Tensor | None = None) -> Tensor:
+    """Self-attention of each packed sequence with rotary position embeddings: per head, q and k rotated by their
+    token's position within its sequence (0-based; rotate_half), then softmax(q k^T / sqrt(d)) v within each sequence
+    cu_seqlens[b] : cu_seqlens[b + 1], for qkv [T, 3H] (query, key and value stacked as qkv.view(T, 3, num_heads, d),
+    d = H / num_heads, even) and inv_freq [d / 2] -> [T, H] in qkv's dtype. window > 0: a query attends only to keys
+    at most `window` positions away (a sliding window of 2 * window + 1). Rows past cu_seqlens[-1] come out as
+    zeros. Computed in float32 (float64 stays) through SDPA on a padded [batch, max_seqlen] block built on the device:
+    no host sync, so it runs inside CUDA graphs."""
+    compute = _compute_dtype(qkv.dtype)
+    t, width = qkv.shape
+    hidden, batch = width // 3, cu_seqlens.numel() - 1
+    d = hidden // num_heads
+    if batch * max_seqlen == 0:
+        return _store(qkv.new_zeros((t, hidden), dtype=compute), qkv.dtype, out)
+    padded, pad_index, real, lengths = _packed_block(qkv, cu_seqlens, max_seqlen, compute)
+    q, k, v = padded[:-1].view(batch, max_seqlen, 3, num_heads, d).permute(2, 0, 3, 1, 4)
+    positions = torch.arange(max_seqlen, device=qkv.device)
+    q, k = rotate_half(q, positions, inv_freq), rotate_half(k, positions, inv_freq)
+    keep = (positions[None, :] < lengths[:, None])[:, None, None, :]  # [batch, 1, 1, seq(k)]
+    if window > 0:
+        keep = keep & ((positions[None, :] - positions[:, None]).abs() <= window)[None, None]
+    ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, hidden)
+    ctx = torch.where(real[:, None], ctx[pad_index.clamp(max=max(batch * max_seqlen - 1, 0))], 0.0)
+    return _store(ctx, qkv.dtype, out)
+
+
+def linear_glu(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "gelu", *,
+               out: Tensor | None = None) -> Tensor:
+    """A gated feed-forward's first half: act(x @ Wa^T + ba) * (x @ Wb^T + bb) for weight [2I, H] = [Wa; Wb] (the
+    activated rows first) and bias [2I] or None -> [T, I] in x's dtype; act "gelu" (exact erf: GeGLU) or "silu"
+    (SwiGLU). The GEMM runs in the input dtype (as cuBLAS does), the gate and product in float32."""
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"linear_glu: activation {activation!r}; supported: {', '.join(GLU_ACTIVATIONS)}")
+    compute = _compute_dtype(x.dtype)
+    h = torch.nn.functional.linear(x, weight, bias).to(compute)
+    a, b = h.chunk(2, dim=-1)
+    a = _gelu(a, "none") if activation == "gelu" else torch.nn.functional.silu(a)
+    return _store(a * b, x.dtype, out)
 
 
 def attention_partials(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int,

@@ -136,6 +136,36 @@ def _relative_attention_inputs(rows, cols, dtype, device, gen):
     return (qkv, offsets, max_seqlen, heads, bias), {}
 
 
+def rotary_heads(cols: int) -> int:
+    """A head count for a rotary attention test of width `cols` (even): as attention_heads, of an even head width
+    (rotary pairs dimension i with i + d/2)."""
+    return next((h for h in range(1, 17) if cols % h == 0 and (cols // h) % 2 == 0 and cols // h <= 128), 1)
+
+
+def _rotary_attention_inputs(rows, cols, dtype, device, gen):
+    # as _relative_attention_inputs, at an even width (an odd `cols` is rounded up: the output is [rows, width]);
+    # the frequencies of a 10000 base at the head width, float32 as models keep them
+    width = cols + cols % 2
+    _, lengths, offsets = _packed(rows, 64, 3, device, gen)
+    heads = rotary_heads(width)
+    d = width // heads
+    qkv = _randn((rows, 3 * width), dtype, device, gen)
+    max_seqlen = -(-max(lengths) // 16) * 16
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)).to(device=device,
+                                                                                    dtype=_fp32(dtype))
+    return (qkv, offsets, max_seqlen, heads, inv_freq), {}
+
+
+def _linear_glu_inputs(rows, cols, dtype, device, gen):
+    # output [rows, cols] = act(x Wa^T + ba) * (x Wb^T + bb) from x [rows, K], weight [2 cols, K], K = cols / 4 (the
+    # FFN-in: hidden -> 4 x hidden); weights at 1/sqrt(K) keep both halves of order 1
+    k = max(cols // 4, 1)
+    x = _randn((rows, k), dtype, device, gen)
+    w = _randn((2 * cols, k), dtype, device, gen, scale=k**-0.5)
+    b = _randn((2 * cols,), dtype, device, gen, scale=0.5)
+    return (x, w, b, "gelu"), {}
+
+
 def _attention_partials_inputs(rows, cols, dtype, device, gen):
     (x, w, b, offsets, max_seqlen, heads), _ = _qkv_attention_inputs(rows, cols, dtype, device, gen)
     out_weight = _randn((cols, cols), dtype, device, gen, scale=cols**-0.5)
@@ -179,6 +209,10 @@ def _per_split(args, rows, cols, dtype):
 
 def _same_as_input(args, rows, cols, dtype):
     return (rows, cols), dtype
+
+
+def _qkv_width(args, rows, cols, dtype):
+    return (rows, args[0].shape[1] // 3), dtype
 
 
 def _per_segment(args, rows, cols, dtype):
@@ -284,6 +318,22 @@ _SPECS = (
            "(key - query distance r at column r + R - 1, max_seqlen <= R); rows past the last offset are zeros.",
            lambda qkv, cu, max_seqlen, num_heads, bias: qkv.new_empty((qkv.shape[0], qkv.shape[1] // 3)),
            _relative_attention_inputs, rowwise=False, fused_in=_triton_only("relative_attention")),
+    # attention with rotary position embeddings (GTE, ModernBERT's global and sliding-window layers)
+    OpSpec("rotary_attention", reference.rotary_attention,
+           "softmax(rot(q) rot(k)^T / sqrt(d)) v per head within each packed sequence of qkv [T, 3H] (stacked as "
+           "qkv.view(T, 3, num_heads, d), d even; offsets cu_seqlens [B + 1], each at most max_seqlen long) -> "
+           "[T, H], rot the rotary embedding at the token's position within its sequence (0-based) with the "
+           "frequencies inv_freq [d / 2] (transformers' rotate_half); window > 0: keys at most that far from the "
+           "query only; rows past the last offset are zeros.",
+           lambda qkv, cu, max_seqlen, num_heads, inv_freq, window=0: qkv.new_empty((qkv.shape[0],
+                                                                                    qkv.shape[1] // 3)),
+           _rotary_attention_inputs, rowwise=False, output=_qkv_width, fused_in={}),
+    # a gated feed-forward's first GEMM with its gate in the epilogue (GTE's GeGLU, NomicBERT's SwiGLU)
+    OpSpec("linear_glu", reference.linear_glu,
+           "act(x @ Wa^T + ba) * (x @ Wb^T + bb) for weight [2I, H] = [Wa; Wb] in nn.Linear's layout (the activated "
+           "rows first) and bias [2I] or None -> [T, I]; act gelu (exact) or silu.",
+           lambda x, weight, bias, activation="gelu": x.new_empty((*x.shape[:-1], weight.shape[0] // 2)),
+           _linear_glu_inputs, rowwise=False, race_cols=lambda hidden: 4 * hidden, fused_in={}),
     # the few-token layer's pieces: attention + each head's share of the output projection -> [heads, rows, cols]
     # fp32; the FFN split over its intermediate width -> [splits, rows, cols] fp32; their LayerNorm over the sum
     OpSpec("attention_partials", reference.attention_partials,
