@@ -11,6 +11,10 @@ Scenarios (one batch shape each, plus a profile):
   mpnet-base-b32-s128, mpnet-base-b128-varlen
                          all-mpnet-base-v2's shape (relative position bias in every layer's attention), beside
                          transformers' MPNetModel
+  gte-base-b32-s128, gte-base-b128-varlen
+                         gte-multilingual-base's shape (rotary positions, gated GELU), beside transformers' GteModel,
+                         or where the installed transformers lacks it, the family's own padded forward in plain
+                         torch (model/gte.py Encoder.forward: the same math, SDPA attention)
   cross-encoder-minilm-b32-s128  MiniLM with a one-label classification head (a re-ranker), 32 pairs of 128 tokens,
                                  beside transformers' BertForSequenceClassification
   tiny-b3-varlen, tiny-cross-encoder-b3-varlen
@@ -50,6 +54,8 @@ CASES = {
     "xlm-roberta-base-b32-s128": ("xlm-roberta-base", 32, 128, False, "embedding"),
     "mpnet-base-b32-s128": ("mpnet-base", 32, 128, False, "embedding"),
     "mpnet-base-b128-varlen": ("mpnet-base", 128, 128, True, "embedding"),
+    "gte-base-b32-s128": ("gte-base", 32, 128, False, "embedding"),
+    "gte-base-b128-varlen": ("gte-base", 128, 128, True, "embedding"),
     "cross-encoder-minilm-b32-s128": ("minilm-l6", 32, 128, False, "classifier"),
     "tiny-b3-varlen": ("tiny", 3, 12, True, "embedding"),
     "tiny-cross-encoder-b3-varlen": ("tiny", 3, 12, True, "classifier"),
@@ -57,7 +63,7 @@ CASES = {
 SCENARIOS = (*CASES, "profile")
 DEFAULT_SCENARIOS = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128", "bert-base-b128-varlen",
                      "xlm-roberta-base-b32-s128", "mpnet-base-b32-s128", "mpnet-base-b128-varlen",
-                     "cross-encoder-minilm-b32-s128")
+                     "gte-base-b32-s128", "gte-base-b128-varlen", "cross-encoder-minilm-b32-s128")
 PROVIDERS = ("torch eager", "torch.compile", "torch.compile + CUDA graphs", "ours")
 PROFILE_CASES = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128")
 # first match wins: attention before GEMM (fmha kernels would match both)
@@ -138,6 +144,19 @@ def hf_model(config, device: str, dtype: torch.dtype, head: str = "embedding"):
     BertForSequenceClassification."""
     import transformers
 
+    if config.architecture == "gte":
+        gte = getattr(transformers, "GteModel", None)
+        if gte is None:  # transformers before 5.2x: the family's plain-torch padded forward stands in
+            from fusedserve.model.families import family
+
+            return family(config).encoder(config).to(device=device, dtype=dtype).eval()
+        shape = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                     num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+                     intermediate_size=config.intermediate_size, max_position_embeddings=config.max_position_embeddings,
+                     type_vocab_size=config.type_vocab_size, pad_token_id=config.pad_token_id,
+                     rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
+        model = gte(transformers.GteConfig(**shape, attn_implementation="sdpa"), add_pooling_layer=False)
+        return model.to(device=device, dtype=dtype).eval()
     if config.architecture == "mpnet":  # its attention is transformers' own (adds the bias): no SDPA option
         mpnet = transformers.MPNetConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                                          num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,

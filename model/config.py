@@ -31,6 +31,8 @@ class EncoderConfig:
     position_offset: int = 0
     # relative position bias buckets shared by all layers (MPNet's); 0: none
     relative_attention_buckets: int = 0
+    # rotary position embeddings' base (GTE's); 0: none
+    rope_theta: float = 0.0
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -72,4 +74,8 @@ PRESETS: dict[str, EncoderConfig] = {
                                 intermediate_size=3072, max_position_embeddings=514, type_vocab_size=1,
                                 layer_norm_eps=1e-5, pad_token_id=1, position_offset=2, max_seq_length=512,
                                 relative_attention_buckets=32),
+    # gte-multilingual-base's shape (rotary positions, gated GELU), random init, for benchmarks.
+    "gte-base": EncoderConfig(architecture="gte", vocab_size=250048, hidden_size=768, num_layers=12, num_heads=12,
+                              intermediate_size=3072, max_position_embeddings=8192, type_vocab_size=1,
+                              layer_norm_eps=1e-12, pad_token_id=1, max_seq_length=8192, rope_theta=160000.0),
 }

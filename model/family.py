@@ -8,7 +8,7 @@ families; nothing else in the model package, and nothing in the server, branches
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -19,12 +19,19 @@ from fusedserve.model.config import EncoderConfig
 @dataclass(frozen=True)
 class WeightLayout:
     """Checkpoint tensor names (after prefix stripping) -> the family's parameter names. `{i}.` follows
-    layer_prefix; the query, key and value projections are stacked into one `qkv` matrix."""
+    layer_prefix; the query, key and value projections are stacked into one `qkv` matrix. A checkpoint without the
+    token type table (`embeddings.token_type_embeddings`) gets one all-zero row."""
 
-    embeddings: Mapping[str, str]
+    embeddings: Mapping[str, str]  # tensors outside the layers
     layer_prefix: str
     layer: Mapping[str, str]
     qkv: tuple[str, str, str]  # the three projections' names under the layer prefix, before ".weight"/".bias"
+    # a layer's parameter stacked from several checkpoint tensors along their first dimension (GTE's gate and up
+    # projections: one GEMM)
+    stacked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # a checkpoint saved in another layout (a model's Hub layout with fused projections) -> these names; applied
+    # after prefix stripping, before the maps above
+    rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ def default_model_dir() -> Path:
 _PREFIXES = tuple(f"{f.name}." for f in FAMILIES) + ("0.auto_model.", "auto_model.", "model.")
 # position_ids buffers, and heads this service does not serve (masked-LM heads); a classification head's tensors
 # are the caller's (load_checkpoint)
+_TOKEN_TYPES = "embeddings.token_type_embeddings"
 _IGNORED = re.compile(r"^(embeddings\.position_ids|embeddings\.token_type_ids|lm_head\..*|cls\..*|vocab_.*)$")
 
 
@@ -55,6 +56,8 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig
     (canonical names: a classification head's, a pooler's), ignored buffers dropped."""
     layout = family(config).weights
     src = {_canonical(k): v for k, v in tensors.items()}
+    if layout.rename is not None:
+        src = layout.rename(src)
     out: dict[str, torch.Tensor] = {}
     missing: list[str] = []
 
@@ -65,16 +68,22 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig
         return src.pop(name)
 
     for theirs, ours in layout.embeddings.items():
+        if ours == _TOKEN_TYPES and theirs not in src:
+            continue  # synthesized below
         if (t := take(theirs)) is not None:
             out[ours] = t
-    # a family without token types (DistilBERT, MPNet): one all-zero token type
-    if "embeddings.token_type_embeddings" not in out and not missing:
-        out["embeddings.token_type_embeddings"] = torch.zeros(1, config.hidden_size, dtype=out["embeddings.ln_weight"].dtype)
+    # a family or checkpoint without token types (DistilBERT, MPNet, gte-base-en-v1.5): one all-zero token type
+    if _TOKEN_TYPES not in out and not missing:
+        out[_TOKEN_TYPES] = torch.zeros(1, config.hidden_size, dtype=out["embeddings.ln_weight"].dtype)
     for i in range(config.num_layers):
         base = f"{layout.layer_prefix}{i}."
         for theirs, ours in layout.layer.items():
             if (t := take(base + theirs)) is not None:
                 out[f"layers.{i}.{ours}"] = t
+        for ours, theirs in layout.stacked.items():
+            parts = [take(base + name) for name in theirs]
+            if all(p is not None for p in parts):
+                out[f"layers.{i}.{ours}"] = torch.cat(parts, dim=0)
         for kind in ("weight", "bias"):
             parts = [take(f"{base}{p}.{kind}") for p in layout.qkv]
             if all(p is not None for p in parts):

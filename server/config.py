@@ -51,7 +51,7 @@ class Settings(BaseSettings):
 
     # model and device
     model: str = Field("default", description="'default' (packaged all-MiniLM-L6-v2), a preset (tiny, minilm-l6, "
-                       "bert-base, xlm-roberta-base, mpnet-base: random weights), or a checkpoint dir")
+                       "bert-base, xlm-roberta-base, mpnet-base, gte-base: random weights), or a checkpoint dir")
     model_name: str = Field("", description="name clients use in requests and responses (default: derived from model)")
     models: Annotated[dict[str, ModelSpec], NoDecode] = Field(
         default_factory=dict, description="several models in one server, e.g. `minilm=default,reranker=/models/ce`: "

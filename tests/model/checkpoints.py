@@ -121,15 +121,55 @@ def mpnet(dest: Path, pooling: list[str] = ("mean",), shape: str = "tiny", **kwa
     model = MPNetModel(config, add_pooling_layer=False)
     with torch.no_grad():
         model.encoder.relative_attention_bias.weight.normal_(0, 1.0)
+    _sharpen_attention(model)
     model.save_pretrained(dest, safe_serialization=True)
     _copy_tokenizer(dest)
     _st_files(dest, list(pooling), max_seq_length=128 if shape == "tiny" else 384, **kwargs)
     return dest
 
 
+def _sharpen_attention(model: torch.nn.Module) -> None:
+    """Query and key projections of order 1/sqrt(width) instead of the 0.02 init: scores of order 1, so attention is
+    far from uniform and a position encoding applied wrongly (a rotation's angle, a bias's sign) moves the output
+    (under the init it moves the embeddings by ~1e-9 in cosine: no test could see it)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and any(f"{n}." in name for n in ("q_proj", "k_proj", "attn.q", "attn.k")):
+                p.normal_(0, p.shape[1] ** -0.5)
+
+
+# GTE at a tiny shape and at gte-multilingual-base's (its 250k vocabulary cut to BERT's: the tokenizer is MiniLM's)
+GTE_SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                 max_position_embeddings=512),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                 max_position_embeddings=8192),
+}
+
+
+def gte(dest: Path, pooling: list[str] = ("cls",), shape: str = "tiny", type_vocab_size: int = 1,
+        layout: str = "hub", **kwargs) -> Path:
+    """A random GTE (transformers' GteModel, rotary positions, gated GELU) with sentence-transformers modules; cls
+    pooling as gte-multilingual-base's. type_vocab_size=0: no token type table (gte-base-en-v1.5's layout). layout
+    "hub": the weights as save_pretrained writes them, in the released checkpoints' layout (fused qkv_proj and
+    up_gate_proj, encoder.layer.{i}); "transformers": GteModel's own parameter names."""
+    from transformers import GteConfig, GteModel
+
+    torch.manual_seed(5)
+    config = GteConfig(vocab_size=30522, pad_token_id=0, type_vocab_size=type_vocab_size, **GTE_SHAPES[shape])
+    model = GteModel(config, add_pooling_layer=False)
+    _sharpen_attention(model)
+    model.save_pretrained(dest, safe_serialization=True)
+    if layout == "transformers":
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, dest / "model.safetensors")
+    _copy_tokenizer(dest)
+    _st_files(dest, list(pooling), max_seq_length=128 if shape == "tiny" else 512, **kwargs)
+    return dest
+
+
 def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Path:
-    """A sequence classifier: MiniLM's encoder with a random head (bert), or a tiny random XLM-R / DistilBERT / MPNet
-    one."""
+    """A sequence classifier: MiniLM's encoder with a random head (bert), or a tiny random XLM-R / DistilBERT / MPNet /
+    GTE one."""
     import transformers
 
     torch.manual_seed(3 + num_labels)
@@ -149,6 +189,11 @@ def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Pa
                                                max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
                                                num_labels=num_labels, id2label=id2label)
         model = transformers.XLMRobertaForSequenceClassification(config)
+    elif architecture == "gte":
+        config = transformers.GteConfig(vocab_size=30522, pad_token_id=0, num_labels=num_labels, id2label=id2label,
+                                        **GTE_SHAPES["tiny"])
+        model = transformers.GteForSequenceClassification(config)
+        _sharpen_attention(model)
     elif architecture == "mpnet":
         config = transformers.MPNetConfig(vocab_size=30527, layer_norm_eps=1e-5, num_labels=num_labels,
                                           id2label=id2label, **MPNET_SHAPES["tiny"])
@@ -166,7 +211,7 @@ def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Pa
     model.save_pretrained(dest, safe_serialization=True)
     _copy_tokenizer(dest)
     # one token type: the borrowed BERT tokenizer's pair types are not passed on
-    if architecture in ("roberta", "mpnet"):
+    if architecture in ("roberta", "mpnet", "gte"):
         config = json.loads((dest / "tokenizer_config.json").read_text())
         config["model_input_names"] = ["input_ids", "attention_mask"]
         (dest / "tokenizer_config.json").write_text(json.dumps(config))

@@ -17,11 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f.name)
 def test_the_weight_layout_names_every_parameter_of_the_family_encoder(fam):
     config = EncoderConfig(architecture=fam.name, hidden_size=32, num_layers=3, num_heads=4, intermediate_size=64,
-                           max_position_embeddings=40, max_seq_length=32, relative_attention_buckets=32)
+                           max_position_embeddings=40, max_seq_length=32, relative_attention_buckets=32,
+                           rope_theta=10000.0)
     params = set(fam.encoder(config).state_dict())
     mapped = set(fam.weights.embeddings.values())
     for i in range(config.num_layers):
-        mapped |= {f"layers.{i}.{ours}" for ours in fam.weights.layer.values()}
+        mapped |= {f"layers.{i}.{ours}" for ours in (*fam.weights.layer.values(), *fam.weights.stacked)}
         mapped |= {f"layers.{i}.qkv.weight", f"layers.{i}.qkv.bias"}
     # a family without token types gets one all-zero token type row (model.weights)
     synthesized = {"embeddings.token_type_embeddings"} - mapped
@@ -45,7 +46,7 @@ def test_every_model_type_belongs_to_one_family_and_reads_back_to_it():
 
 def test_an_unknown_architecture_is_refused_naming_the_known_ones():
     with pytest.raises(UnsupportedModel, match="architecture 'deberta-v2'; supported: bert, roberta, distilbert, "
-                                               "mpnet"):
+                                               "mpnet, gte"):
         family(EncoderConfig(architecture="deberta-v2"))
 
 
@@ -70,7 +71,7 @@ def test_nothing_outside_the_family_files_branches_on_the_architecture():
     """The server, the batcher, the routes and the model package's shared code never branch on the architecture:
     that lives in the family files (model/bert.py, ...), declared through model/family.py."""
     names = {f.name for f in FAMILIES} | {t for f in FAMILIES for t in f.model_types}
-    family_files = {ROOT / "model" / f"{name}.py" for name in ("bert", "mpnet")}
+    family_files = {ROOT / "model" / f"{name}.py" for name in ("bert", "mpnet", "gte")}
     found = []
     for folder in ("server", "model", "fusedserve"):
         for path in sorted((ROOT / folder).rglob("*.py")):

@@ -53,20 +53,22 @@ def test_minilm_with_dense_modules_matches_sentence_transformers(tmp_path):
     _agree(ours.embed(TEXTS), _reference(path).encode(TEXTS, convert_to_tensor=True))
 
 
-@pytest.mark.parametrize("build", [checkpoints.tiny_xlm_roberta, checkpoints.tiny_distilbert, checkpoints.mpnet],
-                         ids=["xlm-roberta", "distilbert", "mpnet"])
+@pytest.mark.parametrize("build", [checkpoints.tiny_xlm_roberta, checkpoints.tiny_distilbert, checkpoints.mpnet,
+                                   checkpoints.gte], ids=["xlm-roberta", "distilbert", "mpnet", "gte"])
 @pytest.mark.parametrize("pooling", [["mean"], ["cls"]])
 def test_other_architectures_match_sentence_transformers(tmp_path, build, pooling):
     path = build(tmp_path / "m", pooling)
     ours, report = Embedder.load(str(path), device="cpu", backend="torch")
-    assert ours.config.architecture in ("roberta", "distilbert", "mpnet") and ours.config.architecture in str(report)
+    assert ours.config.architecture in ("roberta", "distilbert", "mpnet", "gte")
+    assert ours.config.architecture in str(report)
     _agree(ours.embed(TEXTS), _reference(path).encode(TEXTS, convert_to_tensor=True))
 
 
-@pytest.mark.parametrize("build", [checkpoints.tiny_xlm_roberta, checkpoints.mpnet], ids=["xlm-roberta", "mpnet"])
+@pytest.mark.parametrize("build", [checkpoints.tiny_xlm_roberta, checkpoints.mpnet, checkpoints.gte],
+                         ids=["xlm-roberta", "mpnet", "gte"])
 def test_the_fused_kernels_serve_other_architectures(tmp_path, build):
-    """XLM-R's offset positions and single token type, MPNet's relative position bias, through the Triton kernels
-    (on the interpreter here)."""
+    """XLM-R's offset positions and single token type, MPNet's relative position bias, GTE's rotary embeddings and
+    gated GELU, through the Triton kernels (on the interpreter here)."""
     path = build(tmp_path / "m")
     fused, _ = Embedder.load(str(path), device="cpu", backend="triton")
     assert set(fused.selection.used.values()) == {"triton"}
@@ -88,16 +90,42 @@ def test_prompts_count_toward_truncation_as_sentence_transformers_counts_them(tm
 
 
 @pytest.mark.slow
-def test_base_shape_mpnet_matches_sentence_transformers(tmp_path):
-    """all-mpnet-base-v2's shape (12 heads of 64, the 384-token truncation): the relative bias reaches its
-    log-spaced buckets (distances past 8) and saturates (past 128) only in sequences this long."""
-    path = checkpoints.mpnet(tmp_path / "m", shape="base")
+@pytest.mark.parametrize("build", [checkpoints.mpnet, checkpoints.gte], ids=["mpnet", "gte"])
+def test_base_shape_families_match_sentence_transformers(tmp_path, build):
+    """all-mpnet-base-v2's and gte-multilingual-base's shapes (12 heads of 64) on a long input: MPNet's relative bias
+    reaches its log-spaced buckets (distances past 8) and saturates (past 128) only in sequences this long, and
+    rotary angles grow with the position."""
+    path = build(tmp_path / "m", shape="base")
     ours, _ = Embedder.load(str(path), device="cpu", backend="torch")
-    texts = TEXTS + ["relative positions reach far in long inputs " * 60]
+    texts = [TEXTS[1], "x", "relative positions reach far in long inputs " * 60]
     _agree(ours.embed(texts), _reference(path).encode(texts, convert_to_tensor=True))
 
 
-@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert", "mpnet"])
+def test_gte_reads_the_hub_layout_and_transformers_own(tmp_path):
+    """GTE checkpoints ship fused (qkv_proj, up_gate_proj with the up rows first, encoder.layer.{i}: the released
+    models' custom-code layout, which transformers also saves); transformers' GteModel names them apart. Both load
+    to the same encoder, and a checkpoint whose config asks for math the family does not do is refused by name."""
+    hub = checkpoints.gte(tmp_path / "hub", layout="hub")
+    native = checkpoints.gte(tmp_path / "native", layout="transformers")
+    from safetensors import safe_open
+
+    with safe_open(hub / "model.safetensors", "pt") as f:
+        assert any("up_gate_proj" in k for k in f.keys())
+    with safe_open(native / "model.safetensors", "pt") as f:
+        assert any("mlp.gate_proj" in k for k in f.keys())
+    a, _ = Embedder.load(str(hub), device="cpu", backend="torch")
+    b, _ = Embedder.load(str(native), device="cpu", backend="torch")
+    assert torch.equal(a.embed(TEXTS), b.embed(TEXTS))
+    _agree(b.embed(TEXTS), _reference(native).encode(TEXTS, convert_to_tensor=True))
+    config = json.loads((hub / "config.json").read_text())
+    for change, named in (({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+                           "rotary embeddings of type 'dynamic'"), ({"hidden_act": "relu"}, "hidden_act 'relu'")):
+        (hub / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(CheckpointError, match=named):
+            Embedder.load(str(hub), device="cpu")
+
+
+@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert", "mpnet", "gte"])
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_classifiers_match_cross_encoder(tmp_path, architecture, num_labels):
     path = checkpoints.cross_encoder(tmp_path / "ce", num_labels, architecture)
@@ -170,7 +198,7 @@ def test_what_cannot_be_served_exactly_is_refused_naming_it(tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "model_type": "deberta-v2",
                                                   "architectures": ["DebertaV2Model"]}))
     with pytest.raises(CheckpointError, match="model_type 'deberta-v2' \\(DebertaV2Model\\) is not supported; "
-                                              "supported model types: bert, roberta, xlm-roberta, distilbert, mpnet"):
+                                              "supported model types: bert, roberta, xlm-roberta, distilbert, mpnet, gte"):
         Embedder.load(str(path), device="cpu")
     ce = checkpoints.cross_encoder(tmp_path / "ce", 1)
     with pytest.raises(UnsupportedModel, match="is a classifier"):

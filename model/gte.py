@@ -1,0 +1,212 @@
+"""The GTE family (transformers' GteModel: gte-multilingual-base and the gte-*-v1.5 encoders): BERT's post-LN
+layers with rotary position embeddings in place of learned absolute ones and a gated GELU feed-forward.
+
+    x = LN(word[ids] + token_type[types])          (no position table)
+    x = LN(x + o_proj(attention(rotary(q), rotary(k), v)))
+    x = LN(x + down_proj(gelu(x Wgate^T) * (x Wup^T)))
+
+Rotary embeddings rotate each head's query and key by their token's position within its sequence (0-based), pairing
+dimension i with i + d/2 (transformers' rotate_half); kernels.rotary_attention applies them as it loads q and k,
+so the rotated q and k are never written. The gate and up projections are stacked into one [2I, H] weight and
+kernels.linear_glu multiplies the activated gate half into the up half in the GEMM's epilogue: the gate is never
+written either."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fusedserve import kernels
+from fusedserve.model import bert
+from fusedserve.model.config import EncoderConfig, UnsupportedModel
+from fusedserve.model.encoder import Packed
+from fusedserve.model.family import ClassifierHead, Family, WeightLayout
+
+
+def _read_gte(hf: dict) -> dict:
+    act = hf.get("hidden_act", "gelu")
+    if act != "gelu":
+        raise UnsupportedModel(f"hidden_act {act!r} is not supported (only exact GELU, 'gelu')")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise UnsupportedModel(f"rotary embeddings of type {rope.get('rope_type') or hf.get('rope_scaling')!r} are "
+                               "not supported (only the default, unscaled rotary embedding)")
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+        raise UnsupportedModel(f"head_dim {hf['head_dim']} other than hidden_size / num_attention_heads")
+    positions = hf.get("max_position_embeddings", 8192)
+    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+                num_heads=heads, intermediate_size=hf["intermediate_size"],
+                # gte-base-en-v1.5 has no token types (0): one all-zero row (model.weights)
+                type_vocab_size=max(hf.get("type_vocab_size", 1), 1), layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+                pad_token_id=hf.get("pad_token_id", 1) if hf.get("pad_token_id") is not None else 0,
+                max_position_embeddings=positions, max_seq_length=positions,
+                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 160_000.0))))
+
+
+_HUB_NAMES = {"attention.o_proj.": "self_attn.o_proj.", "attn_ln.": "post_attention_layernorm.",
+              "mlp_ln.": "post_mlp_layernorm.", "mlp.down_proj.": "mlp.down_proj."}
+
+
+def _from_hub_layout(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The layout GTE checkpoints ship in (Alibaba-NLP's custom code, model type "new"; transformers saves GteModel
+    in it too): `new.` prefix, encoder.layer.{i}, a fused attention.qkv_proj and mlp.up_gate_proj with the up rows
+    FIRST -> transformers' GteModel names (what its checkpoint conversion does at load). Other names pass."""
+    out = {}
+    for name, t in tensors.items():
+        name = name.removeprefix("new.")
+        if not name.startswith("encoder.layer."):
+            out[name] = t
+            continue
+        i, rest = name[len("encoder.layer."):].split(".", 1)
+        base = f"layers.{i}."
+        if rest.startswith("attention.qkv_proj."):
+            kind = rest.rsplit(".", 1)[1]
+            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3, dim=0)):
+                out[f"{base}self_attn.{part}.{kind}"] = chunk
+        elif rest == "mlp.up_gate_proj.weight":
+            up, gate = t.chunk(2, dim=0)
+            out[f"{base}mlp.up_proj.weight"], out[f"{base}mlp.gate_proj.weight"] = up, gate
+        else:
+            old = next((o for o in _HUB_NAMES if rest.startswith(o)), None)
+            out[base + (_HUB_NAMES[old] + rest[len(old):] if old else rest)] = t
+    return out
+
+
+_GTE_WEIGHTS = WeightLayout(
+    {
+        "embeddings.word_embeddings.weight": "embeddings.word_embeddings",
+        "embeddings.token_type_embeddings.weight": "embeddings.token_type_embeddings",
+        "embeddings.LayerNorm.weight": "embeddings.ln_weight",
+        "embeddings.LayerNorm.bias": "embeddings.ln_bias",
+    },
+    "layers.",
+    {
+        "self_attn.o_proj.weight": "attn_out.weight",
+        "self_attn.o_proj.bias": "attn_out.bias",
+        "post_attention_layernorm.weight": "attn_ln_weight",
+        "post_attention_layernorm.bias": "attn_ln_bias",
+        "mlp.down_proj.weight": "ffn_out.weight",
+        "mlp.down_proj.bias": "ffn_out.bias",
+        "post_mlp_layernorm.weight": "ffn_ln_weight",
+        "post_mlp_layernorm.bias": "ffn_ln_bias",
+    },
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    stacked={"ffn_in.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
+    rename=_from_hub_layout,
+)
+
+
+def inverse_frequencies(theta: float, head_dim: int) -> Tensor:
+    """transformers' default rotary frequencies: theta^(-2i/d) for i < d/2, float32."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
+def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """transformers' apply_rotary_pos_emb on x [..., T, d] at positions [T] (cos and sin in x's dtype)."""
+    angles = positions[:, None].float() * inv_freq[None, :]
+    cos, sin = torch.cat((angles, angles), -1).cos().to(x.dtype), torch.cat((angles, angles), -1).sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+class Embeddings(bert.Embeddings):
+    """LN(word + token type): BERT's embedding kernel with a one-row zero position table that every token reads."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__(config.replace(max_position_embeddings=1, max_seq_length=1))
+        del self.position_embeddings
+        self.register_buffer("position_embeddings", torch.zeros(1, config.hidden_size), persistent=False)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor) -> Tensor:
+        return super().forward(input_ids, torch.zeros_like(input_ids), token_type_ids)
+
+
+class Layer(nn.Module):
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.num_heads, self.eps = config.num_heads, config.layer_norm_eps
+        self.qkv = nn.Linear(h, 3 * h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_ln_weight = nn.Parameter(torch.ones(h))
+        self.attn_ln_bias = nn.Parameter(torch.zeros(h))
+        self.ffn_in = nn.Linear(h, 2 * i, bias=False)  # gate rows, then up rows
+        self.ffn_out = nn.Linear(i, h)
+        self.ffn_ln_weight = nn.Parameter(torch.ones(h))
+        self.ffn_ln_bias = nn.Parameter(torch.zeros(h))
+
+    def forward(self, x: Tensor, batch: int, seq: int, attn_mask: Tensor, inv_freq: Tensor) -> Tensor:
+        # the padded layout in plain torch (a test oracle, independent of the fused ops)
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
+        q, k, v = qkv.view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        positions = torch.arange(seq, device=x.device)
+        q, k = rotate(q, positions, inv_freq), rotate(k, positions, inv_freq)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).transpose(1, 2).reshape(batch * seq, -1)
+        x = F.layer_norm(x + F.linear(ctx, self.attn_out.weight, self.attn_out.bias), x.shape[-1:],
+                         self.attn_ln_weight, self.attn_ln_bias, self.eps)
+        gate, up = F.linear(x, self.ffn_in.weight).chunk(2, dim=-1)
+        h = F.linear(F.gelu(gate) * up, self.ffn_out.weight, self.ffn_out.bias)
+        return F.layer_norm(x + h, x.shape[-1:], self.ffn_ln_weight, self.ffn_ln_bias, self.eps)
+
+    def forward_packed(self, x: Tensor, p: Packed, inv_freq: Tensor) -> Tensor:
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
+        ctx = kernels.rotary_attention(qkv, p.cu_seqlens, p.seq, self.num_heads, inv_freq)
+        x = kernels.linear_add_layer_norm(ctx, self.attn_out.weight, self.attn_out.bias, x, self.attn_ln_weight,
+                                          self.attn_ln_bias, self.eps)
+        h = kernels.linear_glu(x, self.ffn_in.weight, None, "gelu")
+        return kernels.linear_add_layer_norm(h, self.ffn_out.weight, self.ffn_out.bias, x, self.ffn_ln_weight,
+                                             self.ffn_ln_bias, self.eps)
+
+
+class Encoder(bert.Encoder):
+    def __init__(self, config: EncoderConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
+        self.register_buffer("inv_freq", inverse_frequencies(config.rope_theta, config.head_dim), persistent=False)
+        self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        # the frequencies stay float32 when the weights go to half precision (transformers keeps them so)
+        inv_freq = self.inv_freq
+        module = super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(device=self.inv_freq.device)
+        return module
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        batch, seq = input_ids.shape
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.embeddings(input_ids.reshape(-1), None, token_type_ids.reshape(-1))
+        attn_mask = attention_mask.bool()[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, batch, seq, attn_mask, self.inv_freq)
+        return x.view(batch, seq, -1)
+
+    def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
+        # one attention whatever the mode (rotary_attention works from cu_seqlens on every device); the modes differ
+        # only in how the runner buckets graphs
+        if p.cu_seqlens is None:
+            raise ValueError("GTE attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
+        x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
+        yield x
+        for layer in self.layers:
+            x = layer.forward_packed(x, p, self.inv_freq)
+            yield x
+
+
+def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    ops = ["embedding_layer_norm"]
+    if layout == "packed":
+        ops += ["rotary_attention", "linear_add_layer_norm", "linear_glu", "segment_mean"]
+    return tuple(ops)
+
+
+GTE = Family("gte", ("gte",), "GTE", _read_gte, _GTE_WEIGHTS, ClassifierHead("pooler.dense", "tanh", "classifier"),
+             encoder=Encoder, kernel_ops=kernel_ops, positions="rotary", few_token_layer=False)
+FAMILIES = (GTE,)
