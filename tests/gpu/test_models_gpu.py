@@ -51,6 +51,32 @@ def test_embedding_models_on_the_fused_kernels(tmp_path, model, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", ["tiny", "base"])
+def test_gte_on_the_fused_kernels(tmp_path, shape, dtype):
+    """GTE (rotary attention, gated GELU) at a tiny shape and at gte-multilingual-base's. sentence-transformers on
+    the GPU where this transformers has GTE; else (the H200 image) the fp32 embeddings sentence-transformers gave
+    on the CPU for the same seeded weights (tests/gpu/gte_reference.json; the CPU suite keeps it current)."""
+    import json
+
+    import transformers
+
+    carried = json.loads(checkpoints.GTE_REFERENCE.read_text())
+    texts = carried["texts"]
+    path = checkpoints.gte_seeded(tmp_path / shape, shape)
+    if hasattr(transformers, "GteModel"):
+        expected = SentenceTransformer(str(path), device="cuda").float().encode(texts, convert_to_tensor=True)
+    else:
+        assert checkpoints.weights_digest(path) == carried["shapes"][shape]["digest"], "seeded weights differ"
+        expected = torch.tensor(carried["shapes"][shape]["embeddings"])
+    ours, _ = Embedder.load(str(path), device="cuda", dtype=dtype, max_batch_tokens=2048, max_batch=16)
+    assert ours.path == "fused" and {"rotary_attention", "linear_glu"} <= set(ours.selection.used)
+    for rows in (texts[:1], texts):
+        got = ours.embed(rows)
+        cosine = torch.nn.functional.cosine_similarity(got.double(), expected[: len(rows)].double().cpu(), dim=1)
+        assert float(cosine.min()) >= tolerance(dtype).min_cosine, (shape, dtype, cosine)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert", "mpnet"])
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_classifiers_on_the_fused_kernels(tmp_path, architecture, num_labels, dtype):

@@ -167,6 +167,81 @@ def gte(dest: Path, pooling: list[str] = ("cls",), shape: str = "tiny", type_voc
     return dest
 
 
+def gte_seeded(dest: Path, shape: str = "tiny", seed: int = 6) -> Path:
+    """A random GTE directory whose weights come from torch's CPU generator alone (transformers' names, no
+    transformers needed): the same bytes wherever it is built, so a machine whose transformers lacks GTE (the H200
+    image) can rebuild it and compare with embeddings sentence-transformers computed here (tests/gpu/
+    gte_reference.json, checked by its digest). cls pooling, q/k projections at 1/sqrt(width) as _sharpen_attention."""
+    dims = GTE_SHAPES[shape]
+    h, inner, layers = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape_, std=0.02):
+        return torch.randn(shape_, generator=gen) * std
+
+    tensors = {"embeddings.word_embeddings.weight": normal(30522, h),
+               "embeddings.token_type_embeddings.weight": normal(1, h),
+               "embeddings.LayerNorm.weight": 1 + normal(h, std=0.1), "embeddings.LayerNorm.bias": normal(h)}
+    for i in range(layers):
+        base = f"layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            std = h**-0.5 if proj in ("q_proj", "k_proj") else 0.02
+            tensors[f"{base}self_attn.{proj}.weight"] = normal(h, h, std=std)
+            tensors[f"{base}self_attn.{proj}.bias"] = normal(h)
+        for norm in ("post_attention_layernorm", "post_mlp_layernorm"):
+            tensors[f"{base}{norm}.weight"] = 1 + normal(h, std=0.1)
+            tensors[f"{base}{norm}.bias"] = normal(h)
+        tensors[f"{base}mlp.gate_proj.weight"] = normal(inner, h)
+        tensors[f"{base}mlp.up_proj.weight"] = normal(inner, h)
+        tensors[f"{base}mlp.down_proj.weight"] = normal(h, inner)
+        tensors[f"{base}mlp.down_proj.bias"] = normal(h)
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, dest / "model.safetensors")
+    (dest / "config.json").write_text(json.dumps({
+        "architectures": ["GteModel"], "model_type": "gte", "vocab_size": 30522, "type_vocab_size": 1,
+        "pad_token_id": 0, "hidden_act": "gelu", "layer_norm_eps": 1e-12, "num_attention_heads":
+        dims["num_attention_heads"], "hidden_size": h, "intermediate_size": inner, "num_hidden_layers": layers,
+        "max_position_embeddings": dims["max_position_embeddings"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 160000.0}}))
+    _copy_tokenizer(dest)
+    _st_files(dest, ["cls"], max_seq_length=128 if shape == "tiny" else 512)
+    return dest
+
+
+def weights_digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+
+GTE_REFERENCE = Path(__file__).resolve().parents[1] / "gpu" / "gte_reference.json"
+GTE_REFERENCE_TEXTS = ["A man is eating food.", "x", "Fused kernels make encoders fast, even for a single short request.",
+                       "rotary angles grow with the position in a long input " * 30]
+
+
+def gte_reference(root: Path) -> dict:
+    """What tests/gpu/gte_reference.json holds: per shape, gte_seeded's weights digest and sentence-transformers'
+    fp32 CPU embeddings of GTE_REFERENCE_TEXTS (python -m tests.model.checkpoints writes it)."""
+    from sentence_transformers import SentenceTransformer
+
+    out = {}
+    for shape in GTE_SHAPES:
+        path = gte_seeded(root / shape, shape)
+        vectors = SentenceTransformer(str(path), device="cpu").encode(GTE_REFERENCE_TEXTS, convert_to_tensor=True)
+        out[shape] = {"digest": weights_digest(path), "embeddings": vectors.float().tolist()}
+    return {"texts": GTE_REFERENCE_TEXTS, "shapes": out}
+
+
+if __name__ == "__main__":  # python -m tests.model.checkpoints, from the repository root
+    import tempfile
+
+    import bench  # noqa: F401  (hides the root's bare kernels/ from transformers' import probe: bench/__init__.py)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        GTE_REFERENCE.write_text(json.dumps(gte_reference(Path(tmp))) + "\n")
+    print(f"wrote {GTE_REFERENCE}")
+
+
 def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Path:
     """A sequence classifier: MiniLM's encoder with a random head (bert), or a tiny random XLM-R / DistilBERT / MPNet /
     GTE one."""

@@ -90,15 +90,29 @@ def test_prompts_count_toward_truncation_as_sentence_transformers_counts_them(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build", [checkpoints.mpnet, checkpoints.gte], ids=["mpnet", "gte"])
-def test_base_shape_families_match_sentence_transformers(tmp_path, build):
-    """all-mpnet-base-v2's and gte-multilingual-base's shapes (12 heads of 64) on a long input: MPNet's relative bias
-    reaches its log-spaced buckets (distances past 8) and saturates (past 128) only in sequences this long, and
-    rotary angles grow with the position."""
-    path = build(tmp_path / "m", shape="base")
+def test_base_shape_mpnet_matches_sentence_transformers(tmp_path):
+    """all-mpnet-base-v2's shape (12 heads of 64) on a long input: the relative bias reaches its log-spaced buckets
+    (distances past 8) and saturates (past 128) only in sequences this long."""
+    path = checkpoints.mpnet(tmp_path / "m", shape="base")
     ours, _ = Embedder.load(str(path), device="cpu", backend="torch")
     texts = [TEXTS[1], "x", "relative positions reach far in long inputs " * 60]
     _agree(ours.embed(texts), _reference(path).encode(texts, convert_to_tensor=True))
+
+
+@pytest.mark.slow
+def test_gte_at_both_shapes_matches_the_reference_the_gpu_tests_carry(tmp_path):
+    """GTE tiny and at gte-multilingual-base's shape against sentence-transformers, and the embeddings the GPU
+    tests carry (the H200 image's transformers has no GTE): rebuilt here from the same seed, the same weight bytes
+    and the same vectors, so the carried file cannot go stale."""
+    carried = json.loads(checkpoints.GTE_REFERENCE.read_text())
+    fresh = checkpoints.gte_reference(tmp_path)
+    assert carried["texts"] == fresh["texts"]
+    for shape, entry in fresh["shapes"].items():
+        assert carried["shapes"][shape]["digest"] == entry["digest"], f"{shape}: the seeded weights changed"
+        theirs = torch.tensor(entry["embeddings"])
+        assert torch.allclose(torch.tensor(carried["shapes"][shape]["embeddings"]), theirs, atol=1e-6)
+        ours, _ = Embedder.load(str(tmp_path / shape), device="cpu", backend="torch")
+        _agree(ours.embed(fresh["texts"]), theirs)
 
 
 def test_gte_reads_the_hub_layout_and_transformers_own(tmp_path):
