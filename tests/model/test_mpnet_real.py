@@ -58,7 +58,7 @@ def _varied_texts(count: int = TEXT_COUNT, seed: int = 0) -> list[str]:
     generated = []
     while len(SENTENCES) + len(edge) + len(generated) < count:
         shape = rng.random()
-        length = rng.randint(1, 20) if shape < 0.85 else rng.randint(21, 80) if shape < 0.97 else rng.randint(250, 400)
+        length = rng.randint(1, 20) if shape < 0.9 else rng.randint(21, 60) if shape < 0.985 else rng.randint(250, 400)
         generated.append(case(" ".join(token() for _ in range(length))))
     return [*SENTENCES, *edge, *generated]
 
