@@ -333,7 +333,8 @@ _SPECS = (
            "act(x @ Wa^T + ba) * (x @ Wb^T + bb) for weight [2I, H] = [Wa; Wb] in nn.Linear's layout (the activated "
            "rows first) and bias [2I] or None -> [T, I]; act gelu (exact) or silu.",
            lambda x, weight, bias, activation="gelu": x.new_empty((*x.shape[:-1], weight.shape[0] // 2)),
-           _linear_glu_inputs, rowwise=False, race_cols=lambda hidden: 4 * hidden, fused_in={}),
+           _linear_glu_inputs, rowwise=False, race_cols=lambda hidden: 4 * hidden,
+           fused_in=_triton_only("linear_glu")),
     # the few-token layer's pieces: attention + each head's share of the output projection -> [heads, rows, cols]
     # fp32; the FFN split over its intermediate width -> [splits, rows, cols] fp32; their LayerNorm over the sum
     OpSpec("attention_partials", reference.attention_partials,

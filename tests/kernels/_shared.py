@@ -161,6 +161,14 @@ def _ffn_partials64(x, w1, b1, w2, splits, approximate="none"):
     return torch.stack([inner[:, s * chunk:(s + 1) * chunk] @ w2[:, s * chunk:(s + 1) * chunk].T for s in range(splits)])
 
 
+def _linear_glu64(x, weight, bias, activation="gelu"):
+    # weight = [Wa; Wb]: the first half of its rows activated, times the second half's; silu(a) = a / (1 + e^-a)
+    h = x @ weight.T + (bias if bias is not None else 0.0)
+    a, b = h[..., :weight.shape[0] // 2], h[..., weight.shape[0] // 2:]
+    assert activation in ("gelu", "silu")
+    return (_gelu64(a) if activation == "gelu" else a / (1.0 + torch.exp(-a))) * b
+
+
 def _add_layer_norm64(x, residual, bias, weight, ln_bias, eps=1e-12, *, return_sum=False):
     s = x + residual + (bias if bias is not None else 0.0)
     y = _layer_norm64(s, weight, ln_bias, eps)
@@ -178,6 +186,7 @@ FORMULAS = {
     "linear_bias_gelu": lambda x, w, b, approximate="none": _gelu64(x @ w.T + b, approximate),
     "linear_add_layer_norm": lambda x, w, bias, residual, g, b, eps=1e-12: _layer_norm64(
         x @ w.T + bias + residual, g, b, eps),
+    "linear_glu": _linear_glu64,
     "segment_mean": _segment_mean64,
     "qkv_attention": _attention64,
     "relative_attention": _relative_attention64,

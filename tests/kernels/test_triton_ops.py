@@ -22,14 +22,15 @@ from tests.conftest import DTYPES, INTERPRETER, shapes
 
 # The generic sweep: every op x shapes() x DTYPES, less the cases another test already runs here:
 # - the GEMM ops: tests/kernels/test_linear_gelu.py and test_linear_layer_norm.py sweep the same rows x cols x dtypes
-#   through the same launchers, at two reduction depths each;
+#   through the same launchers, at two reduction depths each; test_linear_glu.py sweeps odd rows x widths x dtypes
+#   through its launcher, both activations, with and without a bias;
 # - on the interpreter, bf16 of the ops whose bf16 path it cannot run (its bf16 dot is wrong and its fp32 -> bf16
 #   conversion truncates): they take the fp32 path there, which the float32 case covers (the GPU runs their bf16);
 # - on the interpreter, the attention ops at widths whose heads (spec.attention_heads) are too wide for the kernel:
 #   the launcher hands those to the torch reference, which tests/kernels/test_reference.py checks at the same rows,
 #   cols and dtype (the hand-off itself: test_qkv_attention.py's and test_relative_attention.py's heads-too-wide
 #   tests).
-SWEPT_ELSEWHERE = ("linear_bias_gelu", "linear_add_layer_norm")
+SWEPT_ELSEWHERE = ("linear_bias_gelu", "linear_add_layer_norm", "linear_glu")
 FP32_ON_THE_INTERPRETER = ("qkv_attention", "attention_partials", "ffn_partials", "relative_attention")
 # the widest head each attention kernel takes (wider: the torch path)
 MAX_HEAD_DIMS = {"qkv_attention": MAX_HEAD_DIM, "attention_partials": MAX_HEAD_DIM,
