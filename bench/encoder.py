@@ -69,7 +69,7 @@ PROFILE_CASES = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128")
 # first match wins: attention before GEMM (fmha kernels would match both)
 CATEGORIES = (
     ("attention", r"flash|fmha|attention|efficient_attention|softmax|attn"),
-    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|linear_gelu|ffn_partials"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|linear_gelu|linear_glu|ffn_partials"),
     ("norm", r"layer_norm|layernorm|norm_kernel|_norm"),
     ("activation", r"gelu|erf"),
     ("elementwise", r"elementwise|vectorized|index|copy|fill|cat|scatter|gather|reduce|arange|compare|segment|mean"),
