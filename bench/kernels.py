@@ -7,9 +7,11 @@ Scenarios:
                   against a float64 reference; on a GPU with both backends also what the registry's auto mode picks
   gemm-epilogues  the encoder's GEMM blocks (FFN-in GEMM + bias + GELU, FFN-out GEMM + bias + residual + LayerNorm)
                   at few and many tokens: device time and TFLOP/s per backend against eager and torch.compile
-  attention       relative_attention (MPNet's attention with its relative position bias) on packed batches at
-                  MPNet-base's width: device time and TFLOP/s of the real (unpadded) attention against the padded
-                  SDPA with a materialized bias that eager PyTorch and torch.compile run
+  attention       the attention ops with position information on packed batches: relative_attention (MPNet's
+                  relative position bias) at MPNet-base's width and rotary_attention (rotary embeddings, optionally a
+                  sliding window) at GTE-base's and ModernBERT-base's: device time and TFLOP/s of the real (unpadded,
+                  in-window) attention against the padded SDPA that eager PyTorch and torch.compile run (with a
+                  materialized bias; with q and k rotated in the input dtype)
 
 Time ("us"): on a GPU the device time of one call captured in a CUDA graph and replayed with the L2 flushed before
 each replay (kernels.timing.device_us, median); "launch_us" is the same call launched from Python back to back
@@ -49,13 +51,20 @@ GEMM_SHAPES = {
     "tiny ffn-out 8 tokens": ("linear_add_layer_norm", 8, 64, 16),
 }
 DEFAULT_GEMM_SHAPES = tuple(name for name in GEMM_SHAPES if not name.startswith("tiny"))
-# name: (hidden, heads, sequences, longest, varlen, table reach R) at MPNet-base's width (12 heads of 64, a bias table
-# over its 514 positions); varlen: lengths uniform in 1..longest, else all `longest`, max_seqlen = longest either way
+# name: (op, hidden, heads, sequences, longest, varlen, the op's own parameters); varlen: lengths uniform in
+# 1..longest, else all `longest`, max_seqlen = longest either way. relative_attention's parameter is its bias table's
+# reach R (MPNet-base: 12 heads of 64, a table over its 514 positions); rotary_attention's are (rotary theta, window)
+# (GTE-base: 12 heads of 64 at theta 160000; ModernBERT-base's local layers: theta 10000, 64 tokens either side)
 ATTENTION_SHAPES = {
-    "mpnet-base b32 s128": (768, 12, 32, 128, False, 514),
-    "mpnet-base b128 varlen s512": (768, 12, 128, 512, True, 514),
+    "mpnet-base b32 s128": ("relative_attention", 768, 12, 32, 128, False, 514),
+    "mpnet-base b128 varlen s512": ("relative_attention", 768, 12, 128, 512, True, 514),
+    "gte-base b32 s128": ("rotary_attention", 768, 12, 32, 128, False, (160000.0, 0)),
+    "gte-base b128 varlen s512": ("rotary_attention", 768, 12, 128, 512, True, (160000.0, 0)),
+    "modernbert-base local b16 s1024": ("rotary_attention", 768, 12, 16, 1024, False, (10000.0, 64)),
     # the CPU test's: not in the default set
-    "tiny b3 varlen s16": (32, 2, 3, 16, True, 18),
+    "tiny b3 varlen s16": ("relative_attention", 32, 2, 3, 16, True, 18),
+    "tiny rotary b3 varlen s16": ("rotary_attention", 32, 2, 3, 16, True, (10000.0, 0)),
+    "tiny local b2 s40": ("rotary_attention", 32, 2, 2, 40, False, (10000.0, 4)),
 }
 DEFAULT_ATTENTION_SHAPES = tuple(name for name in ATTENTION_SHAPES if not name.startswith("tiny"))
 PROVIDERS = ("triton", "cuda", "eager", "compile")
@@ -86,6 +95,32 @@ def padded_relative_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, 
     return torch.cat([ctx, ctx.new_zeros((1, hidden))])[slot]
 
 
+def padded_rotary_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, inv_freq, window: int = 0):
+    """rotary_attention as transformers computes it (GTE, ModernBERT), from the packed batch: the rows padded into a
+    [batch, max_seqlen] block, q and k rotated there in the input dtype (cos and sin of the fp32 angles cast to it,
+    apply_rotary_pos_emb), SDPA with the padded keys (and, with a window, the keys farther than it) masked out, the
+    real rows gathered back (filler rows: zeros). No host sync, as a CUDA-graph captured forward needs."""
+    t, width = qkv.shape
+    batch, hidden = cu_seqlens.numel() - 1, width // 3
+    cu = cu_seqlens.long()
+    rows = torch.arange(t, device=qkv.device)
+    seq = torch.searchsorted(cu[1:], rows, right=True).clamp(max=batch - 1)
+    slot = torch.where(rows < cu[-1], seq * max_seqlen + rows - cu[seq], batch * max_seqlen)  # filler: a zero row
+    padded = qkv.new_zeros((batch * max_seqlen + 1, width)).index_copy_(0, slot, qkv)
+    q, k, v = padded[:-1].view(batch, max_seqlen, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4)
+    positions = torch.arange(max_seqlen, device=qkv.device)
+    angles = positions[:, None].float() * inv_freq.float()[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(qkv.dtype), angles.sin().to(qkv.dtype)
+    half = q.shape[-1] // 2
+    q, k = ((x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin) for x in (q, k))
+    keep = (positions[None, :] < (cu[1:] - cu[:-1])[:, None])[:, None, None, :]  # [batch, 1, 1, keys]
+    if window > 0:
+        keep = keep & ((positions[None, :] - positions[:, None]).abs() <= window)
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(batch * max_seqlen, hidden)
+    return torch.cat([ctx, ctx.new_zeros((1, hidden))])[slot]
+
+
 # The unfused PyTorch a user would write, in the input dtype: the eager and torch.compile providers.
 UNFUSED: dict[str, Callable] = {
     "layer_norm": lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
@@ -99,6 +134,7 @@ UNFUSED: dict[str, Callable] = {
     "linear_add_layer_norm": lambda x, w, bias, r, g, b, eps: F.layer_norm(F.linear(x, w, bias) + r, r.shape[-1:],
                                                                            g, b, eps),
     "relative_attention": padded_relative_attention,
+    "rotary_attention": padded_rotary_attention,
 }
 
 
@@ -128,22 +164,34 @@ def gemm_inputs(op: str, m: int, k: int, n: int, dtype: torch.dtype, device: str
 
 
 def attention_inputs(name: str, dtype: torch.dtype, device: str, seed: int) -> tuple:
-    """(qkv, cu_seqlens, max_seqlen, heads, bias) of an attention case: q, k, v and the bias of order 1, as the
-    kernel tests draw them."""
-    hidden, heads, sequences, longest, varlen, reach = ATTENTION_SHAPES[name]
+    """The op's arguments for an attention case: (qkv, cu_seqlens, max_seqlen, heads, bias) for relative_attention,
+    (qkv, cu_seqlens, max_seqlen, heads, inv_freq, window) for rotary_attention; q, k, v and the bias of order 1, as
+    the kernel tests draw them, transformers' default rotary frequencies (float32) at the case's theta."""
+    op, hidden, heads, sequences, longest, varlen, parameters = ATTENTION_SHAPES[name]
     gen = torch.Generator().manual_seed(seed)
     lengths = (torch.randint(1, longest + 1, (sequences,), generator=gen) if varlen
                else torch.full((sequences,), longest))
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)]).to(device)
     qkv = torch.randn(int(lengths.sum()), 3 * hidden, generator=gen).to(device, dtype)
-    bias = torch.randn(heads, 2 * reach - 1, generator=gen).to(device)
-    return (qkv, cu, longest, heads, bias)
+    if op == "relative_attention":
+        bias = torch.randn(heads, 2 * parameters - 1, generator=gen).to(device)
+        return (qkv, cu, longest, heads, bias)
+    theta, window = parameters
+    d = hidden // heads
+    inv_freq = (1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)).to(device)
+    return (qkv, cu, longest, heads, inv_freq, window)
 
 
-def attention_flops(cu_seqlens, hidden: int) -> int:
-    """q k^T and p v over the real tokens: 2 x 2 x length^2 x head_dim per head and sequence."""
+def attention_flops(cu_seqlens, hidden: int, window: int = 0) -> int:
+    """q k^T and p v over the real tokens: 2 x 2 x (query, key) pairs x head_dim per head and sequence, the pairs
+    length^2, or with a window the pairs at most that far apart."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return 4 * int((lengths * lengths).sum()) * hidden
+    if window > 0:
+        reach = torch.minimum(lengths - 1, torch.full_like(lengths, window))  # the farthest distance within each
+        pairs = lengths + 2 * (reach * lengths - reach * (reach + 1) // 2)  # distance 0, then each 1..reach twice
+    else:
+        pairs = lengths * lengths
+    return 4 * int(pairs.sum()) * hidden
 
 
 def min_bytes(op: str, rows: int, cols: int, dtype: torch.dtype) -> int:
@@ -358,24 +406,29 @@ def attention(args: argparse.Namespace, save: Callable[[list[dict], dict, bool],
     device = args.device
     names = args.attention_shapes or list(DEFAULT_ATTENTION_SHAPES)
     dtypes = args.dtypes or (["float16", "bfloat16"] if device.startswith("cuda") else ["float32"])
-    op = "relative_attention"
-    # a fused backend without the op (the CUDA backend has no attention) is left out, neither loaded nor failing
+    ops = {ATTENTION_SHAPES[name][0] for name in names}
+    # a fused backend without the cases' ops (the CUDA backend has no attention) is left out, neither loaded nor
+    # failing; one that has some of them runs those
     fused = ("triton", "cuda")
-    provs, missing = providers([p for p in args.providers if p not in fused or p in OP_SPECS[op].fused_in])
+    provs, missing = providers([p for p in args.providers
+                                if p not in fused or any(p in OP_SPECS[op].fused_in for op in ops)])
     rows: list[dict] = []
     summary = {"unavailable": missing}
     for i, (name, dtype_name) in enumerate([(n, d) for n in names for d in dtypes], 1):
         dtype = DTYPES[dtype_name]
+        op = ATTENTION_SHAPES[name][0]
         inputs = attention_inputs(name, dtype, device, seed=i)
         qkv, cu = inputs[0], inputs[1]
         # the float64 reference on the device: on a CPU its [batch, heads, seq, seq] bias and scores (GBs at b128
         # s512) take minutes
         ref = (OP_SPECS[op].reference(*(a.double() if torch.is_tensor(a) and a.is_floating_point() else a
                                         for a in inputs)) if args.check else None)
-        flops = attention_flops(cu, qkv.shape[1] // 3)
+        flops = attention_flops(cu, qkv.shape[1] // 3, inputs[5] if op == "rotary_attention" else 0)
         shape = f"{qkv.shape[0]}x{qkv.shape[1]}"
         line = []
         for provider, get in provs.items():
+            if provider in fused and provider not in OP_SPECS[op].fused_in:
+                continue
             try:
                 cell = _measure(get(op), inputs, ref, dtype, device)
             except Exception as exc:

@@ -327,7 +327,7 @@ _SPECS = (
            "query only; rows past the last offset are zeros.",
            lambda qkv, cu, max_seqlen, num_heads, inv_freq, window=0: qkv.new_empty((qkv.shape[0],
                                                                                     qkv.shape[1] // 3)),
-           _rotary_attention_inputs, rowwise=False, output=_qkv_width, fused_in={}),
+           _rotary_attention_inputs, rowwise=False, output=_qkv_width, fused_in=_triton_only("rotary_attention")),
     # a gated feed-forward's first GEMM with its gate in the epilogue (GTE's GeGLU, NomicBERT's SwiGLU)
     OpSpec("linear_glu", reference.linear_glu,
            "act(x @ Wa^T + ba) * (x @ Wb^T + bb) for weight [2I, H] = [Wa; Wb] in nn.Linear's layout (the activated "

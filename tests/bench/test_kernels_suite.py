@@ -54,3 +54,24 @@ def test_min_bytes_counts_each_matrix_once():
     assert suite.min_bytes("add_layer_norm", 8, 64, torch.float32) == 3 * 8 * 64 * 4
     assert suite.min_bytes("layer_norm", 8, 64, torch.bfloat16) == 2 * 8 * 64 * 2
     assert suite.min_bytes("embedding_layer_norm", 8, 64, torch.float16) == 2 * 8 * 64 * 2 + 3 * 8 * 8
+
+
+def test_attention_on_the_interpreter(tmp_path):
+    """The attention scenario's tiny cases, one per op (and a sliding window): every cell accurate, FLOPs counted."""
+    out = tmp_path / "kernels.json"
+    cases = ["tiny b3 varlen s16", "tiny rotary b3 varlen s16", "tiny local b2 s40"]
+    assert main(["kernels", "attention", "--device", "cpu", "--providers", "triton", "eager",
+                 "--attention-shapes", *cases, "--out", str(out)]) == 0
+    doc = store.load(out)
+    assert store.validate(doc) == []
+    rows = doc["scenarios"]["attention"]["results"]
+    assert {(r["case"], r["op"], r["provider"]) for r in rows} == {
+        (case, suite.ATTENTION_SHAPES[case][0], p) for case in cases for p in ("triton", "eager")}
+    assert all(r["accurate"] and r["tflops"] > 0 for r in rows)
+
+
+def test_attention_flops_count_the_pairs_within_the_window():
+    cu = torch.tensor([0, 40, 43, 43])  # lengths 40, 3 and 0
+    assert suite.attention_flops(cu, 32) == 4 * (40 * 40 + 3 * 3) * 32
+    # window 4: 40 + 2 x (36 + 37 + 38 + 39) pairs in the first, all 9 in the second (its farthest distance is 2)
+    assert suite.attention_flops(cu, 32, window=4) == 4 * (40 + 2 * (36 + 37 + 38 + 39) + 9) * 32

@@ -79,6 +79,8 @@ def opcheck_custom_ops(backend: str, device: str) -> None:
             args = (*args, False)
         elif op in ("layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "linear_bias_gelu", "ffn_partials"):
             args = (*args, "none")
+        elif op == "rotary_attention":  # the schema takes every argument: a window that restricts something
+            args = (*args, 3)
         custom = getattr(torch.ops.fusedserve, f"{backend}_{op}").default
         torch.library.opcheck(custom, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
@@ -142,6 +144,34 @@ def _relative_attention64(qkv, cu_seqlens, max_seqlen, num_heads, bias):
     return ctx
 
 
+def _rotary_attention64(qkv, cu_seqlens, max_seqlen, num_heads, inv_freq, window=0):
+    # per sequence and head: each pair of dimensions (i, i + d/2) of q and k turned by the angle t * inv_freq[i] at the
+    # token's position t in its sequence, written out as a plane rotation; then softmax(q k^T / sqrt(d)) v over the
+    # keys within `window` of the query (all of the sequence's for window 0)
+    tokens, hidden = qkv.shape[0], qkv.shape[1] // 3
+    d = hidden // num_heads
+    half = d // 2
+    q, k, v = qkv.split(hidden, dim=1)
+    ctx = torch.zeros((tokens, hidden), dtype=qkv.dtype)
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        assert end - start <= max_seqlen
+        angle = torch.arange(end - start, dtype=qkv.dtype)[:, None] * inv_freq[None, :]
+        cos, sin = torch.cos(angle), torch.sin(angle)
+        positions = torch.arange(end - start)
+        reach = ((positions[None, :] - positions[:, None]).abs() <= window) | (window == 0)  # [query, key]
+        for h in range(num_heads if end > start else 0):
+            cols = slice(h * d, (h + 1) * d)
+            qh, kh = q[start:end, cols], k[start:end, cols]
+            qh = torch.cat([qh[:, :half] * cos - qh[:, half:] * sin, qh[:, half:] * cos + qh[:, :half] * sin], dim=1)
+            kh = torch.cat([kh[:, :half] * cos - kh[:, half:] * sin, kh[:, half:] * cos + kh[:, :half] * sin], dim=1)
+            scores = qh @ kh.T / d**0.5
+            scores = scores.masked_fill(~reach, float("-inf"))
+            weights = torch.exp(scores - scores.max(dim=1, keepdim=True).values)
+            ctx[start:end, cols] = (weights / weights.sum(dim=1, keepdim=True)) @ v[start:end, cols]
+    return ctx
+
+
 def _segment_mean64(x, cu_seqlens):
     offsets = cu_seqlens.tolist()
     rows = [x[start:end].sum(0) / (end - start) if end > start else torch.zeros(x.shape[1], dtype=x.dtype)
@@ -190,6 +220,7 @@ FORMULAS = {
     "segment_mean": _segment_mean64,
     "qkv_attention": _attention64,
     "relative_attention": _relative_attention64,
+    "rotary_attention": _rotary_attention64,
     "attention_partials": _attention_partials64,
     "ffn_partials": _ffn_partials64,
     "partial_add_layer_norm": lambda parts, bias, residual, w, b, eps=1e-12: _layer_norm64(

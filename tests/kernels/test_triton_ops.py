@@ -13,10 +13,11 @@ import torch
 from fusedserve import kernels
 from fusedserve.kernels import library, reference
 from fusedserve.kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, compare, float64_reference
-from fusedserve.kernels.spec import attention_heads, launcher_modules
+from fusedserve.kernels.spec import attention_heads, launcher_modules, rotary_heads
 from fusedserve.kernels.triton import LAUNCHERS as triton_launchers
 from fusedserve.kernels.triton.qkv_attention import MAX_HEAD_DIM
 from fusedserve.kernels.triton.relative_attention import MAX_HEAD_DIM as RELATIVE_MAX_HEAD_DIM
+from fusedserve.kernels.triton.rotary_attention import MAX_HEAD_DIM as ROTARY_MAX_HEAD_DIM
 from tests.kernels._shared import FORMULAS, check_offsets_past_two_to_the_31, opcheck_custom_ops
 from tests.conftest import DTYPES, INTERPRETER, shapes
 
@@ -26,15 +27,25 @@ from tests.conftest import DTYPES, INTERPRETER, shapes
 #   through its launcher, both activations, with and without a bias;
 # - on the interpreter, bf16 of the ops whose bf16 path it cannot run (its bf16 dot is wrong and its fp32 -> bf16
 #   conversion truncates): they take the fp32 path there, which the float32 case covers (the GPU runs their bf16);
-# - on the interpreter, the attention ops at widths whose heads (spec.attention_heads) are too wide for the kernel:
-#   the launcher hands those to the torch reference, which tests/kernels/test_reference.py checks at the same rows,
-#   cols and dtype (the hand-off itself: test_qkv_attention.py's and test_relative_attention.py's heads-too-wide
-#   tests).
+# - on the interpreter, the attention ops at widths whose heads (spec.attention_heads, spec.rotary_heads) are too wide
+#   for the kernel: the launcher hands those to the torch reference, which tests/kernels/test_reference.py checks at
+#   the same rows, cols and dtype (the hand-off itself: the heads-too-wide tests of test_qkv_attention.py,
+#   test_relative_attention.py and test_rotary_attention.py).
 SWEPT_ELSEWHERE = ("linear_bias_gelu", "linear_add_layer_norm", "linear_glu")
-FP32_ON_THE_INTERPRETER = ("qkv_attention", "attention_partials", "ffn_partials", "relative_attention")
+FP32_ON_THE_INTERPRETER = ("qkv_attention", "attention_partials", "ffn_partials", "relative_attention",
+                           "rotary_attention")
 # the widest head each attention kernel takes (wider: the torch path)
 MAX_HEAD_DIMS = {"qkv_attention": MAX_HEAD_DIM, "attention_partials": MAX_HEAD_DIM,
-                 "relative_attention": RELATIVE_MAX_HEAD_DIM}
+                 "relative_attention": RELATIVE_MAX_HEAD_DIM, "rotary_attention": ROTARY_MAX_HEAD_DIM}
+
+
+def _head_dim(op: str, cols: int) -> int:
+    """The head width of an attention op's sweep inputs at `cols` (kernels.spec: rotary_attention rounds an odd width
+    up and takes heads of an even width)."""
+    if op == "rotary_attention":
+        width = cols + cols % 2
+        return width // rotary_heads(width)
+    return cols // attention_heads(cols)
 
 
 def _swept(op: str, cols: int, dtype: torch.dtype) -> bool:
@@ -43,7 +54,7 @@ def _swept(op: str, cols: int, dtype: torch.dtype) -> bool:
     if INTERPRETER and op in FP32_ON_THE_INTERPRETER and dtype == torch.bfloat16:
         return False
     if INTERPRETER and op in MAX_HEAD_DIMS:
-        return cols // attention_heads(cols) <= MAX_HEAD_DIMS[op]
+        return _head_dim(op, cols) <= MAX_HEAD_DIMS[op]
     return True
 
 
@@ -286,7 +297,7 @@ def test_programmatic_dependent_launch_only_where_the_device_has_it(device):
         assert pdl_args(x) == ({"USE_PDL": True, "launch_pdl": True} if expected else {"USE_PDL": False})
         assert pdl_args(x.cpu()) == {"USE_PDL": False}
         for op in ("partial_add_layer_norm", "ffn_partials", "attention_partials", "segment_mean",
-                   "relative_attention"):
+                   "relative_attention", "rotary_attention"):
             report = check_op(triton_launchers[op], op, 7, 64, torch.float32, x.device, seed=_seed("pdl", op))
             assert report.ok, (op, report)
     assert pdl_args(x) == before  # the setting from before the test is back

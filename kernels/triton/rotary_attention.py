@@ -1,0 +1,228 @@
+"""Self-attention over each packed sequence with rotary position embeddings (GTE, ModernBERT, NomicBERT),
+flash-attention style, the rotation applied as q and k are loaded.
+
+Why: unfused, the rotary embedding is its own pass over q and k (read, rotate, write back in the model dtype) before
+the attention reads them again. Here each program rotates the q and k tiles it loads, in registers, and the rotated
+q and k are never written to memory. A ModernBERT local layer's sliding window also stays cheap: only the key blocks
+that meet a query block's window are visited, so the attention costs O(T x window), not O(T x length). The price:
+each query block rotates the keys it visits again (the cos and sin of a key block's [BLOCK_N, d/2] angles), where
+the unfused pass rotates each key once.
+
+Rotation (transformers' rotate_half, dimension i paired with i + d/2): a head's q (and each key block's k) is loaded
+as its two halves x1, x2 [BLOCK, d/2]; at the token's position t within its sequence (0-based) and angles
+a = t * inv_freq in fp32, x' = (x1 cos a - x2 sin a, x2 cos a + x1 sin a), computed in fp32 and rounded once to the
+input dtype (as the unfused path stores rotated q and k in the model dtype; fp32 inputs stay fp32). q' k'^T is then
+the sum of two half-width products, q1' k1'^T + q2' k2'^T. cos and sin are tl.cos / tl.sin of the fp32 angle (the very
+angle transformers rounds, position.float() * inv_freq): libdevice's, accurate over the whole range of positions.
+
+Per program (query block, sequence b, head h): q rotated once, then over the sequence's key blocks: k rotated,
+s = q' k'^T / sqrt(d) in log2 units, online softmax (_packed_attention.online_softmax: fp32 running max and sum,
+exp2), acc += p v. The key blocks run in one loop, each masked by the sequence's end (as relative_attention's). With
+a window (w > 0: keys j with |i - j| <= w), a query block [first, first + BLOCK_M) visits only the keys
+[first - w, last query + w] of its sequence, masked by the distance too. The program's query rows past the sequence's
+end are computed (from clamped positions) and not stored. Products run on tensor cores in fp16/bf16 with fp32
+accumulation, and as IEEE fp32 for fp32 inputs; p goes into the p v product rounded once to the input dtype.
+
+The last grid row writes zeros into the rows outside [cu_seqlens[0], cu_seqlens[-1]) (a graph bucket's filler
+tokens), so the output is fully defined.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fusedserve.kernels import reference
+from fusedserve.kernels.triton import _packed_attention
+from fusedserve.kernels.triton._common import deferrable, pdl_args, pdl_sync
+from fusedserve.kernels.triton._packed_attention import (LOG2E, MAX_HEAD_DIM, MAX_SEQUENCES, check_packed, grid,
+                                                         ieee_products, online_softmax, zero_outside)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, dtype, IEEE: tl.constexpr):
+    """x' = x cos + rotate_half(x) sin for x = (x1, x2): (x1 cos - x2 sin, x2 cos + x1 sin) in fp32, rounded to the
+    input dtype for the tensor-core products (IEEE: kept in fp32)."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    r1 = x1 * cos - x2 * sin
+    r2 = x2 * cos + x1 * sin
+    if IEEE:
+        return r1, r2
+    return r1.to(dtype), r2.to(dtype)
+
+
+@triton.jit
+def _dot2(a1, a2, b1, b2, IEEE: tl.constexpr):
+    """a b^T for a = (a1 | a2) and b = (b1 | b2) split into halves along the head: a1 b1^T + a2 b2^T, fp32."""
+    if IEEE:
+        s = tl.dot(a1, tl.trans(b1), input_precision="ieee")
+        return tl.dot(a2, tl.trans(b2), s, input_precision="ieee")
+    s = tl.dot(a1, tl.trans(b1))
+    return tl.dot(a2, tl.trans(b2), s)
+
+
+@triton.jit
+def _attend(q1, q2, qkv_ptr, k_col, v_col, inv_freq, start, key, end, first, window, m, total, acc, qk_scale,
+            stride_qkv, dtype, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr):
+    """One key block of online-softmax attention: m, total and acc after the keys key .. key + BLOCK_N for the
+    rotated queries (q1, q2) of rows first .. first + BLOCK_M, the keys at or past `end` left out, and under WINDOWED
+    those farther than `window` from the query too."""
+    BLOCK_M: tl.constexpr = q1.shape[0]
+    keys = key + tl.arange(0, BLOCK_N)
+    halves = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    rows = keys[:, None].to(tl.int64) * stride_qkv
+    in_seq = keys[:, None] < end
+    h_mask = in_seq
+    v_mask = in_seq
+    if BLOCK_H != HALF:
+        h_mask = h_mask & (halves[None, :] < HALF)
+    if BLOCK_D != HEAD_DIM:
+        v_mask = v_mask & (dims[None, :] < HEAD_DIM)
+    k_ptrs = qkv_ptr + rows + (k_col + halves)[None, :]
+    k1 = tl.load(k_ptrs, mask=h_mask, other=0.0)
+    k2 = tl.load(k_ptrs + HALF, mask=h_mask, other=0.0)
+    v = tl.load(qkv_ptr + rows + (v_col + dims)[None, :], mask=v_mask, other=0.0)
+    # angles = (the key's position in its sequence) * inv_freq, fp32 as transformers rounds them
+    angles = (keys - start).to(tl.float32)[:, None] * inv_freq[None, :]
+    k1, k2 = _rotate(k1, k2, tl.cos(angles), tl.sin(angles), dtype, IEEE)
+    # s = q' k'^T / sqrt(d) * log2(e): softmax by exp2
+    s = _dot2(q1, q2, k1, k2, IEEE) * qk_scale
+    if WINDOWED:
+        distance = keys[None, :] - (first + tl.arange(0, BLOCK_M))[:, None]
+        s = tl.where((keys[None, :] < end) & (distance <= window) & (distance >= -window), s, float("-inf"))
+    else:
+        s = tl.where(keys[None, :] < end, s, float("-inf"))
+    return online_softmax(s, v, m, total, acc, dtype, IEEE)
+
+
+@deferrable
+@triton.jit(do_not_specialize=["T", "window"])  # counts: see _common.autotune
+def _rotary_attention_kernel(
+    qkv_ptr,  # [T, 3H]: per row q | k | v, each [heads, HEAD_DIM]
+    cu_ptr,  # [B + 1] int32/int64 sequence offsets
+    inv_freq_ptr,  # [HEAD_DIM / 2] the rotary frequencies (any float dtype, read in fp32)
+    y_ptr,  # [T, H] output, qkv's dtype
+    T, H, window, qk_scale, stride_qkv, stride_y,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    part = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    pdl_sync(USE_PDL)
+    parts = tl.num_programs(0)
+    filler = tl.num_programs(1) - 1  # the last grid row: zeros for the rows outside the sequences
+    if seq == filler:
+        zero_outside(y_ptr, cu_ptr, T, stride_y, head, part, parts, filler, HEAD_DIM, BLOCK_M, BLOCK_D)
+    else:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        dtype = y_ptr.dtype.element_ty
+        halves = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        h_ok = halves < HALF
+        d_ok = dims < HEAD_DIM
+        y_cols = head * HEAD_DIM + dims
+        start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int32), 0), T)
+        end = tl.minimum(tl.maximum(tl.load(cu_ptr + seq + 1).to(tl.int32), start), T)
+        q_col = head * HEAD_DIM
+        k_col = H + head * HEAD_DIM
+        v_col = 2 * H + head * HEAD_DIM
+        inv_freq = tl.load(inv_freq_ptr + halves, mask=h_ok, other=0.0).to(tl.float32)  # padding: angle 0
+        # a sequence longer than the grid's query blocks (longer than max_seqlen) is still computed whole
+        for first in range(start + part * BLOCK_M, end, BLOCK_M * parts):
+            rows = first + tl.arange(0, BLOCK_M)
+            q_mask = rows[:, None] < end
+            if BLOCK_H != HALF:
+                q_mask = q_mask & h_ok[None, :]
+            q_ptrs = qkv_ptr + rows[:, None].to(tl.int64) * stride_qkv + (q_col + halves)[None, :]
+            q1 = tl.load(q_ptrs, mask=q_mask, other=0.0)
+            q2 = tl.load(q_ptrs + HALF, mask=q_mask, other=0.0)
+            angles = (rows - start).to(tl.float32)[:, None] * inv_freq[None, :]
+            q1, q2 = _rotate(q1, q2, tl.cos(angles), tl.sin(angles), dtype, IEEE)
+            m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+            total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+            lo = start
+            hi = end
+            if WINDOWED:
+                # only the keys within `window` of some query row of the block: the blocks outside are never visited
+                lo = tl.maximum(start, first - window)
+                hi = tl.minimum(end, tl.minimum(first + BLOCK_M, end) + window)  # past the last row's reach
+            # one loop, every block masked (the last one's keys past the sequence's end; under a window the keys out
+            # of reach): _packed_attention.launch_shape says why
+            for key in range(lo, hi, BLOCK_N):
+                m, total, acc = _attend(q1, q2, qkv_ptr, k_col, v_col, inv_freq, start, key, end, first, window, m,
+                                        total, acc, qk_scale, stride_qkv, dtype, HALF, HEAD_DIM, BLOCK_N, BLOCK_H,
+                                        BLOCK_D, IEEE, WINDOWED)
+            if WINDOWED:  # the block's rows past the sequence's end may meet no key (not stored): no 0 / 0
+                total = tl.where(total > 0, total, 1.0)
+            ctx = acc / total[:, None]
+            tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + y_cols[None, :], ctx.to(dtype),
+                     mask=(rows[:, None] < end) & d_ok[None, :])
+
+
+def windowed(max_seqlen: int, window: int) -> bool:
+    """Whether a window restricts anything: not when it reaches across the longest sequence the bound allows (every
+    |i - j| <= max_seqlen - 1); then the kernel compiled without the window runs (no distance mask)."""
+    return 0 < window < max_seqlen - 1
+
+
+def launch_shape(max_seqlen: int, head_dim: int, ieee: bool = False, window: int = 0) -> dict:
+    """relative_attention's rule (_packed_attention.launch_shape), with the head's halves as BLOCK_H (at least 16,
+    tl.dot's least reduction) and, under a window, at most 64 queries a program: a query block of BLOCK_M visits
+    BLOCK_M + 2 x window keys, so at ModernBERT's window of 64 a block of 128 queries spends 256 key columns where 64
+    queries spend 192 (the ideal is 129). The rotation adds the key angles' cos and sin ([BLOCK_N, d/2] each, fp32)
+    to the relative kernel's live tiles in place of its bias tile."""
+    shape = _packed_attention.launch_shape(max_seqlen, head_dim, ieee)
+    shape["BLOCK_H"] = max(triton.next_power_of_2(max(head_dim // 2, 1)), 16)
+    if windowed(max_seqlen, window) and shape["BLOCK_M"] > 64:
+        warps = 8 if shape["BLOCK_D"] > 64 else 4
+        shape.update(BLOCK_M=64, num_warps=warps, num_stages=2)
+    return shape
+
+
+def _check(qkv: Tensor, cu_seqlens: Tensor, num_heads: int, inv_freq: Tensor, window: int,
+           out: Tensor | None) -> Tensor:
+    """The checked offsets (contiguous, on qkv's device)."""
+    name = "rotary_attention"
+    cu_seqlens = check_packed(name, qkv, cu_seqlens, num_heads, out, inv_freq)
+    d = qkv.shape[1] // 3 // num_heads
+    if d % 2:
+        raise ValueError(f"{name}: the rotary embedding pairs dimension i with i + d/2: heads of {d} columns (odd) "
+                         "have no such pairs")
+    if inv_freq.dim() != 1 or inv_freq.numel() != d // 2:
+        raise ValueError(f"{name}: inv_freq must be [head_dim / 2] = [{d // 2}], got {tuple(inv_freq.shape)}")
+    if window < 0:
+        raise ValueError(f"{name}: window must be 0 (none) or a positive distance, got {window}")
+    return cu_seqlens
+
+
+def rotary_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, inv_freq: Tensor,
+                     window: int = 0, *, out: Tensor | None = None) -> Tensor:
+    """softmax(rot(q) rot(k)^T / sqrt(d)) v per head within each packed sequence: qkv [T, 3H] (query, key and value
+    stacked as qkv.view(T, 3, num_heads, d), d even), cu_seqlens [B + 1] and the rotary frequencies inv_freq [d / 2]
+    (any float dtype, read in fp32) on qkv's device -> [T, H] in qkv's dtype, zeros outside
+    [cu_seqlens[0], cu_seqlens[-1]); rot rotates by the token's position within its sequence (transformers'
+    rotate_half). window > 0: keys at most that far from the query only. `out` (contiguous [T, H]) is written in
+    place. max_seqlen (a bound, as varlen attention takes it) sizes the blocks and the grid."""
+    cu_seqlens = _check(qkv, cu_seqlens, num_heads, inv_freq, window, out)
+    t, hidden = qkv.shape[0], qkv.shape[1] // 3
+    d = hidden // num_heads
+    if d > MAX_HEAD_DIM or cu_seqlens.numel() - 1 > MAX_SEQUENCES:  # more than the registers or the grid hold
+        return reference.rotary_attention(qkv, cu_seqlens, max_seqlen, num_heads, inv_freq, window, out=out)
+    y = out if out is not None else torch.empty((t, hidden), dtype=qkv.dtype, device=qkv.device)
+    if not y.numel():
+        return y
+    qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
+    inv_freq = inv_freq.contiguous()
+    ieee = ieee_products(qkv.dtype)
+    shape = launch_shape(max_seqlen, d, ieee, window)
+    _rotary_attention_kernel[grid(max_seqlen, shape["BLOCK_M"], cu_seqlens, num_heads)](
+        qkv, cu_seqlens, inv_freq, y, t, hidden, window, d**-0.5 * LOG2E, qkv.stride(0), y.stride(0), HEAD_DIM=d,
+        IEEE=ieee, WINDOWED=windowed(max_seqlen, window), **shape, **pdl_args(qkv))
+    return y

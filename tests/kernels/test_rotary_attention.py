@@ -1,0 +1,391 @@
+"""rotary_attention (attention over packed sequences with q and k rotated by their position, GTE's and ModernBERT's)
+beyond the generic sweeps: against the op's formula written out in float64 (tests/kernels/_shared.py: a loop over
+sequences and heads, each pair of dimensions turned by an explicit plane rotation), on single tokens, long sequences
+over several query and key blocks, empty filler sequences and filler rows, head widths 8 to 64, with and without a
+sliding window (one reaching past the sequence too); key blocks outside a window never visited; NaN; heads the kernel
+leaves to the torch path; clear errors; the rotation's convention against transformers' own GTE attention, and the
+window's against transformers' ModernBERT local attention. Triton runs on the interpreter here (and on the GPU with
+-m gpu); the CUDA backend does not implement it."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedserve.kernels import reference
+from fusedserve.kernels.testing import compare
+from fusedserve.kernels.triton import LAUNCHERS
+from fusedserve.kernels.triton.rotary_attention import launch_shape, windowed
+from tests.conftest import INTERPRETER
+from tests.kernels._shared import formula_float64
+
+NAN = float("nan")
+OP = "rotary_attention"
+# the interpreter's bf16 runs the fp32 path (see test_triton_ops.FP32_ON_THE_INTERPRETER); the GPU runs all three
+DTYPES = (torch.float32, torch.float16) if INTERPRETER else (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _launch():
+    return LAUNCHERS[OP]
+
+
+def inverse_frequencies(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """transformers' default rotary frequencies, float32 as models keep them."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+
+def _inputs(lengths, hidden, heads, dtype, device, filler=0, seed=0, first=0, theta=10000.0):
+    """qkv [first + sum(lengths) + filler, 3 * hidden] of order 1 (rows before `first` and the filler rows are NaN:
+    never to be read), offsets from `first`, and the frequencies of `theta` at the head width."""
+    gen = torch.Generator().manual_seed(seed)
+    t = first + sum(lengths) + filler
+    qkv = torch.randn(t, 3 * hidden, generator=gen)
+    qkv[:first] = NAN
+    qkv[t - filler:] = NAN
+    cu = torch.tensor(list(itertools.accumulate(lengths, initial=first)), dtype=torch.int32)
+    return qkv.to(device, dtype), cu.to(device), inverse_frequencies(hidden // heads, theta).to(device)
+
+
+def _expected(qkv, cu, max_seqlen, heads, inv_freq, window, first=0):
+    begin, end = first, int(cu[-1])
+    return formula_float64(OP, (qkv[begin:end], cu - begin, max_seqlen, heads, inv_freq), {"window": window})
+
+
+def _check(out, qkv, cu, max_seqlen, heads, inv_freq, window, dtype, first=0):
+    """Every row against the formula in float64: the sequences' rows within the dtype's tolerance (relative L2 and
+    elementwise, kernels.testing.TOLERANCES), every other row exactly zero."""
+    begin, end = first, int(cu[-1])
+    report = compare(out[begin:end], _expected(qkv, cu, max_seqlen, heads, inv_freq, window, first), dtype)
+    assert report.ok, report
+    outside = torch.cat([out[:begin], out[end:]])
+    assert torch.equal(outside, torch.zeros_like(outside)), "rows outside the sequences must be zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lengths,hidden,heads,window", [
+    ([1], 8, 1, 0),                                  # a single token of a head of 8: its own value
+    ([7], 64, 2, 0),                                 # heads of 32
+    ([300], 64, 1, 0),                               # several query blocks, 64-key steps, a partial last key block
+    ([5, 0, 130, 1, 64, 33, 0, 0], 64, 2, 0),        # a mix, empty sequences between and after
+    ([40, 17, 0], 32, 4, 0),                         # heads of 8, square blocks of the bound (64)
+    ([300, 7], 64, 1, 4),                            # a small window over a long sequence: most key blocks skipped
+    ([7, 150, 1, 0], 64, 2, 1),                      # the least window: a query and its two neighbours
+    ([200, 33, 0], 128, 2, 64),                      # ModernBERT's window at heads of 64
+])
+def test_matches_the_formula(device, dtype, lengths, hidden, heads, window):
+    qkv, cu, inv_freq = _inputs(lengths, hidden, heads, dtype, device, filler=11, seed=len(lengths) + hidden + window)
+    max_seqlen = max(lengths)
+    out = torch.full((qkv.shape[0], hidden), NAN, dtype=dtype, device=device)
+    assert _launch()(qkv, cu, max_seqlen, heads, inv_freq, window, out=out).data_ptr() == out.data_ptr()
+    _check(out, qkv, cu, max_seqlen, heads, inv_freq, window, dtype)
+
+
+@pytest.mark.parametrize("window", [0, 40, 600])
+def test_a_loose_bound_and_a_window_past_the_sequences(device, window):
+    """max_seqlen far above the real lengths (a graph bucket's), rows before the first offset (zeros like the filler
+    past the last); a window longer than every sequence (40, under the bound: the windowed kernel, each query block's
+    keys clamped to its sequence) or than the bound (600: the kernel without the window) is no window at all."""
+    qkv, cu, inv_freq = _inputs([3, 20, 0, 11], 64, 2, torch.float16, device, filler=5, seed=3 + window, first=4)
+    assert windowed(512, window) == (window == 40)
+    out = torch.full((qkv.shape[0], 64), NAN, dtype=torch.float16, device=device)
+    _launch()(qkv, cu, 512, 2, inv_freq, window, out=out)
+    _check(out, qkv, cu, 512, 2, inv_freq, window, torch.float16, first=4)
+    _check(out, qkv, cu, 512, 2, inv_freq, 0, torch.float16, first=4)  # the same as no window
+
+
+def test_gte_base_frequencies_at_long_positions(device):
+    """GTE's theta (160000) and positions up to 600: the fp32 angles and their cos and sin hold the float32 tolerance
+    against the float64 rotation (the table of frequencies spans 1 to about 1/160000 radians a position)."""
+    qkv, cu, inv_freq = _inputs([600, 9], 64, 1, torch.float32, device, filler=2, seed=21, theta=160000.0)
+    out = _launch()(qkv, cu, 600, 1, inv_freq)
+    _check(out, qkv, cu, 600, 1, inv_freq, 0, torch.float32)
+
+
+def test_key_blocks_outside_the_window_are_never_visited(device):
+    """A NaN value at key j: the formula's probabilities are exactly 0 outside |i - j| <= window, but 0 x NaN is NaN,
+    so a query row whose program visited j's key block (masked or not) would come out NaN in j's column. The rows
+    whose query block lies farther than one query block and one key block from j come out finite and equal to the
+    formula with that value replaced (any value: it is out of their reach): their programs never loaded it."""
+    window, j = 4, 150
+    qkv, cu, inv_freq = _inputs([300], 32, 1, torch.float32, device, filler=1, seed=8)
+    shape = launch_shape(300, 32, True, window)
+    poisoned = qkv.clone()
+    poisoned[j, 2 * 32 + 5] = NAN
+    out = _launch()(poisoned, cu, 300, 1, inv_freq, window)
+    rows = torch.arange(300)
+    assert torch.isnan(out[:300, 5][(rows - j).abs() <= window]).all()  # its window: NaN, as in the formula
+    far = (rows - j).abs() > shape["BLOCK_M"] + shape["BLOCK_N"] + window
+    assert far.sum() > 150 and not torch.isnan(out[:300][far]).any()
+    report = compare(out[:300][far], _expected(qkv, cu, 300, 1, inv_freq, window)[far], torch.float32)
+    assert report.ok, report
+
+
+def test_nan_propagates_within_its_sequence_head_and_reach_only(device):
+    """Without a window a NaN value element reaches exactly its column of its sequence (as in the formula); with one,
+    a NaN key reaches every column of its head in the query rows within the window of it and no others, and a NaN
+    query only its own row. Never another sequence, head or the filler rows; the NaN rows outside the sequences are
+    never read. A result left NaN where the formula has a number fails the comparison."""
+    qkv, cu, inv_freq = _inputs([6, 9, 4], 32, 2, torch.float32, device, filler=4, seed=5)
+    qkv[8, 2 * 32 + 16 + 3] = NAN  # sequence 1, head 1, value column 3
+    out = _launch()(qkv, cu, 9, 2, inv_freq)
+    _check(out, qkv, cu, 9, 2, inv_freq, 0, torch.float32)
+    assert torch.isnan(out[6:15, 16 + 3]).all() and torch.isnan(out).sum() == 9
+    out[0, 0] = NAN
+    assert not compare(out[:19], _expected(qkv, cu, 9, 2, inv_freq, 0), torch.float32).ok
+
+    qkv, cu, inv_freq = _inputs([40, 9], 32, 2, torch.float32, device, filler=4, seed=6)
+    qkv[20, 32 + 16 + 3] = NAN  # sequence 0, token 20, head 1, key column 3
+    qkv[30, 2] = NAN  # sequence 0, token 30, head 0, query column 2
+    out = _launch()(qkv, cu, 40, 2, inv_freq, 2)
+    _check(out, qkv, cu, 40, 2, inv_freq, 2, torch.float32)
+    assert torch.isnan(out[18:23, 16:]).all() and torch.isnan(out[30, :16]).all()
+    assert torch.isnan(out).sum() == 5 * 16 + 16
+
+
+def test_heads_too_wide_for_the_kernel_run_the_torch_path(device):
+    qkv, cu, inv_freq = _inputs([3, 4], 160, 1, torch.float32, device, filler=2, seed=2)  # one head of 160 > 128
+    out = torch.full((qkv.shape[0], 160), NAN, device=device)
+    assert _launch()(qkv, cu, 4, 1, inv_freq, 2, out=out).data_ptr() == out.data_ptr()
+    _check(out, qkv, cu, 4, 1, inv_freq, 2, torch.float32)
+
+
+def test_bad_arguments_raise_clear_errors(device):
+    launch = _launch()
+    qkv, cu, inv_freq = _inputs([3, 4], 64, 4, torch.float32, device)
+    with pytest.raises(ValueError, match="must be \\[T, 3H\\]"):
+        launch(qkv[:, 1:], cu, 4, 4, inv_freq)
+    with pytest.raises(ValueError, match="5 heads do not split 64"):
+        launch(qkv, cu, 4, 5, inv_freq)
+    with pytest.raises(ValueError, match="heads of 21 columns \\(odd\\)"):
+        launch(torch.zeros(7, 3 * 63, device=device), cu, 4, 3, inv_freq)
+    with pytest.raises(ValueError, match="inv_freq must be \\[head_dim / 2\\] = \\[8\\]"):
+        launch(qkv, cu, 4, 4, inv_freq[:7])
+    with pytest.raises(ValueError, match="inv_freq must be"):
+        launch(qkv, cu, 4, 4, inv_freq[None])
+    with pytest.raises(ValueError, match="window must be 0"):
+        launch(qkv, cu, 4, 4, inv_freq, -1)
+    with pytest.raises(TypeError, match="qkv must be one of"):
+        launch(qkv.double(), cu, 4, 4, inv_freq)
+    with pytest.raises(ValueError, match="cu_seqlens must be"):
+        launch(qkv, cu.float(), 4, 4, inv_freq)
+    with pytest.raises(ValueError, match="out must be"):
+        launch(qkv, cu, 4, 4, inv_freq, out=torch.empty(7, 192, device=device))
+
+
+def test_launch_shapes_hold_the_kernels_limits():
+    """relative_attention's rule (square blocks of the bound for short sequences, 64 keys a step past 64 tokens, 128
+    queries from 256 on, 32 x 32 at most for fp32) with the head's halves in BLOCK_H, and at most 64 queries a program
+    under a window that restricts anything; every block at least tl.dot's 16."""
+    assert launch_shape(16, 64) == {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 64, "BLOCK_H": 32, "num_warps": 4,
+                                    "num_stages": 2}
+    assert launch_shape(512, 64)["BLOCK_M"] == 128 and launch_shape(512, 64, window=64)["BLOCK_M"] == 64
+    assert launch_shape(512, 64, window=600)["BLOCK_M"] == 128  # a window past the bound is none
+    for max_seqlen, head_dim, ieee, window in itertools.product((1, 7, 33, 64, 65, 255, 256, 512), (2, 8, 32, 64, 128),
+                                                                (False, True), (0, 1, 64)):
+        shape = launch_shape(max_seqlen, head_dim, ieee, window)
+        assert min(shape["BLOCK_M"], shape["BLOCK_N"], shape["BLOCK_H"]) >= 16
+        assert shape["BLOCK_D"] >= head_dim and shape["BLOCK_H"] >= head_dim // 2
+        assert all(shape[b] & (shape[b] - 1) == 0 for b in ("BLOCK_D", "BLOCK_H"))
+        assert not ieee or max(shape["BLOCK_M"], shape["BLOCK_N"]) <= 32
+        assert not windowed(max_seqlen, window) or shape["BLOCK_M"] <= 64
+
+
+# Compiled for sm_90 by Triton's compiler and ptxas in a process without the interpreter (kernels/triton/compile_check
+# says why the interpreter is not enough): GTE-base's and ModernBERT's shapes in each dtype, half precision with PDL
+# (its PTX must wait before any memory access), the windowed kernel and the long sequences' configuration.
+_COMPILE_FOR_SM90 = '''
+import bench
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fusedserve.kernels.triton.compile_check import _check_pdl_ptx, _signature
+from fusedserve.kernels.triton.rotary_attention import _rotary_attention_kernel as kernel, launch_shape, windowed
+
+for ptr, max_seqlen, window, pdl in (("*fp16", 128, 0, True), ("*bf16", 512, 0, False), ("*bf16", 1024, 64, False),
+                                     ("*fp32", 128, 0, False)):
+    shape = launch_shape(max_seqlen, 64, ptr == "*fp32", window)
+    options = {"num_warps": shape.pop("num_warps"), "num_stages": shape.pop("num_stages"), "launch_pdl": pdl}
+    types = {"qkv_ptr": ptr, "cu_ptr": "*i32", "inv_freq_ptr": "*fp32", "y_ptr": ptr, "T": "i32", "H": "i32",
+             "window": "i32", "qk_scale": "fp32", "stride_qkv": "i32", "stride_y": "i32"}
+    constexprs = {**shape, "HEAD_DIM": 64, "IEEE": ptr == "*fp32", "WINDOWED": windowed(max_seqlen, window),
+                  "USE_PDL": pdl}
+    source = ASTSource(fn=kernel, signature=_signature(kernel, types, constexprs), constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    if pdl:
+        _check_pdl_ptx(compiled.asm["ptx"])
+    print("ok", ptr, max_seqlen, window)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel is compiled for real by the GPU tests")
+def test_compiles_for_sm90(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], cwd=root, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.stdout.count("ok ") == 4, result.stdout
+
+
+# ---- the conventions, against transformers ------------------------------------------------------------------------
+
+
+def _dyadic(gen, shape, step, span):
+    """Random multiples of `step` in [-span, span]: exact in float32, so transformers in float64 and the op in float32
+    see the very same q, k and v."""
+    return torch.randint(-int(span / step), int(span / step) + 1, shape, generator=gen).double() * step
+
+
+def _padded_batch(lengths, hidden, gen):
+    """x [batch, longest, hidden] of dyadic values, the 2-D padding mask, and each row's positions (0-based)."""
+    batch, seq = len(lengths), max(lengths)
+    x = _dyadic(gen, (batch, seq, hidden), 1 / 8, 2.0)
+    keep = torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]
+    return x, keep, torch.arange(seq)[None, :].expand(batch, seq)
+
+
+def test_the_rotation_matches_transformers_gte(device):
+    """GteAttention (transformers' GTE, eager) on a padded batch, with GteRotaryEmbedding at GTE's theta of 160000 and
+    apply_rotary_pos_emb inside, against the op on the same rows packed: the same rotation (dimension i paired with
+    i + d/2, turned by position * inv_freq, positions 0-based within each sequence). Turned the other way (negated
+    frequencies) or paired as neighbours (2i, 2i + 1: GPT-J's convention, here the op on q and k with their
+    columns interleaved) it is a different attention, so the test tells the conventions apart."""
+    gte = pytest.importorskip("transformers.models.gte.modeling_gte")
+    from transformers import GteConfig
+    from transformers.masking_utils import create_bidirectional_mask
+
+    hidden, heads, lengths = 64, 2, [150, 37, 1]
+    config = GteConfig(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=1, intermediate_size=64,
+                       rope_parameters={"rope_type": "default", "rope_theta": 160000.0},
+                       attention_probs_dropout_prob=0.0)
+    config._attn_implementation = "eager"
+    gen = torch.Generator().manual_seed(12)
+    attention = gte.GteAttention(config).double().eval()
+    rotary = gte.GteRotaryEmbedding(config)
+    with torch.no_grad():
+        for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
+            linear.weight.copy_(_dyadic(gen, (hidden, hidden), 1 / 64, 0.25))
+            linear.bias.copy_(_dyadic(gen, (hidden,), 1 / 64, 0.5))
+        attention.o_proj.weight.copy_(torch.eye(hidden, dtype=torch.float64))  # the context itself
+        attention.o_proj.bias.zero_()
+        x, keep, positions = _padded_batch(lengths, hidden, gen)
+        mask = create_bidirectional_mask(config=config, inputs_embeds=x, attention_mask=keep.long())
+        expected = attention(x, attention_mask=mask, position_embeddings=rotary(x, positions))[0][keep]
+        rows = x[keep]
+        qkv = torch.cat([attention.q_proj(rows), attention.k_proj(rows), attention.v_proj(rows)], dim=1)
+    assert torch.equal(qkv.float().double(), qkv)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    inv_freq = rotary.inv_freq.float().to(device)
+    assert torch.allclose(inv_freq.cpu(), inverse_frequencies(hidden // heads, 160000.0))
+
+    def run(qkv, inv_freq):
+        return _launch()(qkv.float().to(device), cu, max(lengths), heads, inv_freq)
+
+    report = compare(run(qkv, inv_freq), expected, torch.float32)
+    assert report.ok, report
+    assert not compare(run(qkv, -inv_freq), expected, torch.float32).ok
+    d = hidden // heads
+    neighbours = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])  # (2i, 2i + 1) -> (i, i + d/2)
+    columns = torch.cat([part * hidden + h * d + neighbours for part in (0, 1) for h in range(heads)]
+                        + [torch.arange(2 * hidden, 3 * hidden)])
+    assert not compare(run(qkv[:, columns], inv_freq), expected, torch.float32).ok
+
+
+def test_the_window_matches_transformers_modernbert_local_attention(device):
+    """ModernBERT's local layers: `local_attention` 128 is the whole window, config.sliding_window = 128 // 2 = 64,
+    and transformers' sliding-window mask lets query i see key j when |i - j| <= 64, both ends included (the mask
+    itself is checked here). ModernBertAttention of a sliding layer (eager, its local rotary theta of 10000, on a
+    padded batch) equals the op with window=64 on the same rows packed; window 63 or 65 does not, so the boundary is
+    tested."""
+    modernbert = pytest.importorskip("transformers.models.modernbert.modeling_modernbert")
+    from transformers import ModernBertConfig
+    from transformers.masking_utils import create_bidirectional_sliding_window_mask
+
+    hidden, heads, lengths = 64, 2, [150, 37, 1]
+    config = ModernBertConfig(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=3, intermediate_size=64,
+                              local_attention=128, attention_dropout=0.0)
+    config._attn_implementation = "eager"
+    layer = config.layer_types.index("sliding_attention")
+    assert config.sliding_window == 64
+    gen = torch.Generator().manual_seed(13)
+    attention = modernbert.ModernBertAttention(config, layer_idx=layer).double().eval()
+    rotary = modernbert.ModernBertRotaryEmbedding(config)
+    with torch.no_grad():
+        attention.Wqkv.weight.copy_(_dyadic(gen, (3 * hidden, hidden), 1 / 64, 0.25))
+        attention.Wo.weight.copy_(torch.eye(hidden, dtype=torch.float64))  # the context itself
+        x, keep, positions = _padded_batch(lengths, hidden, gen)
+        mask = create_bidirectional_sliding_window_mask(config=config, inputs_embeds=x, attention_mask=keep.long())
+        i, j = torch.arange(max(lengths))[:, None], torch.arange(max(lengths))[None, :]
+        seen = mask[:, 0] == 0  # additive: 0 where attended, the dtype's least elsewhere
+        assert torch.equal(seen, ((i - j).abs() <= 64)[None] & keep[:, None, :])
+        embeddings = rotary(x, positions, "sliding_attention")
+        expected = attention(x, position_embeddings=embeddings, attention_mask=mask)[0][keep]
+        qkv = attention.Wqkv(x[keep])
+    assert torch.equal(qkv.float().double(), qkv)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    inv_freq = rotary.sliding_attention_inv_freq.float().to(device)
+    assert torch.allclose(inv_freq.cpu(), inverse_frequencies(hidden // heads, 10000.0))
+
+    def run(window):
+        return _launch()(qkv.float().to(device), cu, max(lengths), heads, inv_freq, window)
+
+    report = compare(run(config.sliding_window), expected, torch.float32)
+    assert report.ok, report
+    for window in (63, 65):
+        assert not compare(run(window), expected, torch.float32).ok, window
+
+
+# ---- the GPU: the models' shapes, graphs ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lengths,bound,window", [
+    ([16], 16, 0),                                          # a single short request
+    ([128] * 32, 128, 0),                                   # GTE-base b32 s128 fixed
+    ([7, 120, 33, 512, 1, 128, 90, 3, 0, 0], 512, 0),       # mixed lengths, filler sequences
+    ([1024, 700, 64, 3, 0], 1024, 64),                      # ModernBERT's local layers
+    ([60, 9], 64, 64),                                      # a window past the bound: none
+])
+def test_gte_and_modernbert_shapes_on_the_gpu(dtype, lengths, bound, window):
+    qkv, cu, inv_freq = _inputs(lengths, 768, 12, dtype, "cuda", filler=13, seed=len(lengths), theta=160000.0)
+    out = torch.full((qkv.shape[0], 768), NAN, dtype=dtype, device="cuda")
+    _launch()(qkv, cu, bound, 12, inv_freq, window, out=out)
+    _check(out, qkv, cu, bound, 12, inv_freq, window, dtype)
+
+
+@pytest.mark.gpu
+def test_positions_up_to_gte_and_modernbert_longest_on_the_gpu():
+    """8192 positions (GTE's and ModernBERT's longest): the angles reach 8191 radians, where a fast sine's range
+    reduction would cost accuracy; libdevice's holds the fp16 tolerance against the float64 rotation. The reference in
+    fp32 (the same rounded angles) gives the same answer."""
+    qkv, cu, inv_freq = _inputs([8192], 128, 2, torch.float16, "cuda", filler=3, seed=30, theta=160000.0)
+    out = _launch()(qkv, cu, 8192, 2, inv_freq)
+    _check(out, qkv, cu, 8192, 2, inv_freq, 0, torch.float16)
+    assert compare(out, reference.rotary_attention(qkv.float(), cu, 8192, 2, inv_freq), torch.float16).ok
+
+
+@pytest.mark.gpu
+def test_replays_in_a_cuda_graph_with_new_inputs():
+    launch = _launch()
+    qkv, cu, inv_freq = _inputs([9, 30, 2], 768, 12, torch.float16, "cuda", filler=7, seed=4)
+    out = torch.empty((qkv.shape[0], 768), dtype=torch.float16, device="cuda")
+    launch(qkv, cu, 64, 12, inv_freq, 8, out=out)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(qkv, cu, 64, 12, inv_freq, 8, out=out)
+    qkv.copy_(_inputs([9, 30, 2], 768, 12, torch.float16, "cuda", filler=7, seed=5)[0])
+    cu.copy_(torch.tensor([0, 20, 41, 41], dtype=torch.int32))  # new lengths, same bound
+    inv_freq.copy_(inverse_frequencies(64, 160000.0))
+    out.fill_(NAN)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, qkv, cu, 64, 12, inv_freq, 8, torch.float16)
