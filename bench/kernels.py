@@ -46,9 +46,13 @@ GEMM_SHAPES = {
     "minilm ffn-out 16 tokens": ("linear_add_layer_norm", 16, 1536, 384),
     "minilm ffn-out 4096 tokens": ("linear_add_layer_norm", 4096, 1536, 384),
     "bert-base ffn-out 4096 tokens": ("linear_add_layer_norm", 4096, 3072, 768),
+    # GTE-base's gated FFN-in (N: the gated output's width; the GEMM is 2N wide, the gate and up halves)
+    "gte-base glu-in 16 tokens": ("linear_glu", 16, 768, 3072),
+    "gte-base glu-in 4096 tokens": ("linear_glu", 4096, 768, 3072),
     # the CPU test's (the interpreter runs every program of a grid one after another): not in the default set
     "tiny ffn-in 8 tokens": ("linear_bias_gelu", 8, 16, 64),
     "tiny ffn-out 8 tokens": ("linear_add_layer_norm", 8, 64, 16),
+    "tiny glu-in 8 tokens": ("linear_glu", 8, 16, 64),
 }
 DEFAULT_GEMM_SHAPES = tuple(name for name in GEMM_SHAPES if not name.startswith("tiny"))
 # name: (op, hidden, heads, sequences, longest, varlen, the op's own parameters); varlen: lengths uniform in
@@ -121,6 +125,11 @@ def padded_rotary_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, in
     return torch.cat([ctx, ctx.new_zeros((1, hidden))])[slot]
 
 
+def _glu(h, activation: str):
+    gate, up = h.chunk(2, dim=-1)
+    return (F.gelu(gate) if activation == "gelu" else F.silu(gate)) * up
+
+
 # The unfused PyTorch a user would write, in the input dtype: the eager and torch.compile providers.
 UNFUSED: dict[str, Callable] = {
     "layer_norm": lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
@@ -133,6 +142,7 @@ UNFUSED: dict[str, Callable] = {
     "linear_bias_gelu": lambda x, w, b: F.gelu(F.linear(x, w, b)),
     "linear_add_layer_norm": lambda x, w, bias, r, g, b, eps: F.layer_norm(F.linear(x, w, bias) + r, r.shape[-1:],
                                                                            g, b, eps),
+    "linear_glu": lambda x, w, b, activation: _glu(F.linear(x, w, b), activation),
     "relative_attention": padded_relative_attention,
     "rotary_attention": padded_rotary_attention,
 }
@@ -157,6 +167,8 @@ def gemm_inputs(op: str, m: int, k: int, n: int, dtype: torch.dtype, device: str
     def randn(*shape, scale=1.0, shift=0.0):
         return (torch.randn(*shape, generator=gen) * scale + shift).to(device, dtype)
 
+    if op == "linear_glu":  # GTE's: no bias, GELU gate
+        return (randn(m, k), randn(2 * n, k, scale=k**-0.5), None, "gelu")
     x, w, bias = randn(m, k), randn(n, k, scale=k**-0.5), randn(n, scale=0.5)
     if op == "linear_bias_gelu":
         return (x, w, bias)
@@ -393,7 +405,7 @@ def gemm_epilogues(args: argparse.Namespace, save: Callable[[list[dict], dict, b
                              "provider": provider, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 line.append(f"{provider} FAILED")
                 continue
-            tflops = gemm_flops(m, k, n) / cell["us"] / 1e6
+            tflops = gemm_flops(m, k, 2 * n if op == "linear_glu" else n) / cell["us"] / 1e6
             rows.append({"op": op, "case": name, "dtype": dtype_name, "shape": f"{m}x{k}x{n}", "provider": provider,
                          **cell, "tflops": tflops})
             line.append(f"{provider} {cell['us']:7.1f} us {tflops:6.1f} TFLOP/s")
