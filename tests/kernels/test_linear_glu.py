@@ -75,7 +75,9 @@ def test_gte_mlp_convention(device):
     """GTE's feed-forward in transformers: act_fn(gate_proj(x)) * up_proj(x) (exact GELU, no biases), the weights
     stacked as the model loads them (gate rows first), against GteMLP's own forward with its down projection left
     out, in float64."""
-    from transformers import GteConfig
+    GteConfig = getattr(pytest.importorskip("transformers"), "GteConfig", None)
+    if GteConfig is None:
+        pytest.skip("this transformers has no GTE (the H200 image's)")
     from transformers.models.gte.modeling_gte import GteMLP
 
     torch.manual_seed(3)
