@@ -77,22 +77,34 @@ EPS = 1e-5
 DEVICE_ROUNDS = 100  # graph replays per cell (each with the L2 flushed): the median of these is the cell's time
 
 
+def _padded_block(qkv, cu_seqlens, max_seqlen: int):
+    """A packed batch's rows gathered into a padded [batch, max_seqlen] block (padding: zero rows), what scatters
+    the context back (each token's slot; filler tokens: a zero row past the block) and each sequence's length. Pure
+    gathers, no host sync: a CUDA-graph captured forward and torch.compile (whose inductor cannot lower a view of
+    an index_copy_ target) both take it."""
+    t, width = qkv.shape
+    batch = cu_seqlens.numel() - 1
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    positions = torch.arange(max_seqlen, device=qkv.device)
+    rows = cu[:-1, None] + positions[None, :]  # [batch, max_seqlen]: each slot's token, or t (a zero row)
+    rows = torch.where(positions[None, :] < lengths[:, None], rows, t).reshape(-1)
+    block = torch.cat([qkv, qkv.new_zeros((1, width))])[rows]
+    tokens = torch.arange(t, device=qkv.device)
+    seq = torch.searchsorted(cu[1:], tokens, right=True).clamp(max=batch - 1)
+    slot = torch.where(tokens < cu[-1], seq * max_seqlen + tokens - cu[seq], batch * max_seqlen)
+    return block, slot, lengths, positions
+
+
 def padded_relative_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, bias):
     """relative_attention as transformers computes it, from the packed batch: the rows padded into a [batch,
     max_seqlen] block, the bias materialized for it as [batch, heads, max_seqlen, max_seqlen] with the padded keys at
-    -inf, SDPA in the input dtype, the real rows gathered back (filler rows: zeros). No host sync, as a CUDA-graph
-    captured forward needs."""
-    t, width = qkv.shape
-    batch, hidden = cu_seqlens.numel() - 1, width // 3
-    cu = cu_seqlens.long()
-    rows = torch.arange(t, device=qkv.device)
-    seq = torch.searchsorted(cu[1:], rows, right=True).clamp(max=batch - 1)
-    slot = torch.where(rows < cu[-1], seq * max_seqlen + rows - cu[seq], batch * max_seqlen)  # filler: a zero row
-    padded = qkv.new_zeros((batch * max_seqlen + 1, width)).index_copy_(0, slot, qkv)
-    q, k, v = padded[:-1].view(batch, max_seqlen, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4)
-    positions = torch.arange(max_seqlen, device=qkv.device)
+    -inf, SDPA in the input dtype, the real rows gathered back (filler rows: zeros)."""
+    batch, hidden = cu_seqlens.numel() - 1, qkv.shape[1] // 3
+    block, slot, lengths, positions = _padded_block(qkv, cu_seqlens, max_seqlen)
+    q, k, v = block.view(batch, max_seqlen, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4)
     reach = (bias.shape[1] + 1) // 2
-    padding = positions[None, :] >= (cu[1:] - cu[:-1])[:, None]  # [batch, keys]
+    padding = positions[None, :] >= lengths[:, None]  # [batch, keys]
     mask = bias.to(qkv.dtype)[:, positions[None, :] - positions[:, None] + reach - 1][None].masked_fill(
         padding[:, None, None, :], float("-inf"))
     ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(batch * max_seqlen, hidden)
@@ -103,22 +115,16 @@ def padded_rotary_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, in
     """rotary_attention as transformers computes it (GTE, ModernBERT), from the packed batch: the rows padded into a
     [batch, max_seqlen] block, q and k rotated there in the input dtype (cos and sin of the fp32 angles cast to it,
     apply_rotary_pos_emb), SDPA with the padded keys (and, with a window, the keys farther than it) masked out, the
-    real rows gathered back (filler rows: zeros). No host sync, as a CUDA-graph captured forward needs."""
-    t, width = qkv.shape
-    batch, hidden = cu_seqlens.numel() - 1, width // 3
-    cu = cu_seqlens.long()
-    rows = torch.arange(t, device=qkv.device)
-    seq = torch.searchsorted(cu[1:], rows, right=True).clamp(max=batch - 1)
-    slot = torch.where(rows < cu[-1], seq * max_seqlen + rows - cu[seq], batch * max_seqlen)  # filler: a zero row
-    padded = qkv.new_zeros((batch * max_seqlen + 1, width)).index_copy_(0, slot, qkv)
-    q, k, v = padded[:-1].view(batch, max_seqlen, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4)
-    positions = torch.arange(max_seqlen, device=qkv.device)
+    real rows gathered back (filler rows: zeros)."""
+    batch, hidden = cu_seqlens.numel() - 1, qkv.shape[1] // 3
+    block, slot, lengths, positions = _padded_block(qkv, cu_seqlens, max_seqlen)
+    q, k, v = block.view(batch, max_seqlen, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4)
     angles = positions[:, None].float() * inv_freq.float()[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos().to(qkv.dtype), angles.sin().to(qkv.dtype)
     half = q.shape[-1] // 2
     q, k = ((x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin) for x in (q, k))
-    keep = (positions[None, :] < (cu[1:] - cu[:-1])[:, None])[:, None, None, :]  # [batch, 1, 1, keys]
+    keep = (positions[None, :] < lengths[:, None])[:, None, None, :]  # [batch, 1, 1, keys]
     if window > 0:
         keep = keep & ((positions[None, :] - positions[:, None]).abs() <= window)
     ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(batch * max_seqlen, hidden)
