@@ -96,17 +96,25 @@ def _padded_block(qkv, cu_seqlens, max_seqlen: int):
     return block, slot, lengths, positions
 
 
+def _heads(block, batch: int, max_seqlen: int, num_heads: int):
+    """q, k and v [batch, heads, max_seqlen, d] of a padded block, each its own contiguous tensor: inductor (torch
+    2.11) cannot lower SDPA on the strided slices of one buffer (NotImplementedError: SliceView)."""
+    hidden = block.shape[1] // 3
+    parts = block.view(batch, max_seqlen, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4)
+    return (part.contiguous() for part in parts)
+
+
 def padded_relative_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, bias):
     """relative_attention as transformers computes it, from the packed batch: the rows padded into a [batch,
     max_seqlen] block, the bias materialized for it as [batch, heads, max_seqlen, max_seqlen] with the padded keys at
     -inf, SDPA in the input dtype, the real rows gathered back (filler rows: zeros)."""
     batch, hidden = cu_seqlens.numel() - 1, qkv.shape[1] // 3
     block, slot, lengths, positions = _padded_block(qkv, cu_seqlens, max_seqlen)
-    q, k, v = block.view(batch, max_seqlen, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4)
+    q, k, v = _heads(block, batch, max_seqlen, num_heads)
     reach = (bias.shape[1] + 1) // 2
     padding = positions[None, :] >= lengths[:, None]  # [batch, keys]
     mask = bias.to(qkv.dtype)[:, positions[None, :] - positions[:, None] + reach - 1][None].masked_fill(
-        padding[:, None, None, :], float("-inf"))
+        padding[:, None, None, :], float("-inf")).contiguous()
     ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(batch * max_seqlen, hidden)
     return torch.cat([ctx, ctx.new_zeros((1, hidden))])[slot]
 
@@ -118,7 +126,7 @@ def padded_rotary_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, in
     real rows gathered back (filler rows: zeros)."""
     batch, hidden = cu_seqlens.numel() - 1, qkv.shape[1] // 3
     block, slot, lengths, positions = _padded_block(qkv, cu_seqlens, max_seqlen)
-    q, k, v = block.view(batch, max_seqlen, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4)
+    q, k, v = _heads(block, batch, max_seqlen, num_heads)
     angles = positions[:, None].float() * inv_freq.float()[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos().to(qkv.dtype), angles.sin().to(qkv.dtype)
