@@ -91,17 +91,16 @@ def _padded_block(qkv, cu_seqlens, max_seqlen: int):
     rows = torch.where(positions[None, :] < lengths[:, None], rows, t).reshape(-1)
     block = torch.cat([qkv, qkv.new_zeros((1, width))])[rows]
     tokens = torch.arange(t, device=qkv.device)
-    seq = torch.searchsorted(cu[1:], tokens, right=True).clamp(max=batch - 1)
+    # a contiguous copy: inductor (torch 2.11) cannot lower searchsorted on a slice (NotImplementedError: SliceView)
+    seq = torch.searchsorted(cu[1:].contiguous(), tokens, right=True).clamp(max=batch - 1)
     slot = torch.where(tokens < cu[-1], seq * max_seqlen + tokens - cu[seq], batch * max_seqlen)
     return block, slot, lengths, positions
 
 
 def _heads(block, batch: int, max_seqlen: int, num_heads: int):
-    """q, k and v [batch, heads, max_seqlen, d] of a padded block, each its own contiguous tensor: inductor (torch
-    2.11) cannot lower SDPA on the strided slices of one buffer (NotImplementedError: SliceView)."""
+    """q, k and v [batch, heads, max_seqlen, d] of a padded block."""
     hidden = block.shape[1] // 3
-    parts = block.view(batch, max_seqlen, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4)
-    return (part.contiguous() for part in parts)
+    return block.view(batch, max_seqlen, 3, num_heads, hidden // num_heads).permute(2, 0, 3, 1, 4)
 
 
 def padded_relative_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, bias):
@@ -114,7 +113,7 @@ def padded_relative_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, 
     reach = (bias.shape[1] + 1) // 2
     padding = positions[None, :] >= lengths[:, None]  # [batch, keys]
     mask = bias.to(qkv.dtype)[:, positions[None, :] - positions[:, None] + reach - 1][None].masked_fill(
-        padding[:, None, None, :], float("-inf")).contiguous()
+        padding[:, None, None, :], float("-inf"))
     ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(batch * max_seqlen, hidden)
     return torch.cat([ctx, ctx.new_zeros((1, hidden))])[slot]
 
