@@ -91,8 +91,8 @@ def _padded_block(qkv, cu_seqlens, max_seqlen: int):
     rows = torch.where(positions[None, :] < lengths[:, None], rows, t).reshape(-1)
     block = torch.cat([qkv, qkv.new_zeros((1, width))])[rows]
     tokens = torch.arange(t, device=qkv.device)
-    # a contiguous copy: inductor (torch 2.11) cannot lower searchsorted on a slice (NotImplementedError: SliceView)
-    seq = torch.searchsorted(cu[1:].contiguous(), tokens, right=True).clamp(max=batch - 1)
+    # over the whole of cu, not cu[1:]: inductor (torch 2.11) cannot lower searchsorted on a slice (SliceView)
+    seq = (torch.searchsorted(cu, tokens, right=True) - 1).clamp(0, batch - 1)
     slot = torch.where(tokens < cu[-1], seq * max_seqlen + tokens - cu[seq], batch * max_seqlen)
     return block, slot, lengths, positions
 
