@@ -1,5 +1,6 @@
-"""The GTE family (transformers' GteModel: gte-multilingual-base and the gte-*-v1.5 encoders): BERT's post-LN
-layers with rotary position embeddings in place of learned absolute ones and a gated GELU feed-forward.
+"""The GTE family (transformers' GteModel: gte-multilingual-base and the gte-*-v1.5 encoders, also as released, with
+Alibaba-NLP's custom code: model_type "new"): BERT's post-LN layers with rotary position embeddings in place of
+learned absolute ones and a gated GELU feed-forward.
 
     x = LN(word[ids] + token_type[types])          (no position table)
     x = LN(x + o_proj(attention(rotary(q), rotary(k), v)))
@@ -26,14 +27,25 @@ from fusedserve.model.encoder import Packed
 from fusedserve.model.family import ClassifierHead, Family, WeightLayout
 
 
+# The released checkpoints' config.json (Alibaba-NLP's custom code, model_type "new"): switches of that code which
+# change the math, and the value that keeps it transformers' GteModel
+_CUSTOM_CODE_MATH = {"position_embedding_type": "rope", "layer_norm_type": "layer_norm",
+                     "logn_attention_scale": False, "logn_attention_clip1": False}
+
+
 def _read_gte(hf: dict) -> dict:
     act = hf.get("hidden_act", "gelu")
     if act != "gelu":
         raise UnsupportedModel(f"hidden_act {act!r} is not supported (only exact GELU, 'gelu')")
+    for key, plain in _CUSTOM_CODE_MATH.items():
+        if hf.get(key, plain) != plain:
+            raise UnsupportedModel(f"{key} {hf[key]!r} is not supported (GTE with {key} {plain!r} only)")
     rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-        raise UnsupportedModel(f"rotary embeddings of type {rope.get('rope_type') or hf.get('rope_scaling')!r} are "
-                               "not supported (only the default, unscaled rotary embedding)")
+    scaled = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaled:
+        kind = scaled.get("rope_type") or scaled.get("type")
+        raise UnsupportedModel(f"rotary embeddings of type {kind!r} are not supported (only the default, unscaled "
+                               "rotary embedding)")
     heads = hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
         raise UnsupportedModel(f"head_dim {hf['head_dim']} other than hidden_size / num_attention_heads")
@@ -207,6 +219,6 @@ def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.d
     return tuple(ops)
 
 
-GTE = Family("gte", ("gte",), "GTE", _read_gte, _GTE_WEIGHTS, ClassifierHead("pooler.dense", "tanh", "classifier"),
+GTE = Family("gte", ("gte", "new"), "GTE", _read_gte, _GTE_WEIGHTS, ClassifierHead("pooler.dense", "tanh", "classifier"),
              encoder=Encoder, kernel_ops=kernel_ops, positions="rotary", few_token_layer=False)
 FAMILIES = (GTE,)

@@ -132,8 +132,20 @@ def test_gte_reads_the_hub_layout_and_transformers_own(tmp_path):
     assert torch.equal(a.embed(TEXTS), b.embed(TEXTS))
     _agree(b.embed(TEXTS), _reference(native).encode(TEXTS, convert_to_tensor=True))
     config = json.loads((hub / "config.json").read_text())
+    # the released checkpoints' config: custom code (auto_map), model_type "new", its own names for the same math
+    released = {k: v for k, v in config.items() if k not in ("rope_parameters", "architectures", "model_type")}
+    released.update(model_type="new", architectures=["NewModel"], rope_theta=160000.0, rope_scaling=None,
+                    position_embedding_type="rope", layer_norm_type="layer_norm", logn_attention_scale=False,
+                    pack_qkv=True, auto_map={"AutoConfig": "Alibaba-NLP/new-impl--configuration.NewConfig",
+                                             "AutoModel": "Alibaba-NLP/new-impl--modeling.NewModel"})
+    (hub / "config.json").write_text(json.dumps(released))
+    c, _ = Embedder.load(str(hub), device="cpu", backend="torch")
+    assert torch.equal(c.embed(TEXTS), b.embed(TEXTS))
     for change, named in (({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
-                           "rotary embeddings of type 'dynamic'"), ({"hidden_act": "relu"}, "hidden_act 'relu'")):
+                           "rotary embeddings of type 'dynamic'"), ({"hidden_act": "relu"}, "hidden_act 'relu'"),
+                          ({"model_type": "new", "rope_scaling": {"type": "ntk", "factor": 2.0}}, "'ntk'"),
+                          ({"model_type": "new", "logn_attention_scale": True}, "logn_attention_scale True"),
+                          ({"model_type": "new", "layer_norm_type": "rms_norm"}, "layer_norm_type 'rms_norm'")):
         (hub / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(CheckpointError, match=named):
             Embedder.load(str(hub), device="cpu")
@@ -212,7 +224,7 @@ def test_what_cannot_be_served_exactly_is_refused_naming_it(tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "model_type": "deberta-v2",
                                                   "architectures": ["DebertaV2Model"]}))
     with pytest.raises(CheckpointError, match="model_type 'deberta-v2' \\(DebertaV2Model\\) is not supported; "
-                                              "supported model types: bert, roberta, xlm-roberta, distilbert, mpnet, gte"):
+                                              "supported model types: bert, roberta, xlm-roberta, distilbert, mpnet, gte, new"):
         Embedder.load(str(path), device="cpu")
     ce = checkpoints.cross_encoder(tmp_path / "ce", 1)
     with pytest.raises(UnsupportedModel, match="is a classifier"):
