@@ -235,8 +235,8 @@ def rotate_half(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
     """Rotary embedding of x [..., S, d] at positions [S]: x cos + rotate_half(x) sin with the angles
     position * inv_freq repeated over both halves (transformers' apply_rotary_pos_emb; dimension i pairs with
     i + d/2), computed in x's dtype with the angles in float32 (float64 stays)."""
-    angles = positions[:, None].to(inv_freq.dtype if x.dtype != torch.float64 else x.dtype) * inv_freq.to(
-        torch.float64 if x.dtype == torch.float64 else torch.float32)[None, :]
+    precision = _compute_dtype(x.dtype)
+    angles = positions[:, None].to(precision) * inv_freq.to(precision)[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     half = x.shape[-1] // 2
     return x * angles.cos().to(x.dtype) + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * angles.sin().to(x.dtype)

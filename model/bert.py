@@ -231,13 +231,23 @@ class Encoder(nn.Module):
         states), for a caller that does other work between blocks."""
         if attention == "varlen":  # the one check of where varlen runs (raises with the reason)
             resolve_attention("varlen", p.input_ids.device, self.embeddings.word_embeddings.dtype)
-        if attention in OFFSET_ATTENTIONS and p.cu_seqlens is None:
+        if (attention in OFFSET_ATTENTIONS or self.attends_by_offsets) and p.cu_seqlens is None:
             raise ValueError(f"{attention} attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
         x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
         yield x
+        context = self.layer_context(attention)
         for layer in self.layers:
-            x = layer.forward_packed(x, p, attention)
+            x = layer.forward_packed(x, p, context)
             yield x
+
+    # an encoder whose layers attend over cu_seqlens whatever the mode (MPNet's and GTE's fused attention ops; the
+    # modes then differ only in how the runner buckets graphs)
+    attends_by_offsets = False
+
+    def layer_context(self, attention: str):
+        """What each layer's forward_packed takes besides x and the batch, computed once per forward: here the
+        attention mode; a family whose layers need a per-forward table (MPNet's relative bias) returns that."""
+        return attention
 
 
 def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:

@@ -14,13 +14,12 @@ written either."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fusedserve import kernels
+from fusedserve.kernels import reference
 from fusedserve.model import bert
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.encoder import Packed
@@ -117,14 +116,6 @@ def inverse_frequencies(theta: float, head_dim: int) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
 
-def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-    """transformers' apply_rotary_pos_emb on x [..., T, d] at positions [T] (cos and sin in x's dtype)."""
-    angles = positions[:, None].float() * inv_freq[None, :]
-    cos, sin = torch.cat((angles, angles), -1).cos().to(x.dtype), torch.cat((angles, angles), -1).sin().to(x.dtype)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
-
-
 class Embeddings(bert.Embeddings):
     """LN(word + token type): BERT's embedding kernel with a one-row zero position table that every token reads."""
 
@@ -156,7 +147,7 @@ class Layer(nn.Module):
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
         q, k, v = qkv.view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         positions = torch.arange(seq, device=x.device)
-        q, k = rotate(q, positions, inv_freq), rotate(k, positions, inv_freq)
+        q, k = reference.rotate_half(q, positions, inv_freq), reference.rotate_half(k, positions, inv_freq)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).transpose(1, 2).reshape(batch * seq, -1)
         x = F.layer_norm(x + F.linear(ctx, self.attn_out.weight, self.attn_out.bias), x.shape[-1:],
                          self.attn_ln_weight, self.attn_ln_bias, self.eps)
@@ -200,16 +191,10 @@ class Encoder(bert.Encoder):
             x = layer(x, batch, seq, attn_mask, self.inv_freq)
         return x.view(batch, seq, -1)
 
-    def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
-        # one attention whatever the mode (rotary_attention works from cu_seqlens on every device); the modes differ
-        # only in how the runner buckets graphs
-        if p.cu_seqlens is None:
-            raise ValueError("GTE attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
-        x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
-        yield x
-        for layer in self.layers:
-            x = layer.forward_packed(x, p, self.inv_freq)
-            yield x
+    attends_by_offsets = True  # rotary_attention works from cu_seqlens on every device
+
+    def layer_context(self, attention: str) -> Tensor:
+        return self.inv_freq
 
 
 def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:

@@ -12,7 +12,6 @@ gathers the [heads, 2R - 1] table of biases by distance from the current weights
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -55,17 +54,12 @@ _MPNET_WEIGHTS = WeightLayout(
         "encoder.relative_attention_bias.weight": "relative_attention_bias",
     },
     "encoder.layer.",
-    {
+    {  # BERT's feed-forward names; its own attention output's
+        **{k: v for k, v in bert.BERT.weights.layer.items() if not k.startswith("attention.")},
         "attention.attn.o.weight": "attn_out.weight",
         "attention.attn.o.bias": "attn_out.bias",
         "attention.LayerNorm.weight": "attn_ln_weight",
         "attention.LayerNorm.bias": "attn_ln_bias",
-        "intermediate.dense.weight": "ffn_in.weight",
-        "intermediate.dense.bias": "ffn_in.bias",
-        "output.dense.weight": "ffn_out.weight",
-        "output.dense.bias": "ffn_out.bias",
-        "output.LayerNorm.weight": "ffn_ln_weight",
-        "output.LayerNorm.bias": "ffn_ln_bias",
     },
     ("attention.attn.q", "attention.attn.k", "attention.attn.v"),
 )
@@ -129,17 +123,10 @@ class Encoder(bert.Encoder):
             x = layer(x, batch, seq, attn_mask, bias)
         return x.view(batch, seq, -1)
 
-    def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
-        # one attention whatever the mode: the relative bias needs the fused op (which works from cu_seqlens on every
-        # device); the modes differ only in how the runner buckets graphs
-        if p.cu_seqlens is None:
-            raise ValueError("MPNet attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
-        x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
-        yield x
-        table = self.bias_table()
-        for layer in self.layers:
-            x = layer.forward_packed(x, p, table)
-            yield x
+    attends_by_offsets = True  # the relative bias needs the fused op, which works from cu_seqlens everywhere
+
+    def layer_context(self, attention: str) -> Tensor:
+        return self.bias_table()
 
 
 def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
