@@ -31,8 +31,19 @@ class EncoderConfig:
     position_offset: int = 0
     # relative position bias buckets shared by all layers (MPNet's); 0: none
     relative_attention_buckets: int = 0
-    # rotary position embeddings' base (GTE's); 0: none
+    # rotary position embeddings' base (GTE's, NomicBERT's, ModernBERT's global layers'); 0: none
     rope_theta: float = 0.0
+    # the gated feed-forward's activation (GTE, ModernBERT: exact GELU; NomicBERT: SiLU)
+    hidden_act: str = "gelu"
+    # whether the layers' linear projections carry biases (ModernBERT's and NomicBERT's do not), and their LayerNorms
+    # (ModernBERT's do not)
+    linear_bias: bool = True
+    norm_bias: bool = True
+    # sliding-window attention (ModernBERT's local layers): in these layers a query attends to the keys at most
+    # `sliding_window` positions away, with rotary base local_rope_theta
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int = 0
+    local_rope_theta: float = 0.0
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -78,4 +89,17 @@ PRESETS: dict[str, EncoderConfig] = {
     "gte-base": EncoderConfig(architecture="gte", vocab_size=250048, hidden_size=768, num_layers=12, num_heads=12,
                               intermediate_size=3072, max_position_embeddings=8192, type_vocab_size=1,
                               layer_norm_eps=1e-12, pad_token_id=1, max_seq_length=8192, rope_theta=160000.0),
+    # nomic-embed-text-v1.5's shape (rotary positions, SwiGLU, no biases), random init, for benchmarks.
+    "nomic-bert-base": EncoderConfig(architecture="nomic_bert", vocab_size=30528, hidden_size=768, num_layers=12,
+                                     num_heads=12, intermediate_size=3072, max_position_embeddings=8192,
+                                     type_vocab_size=2, layer_norm_eps=1e-12, max_seq_length=8192, rope_theta=1000.0,
+                                     hidden_act="silu", linear_bias=False),
+    # ModernBERT-base's shape (pre-norm, GeGLU, a global layer every third, the rest sliding-window), random init,
+    # for benchmarks.
+    "modernbert-base": EncoderConfig(architecture="modernbert", vocab_size=50368, hidden_size=768, num_layers=22,
+                                     num_heads=12, intermediate_size=1152, max_position_embeddings=8192,
+                                     type_vocab_size=1, layer_norm_eps=1e-5, pad_token_id=50283, max_seq_length=8192,
+                                     rope_theta=160000.0, linear_bias=False, norm_bias=False,
+                                     sliding_layers=tuple(i for i in range(22) if i % 3), sliding_window=64,
+                                     local_rope_theta=10000.0),
 }

@@ -19,19 +19,23 @@ from fusedserve.model.config import EncoderConfig
 @dataclass(frozen=True)
 class WeightLayout:
     """Checkpoint tensor names (after prefix stripping) -> the family's parameter names. `{i}.` follows
-    layer_prefix; the query, key and value projections are stacked into one `qkv` matrix. A checkpoint without the
-    token type table (`embeddings.token_type_embeddings`) gets one all-zero row."""
+    layer_prefix; the query, key and value projections are stacked into one `qkv` matrix (their biases where the
+    checkpoint has them). A checkpoint without the token type table (`embeddings.token_type_embeddings`) gets one
+    all-zero row. Names in `optional` may be absent: the encoder built from the config says whether it needs them
+    (ModernBERT's first layer has no attention norm; its norms have biases only where the config says so)."""
 
     embeddings: Mapping[str, str]  # tensors outside the layers
     layer_prefix: str
     layer: Mapping[str, str]
-    qkv: tuple[str, str, str]  # the three projections' names under the layer prefix, before ".weight"/".bias"
+    qkv: tuple[str, ...]  # the three projections' names under the layer prefix, before ".weight"/".bias"; none
+    # where the checkpoint's own name for the stacked matrix is in `layer`
     # a layer's parameter stacked from several checkpoint tensors along their first dimension (GTE's gate and up
     # projections: one GEMM)
     stacked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # a checkpoint saved in another layout (a model's Hub layout with fused projections) -> these names; applied
     # after prefix stripping, before the maps above
     rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    optional: frozenset[str] = frozenset()  # names of `embeddings` and `layer` a checkpoint may lack
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class Family:
     label: str                     # for messages: "RoBERTa / XLM-RoBERTa"
     read_config: Callable[[dict], dict]  # config.json -> EncoderConfig fields (raises UnsupportedModel)
     weights: WeightLayout
-    classifier: ClassifierHead
+    classifier: ClassifierHead | None  # None: its sequence classifiers are refused by name
     encoder: Callable[[EncoderConfig], nn.Module]  # the layers, randomly initialised
     # (layout, attention, device, dtype) -> the kernels.* ops a forward calls: the registry tests and races these
     kernel_ops: Callable[[str, str, torch.device, torch.dtype], tuple[str, ...]]

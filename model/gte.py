@@ -131,14 +131,14 @@ class Embeddings(bert.Embeddings):
 class Layer(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.num_heads, self.eps = config.num_heads, config.layer_norm_eps
-        self.qkv = nn.Linear(h, 3 * h)
-        self.attn_out = nn.Linear(h, h)
+        h, i, bias = config.hidden_size, config.intermediate_size, config.linear_bias
+        self.num_heads, self.eps, self.activation = config.num_heads, config.layer_norm_eps, config.hidden_act
+        self.qkv = nn.Linear(h, 3 * h, bias=bias)
+        self.attn_out = nn.Linear(h, h, bias=bias)
         self.attn_ln_weight = nn.Parameter(torch.ones(h))
         self.attn_ln_bias = nn.Parameter(torch.zeros(h))
         self.ffn_in = nn.Linear(h, 2 * i, bias=False)  # gate rows, then up rows
-        self.ffn_out = nn.Linear(i, h)
+        self.ffn_out = nn.Linear(i, h, bias=bias)
         self.ffn_ln_weight = nn.Parameter(torch.ones(h))
         self.ffn_ln_bias = nn.Parameter(torch.zeros(h))
 
@@ -152,17 +152,29 @@ class Layer(nn.Module):
         x = F.layer_norm(x + F.linear(ctx, self.attn_out.weight, self.attn_out.bias), x.shape[-1:],
                          self.attn_ln_weight, self.attn_ln_bias, self.eps)
         gate, up = F.linear(x, self.ffn_in.weight).chunk(2, dim=-1)
-        h = F.linear(F.gelu(gate) * up, self.ffn_out.weight, self.ffn_out.bias)
+        h = F.linear(glu_activation(self.activation)(gate) * up, self.ffn_out.weight, self.ffn_out.bias)
         return F.layer_norm(x + h, x.shape[-1:], self.ffn_ln_weight, self.ffn_ln_bias, self.eps)
 
     def forward_packed(self, x: Tensor, p: Packed, inv_freq: Tensor) -> Tensor:
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
         ctx = kernels.rotary_attention(qkv, p.cu_seqlens, p.seq, self.num_heads, inv_freq)
-        x = kernels.linear_add_layer_norm(ctx, self.attn_out.weight, self.attn_out.bias, x, self.attn_ln_weight,
-                                          self.attn_ln_bias, self.eps)
-        h = kernels.linear_glu(x, self.ffn_in.weight, None, "gelu")
-        return kernels.linear_add_layer_norm(h, self.ffn_out.weight, self.ffn_out.bias, x, self.ffn_ln_weight,
-                                             self.ffn_ln_bias, self.eps)
+        x = linear_add_layer_norm(ctx, self.attn_out, x, self.attn_ln_weight, self.attn_ln_bias, self.eps)
+        h = kernels.linear_glu(x, self.ffn_in.weight, None, self.activation)
+        return linear_add_layer_norm(h, self.ffn_out, x, self.ffn_ln_weight, self.ffn_ln_bias, self.eps)
+
+
+def glu_activation(name: str):
+    """The gate's activation in plain torch (the padded test oracle)."""
+    return {"gelu": F.gelu, "silu": F.silu}[name]
+
+
+def linear_add_layer_norm(x: Tensor, linear: nn.Linear, residual: Tensor, weight: Tensor, bias: Tensor,
+                          eps: float) -> Tensor:
+    """LN(x W^T + b + residual), for a projection with or without its bias: without one, the cuBLAS GEMM and the
+    add + LayerNorm kernel that kernels.linear_add_layer_norm is made of, called apart."""
+    if linear.bias is not None:
+        return kernels.linear_add_layer_norm(x, linear.weight, linear.bias, residual, weight, bias, eps)
+    return kernels.add_layer_norm(F.linear(x, linear.weight), residual, None, weight, bias, eps)
 
 
 class Encoder(bert.Encoder):
@@ -174,11 +186,14 @@ class Encoder(bert.Encoder):
         self.register_buffer("inv_freq", inverse_frequencies(config.rope_theta, config.head_dim), persistent=False)
         self.reset_parameters()
 
+    # the rotary frequencies stay float32 when the weights go to half precision (transformers keeps them so)
+    FLOAT32_BUFFERS = ("inv_freq",)
+
     def _apply(self, fn, recurse=True):
-        # the frequencies stay float32 when the weights go to half precision (transformers keeps them so)
-        inv_freq = self.inv_freq
+        kept = {name: getattr(self, name) for name in self.FLOAT32_BUFFERS}
         module = super()._apply(fn, recurse)
-        self.inv_freq = inv_freq.to(device=self.inv_freq.device)
+        for name, buffer in kept.items():
+            setattr(self, name, buffer.to(device=getattr(self, name).device))
         return module
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:

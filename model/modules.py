@@ -178,6 +178,9 @@ def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, 
     if not any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
         return None
     head = family(config).classifier
+    if head is None:
+        raise UnsupportedModel(f"{path}: {family(config).label} sequence classifiers are not supported (its "
+                               "embedding models are)")
     wanted = tuple(f"{layer}.{kind}" for layer in (head.first, head.second) for kind in ("weight", "bias"))
     missing = [n for n in wanted if n not in rest]
     if missing:

@@ -61,16 +61,17 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig
     out: dict[str, torch.Tensor] = {}
     missing: list[str] = []
 
-    def take(name: str) -> torch.Tensor | None:
+    def take(name: str, optional: bool = False) -> torch.Tensor | None:
         if name not in src:
-            missing.append(name)
+            if not optional:
+                missing.append(name)
             return None
         return src.pop(name)
 
     for theirs, ours in layout.embeddings.items():
         if ours == _TOKEN_TYPES and theirs not in src:
             continue  # synthesized below
-        if (t := take(theirs)) is not None:
+        if (t := take(theirs, theirs in layout.optional)) is not None:
             out[ours] = t
     # a family or checkpoint without token types (DistilBERT, MPNet, gte-base-en-v1.5): one all-zero token type
     if _TOKEN_TYPES not in out and not missing:
@@ -78,13 +79,15 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig
     for i in range(config.num_layers):
         base = f"{layout.layer_prefix}{i}."
         for theirs, ours in layout.layer.items():
-            if (t := take(base + theirs)) is not None:
+            if (t := take(base + theirs, theirs in layout.optional)) is not None:
                 out[f"layers.{i}.{ours}"] = t
         for ours, theirs in layout.stacked.items():
             parts = [take(base + name) for name in theirs]
             if all(p is not None for p in parts):
                 out[f"layers.{i}.{ours}"] = torch.cat(parts, dim=0)
         for kind in ("weight", "bias"):
+            if not layout.qkv or (kind == "bias" and not any(f"{base}{p}.bias" in src for p in layout.qkv)):
+                continue  # projections without biases (NomicBERT): the encoder has none either
             parts = [take(f"{base}{p}.{kind}") for p in layout.qkv]
             if all(p is not None for p in parts):
                 out[f"layers.{i}.qkv.{kind}"] = torch.cat(parts, dim=0)
@@ -116,6 +119,11 @@ def load_checkpoint(path: str | Path | None = None, config: EncoderConfig | None
     state, rest = convert_state_dict(tensors, config)
     encoder = family(config).encoder(config)
     expected = encoder.state_dict()
+    lacking, surplus = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    if lacking or surplus:  # optional tensors and biases the config does or does not expect
+        found = [f"it lacks {len(lacking)} tensors, e.g. {lacking[:4]}"] if lacking else []
+        found += [f"it has {len(surplus)} it does not use, e.g. {surplus[:4]}"] if surplus else []
+        raise CheckpointError(f"checkpoint does not fit the config: {'; '.join(found)}")
     wrong = [f"{k}: checkpoint {tuple(v.shape)} vs config {tuple(expected[k].shape)}"
              for k, v in state.items() if v.shape != expected[k].shape]
     if wrong:

@@ -208,6 +208,105 @@ def gte_seeded(dest: Path, shape: str = "tiny", seed: int = 6) -> Path:
     return dest
 
 
+# NomicBERT at a tiny shape and at nomic-embed-text-v1.5's (the vocabulary cut to BERT's: MiniLM's tokenizer)
+NOMIC_SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                 max_position_embeddings=512),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                 max_position_embeddings=8192),
+}
+
+
+def nomic_bert(dest: Path, pooling: list[str] = ("mean",), shape: str = "tiny", layout: str = "hub",
+               **kwargs) -> Path:
+    """A random NomicBERT (transformers' NomicBertModel: rotary positions, SwiGLU, no biases) with
+    sentence-transformers modules, mean pooled as nomic-embed-text's. layout "hub": as save_pretrained writes it;
+    "transformers": NomicBertModel's own parameter names; "released": Nomic's own layout and config (GPT-2 style
+    keys, auto_map, a fused Wqkv, mlp.fc11 / fc12 / fc2, emb_ln), as the released checkpoints ship."""
+    from transformers import NomicBertConfig, NomicBertModel
+
+    torch.manual_seed(7)
+    config = NomicBertConfig(vocab_size=30522, pad_token_id=0, **NOMIC_SHAPES[shape])
+    model = NomicBertModel(config)
+    _sharpen_attention(model)
+    model.save_pretrained(dest, safe_serialization=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if layout == "transformers":
+        save_file(state, dest / "model.safetensors")
+    elif layout == "released":
+        save_file(_nomic_released(state), dest / "model.safetensors")
+        dims = NOMIC_SHAPES[shape]
+        (dest / "config.json").write_text(json.dumps({
+            "architectures": ["NomicBertModel"], "model_type": "nomic_bert",
+            "auto_map": {"AutoConfig": "nomic-ai/nomic-bert-2048--configuration_hf_nomic_bert.NomicBertConfig",
+                         "AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"},
+            "vocab_size": 30522, "n_embd": dims["hidden_size"], "n_layer": dims["num_hidden_layers"],
+            "n_head": dims["num_attention_heads"], "n_inner": dims["intermediate_size"],
+            "n_positions": dims["max_position_embeddings"], "activation_function": "swiglu",
+            "layer_norm_epsilon": 1e-12, "type_vocab_size": 2, "pad_token_id": 0, "rotary_emb_base": 1000,
+            "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "rotary_scaling_factor": None,
+            "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False, "prenorm": False,
+            "causal": False, "use_flash_attn": True, "fused_bias_fc": True}))
+    _copy_tokenizer(dest)
+    _st_files(dest, list(pooling), max_seq_length=128 if shape == "tiny" else 512, **kwargs)
+    return dest
+
+
+def _nomic_released(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' NomicBertModel names -> Nomic's custom-code layout (the inverse of transformers' conversion)."""
+    out = {}
+    renames = {"self_attn.o_proj.": "attn.out_proj.", "mlp.up_proj.": "mlp.fc11.", "mlp.gate_proj.": "mlp.fc12.",
+               "mlp.down_proj.": "mlp.fc2.", "post_attention_layernorm.": "norm1.", "post_mlp_layernorm.": "norm2."}
+    for name, t in state.items():
+        if name.startswith("embeddings.LayerNorm."):
+            out["emb_ln." + name.rsplit(".", 1)[1]] = t
+        elif name.startswith("layers."):
+            i, rest = name[len("layers."):].split(".", 1)
+            if rest.startswith("self_attn.q_proj."):
+                parts = [state[f"layers.{i}.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]
+                out[f"encoder.layers.{i}.attn.Wqkv.weight"] = torch.cat(parts).contiguous()
+            elif rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+                continue
+            else:
+                old = next(o for o in renames if rest.startswith(o))
+                out[f"encoder.layers.{i}.{renames[old]}{rest[len(old):]}"] = t
+        else:
+            out[name] = t
+    return out
+
+
+# ModernBERT at a tiny shape (a 16-token local window, so short texts cross it) and at ModernBERT-base's
+MODERNBERT_SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96,
+                 max_position_embeddings=512, local_attention=16),
+    "base": dict(hidden_size=768, num_hidden_layers=22, num_attention_heads=12, intermediate_size=1152,
+                 max_position_embeddings=8192, local_attention=128),
+}
+
+
+def modernbert(dest: Path, pooling: list[str] = ("mean",), shape: str = "tiny", **kwargs) -> Path:
+    """A random ModernBERT (transformers' ModernBertModel: pre-norm without biases, global and sliding-window rotary
+    attention, GeGLU, final norm) with sentence-transformers modules, its vocabulary cut to MiniLM's tokenizer's.
+    Norm weights are drawn around 1 (their init is exactly 1: a norm applied to the wrong block would not show)."""
+    from transformers import ModernBertConfig, ModernBertModel
+
+    torch.manual_seed(8)
+    config = ModernBertConfig(vocab_size=30522, pad_token_id=0, bos_token_id=101, cls_token_id=101,
+                              eos_token_id=102, sep_token_id=102, global_attn_every_n_layers=3,
+                              **MODERNBERT_SHAPES[shape])
+    model = ModernBertModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif "Wqkv" in name:  # queries and keys of order 1 (the values too: one matrix)
+                p.normal_(0, p.shape[1] ** -0.5)
+    model.save_pretrained(dest, safe_serialization=True)
+    _copy_tokenizer(dest)
+    _st_files(dest, list(pooling), max_seq_length=128 if shape == "tiny" else 512, **kwargs)
+    return dest
+
+
 def weights_digest(path: Path) -> str:
     import hashlib
 

@@ -54,21 +54,24 @@ def test_minilm_with_dense_modules_matches_sentence_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("build", [checkpoints.tiny_xlm_roberta, checkpoints.tiny_distilbert, checkpoints.mpnet,
-                                   checkpoints.gte], ids=["xlm-roberta", "distilbert", "mpnet", "gte"])
+                                   checkpoints.gte, checkpoints.nomic_bert, checkpoints.modernbert],
+                         ids=["xlm-roberta", "distilbert", "mpnet", "gte", "nomic_bert", "modernbert"])
 @pytest.mark.parametrize("pooling", [["mean"], ["cls"]])
 def test_other_architectures_match_sentence_transformers(tmp_path, build, pooling):
     path = build(tmp_path / "m", pooling)
     ours, report = Embedder.load(str(path), device="cpu", backend="torch")
-    assert ours.config.architecture in ("roberta", "distilbert", "mpnet", "gte")
+    assert ours.config.architecture in ("roberta", "distilbert", "mpnet", "gte", "nomic_bert", "modernbert")
     assert ours.config.architecture in str(report)
     _agree(ours.embed(TEXTS), _reference(path).encode(TEXTS, convert_to_tensor=True))
 
 
-@pytest.mark.parametrize("build", [checkpoints.tiny_xlm_roberta, checkpoints.mpnet, checkpoints.gte],
-                         ids=["xlm-roberta", "mpnet", "gte"])
+@pytest.mark.parametrize("build", [checkpoints.tiny_xlm_roberta, checkpoints.mpnet, checkpoints.gte,
+                                   checkpoints.nomic_bert, checkpoints.modernbert],
+                         ids=["xlm-roberta", "mpnet", "gte", "nomic_bert", "modernbert"])
 def test_the_fused_kernels_serve_other_architectures(tmp_path, build):
     """XLM-R's offset positions and single token type, MPNet's relative position bias, GTE's rotary embeddings and
-    gated GELU, through the Triton kernels (on the interpreter here)."""
+    gated GELU, NomicBERT's SwiGLU without biases, ModernBERT's pre-norm blocks and sliding-window layers, through
+    the Triton kernels (on the interpreter here)."""
     path = build(tmp_path / "m")
     fused, _ = Embedder.load(str(path), device="cpu", backend="triton")
     assert set(fused.selection.used.values()) == {"triton"}
@@ -96,6 +99,17 @@ def test_base_shape_mpnet_matches_sentence_transformers(tmp_path):
     path = checkpoints.mpnet(tmp_path / "m", shape="base")
     ours, _ = Embedder.load(str(path), device="cpu", backend="torch")
     texts = [TEXTS[1], "x", "relative positions reach far in long inputs " * 60]
+    _agree(ours.embed(texts), _reference(path).encode(texts, convert_to_tensor=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", [checkpoints.nomic_bert, checkpoints.modernbert], ids=["nomic_bert", "modernbert"])
+def test_base_shape_rotary_families_match_sentence_transformers(tmp_path, build):
+    """nomic-embed-text-v1.5's and ModernBERT-base's shapes on a long input (past ModernBERT's 128-token local
+    window, so its sliding-window layers drop keys)."""
+    path = build(tmp_path / "m", shape="base")
+    ours, _ = Embedder.load(str(path), device="cpu", backend="torch")
+    texts = [TEXTS[1], "x", "rotary angles and local windows matter in long inputs " * 40]
     _agree(ours.embed(texts), _reference(path).encode(texts, convert_to_tensor=True))
 
 
@@ -149,6 +163,50 @@ def test_gte_reads_the_hub_layout_and_transformers_own(tmp_path):
         (hub / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(CheckpointError, match=named):
             Embedder.load(str(hub), device="cpu")
+
+
+def test_nomic_bert_reads_the_released_layout_and_transformers_own(tmp_path):
+    """NomicBERT checkpoints ship in Nomic's layout and config (GPT-2 style keys, auto_map, a fused Wqkv, fc11 = up,
+    fc12 = gate); transformers' NomicBertModel names them apart. All three directories load to the same encoder,
+    and the custom code's switches that change the math are refused by name."""
+    released = checkpoints.nomic_bert(tmp_path / "released", layout="released")
+    native = checkpoints.nomic_bert(tmp_path / "native", layout="transformers")
+    hub = checkpoints.nomic_bert(tmp_path / "hub")
+    from safetensors import safe_open
+
+    with safe_open(released / "model.safetensors", "pt") as f:
+        assert any("attn.Wqkv" in k for k in f.keys()) and any("mlp.fc12" in k for k in f.keys())
+    ours = [Embedder.load(str(p), device="cpu", backend="torch")[0].embed(TEXTS) for p in (released, native, hub)]
+    assert torch.equal(ours[0], ours[1]) and torch.equal(ours[1], ours[2])
+    _agree(ours[1], _reference(native).encode(TEXTS, convert_to_tensor=True))
+    config = json.loads((released / "config.json").read_text())
+    for change, named in (({"prenorm": True}, "prenorm True"), ({"rotary_emb_fraction": 0.5}, "rotary_emb_fraction"),
+                          ({"qkv_proj_bias": True}, "qkv_proj_bias True"), ({"causal": True}, "causal True"),
+                          ({"rotary_scaling_factor": 2.0}, "rotary_scaling_factor 2.0"),
+                          ({"mlp_fc1_bias": None}, "mlp_fc1_bias True"),  # absent: the custom code's default
+                          ({"activation_function": "relu"}, "hidden_act 'relu'")):
+        changed = {**config, **change}
+        changed = {k: v for k, v in changed.items() if v is not None or k == "rotary_scaling_factor"}
+        (released / "config.json").write_text(json.dumps(changed))
+        with pytest.raises(CheckpointError, match=named):
+            Embedder.load(str(released), device="cpu")
+
+
+def test_modernbert_refuses_what_it_cannot_serve_exactly(tmp_path):
+    path = checkpoints.modernbert(tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    for change, named in (({"hidden_activation": "silu"}, "hidden_activation 'silu'"),
+                          ({"attention_bias": True}, "attention_bias True with mlp_bias False"),
+                          ({"rope_parameters": {**config["rope_parameters"], "full_attention": {
+                              "rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}}, "type 'yarn'"),
+                          ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
+                          ({"norm_bias": True}, "lacks 9 tensors")):  # the config asks for norm biases the file lacks
+        (path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(CheckpointError, match=named):
+            Embedder.load(str(path), device="cpu")
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["ModernBertForSequenceClassification"]}))
+    with pytest.raises(UnsupportedModel, match="ModernBERT sequence classifiers are not supported"):
+        Embedder.load(str(path), device="cpu")
 
 
 @pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert", "mpnet", "gte"])
@@ -224,7 +282,8 @@ def test_what_cannot_be_served_exactly_is_refused_naming_it(tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "model_type": "deberta-v2",
                                                   "architectures": ["DebertaV2Model"]}))
     with pytest.raises(CheckpointError, match="model_type 'deberta-v2' \\(DebertaV2Model\\) is not supported; "
-                                              "supported model types: bert, roberta, xlm-roberta, distilbert, mpnet, gte, new"):
+                                              "supported model types: bert, roberta, xlm-roberta, distilbert, mpnet, gte, new, "
+                                              "nomic_bert, modernbert"):
         Embedder.load(str(path), device="cpu")
     ce = checkpoints.cross_encoder(tmp_path / "ce", 1)
     with pytest.raises(UnsupportedModel, match="is a classifier"):
