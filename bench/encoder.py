@@ -15,6 +15,12 @@ Scenarios (one batch shape each, plus a profile):
                          gte-multilingual-base's shape (rotary positions, gated GELU), beside transformers' GteModel,
                          or where the installed transformers lacks it, the family's own padded forward in plain
                          torch (model/gte.py Encoder.forward: the same math, SDPA attention)
+  nomic-bert-base-b32-s128, nomic-bert-base-b128-varlen
+                         nomic-embed-text-v1.5's shape (rotary positions, SwiGLU, no biases), beside transformers'
+                         NomicBertModel
+  modernbert-base-b32-s128, modernbert-base-b128-varlen
+                         ModernBERT-base's shape (22 pre-norm layers, two in three with a 128-token sliding window,
+                         GeGLU), beside transformers' ModernBertModel
   cross-encoder-minilm-b32-s128  MiniLM with a one-label classification head (a re-ranker), 32 pairs of 128 tokens,
                                  beside transformers' BertForSequenceClassification
   tiny-b3-varlen, tiny-cross-encoder-b3-varlen
@@ -56,6 +62,10 @@ CASES = {
     "mpnet-base-b128-varlen": ("mpnet-base", 128, 128, True, "embedding"),
     "gte-base-b32-s128": ("gte-base", 32, 128, False, "embedding"),
     "gte-base-b128-varlen": ("gte-base", 128, 128, True, "embedding"),
+    "nomic-bert-base-b32-s128": ("nomic-bert-base", 32, 128, False, "embedding"),
+    "nomic-bert-base-b128-varlen": ("nomic-bert-base", 128, 128, True, "embedding"),
+    "modernbert-base-b32-s128": ("modernbert-base", 32, 128, False, "embedding"),
+    "modernbert-base-b128-varlen": ("modernbert-base", 128, 128, True, "embedding"),
     "cross-encoder-minilm-b32-s128": ("minilm-l6", 32, 128, False, "classifier"),
     "tiny-b3-varlen": ("tiny", 3, 12, True, "embedding"),
     "tiny-cross-encoder-b3-varlen": ("tiny", 3, 12, True, "classifier"),
@@ -63,7 +73,9 @@ CASES = {
 SCENARIOS = (*CASES, "profile")
 DEFAULT_SCENARIOS = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128", "bert-base-b128-varlen",
                      "xlm-roberta-base-b32-s128", "mpnet-base-b32-s128", "mpnet-base-b128-varlen",
-                     "gte-base-b32-s128", "gte-base-b128-varlen", "cross-encoder-minilm-b32-s128")
+                     "gte-base-b32-s128", "gte-base-b128-varlen", "nomic-bert-base-b32-s128",
+                     "nomic-bert-base-b128-varlen", "modernbert-base-b32-s128", "modernbert-base-b128-varlen",
+                     "cross-encoder-minilm-b32-s128")
 PROVIDERS = ("torch eager", "torch.compile", "torch.compile + CUDA graphs", "ours")
 PROFILE_CASES = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128")
 # first match wins: attention before GEMM (fmha kernels would match both)
@@ -157,6 +169,23 @@ def hf_model(config, device: str, dtype: torch.dtype, head: str = "embedding"):
                      rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta})
         model = gte(transformers.GteConfig(**shape, attn_implementation="sdpa"), add_pooling_layer=False)
         return model.to(device=device, dtype=dtype).eval()
+    if config.architecture == "nomic_bert":
+        nomic = transformers.NomicBertConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads, intermediate_size=config.intermediate_size,
+            max_position_embeddings=config.max_position_embeddings, type_vocab_size=config.type_vocab_size,
+            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta}, attn_implementation="sdpa")
+        return transformers.NomicBertModel(nomic).to(device=device, dtype=dtype).eval()
+    if config.architecture == "modernbert":
+        modern = transformers.ModernBertConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads, intermediate_size=config.intermediate_size,
+            max_position_embeddings=config.max_position_embeddings, pad_token_id=config.pad_token_id,
+            layer_types=["sliding_attention" if i in config.sliding_layers else "full_attention"
+                         for i in range(config.num_layers)],
+            local_attention=2 * config.sliding_window, global_rope_theta=config.rope_theta,
+            local_rope_theta=config.local_rope_theta, attn_implementation="sdpa")
+        return transformers.ModernBertModel(modern).to(device=device, dtype=dtype).eval()
     if config.architecture == "mpnet":  # its attention is transformers' own (adds the bias): no SDPA option
         mpnet = transformers.MPNetConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                                          num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,

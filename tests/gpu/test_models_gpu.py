@@ -1,6 +1,6 @@
 """The models users bring, on the GPU's fused kernels in fp16 and bf16, against the real libraries on the same
-directories (built offline, fp32 references): SentenceTransformer for XLM-RoBERTa, DistilBERT and MPNet (tiny and
-all-mpnet-base-v2's shape) embedding models and for MiniLM re-pooled with a Dense module; CrossEncoder for
+directories (built offline, fp32 references): SentenceTransformer for XLM-RoBERTa, DistilBERT, MPNet, NomicBERT and
+ModernBERT (tiny and their base models' shapes) embedding models, GTE against carried references and for MiniLM re-pooled with a Dense module; CrossEncoder for
 classifiers of each architecture. The packed layout, varlen or few-token attention and CUDA graphs are the serving
 defaults."""
 
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.gpu
 
 
 TEXTS = ["A man is eating food.", "x", "Fused kernels make encoders fast, even for a single short request.",
-         "The quick brown fox jumps over the lazy dog " * 12]
+         "The quick brown fox jumps over the lazy dog " * 12,
+         "past ModernBERT-base's local window of 64 tokens each side " * 20]
 PAIRS = [("how do fused kernels help?", "They cut memory traffic between ops."), ("what is a cat", "A small feline."),
          ("q", "a much longer passage about nothing in particular " * 10)]
 
@@ -32,11 +33,16 @@ def _builds(tmp_path):
         "mpnet": lambda: checkpoints.mpnet(tmp_path / "mp", ["cls"]),
         # all-mpnet-base-v2's shape (its real weights are a CPU test: too large to carry here)
         "mpnet-base": lambda: checkpoints.mpnet(tmp_path / "mpb", shape="base"),
+        "nomic_bert": lambda: checkpoints.nomic_bert(tmp_path / "n"),
+        "nomic_bert-base": lambda: checkpoints.nomic_bert(tmp_path / "nb", shape="base"),
+        "modernbert": lambda: checkpoints.modernbert(tmp_path / "mb", ["cls"]),
+        "modernbert-base": lambda: checkpoints.modernbert(tmp_path / "mbb", shape="base"),
     }
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("model", ["minilm-cls-dense", "xlm-roberta", "distilbert", "mpnet", "mpnet-base"])
+@pytest.mark.parametrize("model", ["minilm-cls-dense", "xlm-roberta", "distilbert", "mpnet", "mpnet-base",
+                                   "nomic_bert", "nomic_bert-base", "modernbert", "modernbert-base"])
 def test_embedding_models_on_the_fused_kernels(tmp_path, model, dtype):
     path = _builds(tmp_path)[model]()
     ours, _ = Embedder.load(str(path), device="cuda", dtype=dtype, max_batch_tokens=2048, max_batch=16)
