@@ -12,6 +12,9 @@ Scenarios:
                   sliding window) at GTE-base's and ModernBERT-base's: device time and TFLOP/s of the real (unpadded,
                   in-window) attention against the padded SDPA that eager PyTorch and torch.compile run (with a
                   materialized bias; with q and k rotated in the input dtype)
+  splade          SPLADE pooling (splade_pool: the MLM head's vocab GEMM with each sequence's max of log1p(relu) in
+                  its epilogue) at BERT's vocab and width: device time, TFLOP/s and the peak memory the call allocates,
+                  against the unfused PyTorch that materializes the [tokens, vocab] logits, eager and torch.compile
 
 Time ("us"): on a GPU the device time of one call captured in a CUDA graph and replayed with the L2 flushed before
 each replay (kernels.timing.device_us, median); "launch_us" is the same call launched from Python back to back
@@ -35,7 +38,7 @@ from fusedserve.kernels import timing
 from fusedserve.kernels.spec import OP_SPECS, ROWWISE_OPS
 from fusedserve.kernels.testing import compare, float64_reference
 
-SCENARIOS = ("fused-ops", "gemm-epilogues", "attention")
+SCENARIOS = ("fused-ops", "gemm-epilogues", "attention", "splade")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHAPES = ("4096x768", "32768x384", "32768x768", "16384x1024", "8192x4096")
 # name: (op, tokens M, in features K, out features N) at MiniLM-L6 (hidden 384) and BERT-base (768) widths
@@ -71,6 +74,15 @@ ATTENTION_SHAPES = {
     "tiny local b2 s40": ("rotary_attention", 32, 2, 2, 40, False, (10000.0, 4)),
 }
 DEFAULT_ATTENTION_SHAPES = tuple(name for name in ATTENTION_SHAPES if not name.startswith("tiny"))
+# name: (sequences, tokens each, hidden H, vocab V): SPLADE on BERT-base's MLM head (naver/splade's models) at a large
+# batch (16384 tokens: the [T, V] fp16 logits alone are 1 GB) and a small one
+SPLADE_SHAPES = {
+    "bert-base b64 s256": (64, 256, 768, 30522),
+    "bert-base b8 s128": (8, 128, 768, 30522),
+    # the CPU test's: not in the default set
+    "tiny b3 s5": (3, 5, 16, 70),
+}
+DEFAULT_SPLADE_SHAPES = tuple(name for name in SPLADE_SHAPES if not name.startswith("tiny"))
 PROVIDERS = ("triton", "cuda", "eager", "compile")
 AUTO_WIDTHS = (384, 768)  # MiniLM-L6's and BERT-base's hidden sizes
 EPS = 1e-5
@@ -138,6 +150,22 @@ def padded_rotary_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, in
     return torch.cat([ctx, ctx.new_zeros((1, hidden))])[slot]
 
 
+def unfused_splade_pool(x, weight, bias, cu_seqlens):
+    """SPLADE pooling as PyTorch writes it on the packed batch: the [T, V] logits in the input dtype, log1p(relu) of
+    them (another [T, V]), then each sequence's max by a scatter-reduce into a zeroed [B + 1, V] (the filler tokens
+    into the last row), float32 out. No host sync: a CUDA graph and torch.compile take it."""
+    t, batch = x.shape[0], cu_seqlens.numel() - 1
+    activations = torch.log1p(torch.relu(F.linear(x, weight, bias)))
+    cu = cu_seqlens.long()
+    tokens = torch.arange(t, device=x.device)
+    # over the whole of cu, not cu[1:]: inductor (torch 2.11) cannot lower searchsorted on a slice (SliceView)
+    seq = torch.searchsorted(cu, tokens, right=True) - 1
+    seq = torch.where((tokens >= cu[0]) & (tokens < cu[-1]), seq, batch)
+    peak = activations.new_zeros((batch + 1, activations.shape[1])).scatter_reduce_(
+        0, seq[:, None].expand_as(activations), activations, "amax")
+    return peak[:batch].float()
+
+
 def _glu(h, activation: str):
     gate, up = h.chunk(2, dim=-1)
     return (F.gelu(gate) if activation == "gelu" else F.silu(gate)) * up
@@ -158,6 +186,7 @@ UNFUSED: dict[str, Callable] = {
     "linear_glu": lambda x, w, b, activation: _glu(F.linear(x, w, b), activation),
     "relative_attention": padded_relative_attention,
     "rotary_attention": padded_rotary_attention,
+    "splade_pool": unfused_splade_pool,
 }
 
 
@@ -205,6 +234,33 @@ def attention_inputs(name: str, dtype: torch.dtype, device: str, seed: int) -> t
     d = hidden // heads
     inv_freq = (1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)).to(device)
     return (qkv, cu, longest, heads, inv_freq, window)
+
+
+def splade_inputs(name: str, dtype: torch.dtype, device: str, seed: int) -> tuple:
+    """splade_pool's arguments for a case: (x, weight, bias, cu_seqlens) with x of order 1 (the MLM head's
+    LayerNormed states), weight at 1/sqrt(H) and a bias shifted down (logits ~ N(-0.5, 1.25), as the kernel tests
+    draw them), every sequence the case's length."""
+    sequences, length, hidden, vocab = SPLADE_SHAPES[name]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sequences * length, hidden, generator=gen).to(device, dtype)
+    weight = (torch.randn(vocab, hidden, generator=gen) * hidden**-0.5).to(device, dtype)
+    bias = (torch.randn(vocab, generator=gen) * 0.5 - 0.5).to(device, dtype)
+    cu = torch.arange(0, sequences * length + 1, length, dtype=torch.int32).to(device)
+    return (x, weight, bias, cu)
+
+
+def peak_bytes(fn: Callable[[], object], device: str) -> int | None:
+    """What one call allocates at its peak beyond what was allocated before it (its output included), on a GPU;
+    None elsewhere."""
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return torch.cuda.max_memory_allocated() - before
 
 
 def attention_flops(cu_seqlens, hidden: int, window: int = 0) -> int:
@@ -471,6 +527,46 @@ def attention(args: argparse.Namespace, save: Callable[[list[dict], dict, bool],
     save(rows, summary, True)
 
 
+def splade(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], None]) -> None:
+    device = args.device
+    names = args.splade_shapes or list(DEFAULT_SPLADE_SHAPES)
+    dtypes = args.dtypes or (["float16", "bfloat16"] if device.startswith("cuda") else ["float32"])
+    fused = ("triton", "cuda")  # the CUDA backend has no splade_pool: left out, neither loaded nor failing
+    provs, missing = providers([p for p in args.providers
+                                if p not in fused or p in OP_SPECS["splade_pool"].fused_in])
+    rows: list[dict] = []
+    summary = {"unavailable": missing}
+    for i, (name, dtype_name) in enumerate([(n, d) for n in names for d in dtypes], 1):
+        dtype = DTYPES[dtype_name]
+        inputs = splade_inputs(name, dtype, device, seed=i)
+        x, weight = inputs[0], inputs[1]
+        # the float64 reference on the device (on a CPU the [T, V] float64 logits of a large case take minutes)
+        ref = (OP_SPECS["splade_pool"].reference(*(a.double() if a.is_floating_point() else a for a in inputs))
+               if args.check else None)
+        flops = gemm_flops(x.shape[0], x.shape[1], weight.shape[0])
+        shape = f"{x.shape[0]}x{x.shape[1]}x{weight.shape[0]}"
+        line = []
+        for provider, get in provs.items():
+            try:
+                fn = get("splade_pool")
+                cell = _measure(fn, inputs, ref, dtype, device)
+                peak = peak_bytes(lambda: fn(*inputs), device)
+            except Exception as exc:
+                rows.append({"op": "splade_pool", "case": name, "dtype": dtype_name, "shape": shape,
+                             "provider": provider, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                line.append(f"{provider} FAILED")
+                continue
+            tflops = flops / cell["us"] / 1e6
+            rows.append({"op": "splade_pool", "case": name, "dtype": dtype_name, "shape": shape, "provider": provider,
+                         **cell, "flops": flops, "tflops": tflops, "peak_bytes": peak})
+            line.append(f"{provider} {cell['us']:8.1f} us {tflops:6.1f} TFLOP/s"
+                        + (f" peak {peak / 2**20:7.1f} MiB" if peak is not None else ""))
+        del ref
+        print(f"{name} {dtype_name}: " + " | ".join(line), file=sys.stderr, flush=True)
+        save(rows, summary, False)
+    save(rows, summary, True)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"any of {', '.join(SCENARIOS)} (default: all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -478,12 +574,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", nargs="+", choices=list(ROWWISE_OPS), help="fused-ops: the ops (default: all)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
                         help="default: all three for fused-ops; float16 (cpu: float32) for gemm-epilogues; float16 "
-                             "and bfloat16 (cpu: float32) for attention")
+                             "and bfloat16 (cpu: float32) for attention and splade")
     parser.add_argument("--shapes", nargs="+", help=f"fused-ops: ROWSxCOLS (default: {' '.join(SHAPES)})")
     parser.add_argument("--gemm-shapes", nargs="+", choices=list(GEMM_SHAPES),
                         help=f"gemm-epilogues: the cases (default: {', '.join(DEFAULT_GEMM_SHAPES)})")
     parser.add_argument("--attention-shapes", nargs="+", choices=list(ATTENTION_SHAPES),
                         help=f"attention: the cases (default: {', '.join(DEFAULT_ATTENTION_SHAPES)})")
+    parser.add_argument("--splade-shapes", nargs="+", choices=list(SPLADE_SHAPES),
+                        help=f"splade: the cases (default: {', '.join(DEFAULT_SPLADE_SHAPES)})")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 accuracy check")
     parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/kernels.json)")
 
@@ -497,13 +595,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         head = store.header(args.device, argv)
         settings = {"device": args.device, "providers": args.providers, "ops": args.ops, "dtypes": args.dtypes,
                     "shapes": {"fused-ops": args.shapes, "gemm-epilogues": args.gemm_shapes,
-                               "attention": args.attention_shapes}[scenario],
+                               "attention": args.attention_shapes, "splade": args.splade_shapes}[scenario],
                     "device_rounds": DEVICE_ROUNDS, "check": args.check}
 
         def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,
                  settings: dict = settings) -> None:
             store.write(out, "kernels", gpu, scenario, store.block(head, settings, rows, summary, complete=complete))
 
-        {"fused-ops": fused_ops, "gemm-epilogues": gemm_epilogues, "attention": attention}[scenario](args, save)
+        {"fused-ops": fused_ops, "gemm-epilogues": gemm_epilogues, "attention": attention,
+         "splade": splade}[scenario](args, save)
         print(f"{scenario}: {out} ({time.monotonic() - started:.0f} s into the run)", file=sys.stderr, flush=True)
     return 0

@@ -155,6 +155,31 @@ def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) ->
     return _store(sums[:segments] / lengths, compute, out)
 
 
+def splade_pool(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor, *,
+                out: Tensor | None = None) -> Tensor:
+    """SPLADE pooling of a packed batch: out[b, v] = max over the rows t of segment b (cu_seqlens[b] <= t <
+    cu_seqlens[b + 1]) of log1p(relu(x[t] @ weight[v] + bias[v])) for x [T, H] (the MLM head's transformed hidden
+    states), weight [V, H] (nn.Linear's layout: the tied word embeddings), bias [V] or None and non-decreasing offsets
+    cu_seqlens [B + 1] -> [B, V] float32 (float64 stays float64). An empty segment gives zeros; rows outside
+    [cu_seqlens[0], cu_seqlens[B]) (a packed batch's filler tokens) reduce into a discarded scratch row only; offsets
+    are clamped to [0, T]. log1p(relu(.)) is monotone, so the max is taken over the logits, into zeros (the relu),
+    and the activation applied once. The GEMM runs in the input dtype (as cuBLAS does: the logits rounded to it, which
+    the fused kernel does not do), the max is exact in any dtype, log1p runs in float32. The [T, V] logits are
+    materialized. No host synchronization: it runs inside CUDA graphs."""
+    compute = _compute_dtype(x.dtype)
+    t, segments, vocab = x.shape[0], cu_seqlens.numel() - 1, weight.shape[0]
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long).clamp(0, t)
+    cu = torch.cummax(cu, 0).values  # non-decreasing after the clamp
+    rows = torch.arange(t, device=x.device)
+    segment = torch.searchsorted(cu[1:], rows, right=True)  # cu[b] <= row < cu[b + 1]; past the end: segments
+    segment = torch.where(rows < cu[0], segments, segment)
+    logits = torch.nn.functional.linear(x, weight, bias)  # [T, V] in x's dtype
+    # max into zeros (include_self): max(0, max of the logits), the relu of the max; a NaN logit propagates
+    peak = logits.new_zeros((segments + 1, vocab)).scatter_reduce_(0, segment[:, None].expand(t, vocab), logits,
+                                                                   "amax")
+    return _store(peak[:segments].to(compute).log1p_(), compute, out)
+
+
 def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, *,
                   out: Tensor | None = None) -> Tensor:
     """Self-attention of each packed sequence with its QKV projection: qkv = x @ weight^T + bias for x [T, H] and

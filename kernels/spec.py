@@ -166,6 +166,25 @@ def _linear_glu_inputs(rows, cols, dtype, device, gen):
     return (x, w, b, "gelu"), {}
 
 
+def splade_vocab(cols: int) -> int:
+    """The vocabulary width of a splade_pool test at hidden width `cols`: 3 x cols + 5, at most 2053 (no multiple of a
+    power-of-two tile, a ragged last vocab tile; capped so that a wide hidden width keeps the interpreter quick)."""
+    return min(3 * cols + 5, 2053)
+
+
+def _splade_pool_inputs(rows, cols, dtype, device, gen):
+    # packed segments (_packed; the filler tokens are NaN: never to be read) of hidden states x [rows, cols] of order
+    # 1 (the MLM head's are LayerNormed), weight [V, cols] at 1/sqrt(cols) and a bias shifted down: logits ~ N(-0.5,
+    # 1.25), about a third of them positive, so a one-token segment's output is mostly zeros and a long one's mostly not
+    real, _, offsets = _packed(rows, 128, 4, device, gen)
+    vocab = splade_vocab(cols)
+    x = _randn((rows, cols), dtype, device, gen)
+    x[real:] = float("nan")
+    w = _randn((vocab, cols), dtype, device, gen, scale=cols**-0.5)
+    b = _randn((vocab,), dtype, device, gen, scale=0.5, shift=-0.5)
+    return (x, w, b, offsets), {}
+
+
 def _attention_partials_inputs(rows, cols, dtype, device, gen):
     (x, w, b, offsets, max_seqlen, heads), _ = _qkv_attention_inputs(rows, cols, dtype, device, gen)
     out_weight = _randn((cols, cols), dtype, device, gen, scale=cols**-0.5)
@@ -217,6 +236,10 @@ def _qkv_width(args, rows, cols, dtype):
 
 def _per_segment(args, rows, cols, dtype):
     return (args[1].numel() - 1, cols), _fp32(dtype)
+
+
+def _per_segment_vocab(args, rows, cols, dtype):
+    return (args[3].numel() - 1, args[1].shape[0]), _fp32(dtype)
 
 
 def _like_first(x, *args, **kwargs) -> Tensor:
@@ -335,6 +358,14 @@ _SPECS = (
            lambda x, weight, bias, activation="gelu": x.new_empty((*x.shape[:-1], weight.shape[0] // 2)),
            _linear_glu_inputs, rowwise=False, race_cols=lambda hidden: 4 * hidden,
            fused_in=_triton_only("linear_glu")),
+    # SPLADE pooling of a packed batch: the MLM head's vocab GEMM with a per-segment max in its epilogue
+    OpSpec("splade_pool", reference.splade_pool,
+           "SPLADE pooling: max over each packed sequence's rows of log1p(relu(x @ weight^T + bias)) for x [T, H] (the "
+           "MLM head's transformed hidden states; offsets cu_seqlens [B + 1]), weight [V, H] in nn.Linear's layout "
+           "(the tied word embeddings) and bias [V] or None -> [B, V] float32 (empty segment: 0; rows past the last "
+           "offset unread); the [T, V] logits are never written.",
+           lambda x, weight, bias, cu: x.new_empty((cu.shape[0] - 1, weight.shape[0]), dtype=_fp32(x.dtype)),
+           _splade_pool_inputs, rowwise=False, output=_per_segment_vocab, fused_in=_triton_only("splade_pool")),
     # the few-token layer's pieces: attention + each head's share of the output projection -> [heads, rows, cols]
     # fp32; the FFN split over its intermediate width -> [splits, rows, cols] fp32; their LayerNorm over the sum
     OpSpec("attention_partials", reference.attention_partials,

@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-KINDS = ("embedding", "classifier")
+KINDS = ("embedding", "classifier", "sparse")
 
 
 class InputError(ValueError):
@@ -161,8 +161,8 @@ class Description:
     `report` into the start-up report."""
 
     name: str
-    kind: str                      # "embedding" or "classifier"
-    dim: int                       # output width: embedding dimensions or the number of labels
+    kind: str                      # "embedding", "classifier" or "sparse" (a SPLADE model's vocabulary-wide vectors)
+    dim: int                       # output width: embedding dimensions, the number of labels, the vocabulary
     max_length: int                # longest input in tokens, special tokens included
     device: str
     labels: tuple[str, ...] = ()   # a classifier's labels

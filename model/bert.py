@@ -18,7 +18,7 @@ from fusedserve import kernels
 from fusedserve.model import encoder as packing
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, OFFSET_ATTENTIONS, Packed, resolve_attention
-from fusedserve.model.family import ClassifierHead, Family, WeightLayout
+from fusedserve.model.family import ClassifierHead, Family, MaskedLMHead, WeightLayout
 
 
 # ---- config.json -------------------------------------------------------------------------------------------------
@@ -267,9 +267,15 @@ def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.d
 
 _COMMON = dict(encoder=Encoder, kernel_ops=kernel_ops)
 BERT = Family("bert", ("bert",), "BERT", _read_bert, _BERT_WEIGHTS,
-              ClassifierHead("pooler.dense", "tanh", "classifier"), **_COMMON)
+              ClassifierHead("pooler.dense", "tanh", "classifier"),
+              masked_lm=MaskedLMHead("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",
+                                     "cls.predictions.decoder", "cls.predictions.bias"), **_COMMON)
 ROBERTA = Family("roberta", ("roberta", "xlm-roberta"), "RoBERTa / XLM-RoBERTa", _read_roberta, _BERT_WEIGHTS,
-                 ClassifierHead("classifier.dense", "tanh", "classifier.out_proj"), **_COMMON)
+                 ClassifierHead("classifier.dense", "tanh", "classifier.out_proj"),
+                 masked_lm=MaskedLMHead("lm_head.dense", "lm_head.layer_norm", "lm_head.decoder", "lm_head.bias"),
+                 **_COMMON)
 DISTILBERT = Family("distilbert", ("distilbert",), "DistilBERT", _read_distilbert, _DISTILBERT_WEIGHTS,
-                    ClassifierHead("pre_classifier", "relu", "classifier"), **_COMMON)
+                    ClassifierHead("pre_classifier", "relu", "classifier"),
+                    masked_lm=MaskedLMHead("vocab_transform", "vocab_layer_norm", "vocab_projector",
+                                           "vocab_projector.bias"), **_COMMON)
 FAMILIES = (BERT, ROBERTA, DISTILBERT)

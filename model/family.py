@@ -49,6 +49,18 @@ class ClassifierHead:
 
 
 @dataclass(frozen=True)
+class MaskedLMHead:
+    """A `*ForMaskedLM` head by checkpoint name: dense -> GELU -> LayerNorm (`transform`, `norm`), then the decoder
+    onto the vocabulary (its weight tied to the word embeddings where the checkpoint has none) plus `bias`. What a
+    SPLADE model's sparse vectors are made from (model/modules.py, SparseHead)."""
+
+    transform: str
+    norm: str
+    decoder: str
+    bias: str
+
+
+@dataclass(frozen=True)
 class Family:
     name: str                      # EncoderConfig.architecture
     model_types: tuple[str, ...]   # config.json model_type values it serves
@@ -64,6 +76,7 @@ class Family:
     positions: str = "learned absolute"
     # the few-token layer (model.encoder.FEW_TOKEN_OPS) exists in its layers: auto attention may pick "fused"
     few_token_layer: bool = True
+    masked_lm: MaskedLMHead | None = None  # None: its SPLADE (sparse) models are refused by name
 
     def describe(self) -> str:
         return f"{self.label}: {self.attention} attention, {self.positions} positions"

@@ -6,6 +6,10 @@ do_lower_case). A module or pooling mode not implemented here stops the load wit
 either sentence-transformers' or none. A plain Hugging Face directory (no modules.json) is mean-pooled, the documented
 default, unless `pooling=` says otherwise.
 
+Sparse models (sentence-transformers' SparseEncoder: modules.json MLMTransformer + SpladePooling, as SPLADE ships):
+the family's masked-LM head over every token, log(1 + relu(logit)) and the max over each input's tokens: one
+vocabulary-wide vector per input, most of it zero (SparseHead; the [tokens, vocabulary] logits are never written).
+
 Classifiers (config.json architectures `*ForSequenceClassification`): the architecture's own head on the first token
 (the family's ClassifierHead: BERT pooler + tanh + classifier, DistilBERT pre_classifier + ReLU + classifier, ...),
 logits out; the activation (sigmoid for one label, softmax otherwise, or what config.json's sentence_transformers
@@ -17,6 +21,7 @@ Heads run on the packed layout's hidden states [T, hidden] (and, for tests, the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,6 +35,7 @@ from fusedserve import kernels
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.families import family
 from fusedserve.model.family import ClassifierHead
+from fusedserve.model.weights import MASKED_LM
 
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens")
 _LEGACY_POOLING = {  # sentence-transformers' pooling_mode_* flags, in its order of concatenation
@@ -51,6 +57,21 @@ class Dense:
 
 
 @dataclass(frozen=True)
+class Sparse:
+    """A SPLADE model's head (SparseEncoder's SpladePooling over its MLMTransformer's logits): activation "relu"
+    (log(1 + relu(x)), every SPLADE model's) or "log1p_relu" (one more log1p, OpenSearch's), max over the tokens.
+    tensors: the masked-LM head's (transform.weight / .bias, norm.weight / .bias, decoder.bias and, unless tied to
+    the word embeddings, decoder.weight), set by masked_lm_tensors once the checkpoint is read."""
+
+    activation: str = "relu"
+    tensors: Mapping[str, Tensor] = field(default_factory=dict)
+    norm_eps: float = 1e-12
+
+
+_SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
+
+
+@dataclass(frozen=True)
 class Pipeline:
     """An embedding model's pipeline after the encoder."""
 
@@ -61,6 +82,7 @@ class Pipeline:
     default_prompt_name: str | None = None
     do_lower_case: bool = False
     source: str = "sentence-transformers"
+    sparse: Sparse | None = None  # a SPLADE model's head instead of pooling
 
 
 @dataclass(frozen=True)
@@ -123,6 +145,61 @@ def _dense(path: Path) -> Dense:
     return Dense(weight, bias.float() if bias is not None else None, activation)
 
 
+def _module_kind(module: dict) -> str:
+    """A sentence-transformers module's class name ("Pooling", "SpladePooling"); another library's type as it is."""
+    kind = module.get("type", "")
+    return kind.rsplit(".", 1)[-1] if kind.startswith("sentence_transformers.") else kind
+
+
+def _splade(modules: list[dict], path: Path) -> Sparse:
+    """SparseEncoder's pipeline: MLMTransformer then SpladePooling (max pooling), nothing after."""
+    kinds = [_module_kind(m) for m in modules]
+    if kinds[1:] != ["SpladePooling"] or kinds[0] not in ("MLMTransformer", "Transformer"):
+        raise UnsupportedModel(f"modules.json: sparse models of modules {', '.join(kinds)} are not supported "
+                               "(MLMTransformer then SpladePooling only)")
+    config = _json(path / modules[1].get("path", "") / "config.json")
+    strategy, activation = config.get("pooling_strategy", "max"), config.get("activation_function", "relu")
+    if strategy != "max":
+        raise UnsupportedModel(f"SpladePooling pooling_strategy {strategy!r} is not supported (max only)")
+    if activation not in _SPLADE_ACTIVATIONS:
+        raise UnsupportedModel(f"SpladePooling activation_function {activation!r} is not supported; supported: "
+                               f"{', '.join(_SPLADE_ACTIVATIONS)}")
+    if config.get("embedding_dimension") not in (None, 0):
+        raise UnsupportedModel("SpladePooling with embedding_dimension set (a pruned vocabulary) is not supported")
+    return Sparse(activation)
+
+
+def masked_lm_tensors(sparse: Sparse, rest: dict[str, Tensor], config: EncoderConfig, hf: dict) -> Sparse:
+    """The masked-LM head's tensors taken out of a checkpoint's leftovers (weights.load_checkpoint's `rest`) into
+    `sparse`, by the family's names; a family without one, or a checkpoint without it, is refused by name."""
+    fam = family(config)
+    head = fam.masked_lm
+    if head is None:
+        raise UnsupportedModel(f"sparse (SPLADE) models of the {fam.label} family are not supported (BERT, RoBERTa / "
+                               "XLM-RoBERTa and DistilBERT masked-LM heads are)")
+    act = hf.get("hidden_act", hf.get("activation", "gelu"))
+    if act != "gelu":
+        raise UnsupportedModel(f"a masked-LM head with activation {act!r} is not supported (only exact GELU)")
+    names = {"transform.weight": f"{head.transform}.weight", "transform.bias": f"{head.transform}.bias",
+             "norm.weight": f"{head.norm}.weight", "norm.bias": f"{head.norm}.bias", "decoder.bias": head.bias}
+    if head.bias not in rest and f"{head.decoder}.bias" in rest:
+        names["decoder.bias"] = f"{head.decoder}.bias"
+    missing = [theirs for theirs in names.values() if theirs not in rest]
+    if missing:
+        raise UnsupportedModel(f"a sparse model needs its masked-LM head; the checkpoint lacks {missing}")
+    tensors = {ours: rest.pop(theirs).float() for ours, theirs in names.items()}
+    decoder = f"{head.decoder}.weight"
+    if hf.get("tie_word_embeddings", True):
+        rest.pop(decoder, None)  # tied: the word embeddings (some checkpoints save them again under this name)
+    elif decoder in rest:
+        tensors["decoder.weight"] = rest.pop(decoder).float()
+    else:
+        raise UnsupportedModel(f"the masked-LM head's decoder is not tied to the word embeddings and the checkpoint "
+                               f"lacks {decoder}")
+    rest.pop(f"{head.decoder}.bias", None)  # the same tensor as the head's bias
+    return dataclasses.replace(sparse, tensors=tensors, norm_eps=config.layer_norm_eps)
+
+
 def read_pipeline(path: str | Path, pooling: str | None = None, plain: tuple[str, ...] = ("mean",)) -> Pipeline:
     """The embedding pipeline of a model directory; `pooling` (the POOLING setting) overrides its pooling; `plain`:
     the family's pooling of a plain Hugging Face directory (Family.pooling)."""
@@ -143,10 +220,17 @@ def read_pipeline(path: str | Path, pooling: str | None = None, plain: tuple[str
                         f"plain Hugging Face directory: {'+'.join(plain)} pooling (the family's default; POOLING "
                         "overrides)", **common)
     modes, dense, normalize = None, [], False
-    for i, module in enumerate(_json(modules_file)):
-        kind, where = module.get("type", ""), path / module.get("path", "")
-        if kind.startswith(_ST):
-            kind = kind[len(_ST):]
+    modules = _json(modules_file)
+    # SparseEncoder's first module: MLMTransformer, or (sentence-transformers 6) a Transformer of task fill-mask
+    task = bert.get("transformer_task", "feature-extraction")
+    if task not in ("feature-extraction", "fill-mask"):
+        raise UnsupportedModel(f"sentence_bert_config.json: transformer_task {task!r} is not supported")
+    if modules and (_module_kind(modules[0]) == "MLMTransformer" or task == "fill-mask"):
+        if pooling:
+            raise UnsupportedModel("POOLING does not apply to a sparse (SPLADE) model: its pooling is SpladePooling's")
+        return Pipeline((), normalize=False, sparse=_splade(modules, path), **common)
+    for i, module in enumerate(modules):
+        kind, where = _module_kind(module), path / module.get("path", "")
         if i == 0:
             if kind != "Transformer":
                 raise UnsupportedModel(f"modules.json: the first module is {module.get('type')!r}, not a Transformer")
@@ -185,7 +269,7 @@ def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, 
     missing = [n for n in wanted if n not in rest]
     if missing:
         raise UnsupportedModel(f"{path}: the classification head lacks {missing}")
-    extra = sorted(set(rest) - set(wanted))
+    extra = sorted(n for n in set(rest) - set(wanted) if not MASKED_LM.match(n))
     if extra:
         raise UnsupportedModel(f"{path}: tensors the classification head does not use, e.g. {extra[:4]}")
     num_labels = rest[wanted[2]].shape[0]
@@ -266,6 +350,45 @@ class EmbeddingHead(nn.Module):
             x = F.linear(x, layer.weight.float(), None if layer.bias is None else layer.bias.float())
             x = torch.tanh(x) if activation == "tanh" else x
         return x
+
+
+class SparseHead(nn.Module):
+    """A SPLADE model's vectors [batch, vocabulary] float32: the masked-LM head's transform (GELU(x W^T + b), then
+    LayerNorm) on every token, then kernels.splade_pool: the decoder GEMM onto the vocabulary with log(1 + relu) and
+    the max over each input's tokens in its epilogue. Unlike the other heads it runs in the encoder's dtype: its
+    GEMMs are the size of a layer's (the decoder's is several), too large for float32."""
+
+    ops = ("linear_bias_gelu", "layer_norm", "splade_pool")
+
+    def __init__(self, sparse: Sparse, word_embeddings: Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        t = sparse.tensors
+        self.activation, self.eps = sparse.activation, sparse.norm_eps
+
+        def param(x: Tensor) -> nn.Parameter:
+            return nn.Parameter(x.to(dtype), requires_grad=False)
+
+        self.transform_weight, self.transform_bias = param(t["transform.weight"]), param(t["transform.bias"])
+        self.norm_weight, self.norm_bias = param(t["norm.weight"]), param(t["norm.bias"])
+        # tied: the encoder's own tensor, not a copy
+        self.decoder_weight = param(t["decoder.weight"]) if "decoder.weight" in t else word_embeddings
+        self.decoder_bias = param(t["decoder.bias"])
+        self.dim = self.decoder_weight.shape[0]
+
+    def forward(self, hidden: Tensor, p) -> Tensor:
+        x = kernels.linear_bias_gelu(hidden, self.transform_weight, self.transform_bias)
+        x = kernels.layer_norm(x, self.norm_weight, self.norm_bias, self.eps)
+        return self._activate(kernels.splade_pool(x, self.decoder_weight, self.decoder_bias, p.cu_seqlens))
+
+    def forward_padded(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        # the padded layout in plain torch, the logits materialized (a test oracle)
+        x = F.gelu(F.linear(hidden.float(), self.transform_weight.float(), self.transform_bias.float()))
+        x = F.layer_norm(x, x.shape[-1:], self.norm_weight.float(), self.norm_bias.float(), self.eps)
+        logits = F.linear(x, self.decoder_weight.float(), self.decoder_bias.float())
+        return self._activate((torch.log1p(torch.relu(logits)) * mask[..., None].float()).amax(dim=1))
+
+    def _activate(self, pooled: Tensor) -> Tensor:
+        return pooled.log1p() if self.activation == "log1p_relu" else pooled
 
 
 class ClassificationHead(nn.Module):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +30,8 @@ from fusedserve.model.api import Rows, TextOptions, l2_normalize, name_of
 from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
 from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Packed, resolve_attention
 from fusedserve.model.families import family
-from fusedserve.model.modules import ClassificationHead, Classifier, EmbeddingHead, Pipeline, read_classifier, read_pipeline
+from fusedserve.model.modules import (ClassificationHead, Classifier, EmbeddingHead, Pipeline, SparseHead,
+                                     masked_lm_tensors, read_classifier, read_pipeline)
 from fusedserve.model.tokenizer import PairIds, TextPreparation, TextTokenizer
 from fusedserve.model.weights import CheckpointError, check_encoder_only, default_model_dir, load_checkpoint
 
@@ -116,9 +119,12 @@ class Embedder:
             head: torch.nn.Module = ClassificationHead(classifier)
         else:
             self.pipeline = self.pipeline or Pipeline(normalize=self.config.normalize)
-            head = EmbeddingHead(self.pipeline, self.config.hidden_size)
+            if self.pipeline.sparse is not None:  # a SPLADE model: its decoder is the encoder's word embeddings
+                head = SparseHead(self.pipeline.sparse, self.encoder.embeddings.word_embeddings, dtype)
+            else:
+                head = EmbeddingHead(self.pipeline, self.config.hidden_size)
         self.head = head.to(device).eval().requires_grad_(False)
-        self.kind = "classifier" if classifier is not None else "embedding"
+        self.kind = "classifier" if classifier is not None else "sparse" if self.pipeline.sparse else "embedding"
         # the one place inputs become token ids (prompts, lower-casing, pairs, truncation)
         self.text = TextPreparation(
             tokenizer, self.config.vocab_size, lower_case=self.pipeline is not None and self.pipeline.do_lower_case,
@@ -184,8 +190,12 @@ class Embedder:
             name = name or name_of(model)
             classifier = read_classifier(path, encoder.config, rest)
             if classifier is None:
-                check_encoder_only(rest, encoder.config)
                 pipeline = read_pipeline(path, pooling, family(encoder.config).pooling)
+                if pipeline.sparse is not None:
+                    hf = json.loads((path / "config.json").read_text())
+                    pipeline = dataclasses.replace(pipeline, sparse=masked_lm_tensors(pipeline.sparse, rest,
+                                                                                      encoder.config, hf))
+                check_encoder_only(rest, encoder.config)
             elif pooling:
                 raise UnsupportedModel(f"{name} is a classifier (its head reads the first token): POOLING does not "
                                        "apply")
@@ -216,7 +226,8 @@ class Embedder:
             # select below), so a fallback to varlen does not race the other ops twice
             attention, _ = self._attention_for(select(FEW_TOKEN_OPS))
         # may raise: nothing changed
-        selection = select(self.family.kernel_ops(self.layout, attention, self.device, self.dtype))
+        ops = self.family.kernel_ops(self.layout, attention, self.device, self.dtype) + getattr(self.head, "ops", ())
+        selection = select(ops)
         self.fallback = None
         return self._install(selection)
 
@@ -551,6 +562,9 @@ class Embedder:
             return (f"head: {self.family.label} sequence classifier, {len(c.labels)} label(s) {', '.join(c.labels)}, scores "
                     f"through {c.activation}")
         p = self.pipeline
+        if p.sparse is not None:
+            return (f"head: SPLADE sparse vectors ({p.source}: masked-LM logits, log(1 + {p.sparse.activation}), max "
+                    f"over the tokens), dim {self.dim}")
         dense = f", Dense {' -> '.join(str(d.weight.shape[0]) for d in p.dense)}" if p.dense else ""
         prompts = f", prompts {', '.join(p.prompts)}" if p.prompts else ""
         return (f"head: {' + '.join(p.pooling)} pooling ({p.source}){dense}, dim {self.dim}, normalize "

@@ -35,10 +35,11 @@ def default_model_dir() -> Path:
 
 # transformers' base-model prefixes (the family's name: "bert.", "roberta.") and sentence-transformers' module's
 _PREFIXES = tuple(f"{f.name}." for f in FAMILIES) + ("0.auto_model.", "auto_model.", "model.")
-# position_ids buffers, and heads this service does not serve (masked-LM heads); a classification head's tensors
-# are the caller's (load_checkpoint)
+# position_ids buffers; a classification or masked-LM head's tensors are the caller's (load_checkpoint)
 _TOKEN_TYPES = "embeddings.token_type_embeddings"
-_IGNORED = re.compile(r"^(embeddings\.position_ids|embeddings\.token_type_ids|lm_head\..*|cls\..*|vocab_.*)$")
+_IGNORED = re.compile(r"^(embeddings\.position_ids|embeddings\.token_type_ids)$")
+# masked-LM heads (BERT's, RoBERTa's, DistilBERT's): the sparse models' head, unused by the others
+MASKED_LM = re.compile(r"^(lm_head\.|cls\.|vocab_)")
 
 
 def _canonical(name: str) -> str:
@@ -135,7 +136,7 @@ def load_checkpoint(path: str | Path | None = None, config: EncoderConfig | None
 def check_encoder_only(rest: dict[str, torch.Tensor], config: EncoderConfig) -> None:
     """An embedding model's checkpoint: a pooler it carries is unused, anything else left over is an error (more
     layers than the config says, or another architecture)."""
-    unused = sorted(k for k in rest if not k.startswith("pooler."))
+    unused = sorted(k for k in rest if not k.startswith("pooler.") and not MASKED_LM.match(k))
     if unused:
         raise CheckpointError(
             f"checkpoint has {len(unused)} tensors the config does not use (more layers than "

@@ -134,3 +134,13 @@ def shape(rows: np.ndarray, *, normalize: bool, dimensions: int | None) -> np.nd
     if dimensions is not None and dimensions < rows.shape[1]:
         rows = rows[:, :dimensions]
     return l2_normalize(rows) if normalize else rows
+
+
+def sparse_entries(rows: np.ndarray) -> list[list[dict]]:
+    """A sparse model's vocabulary-wide rows as text-embeddings-inference's /embed_sparse gives them: per row, the
+    entries above zero as {"index", "value"} in index order (SPLADE's log(1 + relu) is zero everywhere else)."""
+    out = []
+    for row in rows:
+        index = np.flatnonzero(row > 0)
+        out.append([{"index": int(i), "value": float(v)} for i, v in zip(index, row[index])])
+    return out

@@ -94,7 +94,9 @@ class Service:
             raise Unavailable(f"model {chosen.name!r} failed to load ({chosen.load_error})")
         if kind is not None and chosen.kind != kind:
             served = chosen.kind
-            use = "/rerank, /v1/rerank or /predict" if served == "classifier" else "/infer, /embed or /v1/embeddings"
+            use = {"classifier": "/rerank, /v1/rerank or /predict",
+                   "sparse": "/embed_sparse, or /v1/embeddings with encoding_format sparse"}.get(
+                       served, "/infer, /embed or /v1/embeddings")
             raise Unprocessable(f"this route serves {kind} models; {chosen.name} is a{'n' * (served[0] in 'ae')} "
                                 f"{served} model: use {use}")
         record = CURRENT.get()

@@ -53,9 +53,10 @@ class Verifier:
             rows, served = sample
             try:
                 expected = self.reference.launch(rows).rows()
-                if self.kind == "classifier":
+                if self.kind in ("classifier", "sparse"):
                     # logits: their size is the answer (a cosine of one-label logits is 0 or 2), so the error
-                    # relative to the logits' scale stands in for the cosine distance
+                    # relative to the logits' scale stands in for the cosine distance; a sparse vector may be all
+                    # zeros, which has no direction either
                     max_abs = float(np.abs(served - expected).max())
                     distance = max_abs / max(1.0, float(np.abs(expected).max()))
                 else:

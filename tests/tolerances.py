@@ -118,6 +118,27 @@ def assert_scores_close(got, want, dtype: torch.dtype | str = torch.float32, *, 
     return float(difference.max()) if difference.numel() else 0.0
 
 
+# Sparse (SPLADE) vectors: each value is log(1 + relu(logit)) of a masked-LM logit, a raw score of the model, so it
+# gets the score table's bound relative to its size (at least 1). Which entries are non-zero must agree wherever
+# either side's value exceeds SPARSE_SUPPORT plus that bound: a logit within the bound of zero may fall either side.
+SPARSE_SUPPORT = 1e-3
+
+
+def assert_sparse_close(got, want, dtype: torch.dtype | str = torch.float32, what: str = "") -> None:
+    """Fail unless the sparse vectors `got` and `want` (dense [rows, vocabulary]: tensors, arrays, lists) have the
+    same non-zero entries above the support threshold and values within the score bound of each other."""
+    a, b = _float64(got), _float64(want)
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    assert bool(torch.isfinite(a).all()), f"{what}: non-finite values"
+    bound = score_tolerance(dtype) * b.abs().clamp(min=1.0)
+    assert_scores_close(a, b, dtype, logits=True, what=what or "sparse values")
+    either = (a > SPARSE_SUPPORT + bound) | (b > SPARSE_SUPPORT + bound)
+    lost = either & ((a <= 0) | (b <= 0))
+    assert not bool(lost.any()), (f"{what + ': ' if what else ''}{int(lost.sum())} entries non-zero on one side only, "
+                                  f"e.g. {lost.nonzero()[:4].tolist()}")
+    assert bool((b > SPARSE_SUPPORT).any()), f"{what}: the reference has no entry above {SPARSE_SUPPORT}: nothing tested"
+
+
 # The same rows through another route or wire format, exactly. One server answers a repeated request with the same
 # rows (the same inputs form the same batch, which runs the same kernels), and a float32 crosses every float encoding
 # unchanged: JSON carries the shortest decimal that reads back as that float32, base64 and KServe's binary tensor data

@@ -1,10 +1,11 @@
 """OpenAI-compatible embeddings and models: POST /v1/embeddings (texts or token ids; `encoding_format` float, base64 or
-a quantized type; `dimensions`; `truncate` as on /infer; `model` picks one of the server's models), GET /v1/models
+a quantized type, or `sparse` for a SPLADE model, whose vectors come as TEI's /embed_sparse gives them; `dimensions`; `truncate` as on /infer; `model` picks one of the server's models), GET /v1/models
 (every model that loaded) and GET /v1/models/{model_id}. Errors on /v1/* come in OpenAI's shape (server.errors); an unknown
 model is a 404 with code model_not_found, as OpenAI answers it."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
 from fastapi import APIRouter, Request
@@ -12,6 +13,8 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt
 
 from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import ServiceDep
+from fusedserve.server.errors import Unprocessable
+from fusedserve.server.quantize import sparse_entries
 from fusedserve.server.responses import EmbeddingResponse, LeanRoute
 from fusedserve.server.routes.infer import ENCODING_HELP, Encoding, StrictRequest
 
@@ -23,7 +26,9 @@ class EmbeddingsRequest(StrictRequest):
         ..., description="a text, texts, one input's token ids, or several inputs' token ids")
     model: str | None = Field(None, description="one of the served models' ids (GET /v1/models); empty or absent: the "
                               "first embedding model")
-    encoding_format: Encoding = Field("float", description=ENCODING_HELP)
+    encoding_format: Encoding | Literal["sparse"] = Field(
+        "float", description=ENCODING_HELP + "; `sparse` (a sparse model's only one): each embedding as its non-zero "
+        "entries `[{index, value}]`, as TEI's /embed_sparse")
     dimensions: StrictInt | None = Field(None, description="keep the first N dimensions (renormalized)")
     truncate: StrictBool = Field(True, description="cut inputs at max_seq_length tokens; false makes an over-long "
                                  "input a 413")
@@ -32,10 +37,15 @@ class EmbeddingsRequest(StrictRequest):
                                     "absent: the model's default prompt, if it has one")
 
 
+class SparseValue(BaseModel):
+    index: int
+    value: float
+
+
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | list[int] | str
+    embedding: list[float] | list[int] | str | list[SparseValue]
 
 
 class EmbeddingsUsage(BaseModel):
@@ -72,7 +82,10 @@ def _model(model, created: int) -> dict:
 
 
 async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
-    model = service.model(body.model, "embedding")
+    sparse = body.encoding_format == "sparse"
+    model = service.model(body.model, "sparse" if sparse else "embedding")
+    if sparse and body.dimensions is not None:
+        raise Unprocessable("dimensions does not apply to sparse vectors", param="dimensions")
     model.check_dimensions(body.dimensions)
     data = body.input
     if isinstance(data, str):
@@ -82,8 +95,11 @@ async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Requ
     else:
         inputs = list(data)
     options = TextOptions(truncate=body.truncate, prompt_name=body.prompt_name if _has_text(inputs) else None)
-    result = await model.embed(inputs, options, request, normalize=True, dimensions=body.dimensions)
-    rows = await model.output(result.rows, body.encoding_format, normalize=True, dimensions=body.dimensions)
+    result = await model.embed(inputs, options, request, normalize=not sparse, dimensions=body.dimensions)
+    if sparse:
+        rows = await asyncio.to_thread(sparse_entries, result.rows)
+    else:
+        rows = await model.output(result.rows, body.encoding_format, normalize=True, dimensions=body.dimensions)
     items = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
     return EmbeddingResponse({"object": "list", "data": items, "model": model.name,
                               "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}})

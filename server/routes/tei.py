@@ -1,5 +1,5 @@
-"""text-embeddings-inference's API, with its request and response shapes: POST /embed, /embed_all, /similarity,
-/tokenize, /decode, GET /health, and POST / (which, as on a TEI server serving an embedding model, embeds; it also
+"""text-embeddings-inference's API, with its request and response shapes: POST /embed, /embed_all, /embed_sparse
+(a SPLADE model's sparse vectors), /similarity, /tokenize, /decode, GET /health, and POST / (which, as on a TEI server serving an embedding model, embeds; it also
 answers TEI's sentence-similarity shape, the one huggingface_hub's InferenceClient.sentence_similarity sends).
 Errors come in TEI's shape, `{"error", "error_type"}` (server.errors). TEI serves one model and its requests name
 none: on a server of several, the embedding routes go to the first embedding model, /tokenize and /decode to the
@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, RootModel, StrictBool, StrictInt
 
 from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import ServiceDep
+from fusedserve.server.quantize import sparse_entries
 from fusedserve.server.responses import EmbeddingResponse, LeanRoute, off_the_loop
 from fusedserve.server.routes.infer import ENCODING_HELP, Encoding
 
@@ -46,6 +47,18 @@ class EmbedAllRequest(BaseModel):
     truncate: StrictBool | None = Field(None, description=TRUNCATE_HELP)
     truncation_direction: Direction = Field("right", description=DIRECTION_HELP)
     prompt_name: str | None = Field(None, description=PROMPT_HELP)
+
+
+class EmbedSparseRequest(BaseModel):
+    inputs: Inputs = Field(..., description=INPUTS_HELP)
+    truncate: StrictBool | None = Field(None, description=TRUNCATE_HELP)
+    truncation_direction: Direction = Field("right", description=DIRECTION_HELP)
+    prompt_name: str | None = Field(None, description=PROMPT_HELP)
+
+
+class SparseValue(BaseModel):
+    index: int = Field(..., description="the vocabulary entry (token id)")
+    value: float
 
 
 class SimilarityInput(BaseModel):
@@ -153,6 +166,16 @@ async def embed_all(body: EmbedAllRequest, service: ServiceDep, request: Request
                                                              body.prompt_name))
     block = await model.token_rows(rows)
     return await off_the_loop(lambda: block)
+
+
+@router.post("/embed_sparse", response_model=list[list[SparseValue]])
+async def embed_sparse(body: EmbedSparseRequest, service: ServiceDep, request: Request) -> Response:
+    """A sparse (SPLADE) model's vectors: per input, its non-zero entries `[{index, value}]` in index order (422 for
+    a dense embedding model)."""
+    model = service.model(None, "sparse")
+    result = await model.embed(_items(body.inputs), _options(body.truncate, body.truncation_direction,
+                                                             body.prompt_name), request)
+    return await off_the_loop(lambda: sparse_entries(result.rows))
 
 
 @router.post("/tokenize", response_model=list[list[SimpleToken]])

@@ -75,3 +75,34 @@ def test_attention_flops_count_the_pairs_within_the_window():
     assert suite.attention_flops(cu, 32) == 4 * (40 * 40 + 3 * 3) * 32
     # window 4: 40 + 2 x (36 + 37 + 38 + 39) pairs in the first, all 9 in the second (its farthest distance is 2)
     assert suite.attention_flops(cu, 32, window=4) == 4 * (40 + 2 * (36 + 37 + 38 + 39) + 9) * 32
+
+
+def test_splade_on_the_interpreter(tmp_path):
+    """The splade scenario's tiny case: every cell accurate, FLOPs counted; peak memory is a GPU's only."""
+    out = tmp_path / "kernels.json"
+    assert main(["kernels", "splade", "--device", "cpu", "--providers", "triton", "cuda", "eager",
+                 "--splade-shapes", "tiny b3 s5", "--out", str(out)]) == 0
+    doc = store.load(out)
+    assert store.validate(doc) == []
+    block = doc["scenarios"]["splade"]
+    assert block["complete"] and block["settings"]["shapes"] == ["tiny b3 s5"]
+    rows = block["results"]
+    # the CUDA backend has no splade_pool: left out, not failing
+    assert {(r["case"], r["op"], r["provider"], r["dtype"]) for r in rows} == {
+        ("tiny b3 s5", "splade_pool", p, "float32") for p in ("triton", "eager")}
+    assert all(r["accurate"] and r["tflops"] > 0 and r["flops"] == 2 * 15 * 16 * 70 and r["peak_bytes"] is None
+               for r in rows)
+
+
+def test_unfused_splade_pool_is_the_reference():
+    """The eager provider's SPLADE pooling (scatter-reduce over the packed batch, filler rows ignored) is the op: the
+    same as the reference, empty and filler sequences included."""
+    from fusedserve.kernels import reference
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 8, generator=gen, dtype=torch.float64)
+    weight, bias = torch.randn(20, 8, generator=gen, dtype=torch.float64), torch.randn(20, generator=gen).double()
+    cu = torch.tensor([0, 4, 4, 9, 10], dtype=torch.int32)  # an empty sequence; rows 10 and 11 are filler
+    x[10:] = float("nan")
+    torch.testing.assert_close(suite.unfused_splade_pool(x, weight, bias, cu).double(),
+                               reference.splade_pool(x, weight, bias, cu), rtol=1e-6, atol=1e-6)

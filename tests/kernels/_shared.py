@@ -199,6 +199,17 @@ def _linear_glu64(x, weight, bias, activation="gelu"):
     return (_gelu64(a) if activation == "gelu" else a / (1.0 + torch.exp(-a))) * b
 
 
+def _splade_pool64(x, weight, bias, cu_seqlens):
+    # per sequence: log(1 + max(logit, 0)) of each of its rows, the max over them; no rows: zeros
+    offsets = cu_seqlens.tolist()
+    rows = []
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        logits = x[start:end] @ weight.T + (bias if bias is not None else 0.0)
+        rows.append(torch.log(1.0 + logits.clamp(min=0.0)).max(dim=0).values if end > start
+                    else torch.zeros(weight.shape[0], dtype=x.dtype))
+    return torch.stack(rows) if rows else x.new_zeros((0, weight.shape[0]))
+
+
 def _add_layer_norm64(x, residual, bias, weight, ln_bias, eps=1e-12, *, return_sum=False):
     s = x + residual + (bias if bias is not None else 0.0)
     y = _layer_norm64(s, weight, ln_bias, eps)
@@ -217,6 +228,7 @@ FORMULAS = {
     "linear_add_layer_norm": lambda x, w, bias, residual, g, b, eps=1e-12: _layer_norm64(
         x @ w.T + bias + residual, g, b, eps),
     "linear_glu": _linear_glu64,
+    "splade_pool": _splade_pool64,
     "segment_mean": _segment_mean64,
     "qkv_attention": _attention64,
     "relative_attention": _relative_attention64,

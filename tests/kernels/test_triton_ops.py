@@ -24,14 +24,15 @@ from tests.conftest import DTYPES, INTERPRETER, shapes
 # The generic sweep: every op x shapes() x DTYPES, less the cases another test already runs here:
 # - the GEMM ops: tests/kernels/test_linear_gelu.py and test_linear_layer_norm.py sweep the same rows x cols x dtypes
 #   through the same launchers, at two reduction depths each; test_linear_glu.py sweeps odd rows x widths x dtypes
-#   through its launcher, both activations, with and without a bias;
+#   through its launcher, both activations, with and without a bias; test_splade_pool.py sweeps odd hidden and vocab
+#   widths x dtypes with sequences of every kind, with and without a bias;
 # - on the interpreter, bf16 of the ops whose bf16 path it cannot run (its bf16 dot is wrong and its fp32 -> bf16
 #   conversion truncates): they take the fp32 path there, which the float32 case covers (the GPU runs their bf16);
 # - on the interpreter, the attention ops at widths whose heads (spec.attention_heads, spec.rotary_heads) are too wide
 #   for the kernel: the launcher hands those to the torch reference, which tests/kernels/test_reference.py checks at
 #   the same rows, cols and dtype (the hand-off itself: the heads-too-wide tests of test_qkv_attention.py,
 #   test_relative_attention.py and test_rotary_attention.py).
-SWEPT_ELSEWHERE = ("linear_bias_gelu", "linear_add_layer_norm", "linear_glu")
+SWEPT_ELSEWHERE = ("linear_bias_gelu", "linear_add_layer_norm", "linear_glu", "splade_pool")
 FP32_ON_THE_INTERPRETER = ("qkv_attention", "attention_partials", "ffn_partials", "relative_attention",
                            "rotary_attention")
 # the widest head each attention kernel takes (wider: the torch path)

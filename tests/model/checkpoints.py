@@ -307,6 +307,53 @@ def modernbert(dest: Path, pooling: list[str] = ("mean",), shape: str = "tiny", 
     return dest
 
 
+SPLADE_SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                 max_position_embeddings=512),
+    # splade-v3's (BERT-base) shape at two layers: the vocabulary-wide decoder of the real models
+    "base": dict(hidden_size=768, num_hidden_layers=2, num_attention_heads=12, intermediate_size=3072,
+                 max_position_embeddings=512),
+}
+
+
+def splade(dest: Path, shape: str = "tiny", activation: str = "relu", architecture: str = "bert",
+           style: str = "mlm") -> Path:
+    """A random SPLADE model as sentence-transformers' SparseEncoder saves it (a *ForMaskedLM under MLMTransformer,
+    style "mlm", as the released SPLADE models ship; or, style "fill-mask", sentence-transformers 6's Transformer of
+    task fill-mask), then SpladePooling: the masked-LM head's decoder tied to the word embeddings. The decoder's bias
+    is drawn so that about a hundred logits per input are positive: sparse vectors with real entries."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
+    from transformers import BertConfig, BertForMaskedLM, DistilBertConfig, DistilBertForMaskedLM
+
+    torch.manual_seed(9)
+    dims = SPLADE_SHAPES[shape]
+    if architecture == "distilbert":
+        model = DistilBertForMaskedLM(DistilBertConfig(
+            vocab_size=30522, dim=dims["hidden_size"], n_layers=dims["num_hidden_layers"],
+            n_heads=dims["num_attention_heads"], hidden_dim=dims["intermediate_size"],
+            max_position_embeddings=dims["max_position_embeddings"]))
+        bias = model.vocab_projector.bias
+    else:
+        model = BertForMaskedLM(BertConfig(vocab_size=30522, **dims))
+        bias = model.cls.predictions.bias
+    with torch.no_grad():
+        bias.normal_(-3.0, 1.0)
+    mlm = dest.parent / f"{dest.name}-mlm"
+    model.save_pretrained(mlm, safe_serialization=True)
+    _copy_tokenizer(mlm)
+    seq = 128 if shape == "tiny" else 256
+    if style == "mlm":
+        first = MLMTransformer(str(mlm), max_seq_length=seq)
+    else:  # sentence-transformers 6's way
+        from sentence_transformers.sentence_transformer.modules import Transformer
+
+        first = Transformer(str(mlm), max_seq_length=seq, transformer_task="fill-mask")
+    encoder = SparseEncoder(modules=[first, SpladePooling("max", activation_function=activation)], device="cpu")
+    encoder.save(str(dest))
+    return dest
+
+
 def weights_digest(path: Path) -> str:
     import hashlib
 
