@@ -40,12 +40,15 @@ class WeightLayout:
 
 @dataclass(frozen=True)
 class ClassifierHead:
-    """A `*ForSequenceClassification` head on the first token: `first` (a dense layer), its activation, then the
-    output layer `second`, by checkpoint name."""
+    """A `*ForSequenceClassification` head by checkpoint name: `first` (a dense layer) on the first token, its
+    activation, then the output layer `second`. ModernBERT's also pools as config.json's `pooling_key` says (cls or
+    mean) and norms after the activation (`norm`, a LayerNorm)."""
 
     first: str
-    activation: str  # tanh | relu
+    activation: str  # tanh | relu | gelu
     second: str
+    norm: str | None = None
+    pooling_key: str | None = None
 
 
 @dataclass(frozen=True)

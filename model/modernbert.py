@@ -28,7 +28,7 @@ from fusedserve.kernels import reference
 from fusedserve.model import gte
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.encoder import Packed, resolve_attention
-from fusedserve.model.family import Family, WeightLayout
+from fusedserve.model.family import ClassifierHead, Family, WeightLayout
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _THETA = {"full_attention": ("global_rope_theta", 160_000.0), "sliding_attention": ("local_rope_theta", 10_000.0)}
@@ -219,8 +219,10 @@ def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.d
     return tuple(ops)
 
 
-# sequence classifiers (pooling, dense, GELU, a LayerNorm, then the classifier) are refused: Family.classifier None
-MODERNBERT = Family("modernbert", ("modernbert",), "ModernBERT", _read_modernbert, _MODERNBERT_WEIGHTS, None,
+# sequence classifiers: cls or mean pooling (classifier_pooling), dense, GELU, a LayerNorm, then the classifier
+MODERNBERT = Family("modernbert", ("modernbert",), "ModernBERT", _read_modernbert, _MODERNBERT_WEIGHTS,
+                    ClassifierHead("head.dense", "gelu", "classifier", norm="head.norm",
+                                   pooling_key="classifier_pooling"),
                     encoder=Encoder, kernel_ops=kernel_ops, positions="rotary, global and sliding-window",
                     few_token_layer=False)
 FAMILIES = (MODERNBERT,)

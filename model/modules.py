@@ -87,12 +87,15 @@ class Pipeline:
 
 @dataclass(frozen=True)
 class Classifier:
-    """A sequence-classification model's head: logits of the first token."""
+    """A sequence-classification model's head: logits of the first token (or, pooling "mean", of the mean of the
+    tokens)."""
 
     head: ClassifierHead  # the family's layers, by checkpoint name
     tensors: Mapping[str, Tensor]
     labels: tuple[str, ...]  # id2label in label order
     activation: str  # sigmoid | softmax | identity (what predict applies by default)
+    pooling: str = "cls"
+    norm_eps: float = 1e-12
 
 
 def _json(path: Path) -> dict:
@@ -265,14 +268,22 @@ def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, 
     if head is None:
         raise UnsupportedModel(f"{path}: {family(config).label} sequence classifiers are not supported (its "
                                "embedding models are)")
-    wanted = tuple(f"{layer}.{kind}" for layer in (head.first, head.second) for kind in ("weight", "bias"))
-    missing = [n for n in wanted if n not in rest]
+    layers = (head.first, head.second) + ((head.norm,) if head.norm else ())
+    required = [f"{layer}.weight" for layer in layers]
+    missing = [n for n in required if n not in rest]
     if missing:
         raise UnsupportedModel(f"{path}: the classification head lacks {missing}")
+    wanted = required + [f"{layer}.bias" for layer in layers if f"{layer}.bias" in rest]  # biases where it has them
     extra = sorted(n for n in set(rest) - set(wanted) if not MASKED_LM.match(n))
     if extra:
         raise UnsupportedModel(f"{path}: tensors the classification head does not use, e.g. {extra[:4]}")
-    num_labels = rest[wanted[2]].shape[0]
+    pooling = hf.get(head.pooling_key, "cls") if head.pooling_key else "cls"
+    if pooling not in ("cls", "mean"):
+        raise UnsupportedModel(f"{path}: {head.pooling_key} {pooling!r} is not supported (cls or mean)")
+    if head.activation == "gelu" and hf.get("classifier_activation", "gelu") != "gelu":
+        raise UnsupportedModel(f"{path}: classifier_activation {hf['classifier_activation']!r} is not supported "
+                               "(only exact GELU, 'gelu')")
+    num_labels = rest[f"{head.second}.weight"].shape[0]
     id2label = hf.get("id2label") or {str(i): f"LABEL_{i}" for i in range(num_labels)}
     labels = tuple(id2label.get(str(i), id2label.get(i, f"LABEL_{i}")) for i in range(num_labels))
     declared = (hf.get("sentence_transformers") or {}).get("activation_fn") \
@@ -286,7 +297,8 @@ def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, 
         activation = "sigmoid"
     else:
         activation = "sigmoid" if num_labels == 1 else "softmax"
-    return Classifier(head, {n: rest[n].float() for n in wanted}, labels, activation)
+    return Classifier(head, {n: rest[n].float() for n in wanted}, labels, activation, pooling,
+                      hf.get("norm_eps", hf.get("layer_norm_eps", 1e-12)))
 
 
 def _first_tokens(hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
@@ -392,31 +404,44 @@ class SparseHead(nn.Module):
 
 
 class ClassificationHead(nn.Module):
-    """The architecture's classifier on each sequence's first token: logits [batch, num_labels] float32."""
+    """The architecture's classifier on each sequence's first token (or its tokens' mean): logits [batch,
+    num_labels] float32."""
 
     def __init__(self, classifier: Classifier) -> None:
         super().__init__()
-        t = classifier.tensors
-        first, second = classifier.head.first, classifier.head.second
-        self.activation = classifier.head.activation
-        self.inner = nn.Linear(*t[first + ".weight"].shape[::-1])
-        self.out = nn.Linear(*t[second + ".weight"].shape[::-1])
-        with torch.no_grad():
-            for layer, name in ((self.inner, first), (self.out, second)):
-                layer.weight.copy_(t[name + ".weight"])
-                layer.bias.copy_(t[name + ".bias"])
-        self.dim = self.out.weight.shape[0]
+        t, head = classifier.tensors, classifier.head
+        self.activation, self.pooling, self.eps = head.activation, classifier.pooling, classifier.norm_eps
+
+        def tensor(name: str) -> nn.Parameter | None:
+            return nn.Parameter(t[name].clone(), requires_grad=False) if name in t else None
+
+        self.inner_weight, self.inner_bias = tensor(f"{head.first}.weight"), tensor(f"{head.first}.bias")
+        self.norm_weight = tensor(f"{head.norm}.weight") if head.norm else None
+        self.norm_bias = tensor(f"{head.norm}.bias") if head.norm else None
+        self.out_weight, self.out_bias = tensor(f"{head.second}.weight"), tensor(f"{head.second}.bias")
+        self.dim = self.out_weight.shape[0]
 
     def forward(self, hidden: Tensor, p) -> Tensor:
+        if self.pooling == "mean":
+            return self._classify(kernels.segment_mean(hidden, p.cu_seqlens).float())
         return self._classify(_first_tokens(hidden, p.cu_seqlens))
 
     def forward_padded(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        if self.pooling == "mean":
+            m = mask[..., None].float()
+            return self._classify((hidden.float() * m).sum(1) / m.sum(1).clamp(min=1e-9))
         return self._classify(hidden[:, 0])
 
-    def _classify(self, first: Tensor) -> Tensor:
-        x = F.linear(first.float(), self.inner.weight.float(), self.inner.bias.float())
-        x = torch.relu(x) if self.activation == "relu" else torch.tanh(x)
-        return F.linear(x, self.out.weight.float(), self.out.bias.float())
+    def _classify(self, pooled: Tensor) -> Tensor:
+        x = F.linear(pooled.float(), self.inner_weight.float(), _float(self.inner_bias))
+        x = {"relu": torch.relu, "gelu": F.gelu}.get(self.activation, torch.tanh)(x)
+        if self.norm_weight is not None:
+            x = F.layer_norm(x, x.shape[-1:], self.norm_weight.float(), _float(self.norm_bias), self.eps)
+        return F.linear(x, self.out_weight.float(), _float(self.out_bias))
+
+
+def _float(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.float()
 
 
 def activate(logits: Tensor, activation: str) -> Tensor:

@@ -83,7 +83,7 @@ def test_gte_on_the_fused_kernels(tmp_path, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert", "mpnet"])
+@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert", "mpnet", "modernbert"])
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_classifiers_on_the_fused_kernels(tmp_path, architecture, num_labels, dtype):
     path = checkpoints.cross_encoder(tmp_path / "ce", num_labels, architecture)

@@ -390,7 +390,7 @@ if __name__ == "__main__":  # python -m tests.model.checkpoints, from the reposi
 
 def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Path:
     """A sequence classifier: MiniLM's encoder with a random head (bert), or a tiny random XLM-R / DistilBERT / MPNet /
-    GTE one."""
+    GTE / ModernBERT one."""
     import transformers
 
     torch.manual_seed(3 + num_labels)
@@ -419,20 +419,30 @@ def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Pa
         config = transformers.MPNetConfig(vocab_size=30527, layer_norm_eps=1e-5, num_labels=num_labels,
                                           id2label=id2label, **MPNET_SHAPES["tiny"])
         model = transformers.MPNetForSequenceClassification(config)
+    elif architecture == "modernbert":  # mean pooling for several labels, the first token for one: both paths
+        config = transformers.ModernBertConfig(
+            vocab_size=30522, pad_token_id=0, bos_token_id=101, cls_token_id=101, eos_token_id=102, sep_token_id=102,
+            num_labels=num_labels, id2label=id2label, classifier_pooling="mean" if num_labels > 1 else "cls",
+            **MODERNBERT_SHAPES["tiny"])
+        model = transformers.ModernBertForSequenceClassification(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0, 0.1)
     else:
         config = transformers.DistilBertConfig(vocab_size=30522, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
                                                max_position_embeddings=128, num_labels=num_labels, id2label=id2label)
         model = transformers.DistilBertForSequenceClassification(config)
     with torch.no_grad():  # logits of order 1, so sigmoid/softmax are not flat
         for name, p in model.named_parameters():
-            if ("classifier" in name or "pooler" in name) and p.dim() == 2:
+            if ("classifier" in name or "pooler" in name or "head.dense" in name) and p.dim() == 2:
                 p.normal_(0, 1.5 * p.shape[1] ** -0.5)
             elif "relative_attention_bias" in name:
                 p.normal_(0, 1.0)
     model.save_pretrained(dest, safe_serialization=True)
     _copy_tokenizer(dest)
     # one token type: the borrowed BERT tokenizer's pair types are not passed on
-    if architecture in ("roberta", "mpnet", "gte"):
+    if architecture in ("roberta", "mpnet", "gte", "modernbert"):
         config = json.loads((dest / "tokenizer_config.json").read_text())
         config["model_input_names"] = ["input_ids", "attention_mask"]
         (dest / "tokenizer_config.json").write_text(json.dumps(config))

@@ -193,6 +193,13 @@ def test_nomic_bert_reads_the_released_layout_and_transformers_own(tmp_path):
 
 
 def test_modernbert_refuses_what_it_cannot_serve_exactly(tmp_path):
+    ce = checkpoints.cross_encoder(tmp_path / "ce", 1, "modernbert")
+    config = json.loads((ce / "config.json").read_text())
+    for change, named in (({"classifier_activation": "silu"}, "classifier_activation 'silu'"),
+                          ({"classifier_pooling": "max"}, "classifier_pooling 'max'")):
+        (ce / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(UnsupportedModel, match=named):
+            Embedder.load(str(ce), device="cpu")
     path = checkpoints.modernbert(tmp_path / "m")
     config = json.loads((path / "config.json").read_text())
     for change, named in (({"hidden_activation": "silu"}, "hidden_activation 'silu'"),
@@ -204,12 +211,9 @@ def test_modernbert_refuses_what_it_cannot_serve_exactly(tmp_path):
         (path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(CheckpointError, match=named):
             Embedder.load(str(path), device="cpu")
-    (path / "config.json").write_text(json.dumps({**config, "architectures": ["ModernBertForSequenceClassification"]}))
-    with pytest.raises(UnsupportedModel, match="ModernBERT sequence classifiers are not supported"):
-        Embedder.load(str(path), device="cpu")
 
 
-@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert", "mpnet", "gte"])
+@pytest.mark.parametrize("architecture", ["bert", "roberta", "distilbert", "mpnet", "gte", "modernbert"])
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_classifiers_match_cross_encoder(tmp_path, architecture, num_labels):
     path = checkpoints.cross_encoder(tmp_path / "ce", num_labels, architecture)
