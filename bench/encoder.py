@@ -103,11 +103,18 @@ def token_rows(lengths: list[int], vocab_size: int, seed: int = 1) -> list[list[
 
 
 def gemm_flops(config, lengths: list[int]) -> float:
-    """Matmul + attention FLOPs of one forward on the real tokens."""
+    """Matmul + attention FLOPs of one forward on the real tokens: a gated FFN-in projects to twice the intermediate
+    width, and a sliding-window layer's query meets at most 2 x window + 1 keys."""
+    from fusedserve.model.families import family
+
     h, inner = config.hidden_size, config.intermediate_size
-    linear = 2 * sum(lengths) * (4 * h * h + 2 * h * inner)
-    attention = sum(4 * n * n * h for n in lengths)
-    return float((linear + attention) * config.num_layers)
+    ffn = (3 if family(config).gated_ffn else 2) * h * inner
+    linear = 2 * sum(lengths) * (4 * h * h + ffn) * config.num_layers
+    local = len(config.sliding_layers)
+    keys = [min(n, 2 * config.sliding_window + 1) for n in lengths]
+    attention = sum(4 * n * n * h for n in lengths) * (config.num_layers - local) + \
+        sum(4 * n * k * h for n, k in zip(lengths, keys)) * local
+    return float(linear + attention)
 
 
 def gemm_tflops(device: str) -> float | None:

@@ -80,6 +80,7 @@ class Family:
     # the few-token layer (model.encoder.FEW_TOKEN_OPS) exists in its layers: auto attention may pick "fused"
     few_token_layer: bool = True
     masked_lm: MaskedLMHead | None = None  # None: its SPLADE (sparse) models are refused by name
+    gated_ffn: bool = False  # the FFN-in projects to 2 x intermediate_size (a gate and an up half)
 
     def describe(self) -> str:
         return f"{self.label}: {self.attention} attention, {self.positions} positions"

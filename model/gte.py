@@ -220,5 +220,5 @@ def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.d
 
 
 GTE = Family("gte", ("gte", "new"), "GTE", _read_gte, _GTE_WEIGHTS, ClassifierHead("pooler.dense", "tanh", "classifier"),
-             encoder=Encoder, kernel_ops=kernel_ops, positions="rotary", few_token_layer=False)
+             encoder=Encoder, kernel_ops=kernel_ops, positions="rotary", few_token_layer=False, gated_ffn=True)
 FAMILIES = (GTE,)

@@ -224,5 +224,5 @@ MODERNBERT = Family("modernbert", ("modernbert",), "ModernBERT", _read_modernber
                     ClassifierHead("head.dense", "gelu", "classifier", norm="head.norm",
                                    pooling_key="classifier_pooling"),
                     encoder=Encoder, kernel_ops=kernel_ops, positions="rotary, global and sliding-window",
-                    few_token_layer=False)
+                    few_token_layer=False, gated_ffn=True)
 FAMILIES = (MODERNBERT,)

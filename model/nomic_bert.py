@@ -117,5 +117,5 @@ def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.d
 
 NOMIC_BERT = Family("nomic_bert", ("nomic_bert",), "NomicBERT", _read_nomic_bert, _NOMIC_WEIGHTS,
                     ClassifierHead("pooler.dense", "tanh", "classifier"), encoder=gte.Encoder, kernel_ops=kernel_ops,
-                    positions="rotary", few_token_layer=False)
+                    positions="rotary", few_token_layer=False, gated_ffn=True)
 FAMILIES = (NOMIC_BERT,)

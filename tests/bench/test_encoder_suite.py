@@ -48,6 +48,12 @@ def test_rows_and_floor():
     config = __import__("fusedserve.model.config", fromlist=["EncoderConfig"]).EncoderConfig.from_name("tiny")
     h, inner, layers = config.hidden_size, config.intermediate_size, config.num_layers
     assert suite.gemm_flops(config, [2, 3]) == layers * (2 * 5 * (4 * h * h + 2 * h * inner) + 4 * (4 + 9) * h)
+    # a gated FFN-in is twice as wide; a sliding-window layer's queries meet at most 2 x window + 1 keys
+    gated = config.replace(architecture="gte")
+    assert suite.gemm_flops(gated, [2, 3]) == layers * (2 * 5 * (4 * h * h + 3 * h * inner) + 4 * (4 + 9) * h)
+    local = config.replace(architecture="modernbert", num_layers=3, sliding_layers=(1, 2), sliding_window=1)
+    assert suite.gemm_flops(local, [2, 5]) == (3 * 2 * 7 * (4 * h * h + 3 * h * inner) + 4 * (4 + 25) * h
+                                               + 2 * 4 * (2 * 2 + 5 * 3) * h)
     assert suite.category("nvjet_hsh_64x8_gemm") == "gemm" and suite.category("flash_fwd_kernel") == "attention"
     assert suite.category("_add_layer_norm_kernel") == "norm"
 
