@@ -367,8 +367,12 @@ def plot_kernels(block: dict, path: Path, dtype: str = "float16") -> None:
 def plot_encoder(blocks: dict[str, dict], path: Path) -> None:
     """Per case, ms per forward of each provider, ours in orange, each bar labelled with its time."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(blocks), figsize=(4.6 * len(blocks), 4.6), squeeze=False)
-    for ax, (case, b) in zip(axes[0], blocks.items()):
+    columns = min(len(blocks), 5)  # cases wrap onto rows of five: one row of fourteen is unreadable
+    rows = -(-len(blocks) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 4.6 * rows), squeeze=False)
+    for ax in axes.flat[len(blocks):]:
+        ax.set_visible(False)
+    for ax, (case, b) in zip(axes.flat, blocks.items()):
         mine = [r for r in b["results"] if "ms" in r]
         bars = ax.barh([encoder_label(r) for r in mine], [r["ms"] for r in mine],
                        color=["tab:orange" if r["provider"] == "ours" else "tab:blue" for r in mine])
