@@ -51,7 +51,9 @@ class Settings(BaseSettings):
 
     # model and device
     model: str = Field("default", description="'default' (packaged all-MiniLM-L6-v2), a preset (tiny, minilm-l6, "
-                       "bert-base, xlm-roberta-base, mpnet-base, gte-base: random weights), or a checkpoint dir")
+                       "bert-base, xlm-roberta-base, mpnet-base, gte-base, nomic-bert-base, modernbert-base: random "
+                       "weights), or a checkpoint dir: a BERT, RoBERTa / XLM-RoBERTa, DistilBERT, MPNet, GTE, "
+                       "NomicBERT or ModernBERT embedding model or classifier, or a SPLADE sparse model")
     model_name: str = Field("", description="name clients use in requests and responses (default: derived from model)")
     models: Annotated[dict[str, ModelSpec], NoDecode] = Field(
         default_factory=dict, description="several models in one server, e.g. `minilm=default,reranker=/models/ce`: "
