@@ -38,6 +38,34 @@ class WeightLayout:
     optional: frozenset[str] = frozenset()  # names of `embeddings` and `layer` a checkpoint may lack
 
 
+def released_layer_names(tensors: dict[str, torch.Tensor], layer_prefix: str, fused_qkv: str,
+                         renames: Mapping[str, str], halves: Mapping[str, tuple[str, str]] | None = None
+                         ) -> dict[str, torch.Tensor]:
+    """A checkpoint in the layout its custom code releases it (GTE's, NomicBERT's) -> transformers' names, as its
+    conversion at load does: `{layer_prefix}{i}.` becomes `layers.{i}.`, the fused query/key/value matrix
+    `fused_qkv` (weight and bias) is cut into self_attn.q_proj / k_proj / v_proj, a name starting with a key of
+    `renames` gets that key replaced, and a tensor named in `halves` is cut into its two named halves along the first
+    dimension. Names outside the layers pass."""
+    out = {}
+    for name, t in tensors.items():
+        if not name.startswith(layer_prefix):
+            out[name] = t
+            continue
+        i, rest = name[len(layer_prefix):].split(".", 1)
+        base = f"layers.{i}."
+        if rest.startswith(fused_qkv):
+            kind = rest.rsplit(".", 1)[1]
+            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3, dim=0)):
+                out[f"{base}self_attn.{part}.{kind}"] = chunk
+        elif halves and rest in halves:
+            for half, chunk in zip(halves[rest], t.chunk(2, dim=0)):
+                out[base + half] = chunk
+        else:
+            old = next((o for o in renames if rest.startswith(o)), None)
+            out[base + (renames[old] + rest[len(old):] if old else rest)] = t
+    return out
+
+
 @dataclass(frozen=True)
 class ClassifierHead:
     """A `*ForSequenceClassification` head by checkpoint name: `first` (a dense layer) on the first token, its

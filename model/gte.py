@@ -23,7 +23,7 @@ from fusedserve.kernels import reference
 from fusedserve.model import bert
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.encoder import Packed
-from fusedserve.model.family import ClassifierHead, Family, WeightLayout
+from fusedserve.model.family import ClassifierHead, Family, WeightLayout, released_layer_names
 
 
 # The released checkpoints' config.json (Alibaba-NLP's custom code, model_type "new"): switches of that code which
@@ -59,32 +59,16 @@ def _read_gte(hf: dict) -> dict:
 
 
 _HUB_NAMES = {"attention.o_proj.": "self_attn.o_proj.", "attn_ln.": "post_attention_layernorm.",
-              "mlp_ln.": "post_mlp_layernorm.", "mlp.down_proj.": "mlp.down_proj."}
+              "mlp_ln.": "post_mlp_layernorm."}
 
 
 def _from_hub_layout(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """The layout GTE checkpoints ship in (Alibaba-NLP's custom code, model type "new"; transformers saves GteModel
     in it too): `new.` prefix, encoder.layer.{i}, a fused attention.qkv_proj and mlp.up_gate_proj with the up rows
-    FIRST -> transformers' GteModel names (what its checkpoint conversion does at load). Other names pass."""
-    out = {}
-    for name, t in tensors.items():
-        name = name.removeprefix("new.")
-        if not name.startswith("encoder.layer."):
-            out[name] = t
-            continue
-        i, rest = name[len("encoder.layer."):].split(".", 1)
-        base = f"layers.{i}."
-        if rest.startswith("attention.qkv_proj."):
-            kind = rest.rsplit(".", 1)[1]
-            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3, dim=0)):
-                out[f"{base}self_attn.{part}.{kind}"] = chunk
-        elif rest == "mlp.up_gate_proj.weight":
-            up, gate = t.chunk(2, dim=0)
-            out[f"{base}mlp.up_proj.weight"], out[f"{base}mlp.gate_proj.weight"] = up, gate
-        else:
-            old = next((o for o in _HUB_NAMES if rest.startswith(o)), None)
-            out[base + (_HUB_NAMES[old] + rest[len(old):] if old else rest)] = t
-    return out
+    FIRST -> transformers' GteModel names."""
+    return released_layer_names({k.removeprefix("new."): t for k, t in tensors.items()}, "encoder.layer.",
+                                "attention.qkv_proj.", _HUB_NAMES,
+                                {"mlp.up_gate_proj.weight": ("mlp.up_proj.weight", "mlp.gate_proj.weight")})
 
 
 _GTE_WEIGHTS = WeightLayout(

@@ -180,9 +180,7 @@ def masked_lm_tensors(sparse: Sparse, rest: dict[str, Tensor], config: EncoderCo
     if head is None:
         raise UnsupportedModel(f"sparse (SPLADE) models of the {fam.label} family are not supported (BERT, RoBERTa / "
                                "XLM-RoBERTa and DistilBERT masked-LM heads are)")
-    act = hf.get("hidden_act", hf.get("activation", "gelu"))
-    if act != "gelu":
-        raise UnsupportedModel(f"a masked-LM head with activation {act!r} is not supported (only exact GELU)")
+    # its transform's activation is the encoder's, which the family's config reading holds to exact GELU
     names = {"transform.weight": f"{head.transform}.weight", "transform.bias": f"{head.transform}.bias",
              "norm.weight": f"{head.norm}.weight", "norm.bias": f"{head.norm}.bias", "decoder.bias": head.bias}
     if head.bias not in rest and f"{head.decoder}.bias" in rest:
@@ -309,6 +307,8 @@ def _first_tokens(hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
 class EmbeddingHead(nn.Module):
     """Pooling (one or several modes, concatenated in sentence-transformers' order) then the Dense modules."""
 
+    ops: tuple[str, ...] = ()  # the kernels ops a head calls beyond its family's (the registry selects them too)
+
     def __init__(self, pipeline: Pipeline, hidden: int) -> None:
         super().__init__()
         self.modes = pipeline.pooling
@@ -406,6 +406,8 @@ class SparseHead(nn.Module):
 class ClassificationHead(nn.Module):
     """The architecture's classifier on each sequence's first token (or its tokens' mean): logits [batch,
     num_labels] float32."""
+
+    ops: tuple[str, ...] = ()
 
     def __init__(self, classifier: Classifier) -> None:
         super().__init__()

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from fusedserve.model import gte
 from fusedserve.model.config import UnsupportedModel
-from fusedserve.model.family import ClassifierHead, Family, WeightLayout
+from fusedserve.model.family import ClassifierHead, Family, WeightLayout, released_layer_names
 
 _ACTIVATIONS = {"silu": "silu", "swiglu": "silu", "gelu": "gelu", "geglu": "gelu"}
 # Nomic's custom config (a GPT2Config): its switches that change the math, and the value that keeps it transformers'
@@ -77,25 +77,10 @@ _HUB_NAMES = {"attn.out_proj.": "self_attn.o_proj.", "mlp.fc11.": "mlp.up_proj."
 
 def _from_hub_layout(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """Nomic's released layout (emb_ln, encoder.layers.{i}, a fused attn.Wqkv, mlp.fc11 = up, fc12 = gate) ->
-    transformers' NomicBertModel names (what its checkpoint conversion does at load). Other names pass."""
-    out = {}
-    for name, t in tensors.items():
-        if name.startswith("emb_ln."):
-            out["embeddings.LayerNorm." + name[len("emb_ln."):]] = t
-            continue
-        if not name.startswith("encoder.layers."):
-            out[name] = t
-            continue
-        i, rest = name[len("encoder.layers."):].split(".", 1)
-        base = f"layers.{i}."
-        if rest.startswith("attn.Wqkv."):
-            kind = rest.rsplit(".", 1)[1]
-            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3, dim=0)):
-                out[f"{base}self_attn.{part}.{kind}"] = chunk
-            continue
-        old = next((o for o in _HUB_NAMES if rest.startswith(o)), None)
-        out[base + (_HUB_NAMES[old] + rest[len(old):] if old else rest)] = t
-    return out
+    transformers' NomicBertModel names."""
+    renamed = {("embeddings.LayerNorm." + k[len("emb_ln."):] if k.startswith("emb_ln.") else k): t
+               for k, t in tensors.items()}
+    return released_layer_names(renamed, "encoder.layers.", "attn.Wqkv.", _HUB_NAMES)
 
 
 _NOMIC_WEIGHTS = WeightLayout(

@@ -226,7 +226,7 @@ class Embedder:
             # select below), so a fallback to varlen does not race the other ops twice
             attention, _ = self._attention_for(select(FEW_TOKEN_OPS))
         # may raise: nothing changed
-        ops = self.family.kernel_ops(self.layout, attention, self.device, self.dtype) + getattr(self.head, "ops", ())
+        ops = self.family.kernel_ops(self.layout, attention, self.device, self.dtype) + self.head.ops
         selection = select(ops)
         self.fallback = None
         return self._install(selection)

@@ -4,6 +4,9 @@ them with their launchers), and a fake clock for kernels.timing."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +31,35 @@ class FakeClock:
 
     def advance_us(self, us: float) -> None:
         self.now += us / 1e6
+
+
+def compile_for_sm90(script: str, tmp_path: Path) -> str:
+    """Run `script` (a Triton compile for sm_90, no GPU needed) in a fresh interpreter off the interpreter mode, from
+    the repository's root with its own Triton cache; fail with its output unless it exits 0. Returns its stdout."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+def dyadic(gen: torch.Generator, shape, step: float, span: float) -> torch.Tensor:
+    """Random multiples of `step` in [-span, span] (float64): products and sums of a few of them are exact in
+    float64 and in float32, so a library in float64 and an op in float32 see the very same inputs."""
+    return torch.randint(-int(span / step), int(span / step) + 1, shape, generator=gen).double() * step
+
+
+def odd_layouts(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """GEMM inputs of x's [rows, cols] shape in the layouts a caller may pass: a slice of a wider buffer (rows
+    cols + 104 apart, not contiguous; random values of x's dtype), x as [2, rows / 2, cols], and x with transposed
+    strides."""
+    rows, cols = x.shape
+    wide = torch.randn(rows, cols + 104, generator=torch.Generator().manual_seed(12)).to(x.device, x.dtype)
+    strided = wide[:, 8:8 + cols]
+    assert not strided.is_contiguous()
+    return strided, x.view(2, rows // 2, cols), x.t().contiguous().t()
 
 
 @contextlib.contextmanager

@@ -8,10 +8,6 @@ attention. Triton runs on the interpreter here (and on the GPU with -m gpu); the
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +17,7 @@ from fusedserve.kernels.testing import compare
 from fusedserve.kernels.triton import LAUNCHERS
 from fusedserve.kernels.triton.relative_attention import launch_shape
 from tests.conftest import INTERPRETER
-from tests.kernels._shared import formula_float64
+from tests.kernels._shared import compile_for_sm90, dyadic, formula_float64
 
 NAN = float("nan")
 OP = "relative_attention"
@@ -182,22 +178,11 @@ for ptr, max_seqlen, pdl in (("*fp16", 128, True), ("*bf16", 512, False), ("*fp3
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel is compiled for real by the GPU tests")
 def test_compiles_for_sm90(tmp_path):
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
-    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], cwd=root, env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == 3, result.stdout
+    stdout = compile_for_sm90(_COMPILE_FOR_SM90, tmp_path)
+    assert stdout.count("ok ") == 3, stdout
 
 
 # ---- the bias table's convention, against transformers' MPNet -----------------------------------------------------
-
-
-def _dyadic(gen, shape, step, span):
-    """Random multiples of `step` in [-span, span]: products and sums of a few of them are exact in float64 and in
-    float32, so transformers in float64 and the op in float32 see the very same q, k and v."""
-    return torch.randint(-int(span / step), int(span / step) + 1, shape, generator=gen).double() * step
 
 
 def test_the_table_convention_matches_transformers_mpnet(device):
@@ -216,14 +201,14 @@ def test_the_table_convention_matches_transformers_mpnet(device):
     attention = mpnet.MPNetSelfAttention(config).double().eval()
     with torch.no_grad():
         # float32 values throughout, so the op's float32 inputs are exactly transformers' float64 ones
-        encoder.relative_attention_bias.weight.copy_(_dyadic(gen, (32, heads), 1 / 64, 2.0))
+        encoder.relative_attention_bias.weight.copy_(dyadic(gen, (32, heads), 1 / 64, 2.0))
         for linear in (attention.q, attention.k, attention.v):
-            linear.weight.copy_(_dyadic(gen, (hidden, hidden), 1 / 64, 0.25))
-            linear.bias.copy_(_dyadic(gen, (hidden,), 1 / 64, 0.5))
+            linear.weight.copy_(dyadic(gen, (hidden, hidden), 1 / 64, 0.25))
+            linear.bias.copy_(dyadic(gen, (hidden,), 1 / 64, 0.5))
         attention.o.weight.copy_(torch.eye(hidden, dtype=torch.float64))  # c itself, not o(c)
         attention.o.bias.zero_()
         batch, seq = len(lengths), max(lengths)
-        x = _dyadic(gen, (batch, seq, hidden), 1 / 8, 2.0)
+        x = dyadic(gen, (batch, seq, hidden), 1 / 8, 2.0)
         keep = torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]
         additive = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
         additive = additive[:, None, None, :]  # transformers' extended mask: the padded keys at the dtype's least

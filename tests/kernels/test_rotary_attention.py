@@ -10,10 +10,6 @@ window's against transformers' ModernBERT local attention. Triton runs on the in
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +19,7 @@ from fusedserve.kernels.testing import compare
 from fusedserve.kernels.triton import LAUNCHERS
 from fusedserve.kernels.triton.rotary_attention import launch_shape, windowed
 from tests.conftest import INTERPRETER
-from tests.kernels._shared import formula_float64
+from tests.kernels._shared import compile_for_sm90, dyadic, formula_float64
 
 NAN = float("nan")
 OP = "rotary_attention"
@@ -226,28 +222,17 @@ for ptr, max_seqlen, window, pdl in (("*fp16", 128, 0, True), ("*bf16", 512, 0, 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel is compiled for real by the GPU tests")
 def test_compiles_for_sm90(tmp_path):
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
-    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], cwd=root, env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == 4, result.stdout
+    stdout = compile_for_sm90(_COMPILE_FOR_SM90, tmp_path)
+    assert stdout.count("ok ") == 4, stdout
 
 
 # ---- the conventions, against transformers ------------------------------------------------------------------------
 
 
-def _dyadic(gen, shape, step, span):
-    """Random multiples of `step` in [-span, span]: exact in float32, so transformers in float64 and the op in float32
-    see the very same q, k and v."""
-    return torch.randint(-int(span / step), int(span / step) + 1, shape, generator=gen).double() * step
-
-
 def _padded_batch(lengths, hidden, gen):
     """x [batch, longest, hidden] of dyadic values, the 2-D padding mask, and each row's positions (0-based)."""
     batch, seq = len(lengths), max(lengths)
-    x = _dyadic(gen, (batch, seq, hidden), 1 / 8, 2.0)
+    x = dyadic(gen, (batch, seq, hidden), 1 / 8, 2.0)
     keep = torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]
     return x, keep, torch.arange(seq)[None, :].expand(batch, seq)
 
@@ -272,8 +257,8 @@ def test_the_rotation_matches_transformers_gte(device):
     rotary = gte.GteRotaryEmbedding(config)
     with torch.no_grad():
         for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
-            linear.weight.copy_(_dyadic(gen, (hidden, hidden), 1 / 64, 0.25))
-            linear.bias.copy_(_dyadic(gen, (hidden,), 1 / 64, 0.5))
+            linear.weight.copy_(dyadic(gen, (hidden, hidden), 1 / 64, 0.25))
+            linear.bias.copy_(dyadic(gen, (hidden,), 1 / 64, 0.5))
         attention.o_proj.weight.copy_(torch.eye(hidden, dtype=torch.float64))  # the context itself
         attention.o_proj.bias.zero_()
         x, keep, positions = _padded_batch(lengths, hidden, gen)
@@ -319,7 +304,7 @@ def test_the_window_matches_transformers_modernbert_local_attention(device):
     attention = modernbert.ModernBertAttention(config, layer_idx=layer).double().eval()
     rotary = modernbert.ModernBertRotaryEmbedding(config)
     with torch.no_grad():
-        attention.Wqkv.weight.copy_(_dyadic(gen, (3 * hidden, hidden), 1 / 64, 0.25))
+        attention.Wqkv.weight.copy_(dyadic(gen, (3 * hidden, hidden), 1 / 64, 0.25))
         attention.Wo.weight.copy_(torch.eye(hidden, dtype=torch.float64))  # the context itself
         x, keep, positions = _padded_batch(lengths, hidden, gen)
         mask = create_bidirectional_sliding_window_mask(config=config, inputs_embeds=x, attention_mask=keep.long())
