@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedserve.kernels import timing
 from fusedserve.kernels._layout import common_device, cpu_budget
@@ -188,6 +189,8 @@ def _specialization(value, specialized: bool = True) -> object:
     compile, a coarser one a compile left to the launch: never a wrong kernel, since every compile is Triton's own."""
     if isinstance(value, Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, TensorDescriptor):  # a TMA descriptor: its type is the dtype and the block
+        return value.base.dtype, tuple(value.block_shape)
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, int):

@@ -65,7 +65,7 @@ def zero_outside(y_ptr, cu_ptr, T, stride_y, head, part, parts, sequences,
 def launch_shape(max_seqlen: int, head_dim: int, ieee: bool = False) -> dict:
     """Rules, not autotuning (the registry races backends at start-up; a graph bucket's max_seqlen picks one shape).
     Register pressure decides most of it: a tile's score and probability blocks (and the op's own: relative_attention's
-    bias tile, rotary_attention's key angles with their cos and sin) live beside the accumulator. Both kernels walk a
+    bias tile) live beside the accumulator. Both kernels walk a
     sequence's key blocks in one loop with every block masked: a loop of unmasked whole blocks with the partial block
     after it inlines the block's body twice, and the sm_90 compile of that spilled at head_dim 64 on the 64 x 64
     tiles below (ptxas -v), where the one loop does not. In fp16/bf16 at head widths 32 and 64 no shape below spills

@@ -1,24 +1,25 @@
 """Self-attention over each packed sequence with rotary position embeddings (GTE, ModernBERT, NomicBERT),
-flash-attention style, the rotation applied as q and k are loaded.
+flash-attention style, after one pass that rotates q and k.
 
-Why: unfused, the rotary embedding is its own pass over q and k (read, rotate, write back in the model dtype) before
-the attention reads them again. Here each program rotates the q and k tiles it loads, in registers, and the rotated
-q and k are never written to memory. A ModernBERT local layer's sliding window also stays cheap: only the key blocks
-that meet a query block's window are visited, so the attention costs O(T x window), not O(T x length). The price:
-each query block rotates the keys it visits again (the cos and sin of a key block's [BLOCK_N, d/2] angles), where
-the unfused pass rotates each key once.
+Why two kernels: the rotation depends only on the token's position, but inside the attention each query block's
+program would rotate every key block it visits again (the cos and sin of a key block's [BLOCK_N, d/2] angles, the
+halves held apart for two half-width products). Rotating as they loaded made the attention about twice as slow as
+the same kernel on rotated inputs (docs/decisions/0018-rotary-once-before-attention.md); a pass of its own rotates each
+row's q and k once, with one row's angles serving all of its heads, and writes them to a scratch [T, 2H] that the
+attention reads with qkv's v. What stays fused: the packed layout (no padding), the sliding window, the zeros of the
+filler rows, and nothing of the [T, T] scores in memory. A ModernBERT local layer's window stays cheap: only the key
+blocks that meet a query block's window are visited, so the attention costs O(T x window), not O(T x length).
 
-Rotation (transformers' rotate_half, dimension i paired with i + d/2): a head's q (and each key block's k) is loaded
-as its two halves x1, x2 [BLOCK, d/2]; at the token's position t within its sequence (0-based) and angles
-a = t * inv_freq in fp32, x' = (x1 cos a - x2 sin a, x2 cos a + x1 sin a), computed in fp32 and rounded once to the
-input dtype (as the unfused path stores rotated q and k in the model dtype; fp32 inputs stay fp32). q' k'^T is then
-the sum of two half-width products, q1' k1'^T + q2' k2'^T. cos and sin are tl.cos / tl.sin of the fp32 angle (the very
-angle transformers rounds, position.float() * inv_freq): libdevice's, accurate over the whole range of positions.
+Rotation (transformers' rotate_half, dimension i paired with i + d/2): at the token's position t within its sequence
+(0-based) and angles a = t * inv_freq in fp32, x' = (x1 cos a - x2 sin a, x2 cos a + x1 sin a) for the halves x1, x2
+of each head of q and k, computed in fp32 and rounded once to the input dtype (as the unfused path stores rotated q
+and k in the model dtype; fp32 inputs stay fp32). cos and sin are tl.cos / tl.sin of the fp32 angle (the very angle
+transformers rounds, position.float() * inv_freq): libdevice's, accurate over the whole range of positions.
 
-Per program (query block, sequence b, head h): q rotated once, then over the sequence's key blocks: k rotated,
-s = q' k'^T / sqrt(d) in log2 units, online softmax (_packed_attention.online_softmax: fp32 running max and sum,
-exp2), acc += p v. The key blocks run in one loop, each masked by the sequence's end (as relative_attention's). With
-a window (w > 0: keys j with |i - j| <= w), a query block [first, first + BLOCK_M) visits only the keys
+Attention, per program (query block, sequence b, head h): q' of the block's rows, then over the sequence's key
+blocks: s = q' k'^T / sqrt(d) in log2 units, online softmax (_packed_attention.online_softmax: fp32 running max and
+sum, exp2), acc += p v. The key blocks run in one loop, each masked by the sequence's end (as relative_attention's).
+With a window (w > 0: keys j with |i - j| <= w), a query block [first, first + BLOCK_M) visits only the keys
 [first - w, last query + w] of its sequence, masked by the distance too. The program's query rows past the sequence's
 end are computed (from clamped positions) and not stored. Products run on tensor cores in fp16/bf16 with fp32
 accumulation, and as IEEE fp32 for fp32 inputs; p goes into the p v product rounded once to the input dtype.
@@ -41,57 +42,69 @@ from fusedserve.kernels.triton._packed_attention import (LOG2E, MAX_HEAD_DIM, MA
                                                          ieee_products, online_softmax, zero_outside)
 
 
-@triton.jit
-def _rotate(x1, x2, cos, sin, dtype, IEEE: tl.constexpr):
-    """x' = x cos + rotate_half(x) sin for x = (x1, x2): (x1 cos - x2 sin, x2 cos + x1 sin) in fp32, rounded to the
-    input dtype for the tensor-core products (IEEE: kept in fp32)."""
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    r1 = x1 * cos - x2 * sin
-    r2 = x2 * cos + x1 * sin
-    if IEEE:
-        return r1, r2
-    return r1.to(dtype), r2.to(dtype)
-
-
-@triton.jit
-def _dot2(a1, a2, b1, b2, IEEE: tl.constexpr):
-    """a b^T for a = (a1 | a2) and b = (b1 | b2) split into halves along the head: a1 b1^T + a2 b2^T, fp32."""
-    if IEEE:
-        s = tl.dot(a1, tl.trans(b1), input_precision="ieee")
-        return tl.dot(a2, tl.trans(b2), s, input_precision="ieee")
-    s = tl.dot(a1, tl.trans(b1))
-    return tl.dot(a2, tl.trans(b2), s)
-
-
-@triton.jit
-def _attend(q1, q2, qkv_ptr, k_col, v_col, inv_freq, start, key, end, first, window, m, total, acc, qk_scale,
-            stride_qkv, dtype, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr):
-    """One key block of online-softmax attention: m, total and acc after the keys key .. key + BLOCK_N for the
-    rotated queries (q1, q2) of rows first .. first + BLOCK_M, the keys at or past `end` left out, and under WINDOWED
-    those farther than `window` from the query too."""
-    BLOCK_M: tl.constexpr = q1.shape[0]
-    keys = key + tl.arange(0, BLOCK_N)
+@deferrable
+@triton.jit(do_not_specialize=["T"])
+def _rotate_kernel(
+    qkv_ptr,  # [T, 3H]: per row q | k | v, each [heads, HEAD_DIM]
+    cu_ptr,  # [B + 1] int32/int64 sequence offsets
+    inv_freq_ptr,  # [HEAD_DIM / 2] the rotary frequencies (any float dtype, read in fp32)
+    qk_ptr,  # [T, 2H] output: rotated q | rotated k, qkv's dtype
+    T, H, stride_qkv, stride_qk,
+    HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Rows of one sequence, every head of q and k: x' = (x1 cos a - x2 sin a, x2 cos a + x1 sin a) in fp32 at
+    a = (the row's position in its sequence) * inv_freq, rounded once to the output dtype. A row's angles are taken
+    once and serve its 2 x heads rotations."""
+    part = tl.program_id(0)
+    seq = tl.program_id(1)
+    pdl_sync(USE_PDL)
+    parts = tl.num_programs(0)
+    HALF: tl.constexpr = HEAD_DIM // 2
     halves = tl.arange(0, BLOCK_H)
+    heads = tl.arange(0, BLOCK_HEADS)
+    cols = (heads * HEAD_DIM)[None, :, None] + halves[None, None, :]  # [1, heads, half]: a head's first half
+    col_ok = (heads < HEADS)[None, :, None] & (halves < HALF)[None, None, :]
+    inv_freq = tl.load(inv_freq_ptr + halves, mask=halves < HALF, other=0.0).to(tl.float32)
+    start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int32), 0), T)
+    end = tl.minimum(tl.maximum(tl.load(cu_ptr + seq + 1).to(tl.int32), start), T)
+    for first in range(start + part * BLOCK_T, end, BLOCK_T * parts):
+        rows = first + tl.arange(0, BLOCK_T)
+        # the angles as transformers rounds them: position.float() * inv_freq, libdevice's accurate cos and sin
+        angles = (rows - start).to(tl.float32)[:, None, None] * inv_freq[None, None, :]
+        cos = tl.cos(angles)
+        sin = tl.sin(angles)
+        mask = (rows < end)[:, None, None] & col_ok
+        src = qkv_ptr + rows.to(tl.int64)[:, None, None] * stride_qkv + cols
+        dst = qk_ptr + rows.to(tl.int64)[:, None, None] * stride_qk + cols
+        for which in tl.static_range(2):  # q (columns 0 .. H), then k (H .. 2H)
+            x1 = tl.load(src + which * H, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + which * H + HALF, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dst + which * H, (x1 * cos - x2 * sin).to(qk_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + which * H + HALF, (x2 * cos + x1 * sin).to(qk_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend(q, qk_ptr, v_ptr, k_col, v_col, key, end, first, window, m, total, acc, qk_scale, stride_qk, stride_v,
+            dtype, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+            WINDOWED: tl.constexpr):
+    """One key block of online-softmax attention: m, total and acc after the keys key .. key + BLOCK_N for the
+    (rotated) queries q of rows first .. first + BLOCK_M, the keys at or past `end` left out, and under WINDOWED
+    those farther than `window` from the query too."""
+    BLOCK_M: tl.constexpr = q.shape[0]
+    keys = key + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    rows = keys[:, None].to(tl.int64) * stride_qkv
-    in_seq = keys[:, None] < end
-    h_mask = in_seq
-    v_mask = in_seq
-    if BLOCK_H != HALF:
-        h_mask = h_mask & (halves[None, :] < HALF)
+    kv_mask = keys[:, None] < end
     if BLOCK_D != HEAD_DIM:
-        v_mask = v_mask & (dims[None, :] < HEAD_DIM)
-    k_ptrs = qkv_ptr + rows + (k_col + halves)[None, :]
-    k1 = tl.load(k_ptrs, mask=h_mask, other=0.0)
-    k2 = tl.load(k_ptrs + HALF, mask=h_mask, other=0.0)
-    v = tl.load(qkv_ptr + rows + (v_col + dims)[None, :], mask=v_mask, other=0.0)
-    # angles = (the key's position in its sequence) * inv_freq, fp32 as transformers rounds them
-    angles = (keys - start).to(tl.float32)[:, None] * inv_freq[None, :]
-    k1, k2 = _rotate(k1, k2, tl.cos(angles), tl.sin(angles), dtype, IEEE)
+        kv_mask = kv_mask & (dims[None, :] < HEAD_DIM)
+    k = tl.load(qk_ptr + keys[:, None].to(tl.int64) * stride_qk + (k_col + dims)[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + keys[:, None].to(tl.int64) * stride_v + (v_col + dims)[None, :], mask=kv_mask, other=0.0)
     # s = q' k'^T / sqrt(d) * log2(e): softmax by exp2
-    s = _dot2(q1, q2, k1, k2, IEEE) * qk_scale
+    if IEEE:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
     if WINDOWED:
         distance = keys[None, :] - (first + tl.arange(0, BLOCK_M))[:, None]
         s = tl.where((keys[None, :] < end) & (distance <= window) & (distance >= -window), s, float("-inf"))
@@ -103,13 +116,13 @@ def _attend(q1, q2, qkv_ptr, k_col, v_col, inv_freq, start, key, end, first, win
 @deferrable
 @triton.jit(do_not_specialize=["T", "window"])  # counts: see _common.autotune
 def _rotary_attention_kernel(
-    qkv_ptr,  # [T, 3H]: per row q | k | v, each [heads, HEAD_DIM]
+    qk_ptr,  # [T, 2H]: per row the rotated q | k, each [heads, HEAD_DIM]
+    v_ptr,  # qkv [T, 3H]: v in columns 2H .. 3H
     cu_ptr,  # [B + 1] int32/int64 sequence offsets
-    inv_freq_ptr,  # [HEAD_DIM / 2] the rotary frequencies (any float dtype, read in fp32)
     y_ptr,  # [T, H] output, qkv's dtype
-    T, H, window, qk_scale, stride_qkv, stride_y,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr, USE_PDL: tl.constexpr = False,
+    T, H, window, qk_scale, stride_qk, stride_v, stride_y,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr, WINDOWED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     part = tl.program_id(0)
     seq = tl.program_id(1)
@@ -120,11 +133,8 @@ def _rotary_attention_kernel(
     if seq == filler:
         zero_outside(y_ptr, cu_ptr, T, stride_y, head, part, parts, filler, HEAD_DIM, BLOCK_M, BLOCK_D)
     else:
-        HALF: tl.constexpr = HEAD_DIM // 2
         dtype = y_ptr.dtype.element_ty
-        halves = tl.arange(0, BLOCK_H)
         dims = tl.arange(0, BLOCK_D)
-        h_ok = halves < HALF
         d_ok = dims < HEAD_DIM
         y_cols = head * HEAD_DIM + dims
         start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int32), 0), T)
@@ -132,18 +142,14 @@ def _rotary_attention_kernel(
         q_col = head * HEAD_DIM
         k_col = H + head * HEAD_DIM
         v_col = 2 * H + head * HEAD_DIM
-        inv_freq = tl.load(inv_freq_ptr + halves, mask=h_ok, other=0.0).to(tl.float32)  # padding: angle 0
         # a sequence longer than the grid's query blocks (longer than max_seqlen) is still computed whole
         for first in range(start + part * BLOCK_M, end, BLOCK_M * parts):
             rows = first + tl.arange(0, BLOCK_M)
             q_mask = rows[:, None] < end
-            if BLOCK_H != HALF:
-                q_mask = q_mask & h_ok[None, :]
-            q_ptrs = qkv_ptr + rows[:, None].to(tl.int64) * stride_qkv + (q_col + halves)[None, :]
-            q1 = tl.load(q_ptrs, mask=q_mask, other=0.0)
-            q2 = tl.load(q_ptrs + HALF, mask=q_mask, other=0.0)
-            angles = (rows - start).to(tl.float32)[:, None] * inv_freq[None, :]
-            q1, q2 = _rotate(q1, q2, tl.cos(angles), tl.sin(angles), dtype, IEEE)
+            if BLOCK_D != HEAD_DIM:
+                q_mask = q_mask & d_ok[None, :]
+            q = tl.load(qk_ptr + rows[:, None].to(tl.int64) * stride_qk + (q_col + dims)[None, :], mask=q_mask,
+                        other=0.0)
             m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
             total = tl.zeros((BLOCK_M,), dtype=tl.float32)
             acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -156,9 +162,9 @@ def _rotary_attention_kernel(
             # one loop, every block masked (the last one's keys past the sequence's end; under a window the keys out
             # of reach): _packed_attention.launch_shape says why
             for key in range(lo, hi, BLOCK_N):
-                m, total, acc = _attend(q1, q2, qkv_ptr, k_col, v_col, inv_freq, start, key, end, first, window, m,
-                                        total, acc, qk_scale, stride_qkv, dtype, HALF, HEAD_DIM, BLOCK_N, BLOCK_H,
-                                        BLOCK_D, IEEE, WINDOWED)
+                m, total, acc = _attend(q, qk_ptr, v_ptr, k_col, v_col, key, end, first, window, m, total, acc,
+                                        qk_scale, stride_qk, stride_v, dtype, HEAD_DIM, BLOCK_N, BLOCK_D, IEEE,
+                                        WINDOWED)
             if WINDOWED:  # the block's rows past the sequence's end may meet no key (not stored): no 0 / 0
                 total = tl.where(total > 0, total, 1.0)
             ctx = acc / total[:, None]
@@ -173,17 +179,23 @@ def windowed(max_seqlen: int, window: int) -> bool:
 
 
 def launch_shape(max_seqlen: int, head_dim: int, ieee: bool = False, window: int = 0) -> dict:
-    """relative_attention's rule (_packed_attention.launch_shape), with the head's halves as BLOCK_H (at least 16,
-    tl.dot's least reduction) and, under a window, at most 64 queries a program: a query block of BLOCK_M visits
-    BLOCK_M + 2 x window keys, so at ModernBERT's window of 64 a block of 128 queries spends 256 key columns where 64
-    queries spend 192 (the ideal is 129). The rotation adds the key angles' cos and sin ([BLOCK_N, d/2] each, fp32)
-    to the relative kernel's live tiles in place of its bias tile."""
+    """relative_attention's rule (_packed_attention.launch_shape), and under a window at most 64 queries a program: a
+    query block of BLOCK_M visits BLOCK_M + 2 x window keys, so at ModernBERT's window of 64 a block of 128 queries
+    spends 256 key columns where 64 queries spend 192 (the ideal is 129)."""
     shape = _packed_attention.launch_shape(max_seqlen, head_dim, ieee)
-    shape["BLOCK_H"] = max(triton.next_power_of_2(max(head_dim // 2, 1)), 16)
     if windowed(max_seqlen, window) and shape["BLOCK_M"] > 64:
         warps = 8 if shape["BLOCK_D"] > 64 else 4
         shape.update(BLOCK_M=64, num_warps=warps, num_stages=2)
     return shape
+
+
+def rotate_shape(num_heads: int, head_dim: int) -> dict:
+    """The rotation pass's tiles: [BLOCK_T rows, every head, half a head] of about 4096 elements (rows of several
+    heads' halves at once: the angles of a row serve all of them), on 4 warps."""
+    block_heads = triton.next_power_of_2(num_heads)
+    block_h = triton.next_power_of_2(max(head_dim // 2, 1))
+    return {"BLOCK_T": max(4096 // (block_heads * block_h), 1), "BLOCK_HEADS": block_heads, "BLOCK_H": block_h,
+            "num_warps": 4}
 
 
 def _check(qkv: Tensor, cu_seqlens: Tensor, num_heads: int, inv_freq: Tensor, window: int,
@@ -219,10 +231,16 @@ def rotary_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads
     if not y.numel():
         return y
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
-    inv_freq = inv_freq.contiguous()
+    pdl = pdl_args(qkv)
+    # the rotated q and k, each row's once, then attention over them and qkv's v
+    qk = torch.empty((t, 2 * hidden), dtype=qkv.dtype, device=qkv.device)
+    rotate = rotate_shape(num_heads, d)
+    _rotate_kernel[(triton.cdiv(max(max_seqlen, 1), rotate["BLOCK_T"]), cu_seqlens.numel() - 1)](
+        qkv, cu_seqlens, inv_freq.contiguous(), qk, t, hidden, qkv.stride(0), qk.stride(0), HEAD_DIM=d,
+        HEADS=num_heads, **rotate, **pdl)
     ieee = ieee_products(qkv.dtype)
     shape = launch_shape(max_seqlen, d, ieee, window)
     _rotary_attention_kernel[grid(max_seqlen, shape["BLOCK_M"], cu_seqlens, num_heads)](
-        qkv, cu_seqlens, inv_freq, y, t, hidden, window, d**-0.5 * LOG2E, qkv.stride(0), y.stride(0), HEAD_DIM=d,
-        IEEE=ieee, WINDOWED=windowed(max_seqlen, window), **shape, **pdl_args(qkv))
+        qk, qkv, cu_seqlens, y, t, hidden, window, d**-0.5 * LOG2E, qk.stride(0), qkv.stride(0), y.stride(0),
+        HEAD_DIM=d, IEEE=ieee, WINDOWED=windowed(max_seqlen, window), **shape, **pdl)
     return y

@@ -1,6 +1,6 @@
 """The Triton GEMM with a gated-linear-unit epilogue (linear_glu) against the float64 reference: odd rows, widths and
 depths in every dtype, GELU and SiLU, with and without a bias, into a poisoned output; non-finite inputs, strided and
-3-D inputs, every candidate configuration, argument checks; and the op's convention against transformers' GteMLP
+3-D inputs, every candidate configuration, the TMA kernel, argument checks; and the op's convention against transformers' GteMLP
 (GeGLU) and a SwiGLU written out. On the GPU (`-m gpu`) or the interpreter."""
 
 from __future__ import annotations
@@ -68,6 +68,40 @@ def test_a_deep_reduction(device, dtype, activation):
     """K = 769: thirteen BLOCK_K steps, the last of one column (the rounding of long sums in half precision)."""
     x, weight, b = _inputs(33, 769, 300, dtype, device, _seed("deep", dtype, activation))
     report = compare(linear_glu.linear_glu(x, weight, b, activation), _reference(x, weight, b, activation), dtype)
+    assert report.ok, report
+
+
+# The TMA kernel (sm_90's GEMM-bound batches): rows past a 128-row tile, an I that a 128-column tile does not divide
+# (the last tile's Wa rows run into Wb's, columns the store clips) and a ragged K. The interpreter's bf16 dot is wrong
+# (test_matches_float64_reference runs its bf16 on fp32 products there), so bf16 runs on the GPU only.
+TMA_CASES = [(300, 136, 96, torch.float16, "gelu", True), (130, 128, 64, torch.float16, "silu", False),
+             (769, 300, 67 + 5, torch.bfloat16, "gelu", True), (513, 1152, 128, torch.bfloat16, "silu", False)]
+
+
+@pytest.mark.parametrize("m,i,k,dtype,activation,bias", TMA_CASES, ids=_ids)
+def test_the_tma_kernel_matches_float64_reference(device, m, i, k, dtype, activation, bias):
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the interpreter's bf16 dot is wrong: bf16 on the GPU")
+    x, weight, b = _inputs(m, k, i, dtype, device, _seed("tma", m, i, k, dtype), bias)
+    out = torch.full((m, i), float("nan"), dtype=dtype, device=device)  # every element must be written
+    linear_glu.launch_tma(x, weight, b, out, activation)
+    report = compare(out, _reference(x, weight, b, activation), dtype)
+    assert report.ok, report
+
+
+@pytest.mark.gpu
+def test_sm90_takes_the_tma_kernel_from_its_row_threshold():
+    """Half precision at TMA_MIN_ROWS rows and more on an sm_90 GPU; fewer rows, fp32, or a row stride TMA cannot
+    address take the autotuned kernel (and both give the reference's answer)."""
+    capable = torch.cuda.get_device_capability() >= (9, 0)
+    m = linear_glu.TMA_MIN_ROWS
+    x, weight, _ = _inputs(m, 768, 256, torch.float16, "cuda", seed=11)
+    y = torch.empty(m, 256, dtype=torch.float16, device="cuda")
+    assert linear_glu._takes_tma(x, weight, y) == capable
+    assert not linear_glu._takes_tma(x[:-1], weight, y[:-1])
+    assert not linear_glu._takes_tma(x.float(), weight.float(), y.float())
+    assert not linear_glu._takes_tma(x[:, 1:], weight[:, 1:], y)  # rows start 2 bytes off 16-byte alignment
+    report = compare(linear_glu.linear_glu(x, weight, None), _reference(x, weight, None, "gelu"), torch.float16)
     assert report.ok, report
 
 

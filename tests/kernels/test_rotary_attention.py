@@ -17,7 +17,7 @@ import torch
 from fusedserve.kernels import reference
 from fusedserve.kernels.testing import compare
 from fusedserve.kernels.triton import LAUNCHERS
-from fusedserve.kernels.triton.rotary_attention import launch_shape, windowed
+from fusedserve.kernels.triton.rotary_attention import launch_shape, rotate_shape, windowed
 from tests.conftest import INTERPRETER
 from tests.kernels._shared import compile_for_sm90, dyadic, formula_float64
 
@@ -176,45 +176,61 @@ def test_bad_arguments_raise_clear_errors(device):
 
 def test_launch_shapes_hold_the_kernels_limits():
     """relative_attention's rule (square blocks of the bound for short sequences, 64 keys a step past 64 tokens, 128
-    queries from 256 on, 32 x 32 at most for fp32) with the head's halves in BLOCK_H, and at most 64 queries a program
-    under a window that restricts anything; every block at least tl.dot's 16."""
-    assert launch_shape(16, 64) == {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 64, "BLOCK_H": 32, "num_warps": 4,
-                                    "num_stages": 2}
+    queries from 256 on, 32 x 32 at most for fp32), at most 64 queries a program under a window that restricts
+    anything; every block at least tl.dot's 16. The rotation pass: every head and half a head a row, about 4096
+    elements a program."""
+    assert launch_shape(16, 64) == {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 64, "num_warps": 4, "num_stages": 2}
     assert launch_shape(512, 64)["BLOCK_M"] == 128 and launch_shape(512, 64, window=64)["BLOCK_M"] == 64
     assert launch_shape(512, 64, window=600)["BLOCK_M"] == 128  # a window past the bound is none
     for max_seqlen, head_dim, ieee, window in itertools.product((1, 7, 33, 64, 65, 255, 256, 512), (2, 8, 32, 64, 128),
                                                                 (False, True), (0, 1, 64)):
         shape = launch_shape(max_seqlen, head_dim, ieee, window)
-        assert min(shape["BLOCK_M"], shape["BLOCK_N"], shape["BLOCK_H"]) >= 16
-        assert shape["BLOCK_D"] >= head_dim and shape["BLOCK_H"] >= head_dim // 2
-        assert all(shape[b] & (shape[b] - 1) == 0 for b in ("BLOCK_D", "BLOCK_H"))
+        assert min(shape["BLOCK_M"], shape["BLOCK_N"]) >= 16
+        assert shape["BLOCK_D"] >= head_dim and shape["BLOCK_D"] & (shape["BLOCK_D"] - 1) == 0
         assert not ieee or max(shape["BLOCK_M"], shape["BLOCK_N"]) <= 32
         assert not windowed(max_seqlen, window) or shape["BLOCK_M"] <= 64
+    assert rotate_shape(12, 64) == {"BLOCK_T": 8, "BLOCK_HEADS": 16, "BLOCK_H": 32, "num_warps": 4}
+    for heads, head_dim in itertools.product((1, 2, 3, 12, 16, 40), (2, 8, 62, 64, 128)):
+        shape = rotate_shape(heads, head_dim)
+        assert shape["BLOCK_HEADS"] >= heads and shape["BLOCK_H"] >= head_dim // 2
+        assert shape["BLOCK_T"] >= 1 and shape["BLOCK_T"] * shape["BLOCK_HEADS"] * shape["BLOCK_H"] <= 4096 * 2
 
 
 # Compiled for sm_90 by Triton's compiler and ptxas in a process without the interpreter (kernels/triton/compile_check
 # says why the interpreter is not enough): GTE-base's and ModernBERT's shapes in each dtype, half precision with PDL
-# (its PTX must wait before any memory access), the windowed kernel and the long sequences' configuration.
+# (its PTX must wait before any memory access), the windowed kernel and the long sequences' configuration, and the
+# rotation pass.
 _COMPILE_FOR_SM90 = '''
 import bench
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fusedserve.kernels.triton.compile_check import _check_pdl_ptx, _signature
-from fusedserve.kernels.triton.rotary_attention import _rotary_attention_kernel as kernel, launch_shape, windowed
+from fusedserve.kernels.triton.rotary_attention import (_rotary_attention_kernel as kernel, _rotate_kernel,
+                                                        launch_shape, rotate_shape, windowed)
+
+
+def compile(fn, types, constexprs, options):
+    source = ASTSource(fn=fn, signature=_signature(fn, types, constexprs), constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    if options["launch_pdl"]:
+        _check_pdl_ptx(compiled.asm["ptx"])
+
 
 for ptr, max_seqlen, window, pdl in (("*fp16", 128, 0, True), ("*bf16", 512, 0, False), ("*bf16", 1024, 64, False),
                                      ("*fp32", 128, 0, False)):
     shape = launch_shape(max_seqlen, 64, ptr == "*fp32", window)
     options = {"num_warps": shape.pop("num_warps"), "num_stages": shape.pop("num_stages"), "launch_pdl": pdl}
-    types = {"qkv_ptr": ptr, "cu_ptr": "*i32", "inv_freq_ptr": "*fp32", "y_ptr": ptr, "T": "i32", "H": "i32",
-             "window": "i32", "qk_scale": "fp32", "stride_qkv": "i32", "stride_y": "i32"}
-    constexprs = {**shape, "HEAD_DIM": 64, "IEEE": ptr == "*fp32", "WINDOWED": windowed(max_seqlen, window),
-                  "USE_PDL": pdl}
-    source = ASTSource(fn=kernel, signature=_signature(kernel, types, constexprs), constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    if pdl:
-        _check_pdl_ptx(compiled.asm["ptx"])
+    types = {"qk_ptr": ptr, "v_ptr": ptr, "cu_ptr": "*i32", "y_ptr": ptr, "T": "i32", "H": "i32", "window": "i32",
+             "qk_scale": "fp32", "stride_qk": "i32", "stride_v": "i32", "stride_y": "i32"}
+    compile(kernel, types, {**shape, "HEAD_DIM": 64, "IEEE": ptr == "*fp32", "WINDOWED": windowed(max_seqlen, window),
+                            "USE_PDL": pdl}, options)
+    rotate = rotate_shape(12, 64)
+    types = {"qkv_ptr": ptr, "cu_ptr": "*i32", "inv_freq_ptr": "*fp32", "qk_ptr": ptr, "T": "i32", "H": "i32",
+             "stride_qkv": "i32", "stride_qk": "i32"}
+    compile(_rotate_kernel, types, {"HEAD_DIM": 64, "HEADS": 12, "BLOCK_T": rotate["BLOCK_T"],
+                                    "BLOCK_HEADS": rotate["BLOCK_HEADS"], "BLOCK_H": rotate["BLOCK_H"],
+                                    "USE_PDL": pdl}, {"num_warps": rotate["num_warps"], "launch_pdl": pdl})
     print("ok", ptr, max_seqlen, window)
 '''
 
