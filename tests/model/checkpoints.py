@@ -367,13 +367,15 @@ GTE_REFERENCE_TEXTS = ["A man is eating food.", "x", "Fused kernels make encoder
 
 def gte_reference(root: Path) -> dict:
     """What tests/gpu/gte_reference.json holds: per shape, gte_seeded's weights digest and sentence-transformers'
-    fp32 CPU embeddings of GTE_REFERENCE_TEXTS (python -m tests.model.checkpoints writes it)."""
+    fp32 CPU embeddings of GTE_REFERENCE_TEXTS, unpadded (python -m tests.model.checkpoints writes it)."""
     from sentence_transformers import SentenceTransformer
+
+    from tests.model.reference import encode_unpadded
 
     out = {}
     for shape in GTE_SHAPES:
         path = gte_seeded(root / shape, shape)
-        vectors = SentenceTransformer(str(path), device="cpu").encode(GTE_REFERENCE_TEXTS, convert_to_tensor=True)
+        vectors = encode_unpadded(SentenceTransformer(str(path), device="cpu"), GTE_REFERENCE_TEXTS)
         out[shape] = {"digest": weights_digest(path), "embeddings": vectors.float().tolist()}
     return {"texts": GTE_REFERENCE_TEXTS, "shapes": out}
 
