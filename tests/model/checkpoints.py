@@ -287,20 +287,33 @@ MODERNBERT_SHAPES = {
 def modernbert(dest: Path, pooling: list[str] = ("mean",), shape: str = "tiny", **kwargs) -> Path:
     """A random ModernBERT (transformers' ModernBertModel: pre-norm without biases, global and sliding-window rotary
     attention, GeGLU, final norm) with sentence-transformers modules, its vocabulary cut to MiniLM's tokenizer's.
-    Norm weights are drawn around 1 (their init is exactly 1: a norm applied to the wrong block would not show)."""
+    Norm weights are drawn around 1 (their init is exactly 1: a norm applied to the wrong block would not show).
+
+    Every weight is drawn here, with transformers' own init skipped: its truncated normals (a rejection loop over the
+    whole tensor in torch's trunc_normal_) cost seconds at the base shape on a CPU core, and truncation at two
+    standard deviations changes nothing a test looks at. The widths are its init's: the output projections'
+    scaled down with the depth, the rest at initializer_range."""
     from transformers import ModernBertConfig, ModernBertModel
+    from transformers.initialization import no_init_weights
 
     torch.manual_seed(8)
     config = ModernBertConfig(vocab_size=30522, pad_token_id=0, bos_token_id=101, cls_token_id=101,
                               eos_token_id=102, sep_token_id=102, global_attn_every_n_layers=3,
                               **MODERNBERT_SHAPES[shape])
-    model = ModernBertModel(config)
+    with no_init_weights():  # the parameters are left as allocated: each is drawn below
+        model = ModernBertModel(config)
+    out_std = config.initializer_range / (2.0 * config.num_hidden_layers) ** 0.5
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.1)
             elif "Wqkv" in name:  # queries and keys of order 1 (the values too: one matrix)
                 p.normal_(0, p.shape[1] ** -0.5)
+            elif name.endswith("Wo.weight"):  # attention and MLP output projections
+                p.normal_(0, out_std)
+            else:  # the token embeddings and the MLP's input projection: weights only, no biases
+                assert p.dim() == 2 and name.endswith(("tok_embeddings.weight", "Wi.weight")), name
+                p.normal_(0, config.initializer_range)
     model.save_pretrained(dest, safe_serialization=True)
     _copy_tokenizer(dest)
     _st_files(dest, list(pooling), max_seq_length=128 if shape == "tiny" else 512, **kwargs)
