@@ -1,17 +1,21 @@
 """all-mpnet-base-v2 with its real weights, on the CPU in float32: the assembled directory is the model
 sentence-transformers knows, and the server's POST /v1/embeddings (through the `openai` client) gives every one of
 200 varied texts the embedding SentenceTransformer.encode gives it (cosine at least the float32 table's 0.99999),
-at the same dimension, normalized. One server start and a few batched requests keep it short."""
+at the same dimension, normalized. Both sides run a base model over some 9,000 tokens on the CPU, most of the time
+here: one server start, a few batched requests of texts of similar length, and the reference without padding,
+computed beside the server, keep it short."""
 
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
+from tests.model.reference import encode_unpadded
 from tests.model.sentences import SENTENCES
 from tests.server.conftest import start_server
 from tests.support import mpnet
@@ -82,31 +86,58 @@ def test_the_assembled_directory_is_all_mpnet_base_v2(mpnet_dir, reference):
     assert similar > 0.6 > unrelated, (similar, unrelated)  # real weights: meaning, not noise
 
 
-def test_v1_embeddings_match_sentence_transformers(mpnet_dir, reference, tmp_path, record_property):
-    openai = pytest.importorskip("openai")  # a dev dependency, missing only where the suite is not installed
-    assert len(TEXTS) == TEXT_COUNT and len(set(TEXTS)) == TEXT_COUNT
-    # the CPU in float32 whatever this machine has (the acceptance: float32's tolerance); a base model's warm-up and
-    # requests of 50 inputs up to 384 tokens take longer on a 2-core CPU than the test servers' defaults allow
+def _through_the_server(openai, mpnet_dir, tmp_path, order: list[int], threads: int) -> tuple[list, int]:
+    """The texts' embeddings (in TEXTS' order) and the tokens counted, from requests of REQUEST_SIZE texts sent in
+    `order` to a server computing on `threads` cores.
+
+    The CPU in float32 whatever this machine has (the acceptance: float32's tolerance); a base model's requests of 50
+    inputs up to 384 tokens take longer on a 2-core CPU than the test servers' defaults allow. Operator settings that
+    only spend time here are off: the warm-up (on the CPU it runs the largest batch once to warm the allocator and
+    calibrates the int8 outputs, neither of which this test reads) and the kernel-timing samples (a sampled batch run
+    again eagerly, every op timed)."""
     server = start_server(tmp_path, ready_timeout_s=600, model=str(mpnet_dir), device="cpu", dtype="float32",
-                          request_timeout_s=600)
+                          request_timeout_s=600, warmup=False, kernel_timing_sample_rate=0, torch_threads=threads)
+    ours, tokens = [None] * len(TEXTS), 0
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
         (model,) = [m.id for m in client.models.list().data]
-        ours, tokens = [], 0
-        for start in range(0, len(TEXTS), REQUEST_SIZE):
-            result = client.embeddings.create(input=TEXTS[start:start + REQUEST_SIZE], model=model,
+        for start in range(0, len(order), REQUEST_SIZE):
+            chosen = order[start:start + REQUEST_SIZE]
+            result = client.embeddings.create(input=[TEXTS[i] for i in chosen], model=model,
                                               encoding_format="float")
-            assert [d.index for d in result.data] == list(range(len(result.data)))
-            ours += [d.embedding for d in result.data]
+            assert [d.index for d in result.data] == list(range(len(chosen)))
+            for i, d in zip(chosen, result.data):
+                ours[i] = d.embedding
             tokens += result.usage.prompt_tokens
     finally:
         server.stop()
-    theirs = reference.encode(TEXTS, batch_size=8, convert_to_numpy=True)  # sorted by length: little padding
+    return ours, tokens
+
+
+def test_v1_embeddings_match_sentence_transformers(mpnet_dir, reference, tmp_path, record_property):
+    openai = pytest.importorskip("openai")  # a dev dependency, missing only where the suite is not installed
+    assert len(TEXTS) == TEXT_COUNT and len(set(TEXTS)) == TEXT_COUNT
+    # every text truncated at 384 tokens as sentence-transformers truncates it, <s> and </s> counted
+    counts = [len(ids) for ids in reference.tokenizer(TEXTS, truncation=True, max_length=MAX_SEQ_LENGTH)["input_ids"]]
+    # Requests of texts of similar length, as a client batching its own inputs would send them: on the CPU attention
+    # pads a batch to its longest input, so a 384-token text among short ones would cost 384 tokens for every row.
+    # Each request still mixes lengths (3 to 13 tokens in the first, 44 to 384 in the last).
+    order = sorted(range(TEXT_COUNT), key=lambda i: counts[i])
+    # The reference computes in a thread of this process while the server computes, each on half of this process's
+    # share of the cores (tests/conftest.py), at least one: under `make test` on 2 cores, one thread each, and two
+    # single-threaded computations share cores without the spinning of one thread pool on a core another holds.
+    share = torch.get_num_threads()
+    torch.set_num_threads(max(1, share // 2))  # the reference's, in the thread started below
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(encode_unpadded, reference, TEXTS)
+            ours, tokens = _through_the_server(openai, mpnet_dir, tmp_path, order, max(1, share - share // 2))
+            theirs = pending.result().numpy()
+    finally:
+        torch.set_num_threads(share)
     assert len(ours) == len(theirs) == TEXT_COUNT and {len(row) for row in ours} == {DIM} and theirs.shape[1] == DIM
     assert_unit_length(np.array(ours))
-    # every text truncated at 384 tokens as sentence-transformers truncates it, <s> and </s> counted
-    counts = reference.tokenizer(TEXTS, truncation=True, max_length=MAX_SEQ_LENGTH)["input_ids"]
-    assert tokens == sum(len(ids) for ids in counts)
+    assert tokens == sum(counts)
     cosine = torch.nn.functional.cosine_similarity(torch.tensor(ours, dtype=torch.float64),
                                                    torch.from_numpy(theirs).double(), dim=1)
     min_cosine, max_abs = embedding_errors(ours, theirs)
