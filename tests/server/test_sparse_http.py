@@ -1,6 +1,7 @@
 """A SPLADE model served by a real server: TEI's POST /embed_sparse and OpenAI's /v1/embeddings with encoding_format
 "sparse" (through the real openai client) answer SparseEncoder.encode's vectors on the same directory (fp32 CPU), as
-[{index, value}] lists; the dense routes refuse a sparse model and /embed_sparse a dense one, naming the way."""
+[{index, value}] lists; the dense routes refuse a sparse model, naming the way (and /embed_sparse a dense one: the
+default model's server, tests/server/test_tei.py)."""
 
 from __future__ import annotations
 
@@ -63,10 +64,3 @@ def test_routes_of_the_other_kind_refuse_naming_the_way(served):
     r = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS, "encoding_format": "sparse",
                                                         "dimensions": 8})
     assert r.status_code == 422 and "dimensions" in r.text
-
-
-def test_a_dense_model_refuses_embed_sparse(server):
-    r = httpx.post(server.url + "/embed_sparse", json={"inputs": TEXTS}, timeout=60)
-    assert r.status_code == 422 and "serves sparse models" in r.text and "/embed" in r.text
-    r = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS, "encoding_format": "sparse"})
-    assert r.status_code == 422 and "sparse" in r.text

@@ -149,3 +149,13 @@ def test_tei_errors_and_strict_flags(server):
     assert r.status_code == 422 and "prompt_name" in r.json()["error"]
     assert post(server, "/tokenize", {"inputs": "a", "add_special_tokens": "no"}).status_code == 422
     assert httpx.get(server.url + "/embed").json()["error_type"] == "validation"  # 405, TEI's shape
+
+
+def test_a_dense_model_refuses_embed_sparse(server):
+    """/embed_sparse serves sparse (SPLADE) models only, and OpenAI's sparse encoding_format likewise: the dense
+    default model refuses both, naming the way (a SPLADE model's answers: tests/server/test_sparse_http.py)."""
+    texts = ["A man is eating food.", "Sparse lexical vectors for retrieval."]
+    r = post(server, "/embed_sparse", {"inputs": texts})
+    assert r.status_code == 422 and "serves sparse models" in r.text and "/embed" in r.text
+    r = post(server, "/v1/embeddings", {"input": texts, "encoding_format": "sparse"})
+    assert r.status_code == 422 and "sparse" in r.text
