@@ -106,6 +106,37 @@ def add_layer_norm(
     return (y, s.to(x.dtype)) if return_sum else y
 
 
+def _rms_norm(h: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
+    # transformers' Qwen3RMSNorm / Qwen2RMSNorm: h * rsqrt(mean(h^2) + eps), rounded to the input dtype FIRST, then
+    # times the weight (a product of two fp16/bf16 values is exact in fp32, so _store's one cast rounds it as a product
+    # in the input dtype does); float64 rounds nothing
+    n = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    return weight.to(h.dtype) * n.to(dtype).to(h.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, out: Tensor | None = None) -> Tensor:
+    h = x.to(_compute_dtype(x.dtype))
+    return _store(_rms_norm(h, weight, eps, x.dtype), x.dtype, out)
+
+
+def add_rms_norm(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    eps: float = 1e-6,
+    *,
+    return_sum: bool = False,
+    out: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    # s = x + residual, rounded to x's dtype: the residual stream a pre-norm decoder carries forward, added in the
+    # model dtype as transformers' decoder layers add it; y = rms_norm(s), of that rounded s (unlike add_layer_norm,
+    # which normalizes the unrounded sum), so the fused op is exactly the unfused add then RMSNorm
+    compute = _compute_dtype(x.dtype)
+    s = (x.to(compute) + residual.to(compute)).to(x.dtype)
+    y = rms_norm(s, weight, eps, out=out)
+    return (y, s) if return_sum else y
+
+
 def linear_add_layer_norm(x: Tensor, weight: Tensor, bias: Tensor, residual: Tensor, ln_weight: Tensor,
                           ln_bias: Tensor, eps: float = 1e-12, *, out: Tensor | None = None) -> Tensor:
     """LayerNorm(x @ weight^T + bias + residual): a BERT layer's attention-out or FFN-out block. The GEMM runs in the

@@ -49,6 +49,20 @@ def _add_ln_inputs(rows, cols, dtype, device, gen):
     return (x, residual, bias, w, b, 1e-5), {}
 
 
+def _rms_inputs(rows, cols, dtype, device, gen):
+    # a non-zero mean: RMSNorm does not centre, so the mean is part of the scale; Qwen's eps
+    x = _randn((rows, cols), dtype, device, gen, scale=2.0, shift=0.5)
+    w = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    return (x, w, 1e-6), {}
+
+
+def _add_rms_inputs(rows, cols, dtype, device, gen):
+    x = _randn((rows, cols), dtype, device, gen, scale=2.0, shift=0.5)
+    residual = _randn((rows, cols), dtype, device, gen)
+    w = _randn((cols,), dtype, device, gen, scale=0.5, shift=1.0)
+    return (x, residual, w, 1e-6), {}
+
+
 def _embedding_ln_inputs(rows, cols, dtype, device, gen):
     vocab, positions, types = 97, 64, 2
     ids = torch.randint(0, vocab, (rows,), generator=gen).to(device)
@@ -246,8 +260,9 @@ def _like_first(x, *args, **kwargs) -> Tensor:
     return torch.empty_like(x)
 
 
-def _add_layer_norm_fake(x, residual, bias, weight, ln_bias, eps, return_sum):
-    return torch.empty_like(x), (torch.empty_like(x) if return_sum else x.new_empty(0))
+def _with_sum_fake(x, *args):
+    # add_layer_norm, add_rms_norm: (y, the pre-norm sum or an empty tensor), return_sum the schema's last argument
+    return torch.empty_like(x), (torch.empty_like(x) if args[-1] else x.new_empty(0))
 
 
 def _gemm_fake(x, weight, *args) -> Tensor:
@@ -305,8 +320,19 @@ _SPECS = (
     OpSpec("bias_residual_gelu", reference.bias_residual_gelu, "GELU(x + bias + residual).", _like_first,
            _bias_residual_gelu_inputs, fused_in=_triton_and_cuda("bias_residual_gelu")),
     OpSpec("add_layer_norm", reference.add_layer_norm,
-           "LayerNorm(x + bias + residual); with return_sum=True also the pre-norm sum.", _add_layer_norm_fake,
+           "LayerNorm(x + bias + residual); with return_sum=True also the pre-norm sum.", _with_sum_fake,
            _add_ln_inputs, differentiable=True, fused_in=_triton_and_cuda("add_layer_norm")),
+    # RMSNorm in transformers' Qwen2/Qwen3 order (decoder embedders). Not `rowwise` though row-wise: ROWWISE_OPS is
+    # what the CUDA backend's row-wise tests and `bench kernels fused-ops` take, and neither has these yet (the Triton
+    # tests of strided, 3-D and non-finite inputs name them beside ROWWISE_OPS)
+    OpSpec("rms_norm", reference.rms_norm,
+           "RMSNorm over the last dimension as transformers' Qwen3RMSNorm: weight * (x / sqrt(mean(x^2) + eps)), the "
+           "normalized value rounded to x's dtype before the weight.", _like_first, _rms_inputs, rowwise=False,
+           fused_in=_triton_only("rms_norm")),
+    OpSpec("add_rms_norm", reference.add_rms_norm,
+           "rms_norm(x + residual), the sum rounded to x's dtype first; with return_sum=True also that sum (a "
+           "pre-norm decoder's residual stream).", _with_sum_fake, _add_rms_inputs, rowwise=False,
+           fused_in=_triton_only("add_rms_norm")),
     OpSpec("embedding_layer_norm", reference.embedding_layer_norm,
            "LayerNorm(word[ids] + position[pos] + token_type[types]) for flat id vectors: [tokens] -> "
            "[tokens, hidden].",

@@ -1,9 +1,11 @@
-"""The one LayerNorm-family kernel behind layer_norm, layer_norm_gelu, add_layer_norm, partial_add_layer_norm and
-embedding_layer_norm.
+"""The one LayerNorm-family kernel body behind layer_norm, layer_norm_gelu, add_layer_norm, partial_add_layer_norm,
+embedding_layer_norm, rms_norm and add_rms_norm.
 
 Each program normalizes BLOCK_M whole rows held in registers (one read of every input, one write of every output).
 constexpr flags switch the sources (one matrix, its partial sums, a residual, three gathered table rows), the bias
-add, the pre-norm-sum store and the GELU, so each op compiles to exactly the code it needs.
+add, the pre-norm-sum store, the GELU and the statistics (LayerNorm's, or RMSNorm's: no centring, no bias), so each op
+compiles to exactly the code it needs. Two entry kernels share the body: `_norm_kernel` (LayerNorm) and
+`_rms_norm_kernel` (RMSNorm, with only the arguments it uses and its own autotune key and name in profiles).
 
 A row is held as NCHUNK column blocks of CHUNK (a power of two, as Triton's blocks must be): widths of 3 x 2^k
 (384, 768, 1536, 3072: the encoders' hidden sizes) as three exact blocks, so no lane loads, computes or holds a
@@ -75,12 +77,14 @@ _CONFIGS = [
 
 
 @triton.jit
-def _sum_block(X, x_rows, stride_p, R, r_rows, T, t_rows, BIAS, cols, col_ok, mask, PARTS: tl.constexpr,
+def _sum_block(X, x_rows, stride_p, R, r_rows, T, t_rows, BIAS, Y, cols, col_ok, mask, PARTS: tl.constexpr,
                SOURCES: tl.constexpr, HAS_BIAS: tl.constexpr, F64: tl.constexpr, ONCE: tl.constexpr,
-               SHARED: tl.constexpr):
-    """One column block of the rows' pre-norm sums, [BLOCK_M, CHUNK] in fp32 (fp64 for fp64), 0 outside `mask`.
-    The loads are unrolled: independent, so in flight together (a runtime loop over a split GEMM's partial sums
-    waits out one memory latency per part, which dominates a few-token batch's LayerNorm)."""
+               SHARED: tl.constexpr, RMS: tl.constexpr):
+    """One column block of the rows' pre-norm sums, [BLOCK_M, CHUNK] in fp32 (fp64 for fp64), 0 outside `mask`;
+    for RMSNorm with a residual, the sum as Y's dtype holds it (the residual stream, which transformers' decoders add
+    in the model dtype before the norm). The loads are unrolled: independent, so in flight together (a runtime loop
+    over a split GEMM's partial sums waits out one memory latency per part, which dominates a few-token batch's
+    LayerNorm)."""
     h = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0,
                 eviction_policy=ONCE)
     h = h.to(tl.float64) if F64 else h.to(tl.float32)
@@ -95,16 +99,111 @@ def _sum_block(X, x_rows, stride_p, R, r_rows, T, t_rows, BIAS, cols, col_ok, ma
                      eviction_policy=ONCE).to(h.dtype)
     if HAS_BIAS:
         h += tl.load(BIAS + cols, mask=col_ok, other=0.0, eviction_policy=SHARED).to(h.dtype)[None, :]
+    if RMS:
+        if SOURCES > 1:
+            h = h.to(Y.dtype.element_ty).to(h.dtype)
     return h
 
 
 @triton.jit
-def _store_block(c, rstd, W, B, Y, y_rows, cols, col_ok, mask, GELU: tl.constexpr, SHARED: tl.constexpr):
-    """y = (h - mean) * rstd * w + b [-> GELU] for one column block, `c` = h - mean."""
+def _store_block(c, rstd, W, B, Y, y_rows, cols, col_ok, mask, GELU: tl.constexpr, SHARED: tl.constexpr,
+                 RMS: tl.constexpr):
+    """y = (h - mean) * rstd * w + b [-> GELU] for one column block, `c` = h - mean; with RMS, y = w * (h * rstd)
+    with h * rstd rounded to Y's dtype first (transformers' Qwen2/Qwen3 RMSNorm: the product of two fp16 or bf16
+    values is exact in fp32, so the one rounding of the store is that of the product in the input dtype)."""
     w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy=SHARED).to(c.dtype)
-    b = tl.load(B + cols, mask=col_ok, other=0.0, eviction_policy=SHARED).to(c.dtype)
-    y = gelu(c * rstd[:, None] * w[None, :] + b[None, :], GELU, Y.dtype.element_ty.primitive_bitwidth == 16)
+    if RMS:
+        y = (c * rstd[:, None]).to(Y.dtype.element_ty).to(c.dtype) * w[None, :]
+    else:
+        b = tl.load(B + cols, mask=col_ok, other=0.0, eviction_policy=SHARED).to(c.dtype)
+        y = gelu(c * rstd[:, None] * w[None, :] + b[None, :], GELU, Y.dtype.element_ty.primitive_bitwidth == 16)
     tl.store(Y + y_rows[:, None] + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _normalize_rows(X, R, T, IDX_X, IDX_R, IDX_T, BIAS, W, B, Y, S, stride_x, stride_r, stride_t, stride_y, stride_s,
+                    stride_p, M, N, eps, PARTS: tl.constexpr, SOURCES: tl.constexpr, GATHER: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, STORE_SUM: tl.constexpr, GELU: tl.constexpr, RMS: tl.constexpr,
+                    F64: tl.constexpr, WIDE: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr,
+                    EVEN_COLS: tl.constexpr, READ_ONCE: tl.constexpr, READ_SHARED: tl.constexpr,
+                    BLOCK_M: tl.constexpr, USE_PDL: tl.constexpr):
+    """The body of both entry kernels (their arguments are documented at _norm_kernel); inlined into each."""
+    pid = tl.program_id(0)
+    if WIDE:  # offsets past 2^31 elements need 64-bit arithmetic; otherwise 32-bit is cheaper per element
+        pid = pid.to(tl.int64)
+        stride_p = stride_p.to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.arange(0, CHUNK)
+    if EVEN_COLS:
+        mask = row_ok[:, None]  # broadcast along the columns: the loads stay 16-byte vectors
+    else:
+        mask = row_ok[:, None] & (cols < N)[None, :]
+    pdl_sync(USE_PDL)
+
+    if GATHER:
+        x_rows = tl.load(IDX_X + rows, mask=row_ok, other=0).to(tl.int64) * stride_x
+        r_rows = tl.load(IDX_R + rows, mask=row_ok, other=0).to(tl.int64) * stride_r
+        t_rows = tl.load(IDX_T + rows, mask=row_ok, other=0).to(tl.int64) * stride_t
+    else:
+        x_rows = rows * stride_x
+        r_rows = rows * stride_r
+        t_rows = rows * stride_t
+    y_rows = rows * stride_y
+    s_rows = rows * stride_s
+
+    # LayerNorm: mean = sum(h) / N; var = sum((h - mean)^2) / N (the centered pass over registers: no E[h^2] - mean^2
+    # cancellation, no re-read); y = (h - mean) / sqrt(var + eps) * w + b.
+    # RMSNorm: the same without the centring and the bias: var = sum(h^2) / N; y = w * (h / sqrt(var + eps)), the
+    # pre-norm sum rounded to the input dtype first (as transformers' decoders carry the residual stream)
+    h0 = _sum_block(X, x_rows, stride_p, R, r_rows, T, t_rows, BIAS, Y, cols, cols < N, mask, PARTS, SOURCES,
+                    HAS_BIAS, F64, READ_ONCE, READ_SHARED, RMS)
+    if STORE_SUM:
+        tl.store(S + s_rows[:, None] + cols[None, :], h0.to(S.dtype.element_ty), mask=mask)
+    if NCHUNK > 1:
+        # NCHUNK 3 only for exact widths: every column of these blocks is real
+        h1 = _sum_block(X + CHUNK, x_rows, stride_p, R + CHUNK, r_rows, T + CHUNK, t_rows, BIAS + CHUNK, Y, cols,
+                        cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64, READ_ONCE, READ_SHARED, RMS)
+        h2 = _sum_block(X + 2 * CHUNK, x_rows, stride_p, R + 2 * CHUNK, r_rows, T + 2 * CHUNK, t_rows,
+                        BIAS + 2 * CHUNK, Y, cols, cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64, READ_ONCE,
+                        READ_SHARED, RMS)
+        if STORE_SUM:
+            tl.store(S + CHUNK + s_rows[:, None] + cols[None, :], h1.to(S.dtype.element_ty), mask=mask)
+            tl.store(S + 2 * CHUNK + s_rows[:, None] + cols[None, :], h2.to(S.dtype.element_ty), mask=mask)
+    if RMS:  # no centring; the padding columns hold 0
+        c0 = h0
+        if NCHUNK == 1:
+            sq = tl.sum(c0 * c0, axis=1)
+        else:
+            c1 = h1
+            c2 = h2
+            sq = tl.sum(c0 * c0 + c1 * c1 + c2 * c2, axis=1)
+    else:
+        if NCHUNK == 1:
+            total = tl.sum(h0, axis=1)
+        else:
+            total = tl.sum(h0 + h1 + h2, axis=1)
+        mean = total / N
+        if EVEN_COLS:
+            c0 = h0 - mean[:, None]
+        else:  # the padding columns hold 0, so the mean's sum needed no mask; the variance's does
+            c0 = tl.where(mask, h0 - mean[:, None], 0.0)
+        if NCHUNK == 1:
+            sq = tl.sum(c0 * c0, axis=1)
+        else:
+            c1 = h1 - mean[:, None]
+            c2 = h2 - mean[:, None]
+            sq = tl.sum(c0 * c0 + c1 * c1 + c2 * c2, axis=1)
+    if F64:  # fp64 sqrt and division are correctly rounded (rsqrt is an approximation): the gradcheck's path
+        rstd = 1.0 / tl.sqrt(sq / N + eps)
+    else:
+        rstd = tl.math.rsqrt(sq / N + eps)
+    _store_block(c0, rstd, W, B, Y, y_rows, cols, cols < N, mask, GELU, READ_SHARED, RMS)
+    if NCHUNK > 1:
+        _store_block(c1, rstd, W + CHUNK, B + CHUNK, Y + CHUNK, y_rows, cols, cols < CHUNK, mask, GELU,
+                     READ_SHARED, RMS)
+        _store_block(c2, rstd, W + 2 * CHUNK, B + 2 * CHUNK, Y + 2 * CHUNK, y_rows, cols, cols < CHUNK, mask, GELU,
+                     READ_SHARED, RMS)
 
 
 @autotune(_CONFIGS, key=["N", "M_BUCKET", "SOURCES", "GATHER", "HAS_BIAS", "STORE_SUM", "GELU", "PARTS"],
@@ -140,70 +239,37 @@ def _norm_kernel(
     BLOCK_M: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_common.pdl_args)
 ):
-    pid = tl.program_id(0)
-    if WIDE:  # offsets past 2^31 elements need 64-bit arithmetic; otherwise 32-bit is cheaper per element
-        pid = pid.to(tl.int64)
-        stride_p = stride_p.to(tl.int64)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    cols = tl.arange(0, CHUNK)
-    if EVEN_COLS:
-        mask = row_ok[:, None]  # broadcast along the columns: the loads stay 16-byte vectors
-    else:
-        mask = row_ok[:, None] & (cols < N)[None, :]
-    pdl_sync(USE_PDL)
+    _normalize_rows(X, R, T, IDX_X, IDX_R, IDX_T, BIAS, W, B, Y, S, stride_x, stride_r, stride_t, stride_y, stride_s,
+                    stride_p, M, N, eps, PARTS, SOURCES, GATHER, HAS_BIAS, STORE_SUM, GELU, False, F64, WIDE, NCHUNK,
+                    CHUNK, EVEN_COLS, READ_ONCE, READ_SHARED, BLOCK_M, USE_PDL)
 
-    if GATHER:
-        x_rows = tl.load(IDX_X + rows, mask=row_ok, other=0).to(tl.int64) * stride_x
-        r_rows = tl.load(IDX_R + rows, mask=row_ok, other=0).to(tl.int64) * stride_r
-        t_rows = tl.load(IDX_T + rows, mask=row_ok, other=0).to(tl.int64) * stride_t
-    else:
-        x_rows = rows * stride_x
-        r_rows = rows * stride_r
-        t_rows = rows * stride_t
-    y_rows = rows * stride_y
-    s_rows = rows * stride_s
 
-    # mean = sum(h) / N; var = sum((h - mean)^2) / N (the centered pass over registers: no E[h^2] - mean^2
-    # cancellation, no re-read); y = (h - mean) / sqrt(var + eps) * w + b
-    h0 = _sum_block(X, x_rows, stride_p, R, r_rows, T, t_rows, BIAS, cols, cols < N, mask, PARTS, SOURCES, HAS_BIAS,
-                    F64, READ_ONCE, READ_SHARED)
-    if STORE_SUM:
-        tl.store(S + s_rows[:, None] + cols[None, :], h0.to(S.dtype.element_ty), mask=mask)
-    if NCHUNK == 1:
-        total = tl.sum(h0, axis=1)
-    else:
-        # NCHUNK 3 only for exact widths: every column of these blocks is real
-        h1 = _sum_block(X + CHUNK, x_rows, stride_p, R + CHUNK, r_rows, T + CHUNK, t_rows, BIAS + CHUNK, cols,
-                        cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64, READ_ONCE, READ_SHARED)
-        h2 = _sum_block(X + 2 * CHUNK, x_rows, stride_p, R + 2 * CHUNK, r_rows, T + 2 * CHUNK, t_rows,
-                        BIAS + 2 * CHUNK, cols, cols < CHUNK, mask, PARTS, SOURCES, HAS_BIAS, F64, READ_ONCE,
-                        READ_SHARED)
-        if STORE_SUM:
-            tl.store(S + CHUNK + s_rows[:, None] + cols[None, :], h1.to(S.dtype.element_ty), mask=mask)
-            tl.store(S + 2 * CHUNK + s_rows[:, None] + cols[None, :], h2.to(S.dtype.element_ty), mask=mask)
-        total = tl.sum(h0 + h1 + h2, axis=1)
-    mean = total / N
-    if EVEN_COLS:
-        c0 = h0 - mean[:, None]
-    else:  # the padding columns hold 0, so the mean's sum needed no mask; the variance's does
-        c0 = tl.where(mask, h0 - mean[:, None], 0.0)
-    if NCHUNK == 1:
-        sq = tl.sum(c0 * c0, axis=1)
-    else:
-        c1 = h1 - mean[:, None]
-        c2 = h2 - mean[:, None]
-        sq = tl.sum(c0 * c0 + c1 * c1 + c2 * c2, axis=1)
-    if F64:  # fp64 sqrt and division are correctly rounded (rsqrt is an approximation): the gradcheck's path
-        rstd = 1.0 / tl.sqrt(sq / N + eps)
-    else:
-        rstd = tl.math.rsqrt(sq / N + eps)
-    _store_block(c0, rstd, W, B, Y, y_rows, cols, cols < N, mask, GELU, READ_SHARED)
-    if NCHUNK > 1:
-        _store_block(c1, rstd, W + CHUNK, B + CHUNK, Y + CHUNK, y_rows, cols, cols < CHUNK, mask, GELU,
-                     READ_SHARED)
-        _store_block(c2, rstd, W + 2 * CHUNK, B + 2 * CHUNK, Y + 2 * CHUNK, y_rows, cols, cols < CHUNK, mask, GELU,
-                     READ_SHARED)
+@autotune(_CONFIGS, key=["N", "M_BUCKET", "SOURCES", "STORE_SUM"], prune=_prune)
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])  # counts: see _common.autotune
+def _rms_norm_kernel(
+    X,  # [M, N] input
+    R,  # [M, N] residual (unused unless SOURCES > 1)
+    W,  # [N] RMSNorm weight
+    Y,  # [M, N] output
+    S,  # [M, N] pre-norm sum output (unused unless STORE_SUM)
+    stride_x, stride_r, stride_y, stride_s,  # row strides; columns are unit-stride
+    M, N, eps,
+    M_BUCKET,  # autotune key only
+    SOURCES: tl.constexpr,  # 1: X; 2: X + R
+    STORE_SUM: tl.constexpr,
+    F64: tl.constexpr,
+    WIDE: tl.constexpr,
+    NCHUNK: tl.constexpr,  # 1 or 3 column blocks (column_chunks)
+    CHUNK: tl.constexpr,
+    EVEN_COLS: tl.constexpr,  # NCHUNK * CHUNK == N: no column is padding
+    BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (_common.pdl_args)
+):
+    # the LayerNorm body with RMS statistics: no partial sums, gathers, bias or GELU; W stands in for the unused
+    # pointers, stride_x for the unused strides, and no eviction hints (they did not pay for the plain LayerNorm)
+    _normalize_rows(X, R, X, W, W, W, W, W, W, Y, S, stride_x, stride_r, stride_x, stride_y, stride_s, stride_x,
+                    M, N, eps, 1, SOURCES, False, False, STORE_SUM, 0, True, F64, WIDE, NCHUNK, CHUNK, EVEN_COLS,
+                    "", "", BLOCK_M, USE_PDL)
 
 
 def launch_norm(x: Tensor, residual: Tensor | None, bias: Tensor | None, weight: Tensor, ln_bias: Tensor,
@@ -240,4 +306,27 @@ def launch_norm(x: Tensor, residual: Tensor | None, bias: Tensor | None, weight:
         or (parts is not None and parts.numel() >= 2**31),
         NCHUNK=nchunk, CHUNK=chunk, EVEN_COLS=nchunk * chunk == cols, **l2_policies(gelu_mode, y.dtype),
         **pdl_args(y),
+    )
+
+
+def launch_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, y: Tensor, pre_norm_sum: Tensor | None,
+                    eps: float) -> None:
+    """All tensors already validated: x, residual, y, pre_norm_sum are [M, N] with unit column stride. y = RMSNorm(x
+    [+ residual]) in transformers' Qwen2/Qwen3 order; pre_norm_sum, if given, gets x + residual in its dtype."""
+    rows, cols = y.shape
+    if rows == 0:
+        return
+    nchunk, chunk = column_chunks(cols)
+
+    def grid(meta):
+        return (triton.cdiv(rows, meta["BLOCK_M"]),)
+
+    _rms_norm_kernel[grid](
+        x, residual if residual is not None else x, weight, y, pre_norm_sum if pre_norm_sum is not None else y,
+        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        pre_norm_sum.stride(0) if pre_norm_sum is not None else 0,
+        rows, cols, eps, row_bucket(rows), SOURCES=2 if residual is not None else 1,
+        STORE_SUM=pre_norm_sum is not None, F64=x.dtype == torch.float64,
+        WIDE=needs_wide(y, pre_norm_sum) or needs_wide(x, residual),
+        NCHUNK=nchunk, CHUNK=chunk, EVEN_COLS=nchunk * chunk == cols, **pdl_args(y),
     )

@@ -107,7 +107,7 @@ def opcheck_custom_ops(backend: str, device: str) -> None:
     gen = torch.Generator().manual_seed(5)
     for op in ops_of(backend):
         args, _ = OP_SPECS[op].make_inputs(6, 40, torch.float32, device, gen)
-        if op == "add_layer_norm":
+        if op in ("add_layer_norm", "add_rms_norm"):
             args = (*args, False)
         elif op in ("layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "linear_bias_gelu", "ffn_partials"):
             args = (*args, "none")
@@ -120,7 +120,8 @@ def opcheck_custom_ops(backend: str, device: str) -> None:
 # ---- each op's formula written out again in float64, independently of kernels/reference.py ------------------------
 # The oracle the kernels are checked against is kernels.reference evaluated in float64; these check that oracle (and
 # the reference at the serving dtypes) against the ops' definitions: plain mean/variance, erf, softmax and sums per
-# segment, no torch.nn.functional and nothing shared with the reference's code.
+# segment, no torch.nn.functional and nothing shared with the reference's code. They round nothing: the roundings the
+# reference makes in the input dtype (rms_norm's normalized value, add_rms_norm's sum) must stay within its tolerance.
 
 
 def _f64(value):
@@ -132,6 +133,11 @@ def _layer_norm64(h, weight, bias, eps):
     mean = h.sum(-1, keepdim=True) / h.shape[-1]
     var = ((h - mean) ** 2).sum(-1, keepdim=True) / h.shape[-1]  # biased, as LayerNorm's
     return (h - mean) / torch.sqrt(var + eps) * weight + bias
+
+
+def _rms_norm64(h, weight, eps):
+    # h / sqrt(mean(h^2) + eps) * weight, no intermediate rounding
+    return h / torch.sqrt((h * h).sum(-1, keepdim=True) / h.shape[-1] + eps) * weight
 
 
 def _gelu64(h, approximate="none"):
@@ -248,12 +254,20 @@ def _add_layer_norm64(x, residual, bias, weight, ln_bias, eps=1e-12, *, return_s
     return (y, s) if return_sum else y
 
 
+def _add_rms_norm64(x, residual, weight, eps=1e-6, *, return_sum=False):
+    s = x + residual
+    y = _rms_norm64(s, weight, eps)
+    return (y, s) if return_sum else y
+
+
 FORMULAS = {
     "layer_norm": lambda x, w, b, eps=1e-12: _layer_norm64(x, w, b, eps),
     "layer_norm_gelu": lambda x, w, b, eps=1e-12, approximate="none": _gelu64(_layer_norm64(x, w, b, eps), approximate),
     "bias_gelu": lambda x, bias, approximate="none": _gelu64(x + bias, approximate),
     "bias_residual_gelu": lambda x, bias, residual, approximate="none": _gelu64(x + bias + residual, approximate),
     "add_layer_norm": _add_layer_norm64,
+    "rms_norm": lambda x, w, eps=1e-6: _rms_norm64(x, w, eps),
+    "add_rms_norm": _add_rms_norm64,
     "embedding_layer_norm": lambda ids, pos, types, word, position, token_type, w, b, eps=1e-12: _layer_norm64(
         word[ids] + position[pos] + token_type[types], w, b, eps),
     "linear_bias_gelu": lambda x, w, b, approximate="none": _gelu64(x @ w.T + b, approximate),

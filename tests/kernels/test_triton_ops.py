@@ -31,7 +31,12 @@ from tests.conftest import DTYPES, INTERPRETER, shapes
 # - on the interpreter, the attention ops at widths whose heads (spec.attention_heads, spec.rotary_heads) are too wide
 #   for the kernel: the launcher hands those to the torch reference, which tests/kernels/test_reference.py checks at
 #   the same rows, cols and dtype (the hand-off itself: the heads-too-wide tests of test_qkv_attention.py,
-#   test_relative_attention.py and test_rotary_attention.py).
+#   test_relative_attention.py and test_rotary_attention.py);
+# - on the interpreter, most many-row cases of the RMS ops at the wide widths (300 columns and up): their kernel is the
+#   LayerNorm kernel's body (kernels/triton/_norm.py) with other statistics, whose row tiles and column masks the
+#   LayerNorm ops' cases cover, and each such case costs the interpreter a second or two. They run every width and
+#   dtype on one row and on the narrow many-row shapes, and one wide many-row shape each (RMS_MANY_ROWS);
+#   tests/kernels/test_rms_norm.py adds many rows of three exact blocks in every dtype. The GPU runs them all.
 SWEPT_ELSEWHERE = ("linear_bias_gelu", "linear_add_layer_norm", "linear_glu", "splade_pool")
 FP32_ON_THE_INTERPRETER = ("qkv_attention", "attention_partials", "ffn_partials", "relative_attention",
                            "rotary_attention")
@@ -49,9 +54,14 @@ def _head_dim(op: str, cols: int) -> int:
     return cols // attention_heads(cols)
 
 
-def _swept(op: str, cols: int, dtype: torch.dtype) -> bool:
+RMS_MANY_ROWS = {("rms_norm", 769): torch.bfloat16, ("add_rms_norm", 4097): torch.float16}
+
+
+def _swept(op: str, rows: int, cols: int, dtype: torch.dtype) -> bool:
     if op in SWEPT_ELSEWHERE:
         return False
+    if INTERPRETER and op in ("rms_norm", "add_rms_norm") and rows > 1 and cols >= 300:
+        return RMS_MANY_ROWS.get((op, cols)) == dtype
     if INTERPRETER and op in FP32_ON_THE_INTERPRETER and dtype == torch.bfloat16:
         return False
     if INTERPRETER and op in MAX_HEAD_DIMS:
@@ -60,7 +70,7 @@ def _swept(op: str, cols: int, dtype: torch.dtype) -> bool:
 
 
 SWEEP = [(op, rows, cols, dtype) for op, (rows, cols), dtype in itertools.product(ops_of("triton"), shapes(), DTYPES)
-         if _swept(op, cols, dtype)]
+         if _swept(op, rows, cols, dtype)]
 
 
 def _seed(*parts) -> int:
@@ -73,7 +83,11 @@ def test_matches_float64_reference(device, op, rows, cols, dtype):
     assert report.ok, report
 
 
-@pytest.mark.parametrize("op", [op for op in ROWWISE_OPS if op != "embedding_layer_norm"])
+# the row-wise ops taking a [rows, cols] x: ROWWISE_OPS, and the RMS ops (outside it: kernels/spec.py says why)
+ROW_INPUT_OPS = [*(op for op in ROWWISE_OPS if op != "embedding_layer_norm"), "rms_norm", "add_rms_norm"]
+
+
+@pytest.mark.parametrize("op", ROW_INPUT_OPS)
 def test_strided_and_3d_inputs(device, op):
     gen = torch.Generator().manual_seed(_seed("strided", op))
     args, kwargs = OP_SPECS[op].make_inputs(2 * 5, 96, torch.float16, device, gen)
@@ -88,7 +102,7 @@ def test_strided_and_3d_inputs(device, op):
         assert compare(out, float64_reference(op, call, kwargs), torch.float16).ok
 
 
-@pytest.mark.parametrize("op", [op for op in ROWWISE_OPS if op != "embedding_layer_norm"])
+@pytest.mark.parametrize("op", ROW_INPUT_OPS)
 def test_nan_and_inf_propagate_like_reference(device, op):
     gen = torch.Generator().manual_seed(_seed("nan", op))
     args, kwargs = OP_SPECS[op].make_inputs(9, 300, torch.float32, device, gen)
