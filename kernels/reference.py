@@ -299,31 +299,47 @@ def rotate_half(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
 
 
 def rotary_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, inv_freq: Tensor,
-                     window: int = 0, *, out: Tensor | None = None) -> Tensor:
+                     window: int = 0, *, num_kv_heads: int | None = None, causal: bool = False,
+                     q_norm: Tensor | None = None, k_norm: Tensor | None = None, norm_eps: float = 1e-6,
+                     out: Tensor | None = None) -> Tensor:
     """Self-attention of each packed sequence with rotary position embeddings: per head, q and k rotated by their
     token's position within its sequence (0-based; rotate_half), then softmax(q k^T / sqrt(d)) v within each sequence
-    cu_seqlens[b] : cu_seqlens[b + 1], for qkv [T, 3H] (query, key and value stacked as qkv.view(T, 3, num_heads, d),
-    d = H / num_heads, even) and inv_freq [d / 2] -> [T, H] in qkv's dtype. window > 0: a query attends only to keys
-    at most `window` positions away (a sliding window of 2 * window + 1). Rows past cu_seqlens[-1] come out as
-    zeros. Computed in float32 (float64 stays) through SDPA on a padded [batch, max_seqlen] block built on the device:
-    no host sync, so it runs inside CUDA graphs."""
+    cu_seqlens[b] : cu_seqlens[b + 1], for qkv [T, (H + 2 KV) d] (num_heads query heads, then num_kv_heads key and
+    value heads, KV = num_heads unless given: grouped-query attention, query head h reading key/value head
+    h // (H / KV); d even) and inv_freq [d / 2] -> [T, H d] in qkv's dtype. window > 0: a query attends only to keys
+    at most `window` positions away (a sliding window of 2 * window + 1); causal: only to keys at or before it.
+    q_norm, k_norm [d]: each head of q and k RMS-normed with them first (Qwen3's q_norm and k_norm, eps norm_eps).
+    Rows past cu_seqlens[-1] come out as zeros. Computed in float32 (float64 stays) through SDPA on a padded
+    [batch, max_seqlen] block built on the device: no host sync, so it runs inside CUDA graphs."""
     compute = _compute_dtype(qkv.dtype)
     t, width = qkv.shape
-    hidden, batch = width // 3, cu_seqlens.numel() - 1
-    d = hidden // num_heads
+    batch, kv_heads = cu_seqlens.numel() - 1, num_kv_heads or num_heads
+    d = width // (num_heads + 2 * kv_heads)
     if batch * max_seqlen == 0:
-        return _store(qkv.new_zeros((t, hidden), dtype=compute), qkv.dtype, out)
+        return _store(qkv.new_zeros((t, num_heads * d), dtype=compute), qkv.dtype, out)
     padded, pad_index, real, lengths = _packed_block(qkv, cu_seqlens, max_seqlen, compute)
-    q, k, v = padded[:-1].view(batch, max_seqlen, 3, num_heads, d).permute(2, 0, 3, 1, 4)
+    q, k, v = padded[:-1].view(batch, max_seqlen, width).split([num_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = (x.reshape(batch, max_seqlen, -1, d).transpose(1, 2) for x in (q, k, v))  # [batch, heads, seq, d]
+    if q_norm is not None:
+        q, k = _rms_heads(q, q_norm, norm_eps), _rms_heads(k, k_norm, norm_eps)
     positions = torch.arange(max_seqlen, device=qkv.device)
     q, k = rotate_half(q, positions, inv_freq), rotate_half(k, positions, inv_freq)
+    k, v = k.repeat_interleave(num_heads // kv_heads, dim=1), v.repeat_interleave(num_heads // kv_heads, dim=1)
     keep = (positions[None, :] < lengths[:, None])[:, None, None, :]  # [batch, 1, 1, seq(k)]
+    distance = positions[None, :] - positions[:, None]  # key - query
     if window > 0:
-        keep = keep & ((positions[None, :] - positions[:, None]).abs() <= window)[None, None]
+        keep = keep & (distance.abs() <= window)[None, None]
+    if causal:
+        keep = keep & (distance <= 0)[None, None]
     ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-    ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, hidden)
+    ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, num_heads * d)
     ctx = torch.where(real[:, None], ctx[pad_index.clamp(max=max(batch * max_seqlen - 1, 0))], 0.0)
     return _store(ctx, qkv.dtype, out)
+
+
+def _rms_heads(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Each head's RMSNorm over its d columns (x [..., d], in x's compute dtype)."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(x.dtype)
 
 
 def linear_glu(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "gelu", *,

@@ -367,15 +367,18 @@ _SPECS = (
            "(key - query distance r at column r + R - 1, max_seqlen <= R); rows past the last offset are zeros.",
            lambda qkv, cu, max_seqlen, num_heads, bias: qkv.new_empty((qkv.shape[0], qkv.shape[1] // 3)),
            _relative_attention_inputs, rowwise=False, fused_in=_triton_only("relative_attention")),
-    # attention with rotary position embeddings (GTE, ModernBERT's global and sliding-window layers)
+    # attention with rotary position embeddings (GTE, ModernBERT's global and sliding-window layers; Qwen's causal
+    # grouped-query layers with their per-head q/k norms)
     OpSpec("rotary_attention", reference.rotary_attention,
-           "softmax(rot(q) rot(k)^T / sqrt(d)) v per head within each packed sequence of qkv [T, 3H] (stacked as "
-           "qkv.view(T, 3, num_heads, d), d even; offsets cu_seqlens [B + 1], each at most max_seqlen long) -> "
-           "[T, H], rot the rotary embedding at the token's position within its sequence (0-based) with the "
-           "frequencies inv_freq [d / 2] (transformers' rotate_half); window > 0: keys at most that far from the "
-           "query only; rows past the last offset are zeros.",
-           lambda qkv, cu, max_seqlen, num_heads, inv_freq, window=0: qkv.new_empty((qkv.shape[0],
-                                                                                    qkv.shape[1] // 3)),
+           "softmax(rot(q) rot(k)^T / sqrt(d)) v per head within each packed sequence of qkv [T, (H + 2 KV) d] "
+           "(num_heads query heads, then num_kv_heads key and value heads (default num_heads), d even; offsets "
+           "cu_seqlens [B + 1], each at most max_seqlen long) -> [T, H d], rot the rotary embedding at the token's "
+           "position within its sequence (0-based) with the frequencies inv_freq [d / 2] (transformers' "
+           "rotate_half); window > 0: keys at most that far from the query only; causal: keys at or before it "
+           "only; q_norm, k_norm [d]: each head of q and k RMS-normed first; rows past the last offset are zeros.",
+           lambda qkv, cu, max_seqlen, num_heads, inv_freq, window=0, num_kv_heads=None, causal=False, q_norm=None,
+           k_norm=None, norm_eps=1e-6: qkv.new_empty((qkv.shape[0], qkv.shape[1] // (
+               num_heads + 2 * (num_kv_heads or num_heads)) * num_heads)),
            _rotary_attention_inputs, rowwise=False, output=_qkv_width, fused_in=_triton_only("rotary_attention")),
     # a gated feed-forward's first GEMM with its gate in the epilogue (GTE's GeGLU, NomicBERT's SwiGLU)
     OpSpec("linear_glu", reference.linear_glu,

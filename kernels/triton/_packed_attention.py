@@ -106,18 +106,28 @@ def grid(max_seqlen: int, block_m: int, cu_seqlens: Tensor, num_heads: int) -> t
 
 
 def check_packed(name: str, qkv: Tensor, cu_seqlens: Tensor, num_heads: int, out: Tensor | None,
-                 *others: Tensor) -> Tensor:
+                 *others: Tensor, num_kv_heads: int | None = None) -> Tensor:
     """The checks every packed-attention launcher makes (qkv [T, 3H] in a kernel dtype, heads that split H, `out` a
     contiguous [T, H] of qkv's dtype, `others` on qkv's device); returns the checked offsets (contiguous, on qkv's
-    device)."""
+    device). With num_kv_heads (grouped-query attention): qkv [T, (heads + 2 kv_heads) d], kv_heads dividing heads,
+    the output [T, heads d]."""
     check_device(name, qkv, *others)
     if qkv.dtype not in DTYPES:
         raise TypeError(f"{name}: qkv must be one of {DTYPES}, got {qkv.dtype}")
-    if qkv.dim() != 2 or qkv.shape[1] % 3:
-        raise ValueError(f"{name}: qkv must be [T, 3H] (query, key and value stacked), got {tuple(qkv.shape)}")
-    hidden = qkv.shape[1] // 3
-    if num_heads < 1 or hidden % num_heads:
-        raise ValueError(f"{name}: {num_heads} heads do not split {hidden} columns")
+    if num_kv_heads is None or num_kv_heads == num_heads:
+        if qkv.dim() != 2 or qkv.shape[1] % 3:
+            raise ValueError(f"{name}: qkv must be [T, 3H] (query, key and value stacked), got {tuple(qkv.shape)}")
+        hidden = qkv.shape[1] // 3
+        if num_heads < 1 or hidden % num_heads:
+            raise ValueError(f"{name}: {num_heads} heads do not split {hidden} columns")
+    else:
+        if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"{name}: {num_kv_heads} key/value heads do not divide {num_heads} query heads")
+        stacked = num_heads + 2 * num_kv_heads
+        if qkv.dim() != 2 or qkv.shape[1] % stacked:
+            raise ValueError(f"{name}: qkv must be [T, (heads + 2 kv_heads) d] = [T, {stacked} d] (query, key and "
+                             f"value heads stacked), got {tuple(qkv.shape)}")
+        hidden = qkv.shape[1] // stacked * num_heads
     shape = (qkv.shape[0], hidden)
     if out is not None and (out.shape != shape or out.dtype != qkv.dtype or not out.is_contiguous()):
         raise ValueError(f"{name}: out must be a contiguous {qkv.dtype} tensor of shape {shape}")

@@ -45,17 +45,19 @@ from fusedserve.kernels.triton._packed_attention import (LOG2E, MAX_HEAD_DIM, MA
 @deferrable
 @triton.jit(do_not_specialize=["T"])
 def _rotate_kernel(
-    qkv_ptr,  # [T, 3H]: per row q | k | v, each [heads, HEAD_DIM]
+    qkv_ptr,  # [T, (H + 2 KV) d]: per row q | k | v, H query heads, KV key/value heads, d = HEAD_DIM
     cu_ptr,  # [B + 1] int32/int64 sequence offsets
     inv_freq_ptr,  # [HEAD_DIM / 2] the rotary frequencies (any float dtype, read in fp32)
-    qk_ptr,  # [T, 2H] output: rotated q | rotated k, qkv's dtype
-    T, H, stride_qkv, stride_qk,
-    HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-    BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False,
+    q_norm_ptr, k_norm_ptr,  # [HEAD_DIM] each: the per-head RMSNorm weights of q and k (read only with HAS_NORM)
+    qk_ptr,  # [T, (H + KV) d] output: rotated q | rotated k, qkv's dtype
+    T, eps, stride_qkv, stride_qk,
+    HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    """Rows of one sequence, every head of q and k: x' = (x1 cos a - x2 sin a, x2 cos a + x1 sin a) in fp32 at
-    a = (the row's position in its sequence) * inv_freq, rounded once to the output dtype. A row's angles are taken
-    once and serve its 2 x heads rotations."""
+    """Rows of one sequence, every head of q and k: under HAS_NORM first each head's RMSNorm (x / rms(x) * w, over
+    the head's d columns: Qwen3's q and k norms), then x' = (x1 cos a - x2 sin a, x2 cos a + x1 sin a) at
+    a = (the row's position in its sequence) * inv_freq, all in fp32, rounded once to the output dtype. A row's
+    angles are taken once and serve all of its heads."""
     part = tl.program_id(0)
     seq = tl.program_id(1)
     pdl_sync(USE_PDL)
@@ -64,7 +66,7 @@ def _rotate_kernel(
     halves = tl.arange(0, BLOCK_H)
     heads = tl.arange(0, BLOCK_HEADS)
     cols = (heads * HEAD_DIM)[None, :, None] + halves[None, None, :]  # [1, heads, half]: a head's first half
-    col_ok = (heads < HEADS)[None, :, None] & (halves < HALF)[None, None, :]
+    half_ok = (halves < HALF)[None, None, :]
     inv_freq = tl.load(inv_freq_ptr + halves, mask=halves < HALF, other=0.0).to(tl.float32)
     start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int32), 0), T)
     end = tl.minimum(tl.maximum(tl.load(cu_ptr + seq + 1).to(tl.int32), start), T)
@@ -74,23 +76,34 @@ def _rotate_kernel(
         angles = (rows - start).to(tl.float32)[:, None, None] * inv_freq[None, None, :]
         cos = tl.cos(angles)
         sin = tl.sin(angles)
-        mask = (rows < end)[:, None, None] & col_ok
         src = qkv_ptr + rows.to(tl.int64)[:, None, None] * stride_qkv + cols
         dst = qk_ptr + rows.to(tl.int64)[:, None, None] * stride_qk + cols
-        for which in tl.static_range(2):  # q (columns 0 .. H), then k (H .. 2H)
-            x1 = tl.load(src + which * H, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(src + which * H + HALF, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dst + which * H, (x1 * cos - x2 * sin).to(qk_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + which * H + HALF, (x2 * cos + x1 * sin).to(qk_ptr.dtype.element_ty), mask=mask)
+        for which in tl.static_range(2):  # q (HEADS heads from column 0), then k (KV_HEADS from HEADS x d)
+            count = HEADS if which == 0 else KV_HEADS
+            offset = 0 if which == 0 else HEADS * HEAD_DIM
+            mask = (rows < end)[:, None, None] & (heads < count)[None, :, None] & half_ok
+            x1 = tl.load(src + offset, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + offset + HALF, mask=mask, other=0.0).to(tl.float32)
+            if HAS_NORM:
+                w_ptr = q_norm_ptr if which == 0 else k_norm_ptr
+                w1 = tl.load(w_ptr + halves, mask=halves < HALF, other=0.0).to(tl.float32)[None, None, :]
+                w2 = tl.load(w_ptr + HALF + halves, mask=halves < HALF, other=0.0).to(tl.float32)[None, None, :]
+                # padding lanes hold zeros: the sums are the head's own
+                mean_square = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / HEAD_DIM
+                scale = (1.0 / tl.sqrt(mean_square + eps))[:, :, None]
+                x1 = x1 * scale * w1
+                x2 = x2 * scale * w2
+            tl.store(dst + offset, (x1 * cos - x2 * sin).to(qk_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + offset + HALF, (x2 * cos + x1 * sin).to(qk_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _attend(q, qk_ptr, v_ptr, k_col, v_col, key, end, first, window, m, total, acc, qk_scale, stride_qk, stride_v,
             dtype, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-            WINDOWED: tl.constexpr):
+            WINDOWED: tl.constexpr, CAUSAL: tl.constexpr):
     """One key block of online-softmax attention: m, total and acc after the keys key .. key + BLOCK_N for the
-    (rotated) queries q of rows first .. first + BLOCK_M, the keys at or past `end` left out, and under WINDOWED
-    those farther than `window` from the query too."""
+    (rotated) queries q of rows first .. first + BLOCK_M, the keys at or past `end` left out, under WINDOWED those
+    farther than `window` from the query too, and under CAUSAL those after it."""
     BLOCK_M: tl.constexpr = q.shape[0]
     keys = key + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
@@ -104,25 +117,28 @@ def _attend(q, qk_ptr, v_ptr, k_col, v_col, key, end, first, window, m, total, a
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale
-    if WINDOWED:
+    keep = keys[None, :] < end
+    if WINDOWED or CAUSAL:
         distance = keys[None, :] - (first + tl.arange(0, BLOCK_M))[:, None]
-        s = tl.where((keys[None, :] < end) & (distance <= window) & (distance >= -window), s, float("-inf"))
-    else:
-        s = tl.where(keys[None, :] < end, s, float("-inf"))
+        if WINDOWED:
+            keep = keep & (distance <= window) & (distance >= -window)
+        if CAUSAL:
+            keep = keep & (distance <= 0)
+    s = tl.where(keep, s * qk_scale, float("-inf"))
     return online_softmax(s, v, m, total, acc, dtype, IEEE)
 
 
 @deferrable
 @triton.jit(do_not_specialize=["T", "window"])  # counts: see _common.autotune
 def _rotary_attention_kernel(
-    qk_ptr,  # [T, 2H]: per row the rotated q | k, each [heads, HEAD_DIM]
-    v_ptr,  # qkv [T, 3H]: v in columns 2H .. 3H
+    qk_ptr,  # [T, (H + KV) d]: per row the rotated q | k
+    v_ptr,  # qkv [T, (H + 2 KV) d]: v in its last KV x d columns
     cu_ptr,  # [B + 1] int32/int64 sequence offsets
-    y_ptr,  # [T, H] output, qkv's dtype
-    T, H, window, qk_scale, stride_qk, stride_v, stride_y,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr, WINDOWED: tl.constexpr, USE_PDL: tl.constexpr = False,
+    y_ptr,  # [T, H d] output, qkv's dtype
+    T, window, qk_scale, stride_qk, stride_v, stride_y,
+    HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr, CAUSAL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     part = tl.program_id(0)
     seq = tl.program_id(1)
@@ -139,9 +155,11 @@ def _rotary_attention_kernel(
         y_cols = head * HEAD_DIM + dims
         start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int32), 0), T)
         end = tl.minimum(tl.maximum(tl.load(cu_ptr + seq + 1).to(tl.int32), start), T)
+        # grouped-query heads: query heads h of one group of HEADS / KV_HEADS share key/value head h // group
+        kv_head = head // (HEADS // KV_HEADS)
         q_col = head * HEAD_DIM
-        k_col = H + head * HEAD_DIM
-        v_col = 2 * H + head * HEAD_DIM
+        k_col = (HEADS + kv_head) * HEAD_DIM
+        v_col = (HEADS + KV_HEADS + kv_head) * HEAD_DIM
         # a sequence longer than the grid's query blocks (longer than max_seqlen) is still computed whole
         for first in range(start + part * BLOCK_M, end, BLOCK_M * parts):
             rows = first + tl.arange(0, BLOCK_M)
@@ -155,16 +173,18 @@ def _rotary_attention_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
             lo = start
             hi = end
+            # only the keys some query row of the block may see: the blocks outside are never visited
             if WINDOWED:
-                # only the keys within `window` of some query row of the block: the blocks outside are never visited
                 lo = tl.maximum(start, first - window)
                 hi = tl.minimum(end, tl.minimum(first + BLOCK_M, end) + window)  # past the last row's reach
+            if CAUSAL:
+                hi = tl.minimum(hi, first + BLOCK_M)  # up to the block's last row
             # one loop, every block masked (the last one's keys past the sequence's end; under a window the keys out
             # of reach): _packed_attention.launch_shape says why
             for key in range(lo, hi, BLOCK_N):
                 m, total, acc = _attend(q, qk_ptr, v_ptr, k_col, v_col, key, end, first, window, m, total, acc,
                                         qk_scale, stride_qk, stride_v, dtype, HEAD_DIM, BLOCK_N, BLOCK_D, IEEE,
-                                        WINDOWED)
+                                        WINDOWED, CAUSAL)
             if WINDOWED:  # the block's rows past the sequence's end may meet no key (not stored): no 0 / 0
                 total = tl.where(total > 0, total, 1.0)
             ctx = acc / total[:, None]
@@ -190,20 +210,21 @@ def launch_shape(max_seqlen: int, head_dim: int, ieee: bool = False, window: int
 
 
 def rotate_shape(num_heads: int, head_dim: int) -> dict:
-    """The rotation pass's tiles: [BLOCK_T rows, every head, half a head] of about 4096 elements (rows of several
-    heads' halves at once: the angles of a row serve all of them), on 4 warps."""
+    """The rotation pass's tiles: [BLOCK_T rows, every query head, half a head] of about 4096 elements (rows of
+    several heads' halves at once: the angles of a row serve all of them; the fewer key heads of grouped-query
+    attention take the same tile, masked), on 4 warps."""
     block_heads = triton.next_power_of_2(num_heads)
     block_h = triton.next_power_of_2(max(head_dim // 2, 1))
     return {"BLOCK_T": max(4096 // (block_heads * block_h), 1), "BLOCK_HEADS": block_heads, "BLOCK_H": block_h,
             "num_warps": 4}
 
 
-def _check(qkv: Tensor, cu_seqlens: Tensor, num_heads: int, inv_freq: Tensor, window: int,
-           out: Tensor | None) -> Tensor:
+def _check(qkv: Tensor, cu_seqlens: Tensor, num_heads: int, inv_freq: Tensor, window: int, num_kv_heads: int,
+           causal: bool, q_norm: Tensor | None, k_norm: Tensor | None, out: Tensor | None) -> Tensor:
     """The checked offsets (contiguous, on qkv's device)."""
     name = "rotary_attention"
-    cu_seqlens = check_packed(name, qkv, cu_seqlens, num_heads, out, inv_freq)
-    d = qkv.shape[1] // 3 // num_heads
+    cu_seqlens = check_packed(name, qkv, cu_seqlens, num_heads, out, inv_freq, num_kv_heads=num_kv_heads)
+    d = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     if d % 2:
         raise ValueError(f"{name}: the rotary embedding pairs dimension i with i + d/2: heads of {d} columns (odd) "
                          "have no such pairs")
@@ -211,36 +232,52 @@ def _check(qkv: Tensor, cu_seqlens: Tensor, num_heads: int, inv_freq: Tensor, wi
         raise ValueError(f"{name}: inv_freq must be [head_dim / 2] = [{d // 2}], got {tuple(inv_freq.shape)}")
     if window < 0:
         raise ValueError(f"{name}: window must be 0 (none) or a positive distance, got {window}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError(f"{name}: q_norm and k_norm come together (a model with per-head norms has both)")
+    for label, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if weight is not None and (weight.dim() != 1 or weight.numel() != d or weight.device != qkv.device):
+            raise ValueError(f"{name}: {label} must be the head's [{d}] norm weight on {qkv.device}, got "
+                             f"{tuple(weight.shape)} on {weight.device}")
     return cu_seqlens
 
 
 def rotary_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, inv_freq: Tensor,
-                     window: int = 0, *, out: Tensor | None = None) -> Tensor:
-    """softmax(rot(q) rot(k)^T / sqrt(d)) v per head within each packed sequence: qkv [T, 3H] (query, key and value
-    stacked as qkv.view(T, 3, num_heads, d), d even), cu_seqlens [B + 1] and the rotary frequencies inv_freq [d / 2]
-    (any float dtype, read in fp32) on qkv's device -> [T, H] in qkv's dtype, zeros outside
+                     window: int = 0, *, num_kv_heads: int | None = None, causal: bool = False,
+                     q_norm: Tensor | None = None, k_norm: Tensor | None = None, norm_eps: float = 1e-6,
+                     out: Tensor | None = None) -> Tensor:
+    """softmax(rot(q) rot(k)^T / sqrt(d)) v per head within each packed sequence: qkv [T, (H + 2 KV) d] (num_heads
+    query heads, then num_kv_heads key and value heads, each d wide, d even; KV = num_heads unless given, else a
+    divisor of it: grouped-query attention), cu_seqlens [B + 1] and the rotary frequencies inv_freq [d / 2] (any
+    float dtype, read in fp32) on qkv's device -> [T, H d] in qkv's dtype, zeros outside
     [cu_seqlens[0], cu_seqlens[-1]); rot rotates by the token's position within its sequence (transformers'
-    rotate_half). window > 0: keys at most that far from the query only. `out` (contiguous [T, H]) is written in
-    place. max_seqlen (a bound, as varlen attention takes it) sizes the blocks and the grid."""
-    cu_seqlens = _check(qkv, cu_seqlens, num_heads, inv_freq, window, out)
-    t, hidden = qkv.shape[0], qkv.shape[1] // 3
-    d = hidden // num_heads
+    rotate_half). window > 0: keys at most that far from the query only; causal: keys at or before the query only.
+    q_norm, k_norm [d] (together): each head of q and k RMS-normed (eps norm_eps) with them before the rotation
+    (Qwen3). `out` (contiguous [T, H d]) is written in place. max_seqlen (a bound, as varlen attention takes it) sizes
+    the blocks and the grid."""
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    cu_seqlens = _check(qkv, cu_seqlens, num_heads, inv_freq, window, kv_heads, causal, q_norm, k_norm, out)
+    t = qkv.shape[0]
+    d = qkv.shape[1] // (num_heads + 2 * kv_heads)
     if d > MAX_HEAD_DIM or cu_seqlens.numel() - 1 > MAX_SEQUENCES:  # more than the registers or the grid hold
-        return reference.rotary_attention(qkv, cu_seqlens, max_seqlen, num_heads, inv_freq, window, out=out)
-    y = out if out is not None else torch.empty((t, hidden), dtype=qkv.dtype, device=qkv.device)
+        return reference.rotary_attention(qkv, cu_seqlens, max_seqlen, num_heads, inv_freq, window,
+                                          num_kv_heads=num_kv_heads, causal=causal, q_norm=q_norm, k_norm=k_norm,
+                                          norm_eps=norm_eps, out=out)
+    y = out if out is not None else torch.empty((t, num_heads * d), dtype=qkv.dtype, device=qkv.device)
     if not y.numel():
         return y
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
     pdl = pdl_args(qkv)
     # the rotated q and k, each row's once, then attention over them and qkv's v
-    qk = torch.empty((t, 2 * hidden), dtype=qkv.dtype, device=qkv.device)
+    qk = torch.empty((t, (num_heads + kv_heads) * d), dtype=qkv.dtype, device=qkv.device)
     rotate = rotate_shape(num_heads, d)
+    norms = (inv_freq, inv_freq) if q_norm is None else (q_norm.contiguous(), k_norm.contiguous())  # unread: none
     _rotate_kernel[(triton.cdiv(max(max_seqlen, 1), rotate["BLOCK_T"]), cu_seqlens.numel() - 1)](
-        qkv, cu_seqlens, inv_freq.contiguous(), qk, t, hidden, qkv.stride(0), qk.stride(0), HEAD_DIM=d,
-        HEADS=num_heads, **rotate, **pdl)
+        qkv, cu_seqlens, inv_freq.contiguous(), *norms, qk, t, norm_eps, qkv.stride(0), qk.stride(0), HEAD_DIM=d,
+        HEADS=num_heads, KV_HEADS=kv_heads, HAS_NORM=q_norm is not None, **rotate, **pdl)
     ieee = ieee_products(qkv.dtype)
     shape = launch_shape(max_seqlen, d, ieee, window)
     _rotary_attention_kernel[grid(max_seqlen, shape["BLOCK_M"], cu_seqlens, num_heads)](
-        qk, qkv, cu_seqlens, y, t, hidden, window, d**-0.5 * LOG2E, qk.stride(0), qkv.stride(0), y.stride(0),
-        HEAD_DIM=d, IEEE=ieee, WINDOWED=windowed(max_seqlen, window), **shape, **pdl)
+        qk, qkv, cu_seqlens, y, t, window, d**-0.5 * LOG2E, qk.stride(0), qkv.stride(0), y.stride(0), HEAD_DIM=d,
+        HEADS=num_heads, KV_HEADS=kv_heads, IEEE=ieee, WINDOWED=windowed(max_seqlen, window), CAUSAL=causal,
+        **shape, **pdl)
     return y

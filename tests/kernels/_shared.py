@@ -182,31 +182,40 @@ def _relative_attention64(qkv, cu_seqlens, max_seqlen, num_heads, bias):
     return ctx
 
 
-def _rotary_attention64(qkv, cu_seqlens, max_seqlen, num_heads, inv_freq, window=0):
-    # per sequence and head: each pair of dimensions (i, i + d/2) of q and k turned by the angle t * inv_freq[i] at the
-    # token's position t in its sequence, written out as a plane rotation; then softmax(q k^T / sqrt(d)) v over the
-    # keys within `window` of the query (all of the sequence's for window 0)
-    tokens, hidden = qkv.shape[0], qkv.shape[1] // 3
-    d = hidden // num_heads
-    half = d // 2
-    q, k, v = qkv.split(hidden, dim=1)
-    ctx = torch.zeros((tokens, hidden), dtype=qkv.dtype)
+def _rotary_attention64(qkv, cu_seqlens, max_seqlen, num_heads, inv_freq, window=0, num_kv_heads=None, causal=False,
+                        q_norm=None, k_norm=None, norm_eps=1e-6):
+    # per sequence and query head: each head of q and k RMS-normed with its weight (when given), each pair of
+    # dimensions (i, i + d/2) turned by the angle t * inv_freq[i] at the token's position t in its sequence, written
+    # out as a plane rotation; query head h attends through key/value head h // (heads / kv_heads), softmax(q k^T /
+    # sqrt(d)) v over the keys within `window` of the query (all of the sequence's for window 0), none after it when
+    # causal
+    kv_heads = num_kv_heads or num_heads
+    d = qkv.shape[1] // (num_heads + 2 * kv_heads)
+    half, group = d // 2, num_heads // kv_heads
+    q, k, v = qkv.split([num_heads * d, kv_heads * d, kv_heads * d], dim=1)
+    ctx = torch.zeros((qkv.shape[0], num_heads * d), dtype=qkv.dtype)
+
+    def prepare(x, weight, cos, sin):
+        if weight is not None:
+            x = x / torch.sqrt((x * x).mean(dim=1, keepdim=True) + norm_eps) * weight
+        return torch.cat([x[:, :half] * cos - x[:, half:] * sin, x[:, half:] * cos + x[:, :half] * sin], dim=1)
+
     offsets = cu_seqlens.tolist()
     for start, end in zip(offsets[:-1], offsets[1:]):
         assert end - start <= max_seqlen
         angle = torch.arange(end - start, dtype=qkv.dtype)[:, None] * inv_freq[None, :]
         cos, sin = torch.cos(angle), torch.sin(angle)
         positions = torch.arange(end - start)
-        reach = ((positions[None, :] - positions[:, None]).abs() <= window) | (window == 0)  # [query, key]
+        distance = positions[None, :] - positions[:, None]  # [query, key]: key - query
+        seen = (distance.abs() <= window) | (window == 0)
+        if causal:
+            seen = seen & (distance <= 0)
         for h in range(num_heads if end > start else 0):
-            cols = slice(h * d, (h + 1) * d)
-            qh, kh = q[start:end, cols], k[start:end, cols]
-            qh = torch.cat([qh[:, :half] * cos - qh[:, half:] * sin, qh[:, half:] * cos + qh[:, :half] * sin], dim=1)
-            kh = torch.cat([kh[:, :half] * cos - kh[:, half:] * sin, kh[:, half:] * cos + kh[:, :half] * sin], dim=1)
-            scores = qh @ kh.T / d**0.5
-            scores = scores.masked_fill(~reach, float("-inf"))
+            cols, kv = slice(h * d, (h + 1) * d), slice((h // group) * d, (h // group + 1) * d)
+            scores = prepare(q[start:end, cols], q_norm, cos, sin) @ prepare(k[start:end, kv], k_norm, cos, sin).T
+            scores = (scores / d**0.5).masked_fill(~seen, float("-inf"))
             weights = torch.exp(scores - scores.max(dim=1, keepdim=True).values)
-            ctx[start:end, cols] = (weights / weights.sum(dim=1, keepdim=True)) @ v[start:end, cols]
+            ctx[start:end, cols] = (weights / weights.sum(dim=1, keepdim=True)) @ v[start:end, kv]
     return ctx
 
 

@@ -217,20 +217,23 @@ def compile(fn, types, constexprs, options):
         _check_pdl_ptx(compiled.asm["ptx"])
 
 
-for ptr, max_seqlen, window, pdl in (("*fp16", 128, 0, True), ("*bf16", 512, 0, False), ("*bf16", 1024, 64, False),
-                                     ("*fp32", 128, 0, False)):
-    shape = launch_shape(max_seqlen, 64, ptr == "*fp32", window)
+for ptr, max_seqlen, window, pdl, (d, heads, kv_heads, causal) in (
+        ("*fp16", 128, 0, True, (64, 12, 12, False)), ("*bf16", 512, 0, False, (64, 12, 12, False)),
+        ("*bf16", 1024, 64, False, (64, 12, 12, False)), ("*fp32", 128, 0, False, (64, 12, 12, False)),
+        ("*bf16", 512, 0, True, (128, 16, 8, True))):  # Qwen3-Embedding-0.6B: grouped, causal, q/k norms
+    shape = launch_shape(max_seqlen, d, ptr == "*fp32", window)
     options = {"num_warps": shape.pop("num_warps"), "num_stages": shape.pop("num_stages"), "launch_pdl": pdl}
-    types = {"qk_ptr": ptr, "v_ptr": ptr, "cu_ptr": "*i32", "y_ptr": ptr, "T": "i32", "H": "i32", "window": "i32",
+    types = {"qk_ptr": ptr, "v_ptr": ptr, "cu_ptr": "*i32", "y_ptr": ptr, "T": "i32", "window": "i32",
              "qk_scale": "fp32", "stride_qk": "i32", "stride_v": "i32", "stride_y": "i32"}
-    compile(kernel, types, {**shape, "HEAD_DIM": 64, "IEEE": ptr == "*fp32", "WINDOWED": windowed(max_seqlen, window),
-                            "USE_PDL": pdl}, options)
-    rotate = rotate_shape(12, 64)
-    types = {"qkv_ptr": ptr, "cu_ptr": "*i32", "inv_freq_ptr": "*fp32", "qk_ptr": ptr, "T": "i32", "H": "i32",
-             "stride_qkv": "i32", "stride_qk": "i32"}
-    compile(_rotate_kernel, types, {"HEAD_DIM": 64, "HEADS": 12, "BLOCK_T": rotate["BLOCK_T"],
-                                    "BLOCK_HEADS": rotate["BLOCK_HEADS"], "BLOCK_H": rotate["BLOCK_H"],
-                                    "USE_PDL": pdl}, {"num_warps": rotate["num_warps"], "launch_pdl": pdl})
+    compile(kernel, types, {**shape, "HEAD_DIM": d, "HEADS": heads, "KV_HEADS": kv_heads, "IEEE": ptr == "*fp32",
+                            "WINDOWED": windowed(max_seqlen, window), "CAUSAL": causal, "USE_PDL": pdl}, options)
+    rotate = rotate_shape(heads, d)
+    types = {"qkv_ptr": ptr, "cu_ptr": "*i32", "inv_freq_ptr": "*fp32", "q_norm_ptr": ptr, "k_norm_ptr": ptr,
+             "qk_ptr": ptr, "T": "i32", "eps": "fp32", "stride_qkv": "i32", "stride_qk": "i32"}
+    compile(_rotate_kernel, types, {"HEAD_DIM": d, "HEADS": heads, "KV_HEADS": kv_heads, "HAS_NORM": causal,
+                                    "BLOCK_T": rotate["BLOCK_T"], "BLOCK_HEADS": rotate["BLOCK_HEADS"],
+                                    "BLOCK_H": rotate["BLOCK_H"], "USE_PDL": pdl},
+            {"num_warps": rotate["num_warps"], "launch_pdl": pdl})
     print("ok", ptr, max_seqlen, window)
 '''
 
@@ -239,7 +242,7 @@ for ptr, max_seqlen, window, pdl in (("*fp16", 128, 0, True), ("*bf16", 512, 0, 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel is compiled for real by the GPU tests")
 def test_compiles_for_sm90(tmp_path):
     stdout = compile_for_sm90(_COMPILE_FOR_SM90, tmp_path)
-    assert stdout.count("ok ") == 4, stdout
+    assert stdout.count("ok ") == 5, stdout
 
 
 # ---- the conventions, against transformers ------------------------------------------------------------------------
@@ -342,6 +345,117 @@ def test_the_window_matches_transformers_modernbert_local_attention(device):
     assert report.ok, report
     for window in (63, 65):
         assert not compare(run(window), expected, torch.float32).ok, window
+
+
+# ---- decoders: grouped-query heads, causal attention, per-head q/k RMSNorm (Qwen3, Qwen2) --------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lengths,heads,kv_heads,d,causal,norms", [
+    ([7, 0, 130, 1], 4, 2, 16, True, True),        # Qwen3: groups of two, causal, q/k norms; several query blocks
+    ([33, 5], 6, 1, 32, True, False),              # one key/value head for all (multi-query), Qwen2: no norms
+    ([70, 3], 4, 4, 16, False, True),              # norms without grouping or causality
+    ([1], 2, 1, 8, True, True),                    # a single token: its own value
+])
+def test_decoder_variants_match_the_formula(device, dtype, lengths, heads, kv_heads, d, causal, norms):
+    gen = torch.Generator().manual_seed(sum(lengths) + heads + d)
+    t = sum(lengths) + 5
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
+    qkv[-5:] = NAN  # filler rows: never read
+    q_norm = k_norm = None
+    if norms:  # weights of order 1 (Qwen3's start at ones), apart for q and k
+        q_norm, k_norm = 1 + 0.5 * torch.randn(d, generator=gen), 1 + 0.5 * torch.randn(d, generator=gen)
+        q_norm, k_norm = q_norm.to(device, dtype), k_norm.to(device, dtype)
+    qkv = qkv.to(device, dtype)
+    cu = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32, device=device)
+    inv_freq = inverse_frequencies(d, 1000000.0).to(device)  # Qwen3's theta
+    out = torch.full((t, heads * d), NAN, dtype=dtype, device=device)
+    _launch()(qkv, cu, max(lengths), heads, inv_freq, num_kv_heads=kv_heads, causal=causal, q_norm=q_norm,
+              k_norm=k_norm, norm_eps=1e-6, out=out)
+    end = int(cu[-1])
+    expected = formula_float64(OP, (qkv[:end], cu, max(lengths), heads, inv_freq, 0, kv_heads, causal, q_norm, k_norm,
+                                    1e-6), {})
+    report = compare(out[:end], expected, dtype)
+    assert report.ok, report
+    assert torch.equal(out[end:], torch.zeros_like(out[end:])), "rows outside the sequences must be zeros"
+
+
+def test_causal_attention_never_reads_a_later_key(device):
+    """A NaN key reaches, under causal attention, the rows at and after it in its sequence only; without causality,
+    every row of its sequence. (A NaN value would reach the earlier rows too, through 0 x NaN in p v, as it does in
+    SDPA: only the scores are masked.)"""
+    heads, kv_heads, d, lengths = 2, 1, 16, [20, 9]
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(sum(lengths), (heads + 2 * kv_heads) * d, generator=gen)
+    qkv[12, heads * d + 3] = NAN  # the first sequence's key at position 12, column 3 of the one key head
+    qkv = qkv.to(device, torch.float32)
+    cu = torch.tensor([0, 20, 29], dtype=torch.int32, device=device)
+    inv_freq = inverse_frequencies(d).to(device)
+    causal = _launch()(qkv, cu, 20, heads, inv_freq, num_kv_heads=kv_heads, causal=True).isnan().all(dim=1).cpu()
+    full = _launch()(qkv, cu, 20, heads, inv_freq, num_kv_heads=kv_heads).isnan().all(dim=1).cpu()
+    assert causal.tolist() == [False] * 12 + [True] * 8 + [False] * 9
+    assert full.tolist() == [True] * 20 + [False] * 9
+
+
+def test_decoder_arguments_are_checked(device):
+    launch = _launch()
+    qkv = torch.randn(5, 8 * 16, device=device)  # 4 query heads and 2 key/value heads of 16
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    inv_freq = inverse_frequencies(16).to(device)
+    with pytest.raises(ValueError, match="3 key/value heads do not divide 4 query heads"):
+        launch(qkv, cu, 5, 4, inv_freq, num_kv_heads=3)
+    with pytest.raises(ValueError, match="qkv must be \\[T, \\(heads \\+ 2 kv_heads\\) d\\] = \\[T, 10 d\\]"):
+        launch(qkv, cu, 5, 6, inv_freq, num_kv_heads=2)
+    with pytest.raises(ValueError, match="q_norm and k_norm come together"):
+        launch(qkv, cu, 5, 4, inv_freq, num_kv_heads=2, q_norm=torch.ones(16, device=device))
+    with pytest.raises(ValueError, match="k_norm must be the head's \\[16\\] norm weight"):
+        launch(qkv, cu, 5, 4, inv_freq, num_kv_heads=2, q_norm=torch.ones(16, device=device),
+               k_norm=torch.ones(8, device=device))
+    with pytest.raises(ValueError, match="out must be a contiguous torch.float32 tensor of shape \\(5, 64\\)"):
+        launch(qkv, cu, 5, 4, inv_freq, num_kv_heads=2, out=torch.empty(5, 32, device=device))
+
+
+@pytest.mark.slow  # importing transformers takes most of its time
+def test_the_decoder_variant_matches_transformers_qwen3_attention(device):
+    """Qwen3Attention (eager, its rotary embedding at theta 1e6, float64, causal mask, grouped heads, q_norm and
+    k_norm with weights apart from ones) on a padded batch equals the op on the same rows packed, q, k and v taken
+    from its own projections; without the norms, or without causality, it does not."""
+    qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    from transformers import Qwen3Config
+
+    hidden, heads, kv_heads, d, lengths = 64, 4, 2, 16, [21, 6, 1]
+    config = Qwen3Config(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d,
+                         num_hidden_layers=1, intermediate_size=64, rope_theta=1000000.0, attention_dropout=0.0)
+    config._attn_implementation = "eager"
+    gen = torch.Generator().manual_seed(17)
+    attention = qwen3.Qwen3Attention(config, layer_idx=0).double().eval()
+    rotary = qwen3.Qwen3RotaryEmbedding(config)
+    with torch.no_grad():
+        for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
+            projection.weight.copy_(dyadic(gen, projection.weight.shape, 1 / 64, 0.25))
+        attention.o_proj.weight.copy_(torch.eye(hidden, dtype=torch.float64))  # heads x d = hidden: the context
+        attention.q_norm.weight.copy_(1 + dyadic(gen, (d,), 1 / 8, 0.5))
+        attention.k_norm.weight.copy_(1 + dyadic(gen, (d,), 1 / 8, 0.5))
+        x, keep, positions = _padded_batch(lengths, hidden, gen)
+        causal = torch.tril(torch.ones(max(lengths), max(lengths), dtype=torch.bool))
+        mask = torch.where(causal[None, None] & keep[:, None, None, :], 0.0, float("-inf")).double()
+        cos, sin = rotary(x, positions)
+        expected = attention(x, position_embeddings=(cos.double(), sin.double()), attention_mask=mask)[0][keep]
+        rows = x[keep]
+        qkv = torch.cat([attention.q_proj(rows), attention.k_proj(rows), attention.v_proj(rows)], dim=1)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    inv_freq = rotary.inv_freq.float().to(device)
+    norms = {"q_norm": attention.q_norm.weight.float().to(device), "k_norm": attention.k_norm.weight.float().to(device),
+             "norm_eps": config.rms_norm_eps}
+
+    def run(causal=True, **kwargs):
+        return _launch()(qkv.float().to(device), cu, max(lengths), heads, inv_freq, num_kv_heads=kv_heads,
+                         causal=causal, **kwargs)
+
+    report = compare(run(**norms), expected, torch.float32)
+    assert report.ok, report
+    assert not compare(run(), expected, torch.float32).ok
+    assert not compare(run(causal=False, **norms), expected, torch.float32).ok
 
 
 # ---- the GPU: the models' shapes, graphs ---------------------------------------------------------------------------
