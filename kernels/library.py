@@ -20,8 +20,8 @@ from fusedserve.kernels.spec import OP_SPECS, OpSpec
 _cache: dict[str, dict[str, Callable]] = {}
 
 # the reference's annotations (strings: `from __future__ import annotations`) -> torch schema types
-_SCHEMA_TYPES = {"Tensor": "Tensor", "Tensor | None": "Tensor?", "float": "float", "int": "int", "str": "str",
-                 "bool": "bool"}
+_SCHEMA_TYPES = {"Tensor": "Tensor", "Tensor | None": "Tensor?", "float": "float", "int": "int", "int | None": "int?",
+                 "str": "str", "bool": "bool"}
 
 
 def signature(spec: OpSpec) -> inspect.Signature:

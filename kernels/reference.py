@@ -299,8 +299,8 @@ def rotate_half(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
 
 
 def rotary_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, inv_freq: Tensor,
-                     window: int = 0, *, num_kv_heads: int | None = None, causal: bool = False,
-                     q_norm: Tensor | None = None, k_norm: Tensor | None = None, norm_eps: float = 1e-6,
+                     window: int = 0, num_kv_heads: int | None = None, causal: bool = False,
+                     q_norm: Tensor | None = None, k_norm: Tensor | None = None, norm_eps: float = 1e-6, *,
                      out: Tensor | None = None) -> Tensor:
     """Self-attention of each packed sequence with rotary position embeddings: per head, q and k rotated by their
     token's position within its sequence (0-based; rotate_half), then softmax(q k^T / sqrt(d)) v within each sequence

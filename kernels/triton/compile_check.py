@@ -13,8 +13,10 @@ launched with programmatic dependent launch (those, embedding + LayerNorm, segme
 then hold the grid-dependency wait and release (kernels/triton/_common.py, pdl_sync), the wait before any load or
 store; and the GELU kernels (LayerNorm + GELU in both GELU forms at 768 columns in three exact blocks and at a
 padded width, bias + residual + GELU on an exact and a padded column block: the inline-PTX reciprocal is compiled
-only here). Must run without TRITON_INTERPRET (under it `triton.jit` builds interpreter objects the compiler cannot
-take); tests/kernels/test_triton_compile.py runs it in a subprocess.
+only here); the RMSNorm entry of the LayerNorm body; and the packed attention kernels (relative, and rotary with
+its rotation pass, GTE's, ModernBERT's windowed and Qwen3's causal grouped-query configurations). Must run without
+TRITON_INTERPRET (under it `triton.jit` builds interpreter objects the compiler cannot take);
+tests/kernels/test_triton_compile.py runs it in a subprocess.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ PDL_PTX = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
 
 
 def cases():
-    """(name, jit function, argument types, constexprs, num_warps) for every kernel configuration checked; a case
-    whose constexprs set USE_PDL is compiled with launch_pdl."""
+    """(name, jit function, argument types, constexprs, options) for every kernel configuration checked: options is
+    the number of warps, or the compile options (num_warps, num_stages) of a kernel launched with both; a case whose
+    constexprs set USE_PDL is compiled with launch_pdl."""
     few_token = list(_few_token_cases())
     for name, fn, types, constexprs, warps in few_token:
         yield name, fn, types, {**constexprs, "USE_PDL": False}, warps
@@ -49,6 +52,8 @@ def cases():
             yield f"{name} pdl", fn, types, {**constexprs, "USE_PDL": True}, warps
     yield from _pdl_cases()
     yield from _gelu_cases()
+    yield from _rms_cases()
+    yield from _attention_cases()
 
 
 _NORM_TYPES = {"X": "*fp16", "R": "*fp16", "T": "*fp16", "IDX_X": "*i64", "IDX_R": "*i64", "IDX_T": "*i64",
@@ -101,6 +106,56 @@ def _gelu_cases():
             yield (f"bias_residual_gelu {dname} block {block_n}{'' if even else ' padded'}", _bias_gelu_kernel.fn,
                    types, {"HAS_RESIDUAL": True, "GELU": 1, "F64": False, "WIDE": False, "BLOCK_N": block_n,
                            "EVEN_N": even, "BLOCK_M": 8}, 4)
+
+
+def _rms_cases():
+    """The LayerNorm body's RMS entry (rms_norm, add_rms_norm): add + RMSNorm with its sum at Qwen3-0.6B's 1024
+    columns (with PDL) and in three exact blocks, RMSNorm on a padded block."""
+    from fusedserve.kernels.triton._norm import _rms_norm_kernel
+
+    for ptr, add, nchunk, chunk, block_m, warps, pdl in (("*bf16", True, 1, 1024, 2, 4, True),
+                                                          ("*fp16", True, 3, 256, 2, 1, False),
+                                                          ("*fp32", False, 1, 512, 4, 4, False)):
+        types = {"X": ptr, "R": ptr, "W": ptr, "Y": ptr, "S": ptr, "stride_x": "i32", "stride_r": "i32",
+                 "stride_y": "i32", "stride_s": "i32", "M": "i32", "N": "i32", "eps": "fp32", "M_BUCKET": "i32"}
+        constexprs = {"SOURCES": 2 if add else 1, "STORE_SUM": add, "F64": False, "WIDE": False, "NCHUNK": nchunk,
+                      "CHUNK": chunk, "EVEN_COLS": nchunk == 3 or chunk == 1024, "BLOCK_M": block_m, "USE_PDL": pdl}
+        name = f"{'add_rms_norm' if add else 'rms_norm'} {ptr[1:]} {nchunk * chunk}{' pdl' if pdl else ''}"
+        yield name, _rms_norm_kernel.fn, types, constexprs, warps
+
+
+def _attention_cases():
+    """The packed attention kernels with their launch rules' options at the models' shapes: relative_attention
+    (MPNet-base) and rotary_attention's rotation pass and attention (GTE-base; ModernBERT's window; Qwen3-Embedding-
+    0.6B's causal grouped heads of 128 with q/k norms), each dtype, half precision also with PDL."""
+    from fusedserve.kernels.triton import relative_attention, rotary_attention
+
+    for ptr, max_seqlen, pdl in (("*fp16", 128, True), ("*bf16", 512, False), ("*fp32", 128, False)):
+        shape = relative_attention.launch_shape(max_seqlen, 64, ptr == "*fp32")
+        options = {"num_warps": shape.pop("num_warps"), "num_stages": shape.pop("num_stages")}
+        types = {"qkv_ptr": ptr, "cu_ptr": "*i32", "bias_ptr": "*fp32", "y_ptr": ptr, "T": "i32", "H": "i32",
+                 "R": "i32", "qk_scale": "fp32", "stride_qkv": "i32", "stride_bias": "i32", "stride_y": "i32"}
+        yield (f"relative_attention {ptr[1:]} s{max_seqlen}{' pdl' if pdl else ''}",
+               relative_attention._relative_attention_kernel, types,
+               {**shape, "HEAD_DIM": 64, "IEEE": ptr == "*fp32", "USE_PDL": pdl}, options)
+    for ptr, max_seqlen, window, pdl, (d, heads, kv_heads, decoder) in (
+            ("*fp16", 128, 0, True, (64, 12, 12, False)), ("*bf16", 512, 0, False, (64, 12, 12, False)),
+            ("*bf16", 1024, 64, False, (64, 12, 12, False)), ("*fp32", 128, 0, False, (64, 12, 12, False)),
+            ("*bf16", 512, 0, True, (128, 16, 8, True))):
+        label = f"{ptr[1:]} s{max_seqlen} w{window} {heads}/{kv_heads}x{d}{' pdl' if pdl else ''}"
+        shape = rotary_attention.launch_shape(max_seqlen, d, ptr == "*fp32", window)
+        options = {"num_warps": shape.pop("num_warps"), "num_stages": shape.pop("num_stages")}
+        types = {"qk_ptr": ptr, "v_ptr": ptr, "cu_ptr": "*i32", "y_ptr": ptr, "T": "i32", "window": "i32",
+                 "qk_scale": "fp32", "stride_qk": "i32", "stride_v": "i32", "stride_y": "i32"}
+        yield (f"rotary_attention {label}", rotary_attention._rotary_attention_kernel, types,
+               {**shape, "HEAD_DIM": d, "HEADS": heads, "KV_HEADS": kv_heads, "IEEE": ptr == "*fp32",
+                "WINDOWED": rotary_attention.windowed(max_seqlen, window), "CAUSAL": decoder, "USE_PDL": pdl}, options)
+        rotate = rotary_attention.rotate_shape(heads, d)
+        types = {"qkv_ptr": ptr, "cu_ptr": "*i32", "inv_freq_ptr": "*fp32", "q_norm_ptr": ptr, "k_norm_ptr": ptr,
+                 "qk_ptr": ptr, "T": "i32", "eps": "fp32", "stride_qkv": "i32", "stride_qk": "i32"}
+        yield (f"rotary_attention rotate {label}", rotary_attention._rotate_kernel, types,
+               {"HEAD_DIM": d, "HEADS": heads, "KV_HEADS": kv_heads, "HAS_NORM": decoder, "USE_PDL": pdl,
+                **{key: rotate[key] for key in ("BLOCK_T", "BLOCK_HEADS", "BLOCK_H")}}, rotate["num_warps"])
 
 
 def _few_token_cases():
@@ -157,14 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     from triton.compiler import ASTSource
 
     target, failed = GPUTarget("cuda", args.arch, 32), 0
-    for name, fn, types, constexprs, warps in cases():
+    for name, fn, types, constexprs, options in cases():
         if args.k not in name:
             continue
         start = time.perf_counter()
         pdl = constexprs.get("USE_PDL", False)
+        options = {"num_warps": options} if isinstance(options, int) else options
+        warps = options["num_warps"]
         try:
             source = ASTSource(fn=fn, signature=_signature(fn, types, constexprs), constexprs=constexprs)
-            kernel = triton.compile(source, target=target, options={"num_warps": warps, "launch_pdl": pdl})
+            kernel = triton.compile(source, target=target, options={**options, "launch_pdl": pdl})
             if pdl:
                 _check_pdl_ptx(kernel.asm["ptx"])
         except Exception as exc:  # a compile error names the kernel line; report every case, then fail

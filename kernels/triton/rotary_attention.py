@@ -242,8 +242,8 @@ def _check(qkv: Tensor, cu_seqlens: Tensor, num_heads: int, inv_freq: Tensor, wi
 
 
 def rotary_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, inv_freq: Tensor,
-                     window: int = 0, *, num_kv_heads: int | None = None, causal: bool = False,
-                     q_norm: Tensor | None = None, k_norm: Tensor | None = None, norm_eps: float = 1e-6,
+                     window: int = 0, num_kv_heads: int | None = None, causal: bool = False,
+                     q_norm: Tensor | None = None, k_norm: Tensor | None = None, norm_eps: float = 1e-6, *,
                      out: Tensor | None = None) -> Tensor:
     """softmax(rot(q) rot(k)^T / sqrt(d)) v per head within each packed sequence: qkv [T, (H + 2 KV) d] (num_heads
     query heads, then num_kv_heads key and value heads, each d wide, d even; KV = num_heads unless given, else a

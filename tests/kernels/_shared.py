@@ -4,9 +4,6 @@ them with their launchers), and a fake clock for kernels.timing."""
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,18 +28,6 @@ class FakeClock:
 
     def advance_us(self, us: float) -> None:
         self.now += us / 1e6
-
-
-def compile_for_sm90(script: str, tmp_path: Path) -> str:
-    """Run `script` (a Triton compile for sm_90, no GPU needed) in a fresh interpreter off the interpreter mode, from
-    the repository's root with its own Triton cache; fail with its output unless it exits 0. Returns its stdout."""
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
-    result = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result.stdout
 
 
 def dyadic(gen: torch.Generator, shape, step: float, span: float) -> torch.Tensor:
@@ -111,8 +96,8 @@ def opcheck_custom_ops(backend: str, device: str) -> None:
             args = (*args, False)
         elif op in ("layer_norm_gelu", "bias_gelu", "bias_residual_gelu", "linear_bias_gelu", "ffn_partials"):
             args = (*args, "none")
-        elif op == "rotary_attention":  # the schema takes every argument: a window that restricts something
-            args = (*args, 3)
+        elif op == "rotary_attention":  # the schema takes every argument: a window that restricts something, causal
+            args = (*args, 3, None, True, None, None, 1e-6)
         custom = getattr(torch.ops.fusedserve, f"{backend}_{op}").default
         torch.library.opcheck(custom, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 

@@ -17,7 +17,7 @@ from fusedserve.kernels.testing import compare
 from fusedserve.kernels.triton import LAUNCHERS
 from fusedserve.kernels.triton.relative_attention import launch_shape
 from tests.conftest import INTERPRETER
-from tests.kernels._shared import compile_for_sm90, dyadic, formula_float64
+from tests.kernels._shared import dyadic, formula_float64
 
 NAN = float("nan")
 OP = "relative_attention"
@@ -148,38 +148,6 @@ def test_launch_shapes_hold_the_kernels_limits():
         assert min(shape["BLOCK_M"], shape["BLOCK_N"]) >= 16 and shape["BLOCK_D"] >= head_dim
         assert shape["BLOCK_D"] & (shape["BLOCK_D"] - 1) == 0
         assert not ieee or max(shape["BLOCK_M"], shape["BLOCK_N"]) <= 32
-
-
-# Compiled for sm_90 by Triton's compiler and ptxas in a process without the interpreter (kernels/triton/compile_check
-# says why the interpreter is not enough): MPNet-base's shape in each dtype, half precision with PDL (its PTX must wait
-# before any memory access) and the long sequences' configuration.
-_COMPILE_FOR_SM90 = '''
-import bench
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from fusedserve.kernels.triton.compile_check import _check_pdl_ptx, _signature
-from fusedserve.kernels.triton.relative_attention import _relative_attention_kernel as kernel, launch_shape
-
-for ptr, max_seqlen, pdl in (("*fp16", 128, True), ("*bf16", 512, False), ("*fp32", 128, False)):
-    shape = launch_shape(max_seqlen, 64, ptr == "*fp32")
-    options = {"num_warps": shape.pop("num_warps"), "num_stages": shape.pop("num_stages"), "launch_pdl": pdl}
-    types = {"qkv_ptr": ptr, "cu_ptr": "*i32", "bias_ptr": "*fp32", "y_ptr": ptr, "T": "i32", "H": "i32",
-             "R": "i32", "qk_scale": "fp32", "stride_qkv": "i32", "stride_bias": "i32", "stride_y": "i32"}
-    constexprs = {**shape, "HEAD_DIM": 64, "IEEE": ptr == "*fp32", "USE_PDL": pdl}
-    source = ASTSource(fn=kernel, signature=_signature(kernel, types, constexprs), constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    if pdl:
-        _check_pdl_ptx(compiled.asm["ptx"])
-    print("ok", ptr, max_seqlen)
-'''
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel is compiled for real by the GPU tests")
-def test_compiles_for_sm90(tmp_path):
-    stdout = compile_for_sm90(_COMPILE_FOR_SM90, tmp_path)
-    assert stdout.count("ok ") == 3, stdout
 
 
 # ---- the bias table's convention, against transformers' MPNet -----------------------------------------------------

@@ -1,7 +1,7 @@
 """rms_norm and add_rms_norm beyond the generic float64 sweep (tests/kernels/test_triton_ops.py): the convention against
 transformers' own Qwen3RMSNorm and Qwen2RMSNorm (the normalized value rounded to the input dtype before the weight),
 the pre-norm sum add_rms_norm returns and normalizes (the residual stream added in the model dtype, as transformers'
-decoder layers add it), rows of three exact column blocks, clear errors, and the RMS kernel's compile for sm_90."""
+decoder layers add it), rows of three exact column blocks and clear errors (its sm_90 compile: compile_check)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from fusedserve.kernels import reference
 from fusedserve.kernels.testing import OP_SPECS, compare, float64_reference
 from fusedserve.kernels.triton import LAUNCHERS as triton_launchers
 from tests.conftest import DTYPES, INTERPRETER
-from tests.kernels._shared import compile_for_sm90
 
 EPS = 1e-6  # Qwen2's and Qwen3's rms_norm_eps
 HIDDEN = 384  # three exact column blocks of 128 (kernels/triton/_norm.py); the sweep's odd widths take a padded one
@@ -108,37 +107,3 @@ def test_clear_errors(device):
     with pytest.raises(ValueError, match="out must be"):
         triton_launchers["rms_norm"](x, torch.ones(8, device=device), out=torch.empty(4, 8, device=device).t())
     assert triton_launchers["rms_norm"](x[:0], torch.ones(8, device=device)).shape == (0, 8)
-
-
-_COMPILE_FOR_SM90 = '''
-import bench
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from fusedserve.kernels.triton._norm import _rms_norm_kernel as kernel
-from fusedserve.kernels.triton.compile_check import _check_pdl_ptx, _signature
-
-# add_rms_norm with its sum at Qwen3-0.6B's 1024 columns (with PDL) and in three exact blocks; rms_norm padded
-for ptr, add, nchunk, chunk, block_m, warps, pdl in (("*bf16", True, 1, 1024, 2, 4, True),
-                                                      ("*fp16", True, 3, 256, 2, 1, False),
-                                                      ("*fp32", False, 1, 512, 4, 4, False)):
-    types = {"X": ptr, "R": ptr, "W": ptr, "Y": ptr, "S": ptr, "stride_x": "i32", "stride_r": "i32",
-             "stride_y": "i32", "stride_s": "i32", "M": "i32", "N": "i32", "eps": "fp32", "M_BUCKET": "i32"}
-    constexprs = {"SOURCES": 2 if add else 1, "STORE_SUM": add, "F64": False, "WIDE": False, "NCHUNK": nchunk,
-                  "CHUNK": chunk, "EVEN_COLS": nchunk == 3 or chunk == 1024, "BLOCK_M": block_m, "USE_PDL": pdl}
-    source = ASTSource(fn=kernel.fn, signature=_signature(kernel.fn, types, constexprs), constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps,
-                                                                                 "launch_pdl": pdl})
-    if pdl:
-        _check_pdl_ptx(compiled.asm["ptx"])
-    print("ok", ptr, nchunk * chunk)
-'''
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel is compiled for real by the GPU tests")
-def test_rms_kernel_compiles_for_sm90(tmp_path):
-    """The interpreter never compiles (kernels/triton/compile_check.py says why this matters); compile_check covers
-    the LayerNorm entry of the shared body, this the RMS one."""
-    stdout = compile_for_sm90(_COMPILE_FOR_SM90, tmp_path)
-    assert stdout.count("ok ") == 3, stdout

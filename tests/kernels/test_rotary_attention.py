@@ -19,7 +19,7 @@ from fusedserve.kernels.testing import compare
 from fusedserve.kernels.triton import LAUNCHERS
 from fusedserve.kernels.triton.rotary_attention import launch_shape, rotate_shape, windowed
 from tests.conftest import INTERPRETER
-from tests.kernels._shared import compile_for_sm90, dyadic, formula_float64
+from tests.kernels._shared import dyadic, formula_float64
 
 NAN = float("nan")
 OP = "rotary_attention"
@@ -194,55 +194,6 @@ def test_launch_shapes_hold_the_kernels_limits():
         shape = rotate_shape(heads, head_dim)
         assert shape["BLOCK_HEADS"] >= heads and shape["BLOCK_H"] >= head_dim // 2
         assert shape["BLOCK_T"] >= 1 and shape["BLOCK_T"] * shape["BLOCK_HEADS"] * shape["BLOCK_H"] <= 4096 * 2
-
-
-# Compiled for sm_90 by Triton's compiler and ptxas in a process without the interpreter (kernels/triton/compile_check
-# says why the interpreter is not enough): GTE-base's and ModernBERT's shapes in each dtype, half precision with PDL
-# (its PTX must wait before any memory access), the windowed kernel and the long sequences' configuration, and the
-# rotation pass.
-_COMPILE_FOR_SM90 = '''
-import bench
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from fusedserve.kernels.triton.compile_check import _check_pdl_ptx, _signature
-from fusedserve.kernels.triton.rotary_attention import (_rotary_attention_kernel as kernel, _rotate_kernel,
-                                                        launch_shape, rotate_shape, windowed)
-
-
-def compile(fn, types, constexprs, options):
-    source = ASTSource(fn=fn, signature=_signature(fn, types, constexprs), constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    if options["launch_pdl"]:
-        _check_pdl_ptx(compiled.asm["ptx"])
-
-
-for ptr, max_seqlen, window, pdl, (d, heads, kv_heads, causal) in (
-        ("*fp16", 128, 0, True, (64, 12, 12, False)), ("*bf16", 512, 0, False, (64, 12, 12, False)),
-        ("*bf16", 1024, 64, False, (64, 12, 12, False)), ("*fp32", 128, 0, False, (64, 12, 12, False)),
-        ("*bf16", 512, 0, True, (128, 16, 8, True))):  # Qwen3-Embedding-0.6B: grouped, causal, q/k norms
-    shape = launch_shape(max_seqlen, d, ptr == "*fp32", window)
-    options = {"num_warps": shape.pop("num_warps"), "num_stages": shape.pop("num_stages"), "launch_pdl": pdl}
-    types = {"qk_ptr": ptr, "v_ptr": ptr, "cu_ptr": "*i32", "y_ptr": ptr, "T": "i32", "window": "i32",
-             "qk_scale": "fp32", "stride_qk": "i32", "stride_v": "i32", "stride_y": "i32"}
-    compile(kernel, types, {**shape, "HEAD_DIM": d, "HEADS": heads, "KV_HEADS": kv_heads, "IEEE": ptr == "*fp32",
-                            "WINDOWED": windowed(max_seqlen, window), "CAUSAL": causal, "USE_PDL": pdl}, options)
-    rotate = rotate_shape(heads, d)
-    types = {"qkv_ptr": ptr, "cu_ptr": "*i32", "inv_freq_ptr": "*fp32", "q_norm_ptr": ptr, "k_norm_ptr": ptr,
-             "qk_ptr": ptr, "T": "i32", "eps": "fp32", "stride_qkv": "i32", "stride_qk": "i32"}
-    compile(_rotate_kernel, types, {"HEAD_DIM": d, "HEADS": heads, "KV_HEADS": kv_heads, "HAS_NORM": causal,
-                                    "BLOCK_T": rotate["BLOCK_T"], "BLOCK_HEADS": rotate["BLOCK_HEADS"],
-                                    "BLOCK_H": rotate["BLOCK_H"], "USE_PDL": pdl},
-            {"num_warps": rotate["num_warps"], "launch_pdl": pdl})
-    print("ok", ptr, max_seqlen, window)
-'''
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel is compiled for real by the GPU tests")
-def test_compiles_for_sm90(tmp_path):
-    stdout = compile_for_sm90(_COMPILE_FOR_SM90, tmp_path)
-    assert stdout.count("ok ") == 5, stdout
 
 
 # ---- the conventions, against transformers ------------------------------------------------------------------------

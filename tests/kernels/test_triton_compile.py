@@ -1,7 +1,7 @@
-"""The few-token layer's Triton kernels compile for Hopper (sm_90) with Triton's own compiler and ptxas, on a
-machine without a GPU (kernels/triton/compile_check.py): the interpreter that runs the kernels in CI never compiles
-them, and one compile-only error (a variable of two types across a runtime branch) reached the H200 that way. So do
-the kernels that can be launched with programmatic dependent launch, with it."""
+"""The few-token layer's, the RMSNorm and the packed attention kernels compile for Hopper (sm_90) with Triton's own
+compiler and ptxas, on a machine without a GPU (kernels/triton/compile_check.py): the interpreter that runs the
+kernels in CI never compiles them, and one compile-only error (a variable of two types across a runtime branch)
+reached the H200 that way. So do the kernels that can be launched with programmatic dependent launch, with it."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_few_token_kernels_compile_for_sm90(tmp_path):
     # with programmatic dependent launch: every kernel it covers, each PTX checked for the wait and the release
     pdl = {line.split()[1] for line in compiled if " pdl:" in line}
     assert pdl == {"qkv_attention", "ffn_partials", "partial_add_layer_norm", "embedding_layer_norm",
-                   "segment_mean"}, result.stdout
+                   "segment_mean", "add_rms_norm", "relative_attention", "rotary_attention"}, result.stdout
 
 
 def test_the_check_refuses_the_interpreter():
