@@ -1,5 +1,6 @@
-"""Self-attention over each packed sequence with rotary position embeddings (GTE, ModernBERT, NomicBERT),
-flash-attention style, after one pass that rotates q and k.
+"""Self-attention over each packed sequence with rotary position embeddings (GTE, ModernBERT, NomicBERT; Qwen3 and
+Qwen2 with grouped-query heads, causal, Qwen3's per-head q/k RMSNorm in the rotation pass), flash-attention style,
+after one pass that rotates q and k.
 
 Why two kernels: the rotation depends only on the token's position, but inside the attention each query block's
 program would rotate every key block it visits again (the cos and sin of a key block's [BLOCK_N, d/2] angles, the
