@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fusedserve.kernels.triton._common import autotune, needs_wide, pdl_args, pdl_sync, row_bucket
+from fusedserve.kernels.triton._common import (as_rows, autotune, needs_wide, output_like, pdl_args, pdl_sync,
+                                              row_bucket)
 from fusedserve.kernels.triton._gelu import gelu
 
 
@@ -172,12 +173,9 @@ def _normalize_rows(X, R, T, IDX_X, IDX_R, IDX_T, BIAS, W, B, Y, S, stride_x, st
             tl.store(S + 2 * CHUNK + s_rows[:, None] + cols[None, :], h2.to(S.dtype.element_ty), mask=mask)
     if RMS:  # no centring; the padding columns hold 0
         c0 = h0
-        if NCHUNK == 1:
-            sq = tl.sum(c0 * c0, axis=1)
-        else:
+        if NCHUNK > 1:
             c1 = h1
             c2 = h2
-            sq = tl.sum(c0 * c0 + c1 * c1 + c2 * c2, axis=1)
     else:
         if NCHUNK == 1:
             total = tl.sum(h0, axis=1)
@@ -188,12 +186,13 @@ def _normalize_rows(X, R, T, IDX_X, IDX_R, IDX_T, BIAS, W, B, Y, S, stride_x, st
             c0 = h0 - mean[:, None]
         else:  # the padding columns hold 0, so the mean's sum needed no mask; the variance's does
             c0 = tl.where(mask, h0 - mean[:, None], 0.0)
-        if NCHUNK == 1:
-            sq = tl.sum(c0 * c0, axis=1)
-        else:
+        if NCHUNK > 1:
             c1 = h1 - mean[:, None]
             c2 = h2 - mean[:, None]
-            sq = tl.sum(c0 * c0 + c1 * c1 + c2 * c2, axis=1)
+    if NCHUNK == 1:
+        sq = tl.sum(c0 * c0, axis=1)
+    else:
+        sq = tl.sum(c0 * c0 + c1 * c1 + c2 * c2, axis=1)
     if F64:  # fp64 sqrt and division are correctly rounded (rsqrt is an approximation): the gradcheck's path
         rstd = 1.0 / tl.sqrt(sq / N + eps)
     else:
@@ -307,6 +306,22 @@ def launch_norm(x: Tensor, residual: Tensor | None, bias: Tensor | None, weight:
         NCHUNK=nchunk, CHUNK=chunk, EVEN_COLS=nchunk * chunk == cols, **l2_policies(gelu_mode, y.dtype),
         **pdl_args(y),
     )
+
+
+def add_and_norm(name: str, x: Tensor, residual: Tensor, out: Tensor | None, return_sum: bool,
+                 launch) -> Tensor | tuple[Tensor, Tensor]:
+    """The add + norm launchers' frame (add_layer_norm, add_rms_norm): the residual shaped as x, both as [M, N] rows,
+    the output (or `out`) and, with return_sum, the pre-norm sum's buffer; launch(x2, residual2, y, pre_norm_sum)
+    runs the kernel. Returns y, or (y, the pre-norm sum) with return_sum."""
+    if residual.shape != x.shape:
+        raise ValueError(f"{name}: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    cols = x.shape[-1]
+    x2 = as_rows(x, cols, name)
+    y = output_like(x2, x.shape, out, name)
+    pre_norm_sum = torch.empty_like(x2) if return_sum else None
+    launch(x2, as_rows(residual, cols, f"{name} residual"), y, pre_norm_sum)
+    y = out if out is not None else y.view(x.shape)
+    return (y, pre_norm_sum.view(x.shape)) if return_sum else y
 
 
 def launch_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, y: Tensor, pre_norm_sum: Tensor | None,

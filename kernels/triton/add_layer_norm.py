@@ -6,27 +6,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusedserve.kernels.triton._common import as_rows, as_vector, check_device, output_like
+from fusedserve.kernels.triton._common import as_rows, as_vector, check_device
 from fusedserve.kernels.triton._gelu import GELU_NONE
-from fusedserve.kernels.triton._norm import launch_norm
+from fusedserve.kernels.triton._norm import add_and_norm, launch_norm
 
 
 def add_layer_norm(x: Tensor, residual: Tensor, bias: Tensor | None, weight: Tensor, ln_bias: Tensor,
                    eps: float = 1e-12, *, return_sum: bool = False,
                    out: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     check_device("add_layer_norm", x, residual, bias, weight, ln_bias)
-    if residual.shape != x.shape:
-        raise ValueError(f"add_layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     cols = x.shape[-1]
-    x2 = as_rows(x, cols, "add_layer_norm")
-    y = output_like(x2, x.shape, out, "add_layer_norm")
-    pre_norm_sum = torch.empty_like(x2) if return_sum else None
-    launch_norm(x2, as_rows(residual, cols, "add_layer_norm residual"),
-                None if bias is None else as_vector(bias, cols, "add_layer_norm bias"),
-                as_vector(weight, cols, "add_layer_norm weight"), as_vector(ln_bias, cols, "add_layer_norm ln_bias"),
-                y, pre_norm_sum, eps, GELU_NONE)
-    y = out if out is not None else y.view(x.shape)
-    return (y, pre_norm_sum.view(x.shape)) if return_sum else y
+    bias = None if bias is None else as_vector(bias, cols, "add_layer_norm bias")
+    weight = as_vector(weight, cols, "add_layer_norm weight")
+    ln_bias = as_vector(ln_bias, cols, "add_layer_norm ln_bias")
+    return add_and_norm("add_layer_norm", x, residual, out, return_sum,
+                        lambda x2, r2, y, s: launch_norm(x2, r2, bias, weight, ln_bias, y, s, eps, GELU_NONE))
 
 
 def partial_add_layer_norm(parts: Tensor, bias: Tensor | None, residual: Tensor, weight: Tensor, ln_bias: Tensor,

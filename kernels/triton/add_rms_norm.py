@@ -3,23 +3,15 @@ sum (a pre-norm decoder's residual stream)."""
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from fusedserve.kernels.triton._common import as_rows, as_vector, check_device, output_like
-from fusedserve.kernels.triton._norm import launch_rms_norm
+from fusedserve.kernels.triton._common import as_vector, check_device
+from fusedserve.kernels.triton._norm import add_and_norm, launch_rms_norm
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, *, return_sum: bool = False,
                  out: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     check_device("add_rms_norm", x, residual, weight)
-    if residual.shape != x.shape:
-        raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    cols = x.shape[-1]
-    x2 = as_rows(x, cols, "add_rms_norm")
-    y = output_like(x2, x.shape, out, "add_rms_norm")
-    pre_norm_sum = torch.empty_like(x2) if return_sum else None
-    launch_rms_norm(x2, as_rows(residual, cols, "add_rms_norm residual"),
-                    as_vector(weight, cols, "add_rms_norm weight"), y, pre_norm_sum, eps)
-    y = out if out is not None else y.view(x.shape)
-    return (y, pre_norm_sum.view(x.shape)) if return_sum else y
+    weight = as_vector(weight, x.shape[-1], "add_rms_norm weight")
+    return add_and_norm("add_rms_norm", x, residual, out, return_sum,
+                        lambda x2, r2, y, s: launch_rms_norm(x2, r2, weight, y, s, eps))
