@@ -625,6 +625,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="closed-loop: a py-spy flame graph of the server (and its workers) during the first "
                              "measured point, written here")
     parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/serve.json)")
+    parser.add_argument("--as", dest="block_name", metavar="NAME",
+                        help="save the one scenario run under this name instead of its own (another model's "
+                             "start-up beside the default model's: startup-modernbert-base)")
     peer.add_arguments(parser)
     openai_load.add_arguments(parser)
 
@@ -641,6 +644,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                  "peer": peer.peer_scenario, "openai-load": openai_load.openai_load_scenario,
                  "replicas": replicas_scenario, "soak": soak_scenario, "startup": startup_scenario,
                  "head-of-line": head_of_line_scenario}
+    if args.block_name and len(args.scenarios or DEFAULT_SCENARIOS) != 1:
+        raise SystemExit("--as names one scenario's block: run one scenario with it")
     started = time.monotonic()
     for scenario in args.scenarios or DEFAULT_SCENARIOS:
         head = store.header(args.device, argv)
@@ -662,8 +667,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
         def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,
                  settings: dict = settings) -> None:
-            store.write(out, "serve", gpu, scenario, store.block(head, settings, rows, summary, complete=complete))
+            store.write(out, "serve", gpu, args.block_name or scenario,
+                        store.block(head, settings, rows, summary, complete=complete))
 
         scenarios[scenario](args, save)
-        print(f"{scenario}: {out} ({time.monotonic() - started:.0f} s into the run)", file=sys.stderr, flush=True)
+        print(f"{args.block_name or scenario}: {out} ({time.monotonic() - started:.0f} s into the run)", file=sys.stderr, flush=True)
     return 0

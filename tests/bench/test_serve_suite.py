@@ -67,3 +67,10 @@ def test_scenarios_against_real_servers(tmp_path):
     assert alone["failed"] == beside["failed"] == {} and beside["p99_ms"] <= beside["max_ms"]
     summary = doc["scenarios"]["head-of-line"]["summary"]
     assert summary["large_inputs"] * summary["large_chars_each"] <= 512 * 1024  # within max_request_chars
+
+
+def test_a_block_name_is_for_one_scenario(tmp_path):
+    with pytest.raises(SystemExit, match="one scenario"):
+        main(["serve", "startup", "single", "--device", "cpu", "--model", "tiny", "--as", "startup-other",
+              "--out", str(tmp_path / "serve.json")])
+    assert not (tmp_path / "serve.json").exists()
