@@ -44,17 +44,30 @@ class EncoderConfig:
     sliding_layers: tuple[int, ...] = ()
     sliding_window: int = 0
     local_rope_theta: float = 0.0
+    # decoder embedders (Qwen2 / Qwen3): grouped-query attention with num_kv_heads key/value heads (0: num_heads), a
+    # head width of its own (0: hidden_size / num_heads), biases on the query/key/value projections alone (Qwen2's)
+    # and each head's query and key RMS-normed before the rotation (Qwen3's q_norm / k_norm)
+    num_kv_heads: int = 0
+    head_size: int = 0
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
+        if not self.head_size and self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_kv_heads and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if not 0 < self.max_seq_length <= self.max_position_embeddings - self.position_offset:
             raise ValueError(f"max_seq_length {self.max_seq_length} must be in "
                              f"1..{self.max_position_embeddings - self.position_offset}")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
     @classmethod
     def from_name(cls, name: str) -> EncoderConfig:

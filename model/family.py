@@ -109,6 +109,8 @@ class Family:
     few_token_layer: bool = True
     masked_lm: MaskedLMHead | None = None  # None: its SPLADE (sparse) models are refused by name
     gated_ffn: bool = False  # the FFN-in projects to 2 x intermediate_size (a gate and an up half)
+    # the dtype DTYPE=auto serves on a GPU: decoder LLMs' activations overflow float16 (Qwen's reach beyond 65504)
+    dtype_on_cuda: torch.dtype = torch.float16
 
     def describe(self) -> str:
         return f"{self.label}: {self.attention} attention, {self.positions} positions"

@@ -37,7 +37,7 @@ from fusedserve.model.families import family
 from fusedserve.model.family import ClassifierHead
 from fusedserve.model.weights import MASKED_LM
 
-POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens")
+POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken")
 _LEGACY_POOLING = {  # sentence-transformers' pooling_mode_* flags, in its order of concatenation
     "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens": "weightedmean",
@@ -304,6 +304,12 @@ def _first_tokens(hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
     return hidden.index_select(0, cu_seqlens[:-1].long().clamp(max=hidden.shape[0] - 1))
 
 
+def _last_tokens(hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
+    # each sequence's last row (a decoder's summary of all its tokens: lasttoken pooling); a filler sequence (length
+    # 0, at the end) reads the last real row
+    return hidden.index_select(0, (cu_seqlens[1:].long() - 1).clamp(min=0))
+
+
 class EmbeddingHead(nn.Module):
     """Pooling (one or several modes, concatenated in sentence-transformers' order) then the Dense modules."""
 
@@ -334,6 +340,8 @@ class EmbeddingHead(nn.Module):
         for mode in self.modes:
             if mode == "cls":
                 pooled.append(_first_tokens(hidden, p.cu_seqlens).float())
+            elif mode == "lasttoken":
+                pooled.append(_last_tokens(hidden, p.cu_seqlens).float())
             elif mode == "max":
                 rows = torch.full((p.batch + 1, hidden.shape[1]), float("-inf"), device=hidden.device)
                 rows.scatter_reduce_(0, p.seq_index[:, None].expand(-1, hidden.shape[1]), hidden.float(), "amax")
@@ -350,6 +358,9 @@ class EmbeddingHead(nn.Module):
         for mode in self.modes:
             if mode == "cls":
                 pooled.append(hidden[:, 0])
+            elif mode == "lasttoken":  # padded on the right
+                last = m[..., 0].sum(1).long() - 1
+                pooled.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
             elif mode == "max":
                 pooled.append(hidden.masked_fill(m == 0, float("-inf")).max(dim=1).values)
             else:

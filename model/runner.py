@@ -49,9 +49,10 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, on_cuda: torch.dtype = torch.float16) -> torch.dtype:
+    """auto: float32 on the CPU, on a GPU `on_cuda` (the model family's: model.family.Family.dtype_on_cuda)."""
     if dtype == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
+        return on_cuda if device.type == "cuda" else torch.float32
     try:
         return DTYPES[dtype]
     except KeyError:
@@ -170,12 +171,12 @@ class Embedder:
         """model: "default" (the packaged all-MiniLM-L6-v2), a preset name (random init, default tokenizer),
         or a checkpoint directory (an embedding model, sentence-transformers or plain Hugging Face, or a
         `*ForSequenceClassification` classifier / cross-encoder). pooling: override an embedding model's pooling
-        (cls, mean, max, mean_sqrt_len_tokens). name: what it is called (default: the preset's name, "all-MiniLM-L6-v2",
+        (cls, mean, max, mean_sqrt_len_tokens, lasttoken). name: what it is called (default: the preset's name, "all-MiniLM-L6-v2",
         or the directory's name). options: layout, attention, cuda_graphs, max_batch_tokens,
         max_batch, max_graphs, backend, backend_overrides (see __init__)."""
         started = time.perf_counter()
         dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
+        resolve_dtype(dtype, dev)  # a wrong name fails before the weights load
         pipeline, classifier, source = None, None, ""
         if model in PRESETS:
             config = EncoderConfig.from_name(model)
@@ -204,6 +205,7 @@ class Embedder:
         if not (tokenizer_dir / "tokenizer.json").is_file():
             raise CheckpointError(f"{tokenizer_dir} has no tokenizer.json")
         tokenizer = TextTokenizer(tokenizer_dir, encoder.config.max_seq_length)
+        dt = resolve_dtype(dtype, dev, family(encoder.config).dtype_on_cuda)
         embedder = cls(encoder, tokenizer, name, dev, dt, pipeline=pipeline, classifier=classifier, **options)
         selection = embedder.set_fused(fused)
         return embedder, LoadReport(name, dev, dt, embedder.config, selection, time.perf_counter() - started,

@@ -30,7 +30,7 @@ REMOVED_SETTINGS = {
 }
 
 
-Pooling = Literal["cls", "mean", "max", "mean_sqrt_len_tokens"]
+Pooling = Literal["cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken"]
 # a model's name is a path segment of KServe's /v2/models/{name}/... and an OpenAI model id
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -70,7 +70,8 @@ class Settings(BaseSettings):
                         description="where the model runs; `auto`: CUDA when available, else the CPU; `cuda:N` picks "
                         "a GPU")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="compute dtype; `auto`: float16 on CUDA, float32 on the CPU")
+        "auto", description="compute dtype; `auto`: float32 on the CPU; on CUDA float16, bfloat16 for the decoder "
+        "embedders (Qwen2 / Qwen3: their activations overflow float16)")
     fused: bool = Field(True, description="serve on the fused kernels; `false` runs every op on the torch reference "
                         "path")
     backend: Literal["auto", "triton", "cuda", "torch"] = Field(

@@ -462,3 +462,83 @@ def cross_encoder(dest: Path, num_labels: int, architecture: str = "bert") -> Pa
         config["model_input_names"] = ["input_ids", "attention_mask"]
         (dest / "tokenizer_config.json").write_text(json.dumps(config))
     return dest
+
+
+# ---- decoder embedders (Qwen3 / Qwen2) ----------------------------------------------------------------------------
+# the tiny shapes: grouped-query heads (4 query heads over 2 key/value heads), Qwen3's head width of its own (32, not
+# 64 / 4); the 0.6B shape is Qwen3-Embedding-0.6B's
+QWEN_SHAPES = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024),
+    "0.6b": dict(vocab_size=151669, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=32768),
+}
+QWEN_HEAD_DIM = {"tiny": 32, "0.6b": 128}
+QWEN_EMBEDDING_PROMPTS = {"query": "Instruct: Given a web search query, retrieve relevant passages that answer the "
+                                   "query\nQuery:", "document": ""}
+_BPE_CORPUS = ["A man is eating food.", "Fused kernels make encoders fast, even for a single short request.",
+               "Was ist die Hauptstadt von Deutschland? Berlin.", "naïve café, déjà vu, 東京の天気",
+               "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:",
+               "The quick brown fox jumps over the lazy dog.", "def f(x): return x ** 2  # 12345 67890"] * 4
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def bpe_tokenizer(dest: Path, vocab_size: int = 384) -> None:
+    """A byte-level BPE tokenizer as Qwen's is built (tokenizers' ByteLevel pre-tokenizer and decoder, Qwen's special
+    tokens), trained here on a few sentences, whose post-processor ends every input with <|endoftext|> as
+    Qwen3-Embedding's tokenizer.json does (the token lasttoken pooling reads); tokenizer_config.json for transformers'
+    AutoTokenizer (sentence-transformers'), padding with the same token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(_BPE_CORPUS, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(QWEN_SPECIALS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    eos = QWEN_SPECIALS[0]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A:0 {eos}:0", pair=f"$A:0 {eos}:0 $B:1 {eos}:1", special_tokens=[(eos, tokenizer.token_to_id(eos))])
+    dest.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(dest / "tokenizer.json"))
+    (dest / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos, "model_max_length": 32768,
+         "padding_side": "left"}))
+
+
+def _qwen_config(shape: str, qwen2: bool, **extra):
+    from transformers import Qwen2Config, Qwen3Config
+
+    dims = dict(QWEN_SHAPES[shape], pad_token_id=0, eos_token_id=0, tie_word_embeddings=True, **extra)
+    if qwen2:  # Qwen2's head width is hidden_size / heads
+        return Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, **dims)
+    return Qwen3Config(head_dim=QWEN_HEAD_DIM[shape], **dims)
+
+
+def _qwen_draw(model: torch.nn.Module) -> None:
+    """Norm weights around 1 (their init is exactly 1: a norm applied to the wrong block would not show), biases of
+    order 0.1 (their init is 0), query and key projections at 1/sqrt(width) (_sharpen_attention)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    _sharpen_attention(model)
+
+
+def qwen(dest: Path, shape: str = "tiny", *, qwen2: bool = False, pooling: list[str] = ("lasttoken",),
+         prompts: dict | None = None, **kwargs) -> Path:
+    """A random Qwen3 (or Qwen2) embedder as Qwen3-Embedding ships: transformers' Qwen3Model saved with
+    save_pretrained, sentence-transformers modules (lasttoken pooling, Normalize, the instruction prompts), and a
+    byte-level BPE tokenizer (bpe_tokenizer)."""
+    from transformers import Qwen2Model, Qwen3Model
+
+    torch.manual_seed(11 if qwen2 else 10)
+    model = (Qwen2Model if qwen2 else Qwen3Model)(_qwen_config(shape, qwen2))
+    _qwen_draw(model)
+    model.save_pretrained(dest, safe_serialization=True)
+    bpe_tokenizer(dest)
+    _st_files(dest, list(pooling), max_seq_length=256 if shape == "tiny" else 32768,
+              prompts=QWEN_EMBEDDING_PROMPTS if prompts is None else prompts, **kwargs)
+    return dest
