@@ -29,7 +29,8 @@ def test_the_weight_layout_names_every_parameter_of_the_family_encoder(fam):
         optional |= {f"layers.{i}.{ours}" for theirs, ours in fam.weights.layer.items()
                      if theirs in fam.weights.optional}
         if fam.weights.qkv:
-            mapped |= {f"layers.{i}.qkv.weight"} | ({f"layers.{i}.qkv.bias"} if config.linear_bias else set())
+            mapped |= {f"layers.{i}.qkv.weight"} | ({f"layers.{i}.qkv.bias"} if config.linear_bias or config.qkv_bias
+                                                    else set())
     optional |= {ours for theirs, ours in fam.weights.embeddings.items() if theirs in fam.weights.optional}
     # a family without token types gets one all-zero token type row (model.weights)
     synthesized = {"embeddings.token_type_embeddings"} - mapped

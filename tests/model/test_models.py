@@ -39,7 +39,7 @@ def _reference(path) -> SentenceTransformer:
     return SentenceTransformer(str(path), device="cpu")
 
 
-@pytest.mark.parametrize("pooling", [["cls"], ["max"], ["mean_sqrt_len_tokens"], ["cls", "mean"]])
+@pytest.mark.parametrize("pooling", [["cls"], ["max"], ["mean_sqrt_len_tokens"], ["lasttoken"], ["cls", "mean"]])
 def test_minilm_repooled_matches_sentence_transformers(tmp_path, pooling):
     path = checkpoints.minilm(tmp_path / "m", pooling)
     ours, report = Embedder.load(str(path), device="cpu", backend="torch")
@@ -273,9 +273,6 @@ def test_what_cannot_be_served_exactly_is_refused_naming_it(tmp_path):
                                                                 "pooling_mode": "weightedmean"}))
     with pytest.raises(UnsupportedModel, match="pooling mode 'weightedmean' is not supported"):
         Embedder.load(str(path), device="cpu")
-    path = checkpoints.minilm(tmp_path / "lasttoken", ["mean"])
-    with pytest.raises(UnsupportedModel, match="pooling mode 'lasttoken'"):
-        Embedder.load(str(path), device="cpu", pooling="lasttoken")
     path = checkpoints.minilm(tmp_path / "module", ["mean"])
     modules = json.loads((path / "modules.json").read_text())
     modules.insert(2, {"idx": 2, "name": "2", "path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"})
@@ -288,7 +285,7 @@ def test_what_cannot_be_served_exactly_is_refused_naming_it(tmp_path):
                                                   "architectures": ["DebertaV2Model"]}))
     with pytest.raises(CheckpointError, match="model_type 'deberta-v2' \\(DebertaV2Model\\) is not supported; "
                                               "supported model types: bert, roberta, xlm-roberta, distilbert, mpnet, gte, new, "
-                                              "nomic_bert, modernbert"):
+                                              "nomic_bert, modernbert, qwen3, qwen2"):
         Embedder.load(str(path), device="cpu")
     ce = checkpoints.cross_encoder(tmp_path / "ce", 1)
     with pytest.raises(UnsupportedModel, match="is a classifier"):

@@ -1,0 +1,119 @@
+"""Decoder embedders (Qwen3, Qwen2) against sentence-transformers on the same directories (fp32, CPU): causal
+grouped-query attention, Qwen3's q/k norms and head width of its own, Qwen2's q/k/v biases, lasttoken pooling over
+the <|endoftext|> the tokenizer appends, the instruction prompt, truncation. What the family cannot serve exactly is
+refused at load, naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+
+from fusedserve.model.runner import Embedder
+from fusedserve.model.weights import CheckpointError
+from tests.model import checkpoints
+from tests.model.reference import encode_unpadded
+from tests.tolerances import tolerance
+
+TEXTS = ["A man is eating food.", "x", "naïve café, déjà vu, 東京の天気: Unicode through a byte-level BPE.",
+         "Fused kernels make decoder embedders fast, even for a single short request. " * 6]
+MIN_COSINE = tolerance(torch.float32).min_cosine
+
+
+def _agree(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    cosine = torch.nn.functional.cosine_similarity(ours.double(), theirs.double(), dim=1)
+    assert float(cosine.min()) >= MIN_COSINE, cosine
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2"])
+def qwen_dir(request, tmp_path_factory):
+    return checkpoints.qwen(tmp_path_factory.mktemp(request.param) / "m", qwen2=request.param == "qwen2")
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_qwen_embedders_match_sentence_transformers(qwen_dir, layout):
+    ours, report = Embedder.load(str(qwen_dir), device="cpu", backend="torch", layout=layout)
+    family = json.loads((qwen_dir / "config.json").read_text())["model_type"]
+    assert f"architecture {family}" in str(report) and "lasttoken pooling" in str(report)
+    reference = SentenceTransformer(str(qwen_dir), device="cpu")
+    for prompt in (None, "query"):  # Qwen3-Embedding's instruction before each query, none before documents
+        _agree(ours.embed(TEXTS, prompt_name=prompt), encode_unpadded(reference, TEXTS, prompt_name=prompt))
+    # the sentence embedding is the last token's: the <|endoftext|> the tokenizer's post-processor appends
+    eos = reference.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert all(row[-1] == eos for row in ours.tokenize(TEXTS))
+
+
+def test_truncation_keeps_the_last_token_as_sentence_transformers_does(qwen_dir):
+    ours, _ = Embedder.load(str(qwen_dir), device="cpu", backend="torch", max_seq_length=24)
+    reference = SentenceTransformer(str(qwen_dir), device="cpu")
+    reference.max_seq_length = 24
+    long = [TEXTS[3], TEXTS[3][::-1]]
+    rows = ours.tokenize(long, prompt_name="query")
+    assert [len(r) for r in rows] == [24, 24] and rows == reference.tokenize(
+        [reference.prompts["query"] + t for t in long])["input_ids"].tolist()
+    _agree(ours.embed(long, prompt_name="query"), reference.encode(long, prompt_name="query", convert_to_tensor=True))
+
+
+def test_the_fused_kernels_serve_qwen(qwen_dir):
+    """RMSNorm, add + RMSNorm with the next block's weights, causal GQA rotary attention (Qwen3: q/k norms first),
+    SwiGLU in the GEMM's epilogue: the Triton kernels on the interpreter here."""
+    fused, _ = Embedder.load(str(qwen_dir), device="cpu", backend="triton")
+    assert fused.selection.used == {op: "triton" for op in ("rms_norm", "rotary_attention", "add_rms_norm",
+                                                            "linear_glu")}
+    reference = SentenceTransformer(str(qwen_dir), device="cpu")
+    _agree(fused.embed(TEXTS[:3]), encode_unpadded(reference, TEXTS[:3]))
+
+
+def test_decoder_embedders_default_to_bfloat16_on_a_gpu(qwen_dir):
+    from fusedserve.model.families import config_from_dir, family
+    from fusedserve.model.runner import resolve_dtype
+
+    cuda = torch.device("cuda")
+    assert resolve_dtype("auto", cuda, family(config_from_dir(qwen_dir)).dtype_on_cuda) == torch.bfloat16
+    assert resolve_dtype("auto", cuda, family(config_from_dir(checkpoints.source_dir())).dtype_on_cuda) == torch.float16
+    assert resolve_dtype("float16", cuda, torch.bfloat16) == torch.float16  # a setting wins
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"auto_map": {"AutoModel": "Alibaba-NLP/gte-Qwen2-7B-instruct--modeling_qwen.Qwen2Model"}}, "custom code"),
+    ({"is_causal": False}, "is_causal False"),
+    ({"use_sliding_window": True}, "sliding-window attention"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window attention"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "type 'yarn'"),
+    ({"num_hidden_layers": 3}, "lacks"),
+])
+def test_what_qwen_cannot_serve_exactly_is_refused_naming_it(qwen_dir, tmp_path, change, named):
+    path = tmp_path / "m"
+    path.mkdir()
+    for item in qwen_dir.iterdir():
+        if item.is_file():
+            (path / item.name).symlink_to(item)
+    (path / "config.json").unlink()
+    config = json.loads((qwen_dir / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError, match=named):
+        Embedder.load(str(path), device="cpu")
+
+
+def test_served_with_the_instruction_and_matryoshka_dimensions(tmp_path):
+    """Qwen3-Embedding through POST /v1/embeddings with the `openai` client: the query instruction by prompt_name and
+    the first `dimensions` of each vector, renormalized, as sentence-transformers' truncate_dim gives them."""
+    openai = pytest.importorskip("openai")
+    from tests.server.conftest import start_server
+
+    path = checkpoints.qwen(tmp_path / "qwen3-embedding")
+    reference = SentenceTransformer(str(path), device="cpu", truncate_dim=24)
+    server = start_server(tmp_path, model=str(path), device="cpu", warmup=False, kernel_timing_sample_rate=0)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        result = client.embeddings.create(input=TEXTS, model="qwen3-embedding", dimensions=24, encoding_format="float",
+                                          extra_body={"prompt_name": "query"})
+    finally:
+        server.stop()
+    ours = torch.tensor([d.embedding for d in result.data])
+    _agree(ours, encode_unpadded(reference, TEXTS, prompt_name="query", normalize_embeddings=True))
+    assert torch.allclose(ours.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
