@@ -80,6 +80,21 @@ class ClassifierHead:
 
 
 @dataclass(frozen=True)
+class YesNoReranker:
+    """A causal LM served as a reranker (Qwen3-Reranker's documented use): each (query, document) pair is written
+    into `body`, truncated to what max_seq_length leaves after `prefix` and `suffix` (tokenized without special
+    tokens), and the score is the probability of `yes` against `no` as the next token: softmax over the two LM-head
+    logits at the last position, sigmoid(yes - no); only those two rows of the LM head are computed."""
+
+    prefix: str
+    body: str  # str.format fields: instruction, query, document
+    suffix: str
+    instruction: str  # the default task
+    yes: str = "yes"
+    no: str = "no"
+
+
+@dataclass(frozen=True)
 class MaskedLMHead:
     """A `*ForMaskedLM` head by checkpoint name: dense -> GELU -> LayerNorm (`transform`, `norm`), then the decoder
     onto the vocabulary (its weight tied to the word embeddings where the checkpoint has none) plus `bias`. What a
@@ -108,6 +123,7 @@ class Family:
     # the few-token layer (model.encoder.FEW_TOKEN_OPS) exists in its layers: auto attention may pick "fused"
     few_token_layer: bool = True
     masked_lm: MaskedLMHead | None = None  # None: its SPLADE (sparse) models are refused by name
+    reranker: YesNoReranker | None = None  # None: its *ForCausalLM directories are refused by name
     gated_ffn: bool = False  # the FFN-in projects to 2 x intermediate_size (a gate and an up half)
     # the dtype DTYPE=auto serves on a GPU: decoder LLMs' activations overflow float16 (Qwen's reach beyond 65504)
     dtype_on_cuda: torch.dtype = torch.float16

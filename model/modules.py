@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from fusedserve import kernels
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.families import family
-from fusedserve.model.family import ClassifierHead
+from fusedserve.model.family import ClassifierHead, YesNoReranker
 from fusedserve.model.weights import MASKED_LM
 
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken")
@@ -88,14 +88,20 @@ class Pipeline:
 @dataclass(frozen=True)
 class Classifier:
     """A sequence-classification model's head: logits of the first token (or, pooling "mean", of the mean of the
-    tokens)."""
+    tokens); or a causal LM's yes/no reranker (head a YesNoReranker: tensors "yes" and "no", the LM head's two rows;
+    one logit, yes - no, at the last token)."""
 
-    head: ClassifierHead  # the family's layers, by checkpoint name
+    head: ClassifierHead | YesNoReranker  # the family's layers, by checkpoint name
     tensors: Mapping[str, Tensor]
     labels: tuple[str, ...]  # id2label in label order
     activation: str  # sigmoid | softmax | identity (what predict applies by default)
     pooling: str = "cls"
     norm_eps: float = 1e-12
+
+    @property
+    def template(self) -> YesNoReranker | None:
+        """A yes/no reranker's prompt template (pairs are written into it before tokenizing), else None."""
+        return self.head if isinstance(self.head, YesNoReranker) else None
 
 
 def _json(path: Path) -> dict:
@@ -257,9 +263,14 @@ def read_pipeline(path: str | Path, pooling: str | None = None, plain: tuple[str
                     **common)
 
 
-def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, Tensor]) -> Classifier | None:
-    """The classification head of a `*ForSequenceClassification` directory, or None for an encoder alone."""
+def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, Tensor],
+                    word_embeddings: Tensor | None = None) -> Classifier | None:
+    """The classification head of a `*ForSequenceClassification` directory, the yes/no reranker of a `*ForCausalLM`
+    one (the family's YesNoReranker; word_embeddings: the LM head where the checkpoint ties it to them), or None for
+    an encoder alone."""
     hf = _json(Path(path) / "config.json")
+    if any(a.endswith("ForCausalLM") for a in hf.get("architectures") or []):
+        return _yes_no_reranker(Path(path), config, hf, rest, word_embeddings)
     if not any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
         return None
     head = family(config).classifier
@@ -297,6 +308,37 @@ def read_classifier(path: str | Path, config: EncoderConfig, rest: Mapping[str, 
         activation = "sigmoid" if num_labels == 1 else "softmax"
     return Classifier(head, {n: rest[n].float() for n in wanted}, labels, activation, pooling,
                       hf.get("norm_eps", hf.get("layer_norm_eps", 1e-12)))
+
+
+def _yes_no_reranker(path: Path, config: EncoderConfig, hf: dict, rest: Mapping[str, Tensor],
+                     word_embeddings: Tensor | None) -> Classifier:
+    reranker = family(config).reranker
+    if reranker is None:
+        raise UnsupportedModel(f"{path}: a {family(config).label} causal LM ({', '.join(hf['architectures'])}) is not "
+                               "served: a causal LM is served only as a yes/no reranker (Qwen3-Reranker's use)")
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(path / "tokenizer.json"))
+    ids = {word: vocab.token_to_id(word) for word in (reranker.yes, reranker.no)}
+    if None in ids.values():
+        raise UnsupportedModel(f"{path}: the tokenizer has no single token {reranker.yes!r} / {reranker.no!r} (a yes/no "
+                               "reranker scores those two next tokens)")
+    lm_head = rest.get("lm_head.weight")
+    if lm_head is None:
+        if not hf.get("tie_word_embeddings", False) or word_embeddings is None:
+            raise UnsupportedModel(f"{path}: no lm_head.weight and tie_word_embeddings is not set: the LM head is "
+                                   "missing")
+        lm_head = word_embeddings
+    extra = sorted(n for n in rest if n != "lm_head.weight")
+    if extra:
+        raise UnsupportedModel(f"{path}: tensors the reranker does not use, e.g. {extra[:4]}")
+    tensors = {word: lm_head[i].detach().float().clone() for word, i in ids.items()}
+    return Classifier(reranker, tensors, ("score",), "sigmoid", "lasttoken")
+
+
+def classification_head(classifier: Classifier) -> nn.Module:
+    """The head module a classifier runs."""
+    return YesNoHead(classifier) if isinstance(classifier.head, YesNoReranker) else ClassificationHead(classifier)
 
 
 def _first_tokens(hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
@@ -451,6 +493,30 @@ class ClassificationHead(nn.Module):
         if self.norm_weight is not None:
             x = F.layer_norm(x, x.shape[-1:], self.norm_weight.float(), _float(self.norm_bias), self.eps)
         return F.linear(x, self.out_weight.float(), _float(self.out_bias))
+
+
+class YesNoHead(nn.Module):
+    """A yes/no reranker's score logit at each sequence's last token: (W_yes - W_no) . h, the log-odds of "yes"
+    against "no" as the next token ([batch, 1] float32; sigmoid makes it their softmax probability)."""
+
+    ops: tuple[str, ...] = ()
+
+    def __init__(self, classifier: Classifier) -> None:
+        super().__init__()
+        rows = torch.stack([classifier.tensors[classifier.head.yes], classifier.tensors[classifier.head.no]])
+        self.rows = nn.Parameter(rows, requires_grad=False)
+        self.dim = 1
+
+    def forward(self, hidden: Tensor, p) -> Tensor:
+        return self._score(_last_tokens(hidden, p.cu_seqlens))
+
+    def forward_padded(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        last = mask.sum(1).long() - 1  # padded on the right
+        return self._score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+
+    def _score(self, last: Tensor) -> Tensor:
+        yes, no = F.linear(last.float(), self.rows.float()).unbind(1)
+        return (yes - no)[:, None]
 
 
 def _float(t: Tensor | None) -> Tensor | None:

@@ -29,7 +29,7 @@ from fusedserve.kernels import reference
 from fusedserve.model import gte
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.encoder import Packed, resolve_attention
-from fusedserve.model.family import Family, WeightLayout
+from fusedserve.model.family import Family, WeightLayout, YesNoReranker
 
 
 def _read(hf: dict, *, qwen3: bool) -> dict:
@@ -194,10 +194,18 @@ def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.d
     return ("rms_norm", "rotary_attention", "add_rms_norm", "linear_glu")
 
 
+# Qwen3-Reranker's template, as its model card's code writes it
+QWEN3_RERANKER = YesNoReranker(
+    prefix="<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+           "provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n",
+    body="<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}",
+    suffix="<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    instruction="Given a web search query, retrieve relevant passages that answer the query")
+
 _COMMON = dict(encoder=Encoder, kernel_ops=kernel_ops, pooling=("lasttoken",), attention="causal grouped-query",
                few_token_layer=False, gated_ffn=True, dtype_on_cuda=torch.bfloat16)
 QWEN3 = Family("qwen3", ("qwen3",), "Qwen3", lambda hf: _read(hf, qwen3=True), _WEIGHTS, None,
-               positions="rotary", **_COMMON)
+               positions="rotary", reranker=QWEN3_RERANKER, **_COMMON)
 QWEN2 = Family("qwen2", ("qwen2",), "Qwen2", lambda hf: _read(hf, qwen3=False), _WEIGHTS, None,
                positions="rotary", **_COMMON)
 FAMILIES = (QWEN3, QWEN2)

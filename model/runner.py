@@ -30,7 +30,7 @@ from fusedserve.model.api import Rows, TextOptions, l2_normalize, name_of
 from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
 from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Packed, resolve_attention
 from fusedserve.model.families import family
-from fusedserve.model.modules import (ClassificationHead, Classifier, EmbeddingHead, Pipeline, SparseHead,
+from fusedserve.model.modules import (Classifier, EmbeddingHead, Pipeline, SparseHead, classification_head,
                                      masked_lm_tensors, read_classifier, read_pipeline)
 from fusedserve.model.tokenizer import PairIds, TextPreparation, TextTokenizer
 from fusedserve.model.weights import CheckpointError, check_encoder_only, default_model_dir, load_checkpoint
@@ -117,7 +117,7 @@ class Embedder:
         self.pipeline = pipeline if classifier is None else None
         self.classifier = classifier
         if classifier is not None:
-            head: torch.nn.Module = ClassificationHead(classifier)
+            head: torch.nn.Module = classification_head(classifier)
         else:
             self.pipeline = self.pipeline or Pipeline(normalize=self.config.normalize)
             if self.pipeline.sparse is not None:  # a SPLADE model: its decoder is the encoder's word embeddings
@@ -131,6 +131,7 @@ class Embedder:
             tokenizer, self.config.vocab_size, lower_case=self.pipeline is not None and self.pipeline.do_lower_case,
             prompts=self.pipeline.prompts if self.pipeline is not None else None,
             default_prompt_name=self.pipeline.default_prompt_name if self.pipeline is not None else None,
+            pair_template=classifier.template if classifier is not None else None,
         ) if tokenizer is not None else None
         self.dim: int = head.dim
         # a cross-encoder's text pairs carry token types (the second text's: 1) where the model has them
@@ -189,7 +190,7 @@ class Embedder:
             encoder, rest = load_checkpoint(path)
             tokenizer_dir = path
             name = name or name_of(model)
-            classifier = read_classifier(path, encoder.config, rest)
+            classifier = read_classifier(path, encoder.config, rest, encoder.embeddings.word_embeddings)
             if classifier is None:
                 pipeline = read_pipeline(path, pooling, family(encoder.config).pooling)
                 if pipeline.sparse is not None:
@@ -561,6 +562,9 @@ class Embedder:
     def describe_head(self) -> str:
         if self.classifier is not None:
             c = self.classifier
+            if c.template is not None:
+                return (f"head: {self.family.label} yes/no reranker (its prompt template; the LM head's rows "
+                        f"{c.template.yes!r} and {c.template.no!r} at the last token), scores through sigmoid")
             return (f"head: {self.family.label} sequence classifier, {len(c.labels)} label(s) {', '.join(c.labels)}, scores "
                     f"through {c.activation}")
         p = self.pipeline

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,16 @@ class PairIds(list):
         self.second = second
 
 
+class PairTemplate(Protocol):
+    """A causal LM's reranking prompt (model.family.YesNoReranker): body.format(instruction=, query=, document=)
+    between prefix and suffix."""
+
+    prefix: str
+    body: str
+    suffix: str
+    instruction: str
+
+
 class TextTokenizer:
     def __init__(self, path: str | Path, max_length: int) -> None:
         path = Path(path)
@@ -43,6 +54,7 @@ class TextTokenizer:
         self._full = Tokenizer.from_file(str(path))
         self._full.no_padding()
         self._full.no_truncation()
+        self._template_truncating: tuple[int, Tokenizer] | None = None  # encode_between's (budget, tokenizer)
 
     def encodings(self, texts: list[str], truncate: bool = True) -> list:
         """The tokenizer's encodings per text, [CLS] ... [SEP] included. Without truncation, too-long inputs raise
@@ -76,6 +88,30 @@ class TextTokenizer:
                     raise InputTooLong(index, len(row), self.max_length)
         return rows
 
+    def encode_between(self, texts: list[str], prefix: str, suffix: str, truncate: bool = True) -> list[list[int]]:
+        """prefix + text + suffix per text as a causal LM's prompt template builds it (Qwen3-Reranker's code): the
+        prefix and suffix tokenized without special tokens, each text with them and truncated to what max_length
+        leaves after the two. Without truncation, too-long inputs raise InputTooLong."""
+        around = [e.ids for e in self._full.encode_batch([prefix, suffix], add_special_tokens=False)]
+        budget = self.max_length - len(around[0]) - len(around[1])
+        if budget < 1:
+            raise ValueError(f"max_seq_length {self.max_length} leaves no room for a text in the prompt template "
+                             f"({len(around[0]) + len(around[1])} tokens)")
+        if truncate:
+            if self._template_truncating is None or self._template_truncating[0] != budget:
+                cutting = Tokenizer.from_str(self._full.to_str())
+                cutting.enable_truncation(max_length=budget)
+                self._template_truncating = (budget, cutting)
+            encodings = self._template_truncating[1].encode_batch(texts)
+        else:
+            encodings = self._full.encode_batch(texts)
+        rows = []
+        for index, e in enumerate(encodings):
+            if len(e.ids) > budget:
+                raise InputTooLong(index, len(e.ids) + len(around[0]) + len(around[1]), self.max_length)
+            rows.append(around[0] + e.ids + around[1])
+        return rows
+
 
 def _rows_of(encodings) -> Rows:
     """The encodings' ids as Rows, turned into arrays once, here."""
@@ -104,10 +140,12 @@ class TextPreparation:
     keep no state between calls)."""
 
     def __init__(self, tokenizer: TextTokenizer, vocab_size: int, *, lower_case: bool = False,
-                 prompts: Mapping[str, str] | None = None, default_prompt_name: str | None = None) -> None:
+                 prompts: Mapping[str, str] | None = None, default_prompt_name: str | None = None,
+                 pair_template: PairTemplate | None = None) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.limit = tokenizer.max_length
         self.lower_case, self.prompts, self.default_prompt_name = lower_case, dict(prompts or {}), default_prompt_name
+        self.pair_template = pair_template
 
     def prompt(self, prompt_name: str | None) -> str:
         """The text a prompt name stands for ("" for none; the model's default prompt when not named)."""
@@ -169,6 +207,11 @@ class TextPreparation:
         """A cross-encoder's text pairs, as its tokenizer call makes them (longest_first truncation)."""
         for pair in pairs:
             _check_unicode(pair)
+        t = self.pair_template
+        if t is not None:  # a causal LM's reranking prompt: one text per pair, between the template's ends
+            texts = [t.body.format(instruction=t.instruction, query=a, document=b) for a, b in pairs]
+            rows = self.tokenizer.encode_between(texts, t.prefix, t.suffix, options.truncate)
+            return Rows.of(rows, [len(r) for r in rows])  # one text: no token of a second one
         rows = self.tokenizer.encode_pairs(pairs, truncate=options.truncate)
         return Rows.of(rows, [r.second for r in rows])
 

@@ -479,15 +479,17 @@ QWEN_EMBEDDING_PROMPTS = {"query": "Instruct: Given a web search query, retrieve
 _BPE_CORPUS = ["A man is eating food.", "Fused kernels make encoders fast, even for a single short request.",
                "Was ist die Hauptstadt von Deutschland? Berlin.", "naïve café, déjà vu, 東京の天気",
                "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:",
-               "The quick brown fox jumps over the lazy dog.", "def f(x): return x ** 2  # 12345 67890"] * 4
+               "The quick brown fox jumps over the lazy dog.", "def f(x): return x ** 2  # 12345 67890",
+               "yes\nno\nyes\nno"] * 4
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def bpe_tokenizer(dest: Path, vocab_size: int = 384) -> None:
+def bpe_tokenizer(dest: Path, vocab_size: int = 384, append_eos: bool = True) -> None:
     """A byte-level BPE tokenizer as Qwen's is built (tokenizers' ByteLevel pre-tokenizer and decoder, Qwen's special
-    tokens), trained here on a few sentences, whose post-processor ends every input with <|endoftext|> as
-    Qwen3-Embedding's tokenizer.json does (the token lasttoken pooling reads); tokenizer_config.json for transformers'
-    AutoTokenizer (sentence-transformers'), padding with the same token."""
+    tokens, "yes" and "no" single tokens), trained here on a few sentences; append_eos: its post-processor ends every
+    input with <|endoftext|> as Qwen3-Embedding's tokenizer.json does (the token lasttoken pooling reads), else it adds
+    nothing (Qwen3's own, the reranker's); tokenizer_config.json for transformers' AutoTokenizer (sentence-transformers'),
+    padding with the same token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -497,8 +499,10 @@ def bpe_tokenizer(dest: Path, vocab_size: int = 384) -> None:
         vocab_size=vocab_size, special_tokens=list(QWEN_SPECIALS), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     eos = QWEN_SPECIALS[0]
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"$A:0 {eos}:0", pair=f"$A:0 {eos}:0 $B:1 {eos}:1", special_tokens=[(eos, tokenizer.token_to_id(eos))])
+    if append_eos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"$A:0 {eos}:0", pair=f"$A:0 {eos}:0 $B:1 {eos}:1",
+            special_tokens=[(eos, tokenizer.token_to_id(eos))])
     dest.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(dest / "tokenizer.json"))
     (dest / "tokenizer_config.json").write_text(json.dumps(
@@ -509,7 +513,7 @@ def bpe_tokenizer(dest: Path, vocab_size: int = 384) -> None:
 def _qwen_config(shape: str, qwen2: bool, **extra):
     from transformers import Qwen2Config, Qwen3Config
 
-    dims = dict(QWEN_SHAPES[shape], pad_token_id=0, eos_token_id=0, tie_word_embeddings=True, **extra)
+    dims = dict(QWEN_SHAPES[shape], pad_token_id=0, eos_token_id=0, **{"tie_word_embeddings": True, **extra})
     if qwen2:  # Qwen2's head width is hidden_size / heads
         return Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, **dims)
     return Qwen3Config(head_dim=QWEN_HEAD_DIM[shape], **dims)
@@ -541,4 +545,20 @@ def qwen(dest: Path, shape: str = "tiny", *, qwen2: bool = False, pooling: list[
     bpe_tokenizer(dest)
     _st_files(dest, list(pooling), max_seq_length=256 if shape == "tiny" else 32768,
               prompts=QWEN_EMBEDDING_PROMPTS if prompts is None else prompts, **kwargs)
+    return dest
+
+
+def qwen3_reranker(dest: Path, shape: str = "tiny", *, tied: bool = True) -> Path:
+    """A random Qwen3-Reranker: transformers' Qwen3ForCausalLM (its LM head tied to the token table, as the 0.6B's
+    is, or a head of its own) with Qwen3's tokenizer (nothing appended). Its LM head at order 1/sqrt(width) so the
+    yes/no logits differ by order 1 (sigmoid not flat)."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(12)
+    model = Qwen3ForCausalLM(_qwen_config(shape, False, tie_word_embeddings=tied))
+    _qwen_draw(model)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, model.config.hidden_size ** -0.5)
+    model.save_pretrained(dest, safe_serialization=True)
+    bpe_tokenizer(dest, append_eos=False)
     return dest

@@ -1,7 +1,7 @@
 """Decoder embedders (Qwen3, Qwen2) against sentence-transformers on the same directories (fp32, CPU): causal
 grouped-query attention, Qwen3's q/k norms and head width of its own, Qwen2's q/k/v biases, lasttoken pooling over
-the <|endoftext|> the tokenizer appends, the instruction prompt, truncation. What the family cannot serve exactly is
-refused at load, naming it."""
+the <|endoftext|> the tokenizer appends, the instruction prompt, truncation; and Qwen3-Reranker against its model
+card's code on transformers' Qwen3ForCausalLM. What the family cannot serve exactly is refused at load, naming it."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from sentence_transformers import SentenceTransformer
 
+from fusedserve.model.api import InputTooLong
+from fusedserve.model.config import UnsupportedModel
 from fusedserve.model.runner import Embedder
 from fusedserve.model.weights import CheckpointError
 from tests.model import checkpoints
 from tests.model.reference import encode_unpadded
-from tests.tolerances import tolerance
+from tests.tolerances import assert_scores_close, tolerance
 
 TEXTS = ["A man is eating food.", "x", "naïve café, déjà vu, 東京の天気: Unicode through a byte-level BPE.",
          "Fused kernels make decoder embedders fast, even for a single short request. " * 6]
@@ -117,3 +120,93 @@ def test_served_with_the_instruction_and_matryoshka_dimensions(tmp_path):
     ours = torch.tensor([d.embedding for d in result.data])
     _agree(ours, encode_unpadded(reference, TEXTS, prompt_name="query", normalize_embeddings=True))
     assert torch.allclose(ours.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
+
+
+# ---- Qwen3-Reranker ------------------------------------------------------------------------------------------------
+PAIRS = [("how do fused kernels help?", "They cut memory traffic between ops."), ("what is a cat", "A small feline."),
+         ("q", "a long passage about {braces} and nothing in particular " * 30), ("same", "same")]
+RERANK_LENGTH = 256  # the tiny tokenizer spends ~170 tokens on the template: the long passage is cut
+
+
+def _reference_scores(path, pairs, max_length: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Qwen3-Reranker's model-card code on transformers' Qwen3ForCausalLM: each pair formatted into the template,
+    tokenized with truncation to what the template leaves, then log-softmax over the "no" and "yes" logits at the last
+    position; returns the token rows and the log-odds of yes (logit_yes - logit_no)."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from fusedserve.model.qwen3 import QWEN3_RERANKER as t
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prefix = tokenizer.encode(t.prefix, add_special_tokens=False)
+    suffix = tokenizer.encode(t.suffix, add_special_tokens=False)
+    texts = [t.body.format(instruction=t.instruction, query=q, document=d) for q, d in pairs]
+    inputs = tokenizer(texts, padding=False, truncation="longest_first", return_attention_mask=False,
+                       max_length=max_length - len(prefix) - len(suffix))
+    rows = [prefix + ids + suffix for ids in inputs["input_ids"]]
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    with torch.no_grad():
+        last = [model(torch.tensor([row])).logits[0, -1] for row in rows]
+    return rows, torch.stack([logits[yes] - logits[no] for logits in last])
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-lm-head", "own-lm-head"])
+def test_the_reranker_matches_transformers(tmp_path, tied):
+    path = checkpoints.qwen3_reranker(tmp_path / "reranker", tied=tied)
+    rows, log_odds = _reference_scores(path, PAIRS, RERANK_LENGTH)
+    ours, report = Embedder.load(str(path), device="cpu", backend="torch", max_seq_length=RERANK_LENGTH)
+    assert "Qwen3 yes/no reranker" in str(report) and ours.kind == "classifier"
+    assert ours.tokenize_pairs(PAIRS) == rows and len(rows[2]) == RERANK_LENGTH
+    logits = ours.predict(PAIRS)
+    assert logits.shape == (len(PAIRS), 1)
+    assert_scores_close(logits[:, 0], log_odds, logits=True)
+    assert_scores_close(torch.sigmoid(logits[:, 0]), torch.softmax(torch.stack([-log_odds, 0 * log_odds], 1), 1)[:, 1])
+    with pytest.raises(InputTooLong):  # truncate=false: the long passage is refused, not cut
+        ours.predict(PAIRS, truncate=False)
+
+
+def test_the_reranker_is_served_on_the_rerank_routes(tmp_path):
+    """TEI's /rerank and the Cohere-style /v1/rerank with the probability of "yes" as the score (raw_scores: its
+    log-odds)."""
+    import httpx
+
+    from tests.server.conftest import start_server
+
+    path = checkpoints.qwen3_reranker(tmp_path / "reranker")
+    query, documents = PAIRS[0][0], [d for _, d in PAIRS]
+    # the tiny config's 1,024 positions bound max_seq_length; TEI's /rerank refuses an over-long input unless truncate
+    _, log_odds = _reference_scores(path, [(query, d) for d in documents], 1024)
+    expected = torch.sigmoid(log_odds)
+    server = start_server(tmp_path, model=str(path), device="cpu", warmup=False, kernel_timing_sample_rate=0)
+    try:
+        tei = httpx.post(server.url + "/rerank", json={"query": query, "texts": documents, "truncate": True},
+                         timeout=60)
+        raw = httpx.post(server.url + "/rerank", json={"query": query, "texts": documents, "raw_scores": True,
+                                                       "truncate": True}, timeout=60)
+        cohere = httpx.post(server.url + "/v1/rerank", json={"query": query, "documents": documents, "top_n": 2},
+                            timeout=60)
+    finally:
+        server.stop()
+    assert tei.status_code == raw.status_code == cohere.status_code == 200, (tei.text, cohere.text)
+    ranked = tei.json()
+    assert [x["index"] for x in ranked] == sorted(range(len(documents)), key=lambda i: -float(expected[i]))
+    assert_scores_close([x["score"] for x in ranked], [float(expected[x["index"]]) for x in ranked])
+    assert_scores_close([x["score"] for x in raw.json()], [float(log_odds[x["index"]]) for x in raw.json()],
+                        logits=True)
+    top = cohere.json()["results"]
+    assert [r["index"] for r in top] == [x["index"] for x in ranked[:2]]
+    assert_scores_close([r["relevance_score"] for r in top], [x["score"] for x in ranked[:2]])
+
+
+def test_a_causal_lm_the_family_cannot_rerank_with_is_refused(tmp_path):
+    qwen2 = checkpoints.qwen(tmp_path / "qwen2", qwen2=True)
+    config = json.loads((qwen2 / "config.json").read_text())
+    (qwen2 / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForCausalLM"]}))
+    with pytest.raises(UnsupportedModel, match="Qwen2 causal LM \\(Qwen2ForCausalLM\\) is not served"):
+        Embedder.load(str(qwen2), device="cpu")
+    path = checkpoints.qwen3_reranker(tmp_path / "reranker", tied=False)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(UnsupportedModel, match="no lm_head.weight and tie_word_embeddings is not set"):
+        Embedder.load(str(path), device="cpu")
