@@ -1,6 +1,7 @@
 """Encoder suite: our encoder's forward beside the same model in eager PyTorch (Hugging Face transformers'
 BertModel, SDPA attention), under torch.compile, and under torch.compile + CUDA graphs (mode="reduce-overhead"),
-same config, same token ids, same run. Random-init weights; fp16 on a GPU, fp32 on the CPU.
+same config, same token ids, same run. Random-init weights; on a GPU the family's serving dtype (fp16; bf16 for the
+decoder embedders), fp32 on the CPU.
 
 Scenarios (one batch shape each, plus a profile):
   minilm-b1-s16          all-MiniLM-L6-v2's shape, one 16-token sequence (a lone request)
@@ -21,6 +22,11 @@ Scenarios (one batch shape each, plus a profile):
   modernbert-base-b32-s128, modernbert-base-b128-varlen
                          ModernBERT-base's shape (22 pre-norm layers, two in three with a 128-token sliding window,
                          GeGLU), beside transformers' ModernBertModel
+  qwen3-0.6b-b1-s16, qwen3-0.6b-b32-s128, qwen3-0.6b-b128-varlen, qwen3-0.6b-b1-s32768
+                         Qwen3-Embedding-0.6B's shape (28 decoder layers, causal grouped-query attention, q/k RMSNorm,
+                         SwiGLU) in bfloat16, its serving dtype, beside transformers' Qwen3Model; the 32,768-token input
+                         (the model's window, past the batch token budget: eager, alone) reports peak memory (not in
+                         the default set; run it with --providers ours: compiling at that length takes minutes)
   cross-encoder-minilm-b32-s128  MiniLM with a one-label classification head (a re-ranker), 32 pairs of 128 tokens,
                                  beside transformers' BertForSequenceClassification
   tiny-b3-varlen, tiny-cross-encoder-b3-varlen
@@ -66,6 +72,10 @@ CASES = {
     "nomic-bert-base-b128-varlen": ("nomic-bert-base", 128, 128, True, "embedding"),
     "modernbert-base-b32-s128": ("modernbert-base", 32, 128, False, "embedding"),
     "modernbert-base-b128-varlen": ("modernbert-base", 128, 128, True, "embedding"),
+    "qwen3-0.6b-b1-s16": ("qwen3-0.6b", 1, 16, False, "embedding"),
+    "qwen3-0.6b-b32-s128": ("qwen3-0.6b", 32, 128, False, "embedding"),
+    "qwen3-0.6b-b128-varlen": ("qwen3-0.6b", 128, 128, True, "embedding"),
+    "qwen3-0.6b-b1-s32768": ("qwen3-0.6b", 1, 32768, False, "embedding"),
     "cross-encoder-minilm-b32-s128": ("minilm-l6", 32, 128, False, "classifier"),
     "tiny-b3-varlen": ("tiny", 3, 12, True, "embedding"),
     "tiny-cross-encoder-b3-varlen": ("tiny", 3, 12, True, "classifier"),
@@ -104,16 +114,19 @@ def token_rows(lengths: list[int], vocab_size: int, seed: int = 1) -> list[list[
 
 def gemm_flops(config, lengths: list[int]) -> float:
     """Matmul + attention FLOPs of one forward on the real tokens: a gated FFN-in projects to twice the intermediate
-    width, and a sliding-window layer's query meets at most 2 x window + 1 keys."""
+    width, a sliding-window layer's query meets at most 2 x window + 1 keys, a causal one the keys up to its own."""
     from fusedserve.model.families import family
 
     h, inner = config.hidden_size, config.intermediate_size
     ffn = (3 if family(config).gated_ffn else 2) * h * inner
-    linear = 2 * sum(lengths) * (4 * h * h + ffn) * config.num_layers
+    width = config.num_heads * config.head_dim  # the attention's: queries, context (grouped keys and values: fewer)
+    projections = h * (2 * width + 2 * config.kv_heads * config.head_dim)
+    linear = 2 * sum(lengths) * (projections + ffn) * config.num_layers
     local = len(config.sliding_layers)
     keys = [min(n, 2 * config.sliding_window + 1) for n in lengths]
-    attention = sum(4 * n * n * h for n in lengths) * (config.num_layers - local) + \
-        sum(4 * n * k * h for n, k in zip(lengths, keys)) * local
+    pairs = [n * (n + 1) / 2 if "causal" in family(config).attention else n * n for n in lengths]
+    attention = sum(4 * p * width for p in pairs) * (config.num_layers - local) + \
+        sum(4 * n * k * width for n, k in zip(lengths, keys)) * local
     return float(linear + attention)
 
 
@@ -193,6 +206,14 @@ def hf_model(config, device: str, dtype: torch.dtype, head: str = "embedding"):
             local_attention=2 * config.sliding_window, global_rope_theta=config.rope_theta,
             local_rope_theta=config.local_rope_theta, attn_implementation="sdpa")
         return transformers.ModernBertModel(modern).to(device=device, dtype=dtype).eval()
+    if config.architecture == "qwen3":
+        qwen = transformers.Qwen3Config(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size, max_position_embeddings=config.max_position_embeddings,
+            rms_norm_eps=config.layer_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+            attn_implementation="sdpa")
+        return transformers.Qwen3Model(qwen).to(device=device, dtype=dtype).eval()
     if config.architecture == "mpnet":  # its attention is transformers' own (adds the bias): no SDPA option
         mpnet = transformers.MPNetConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                                          num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
@@ -230,10 +251,13 @@ def embedder(encoder, device: str, dtype: torch.dtype, *, backend: str, graphs: 
              max_batch: int, classifier=None):
     """Our serving path for `encoder` (model.runner.Embedder, its kernel selection made for this backend): token ids
     in, so no tokenizer (a preset takes its tokenizer from the packaged model, which a GPU machine may lack)."""
+    from fusedserve.model.families import family
+    from fusedserve.model.modules import Pipeline
     from fusedserve.model.runner import Embedder
 
-    e = Embedder(encoder, None, "bench", torch.device(device), dtype, classifier=classifier, backend=backend,
-                 cuda_graphs=graphs, max_batch_tokens=max_tokens, max_batch=max_batch)
+    pipeline = Pipeline(family(encoder.config).pooling)  # the family's (Qwen's: the last token)
+    e = Embedder(encoder, None, "bench", torch.device(device), dtype, pipeline=pipeline, classifier=classifier,
+                 backend=backend, cuda_graphs=graphs, max_batch_tokens=max_tokens, max_batch=max_batch)
     e.set_fused(True)
     return e
 
@@ -252,7 +276,7 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
     preset, batch, seq, varlen, head = CASES[name]
     config = EncoderConfig.from_name(preset)
     device, cuda = args.device, args.device.startswith("cuda")
-    dtype = torch.float16 if cuda else torch.float32
+    dtype = family(config).dtype_on_cuda if cuda else torch.float32
     lengths = lengths_for(batch, seq, varlen)
     rows = token_rows(lengths, config.vocab_size)
     longest, tokens = max(lengths), sum(lengths)
@@ -435,6 +459,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
+    from fusedserve.model.config import EncoderConfig
+    from fusedserve.model.families import family
+
     out = args.out or store.default_path("encoder", args.device)
     cuda = args.device.startswith("cuda")
     gpu = store.gpu_slug(torch.cuda.get_device_name(torch.device(args.device)) if cuda else None)
@@ -450,7 +477,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 tflops = gemm_tflops(args.device)
                 print(f"GEMM ceiling: {tflops:.0f} TFLOP/s (fp16 8192^3)", file=sys.stderr, flush=True)
             preset, batch, seq, varlen, kind = CASES[scenario]
-            settings = {"device": args.device, "dtype": "float16" if cuda else "float32", "preset": preset, "head": kind,
+            dtype = family(EncoderConfig.from_name(preset)).dtype_on_cuda if cuda else torch.float32
+            settings = {"device": args.device, "dtype": str(dtype).removeprefix("torch."), "preset": preset, "head": kind,
                         "batch": batch, "seq": seq, "varlen": varlen,
                         "lengths": lengths_for(batch, seq, varlen), "providers": args.providers,
                         "backends": args.backends}

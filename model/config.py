@@ -115,4 +115,11 @@ PRESETS: dict[str, EncoderConfig] = {
                                      rope_theta=160000.0, linear_bias=False, norm_bias=False,
                                      sliding_layers=tuple(i for i in range(22) if i % 3), sliding_window=64,
                                      local_rope_theta=10000.0),
+    # Qwen3-Embedding-0.6B's shape (a decoder: causal grouped-query attention, 16 query heads of 128 over 8 key/value
+    # heads, q/k RMSNorm, SwiGLU), random init, for benchmarks.
+    "qwen3-0.6b": EncoderConfig(architecture="qwen3", vocab_size=151669, hidden_size=1024, num_layers=28,
+                                num_heads=16, intermediate_size=3072, max_position_embeddings=32768, type_vocab_size=1,
+                                layer_norm_eps=1e-6, pad_token_id=151643, max_seq_length=32768, rope_theta=1_000_000.0,
+                                hidden_act="silu", linear_bias=False, norm_bias=False, num_kv_heads=8, head_size=128,
+                                qk_norm=True),
 }

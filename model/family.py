@@ -36,6 +36,7 @@ class WeightLayout:
     # after prefix stripping, before the maps above
     rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     optional: frozenset[str] = frozenset()  # names of `embeddings` and `layer` a checkpoint may lack
+    token_types: bool = True  # the encoder has a token type table (none in a decoder's: Qwen's)
 
 
 def released_layer_names(tensors: dict[str, torch.Tensor], layer_prefix: str, fused_qkv: str,

@@ -83,6 +83,7 @@ _WEIGHTS = WeightLayout(
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     stacked={"ffn_in.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
     optional=frozenset({"self_attn.q_norm.weight", "self_attn.k_norm.weight"}),
+    token_types=False,
 )
 
 

@@ -75,8 +75,7 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig
         if (t := take(theirs, theirs in layout.optional)) is not None:
             out[ours] = t
     # a family or checkpoint without token types (DistilBERT, MPNet, gte-base-en-v1.5): one all-zero token type
-    # (a family whose encoder has no token type table at all, Qwen's, maps none)
-    if _TOKEN_TYPES in layout.embeddings.values() and _TOKEN_TYPES not in out and not missing:
+    if layout.token_types and _TOKEN_TYPES not in out and not missing:
         out[_TOKEN_TYPES] = torch.zeros(1, config.hidden_size, dtype=out["embeddings.ln_weight"].dtype)
     for i in range(config.num_layers):
         base = f"{layout.layer_prefix}{i}."

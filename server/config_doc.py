@@ -48,6 +48,13 @@ models:
 model_load_failure: skip           # a model that fails to load is reported; the others serve
 ```
 
+Long inputs. A model's inputs are truncated at its `max_seq_length` (sentence-transformers' own, else the model's
+positions: 32,768 tokens for Qwen3-Embedding), or refused with a 413 naming the input when a request sends
+`truncate: false`; `{PREFIX}MAX_SEQ_LENGTH` lowers that cap. An input longer than `max_batch_tokens` is not refused:
+it runs alone, in a batch of its own, and its forward runs eagerly (CUDA graphs cover batches up to
+`max_batch_tokens`). The packed forward holds no [tokens, tokens] buffer (the attention kernels stream keys), so its
+memory grows with the tokens, not their square.
+
 The kernel layer reads a few environment variables of its own (build cache, tuning, Triton launch options); they
 are not service settings: [kernels.md](kernels.md#environment-variables).
 """

@@ -104,13 +104,17 @@ def test_what_qwen_cannot_serve_exactly_is_refused_naming_it(qwen_dir, tmp_path,
 
 def test_served_with_the_instruction_and_matryoshka_dimensions(tmp_path):
     """Qwen3-Embedding through POST /v1/embeddings with the `openai` client: the query instruction by prompt_name and
-    the first `dimensions` of each vector, renormalized, as sentence-transformers' truncate_dim gives them."""
+    the first `dimensions` of each vector, renormalized, as sentence-transformers' truncate_dim gives them; an input
+    over max_batch_tokens served whole."""
     openai = pytest.importorskip("openai")
     from tests.server.conftest import start_server
 
     path = checkpoints.qwen(tmp_path / "qwen3-embedding")
     reference = SentenceTransformer(str(path), device="cpu", truncate_dim=24)
-    server = start_server(tmp_path, model=str(path), device="cpu", warmup=False, kernel_timing_sample_rate=0)
+    # a batch budget below the longest input's tokens: that input runs alone, in a batch of its own
+    assert len(reference.tokenize([reference.prompts["query"] + TEXTS[3]])["input_ids"][0]) > 64
+    server = start_server(tmp_path, model=str(path), device="cpu", warmup=False, kernel_timing_sample_rate=0,
+                          max_batch_tokens=64)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         result = client.embeddings.create(input=TEXTS, model="qwen3-embedding", dimensions=24, encoding_format="float",
