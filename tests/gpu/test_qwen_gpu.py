@@ -1,7 +1,7 @@
 """Decoder embedders and the LLM reranker on the GPU's fused kernels, against the real libraries on the same
 directories with fp32 references on the GPU: Qwen3 and Qwen2 embedders (tiny, and Qwen3-Embedding-0.6B's shape) in
 float16 and bfloat16 against SentenceTransformer, one input of 32,768 tokens (the model's whole window, past the
-batch token budget: eager, alone), and Qwen3-Reranker against its model card's code on Qwen3ForCausalLM."""
+batch token budget: eager, alone) against the float32 torch path, and Qwen3-Reranker against its model card's code on Qwen3ForCausalLM."""
 
 from __future__ import annotations
 
@@ -46,14 +46,15 @@ def test_qwen_embedders_on_the_fused_kernels(tmp_path, request, model, dtype):
 
 def test_a_32k_token_input_is_served_whole(qwen3_06b, record_property):
     """Qwen3-Embedding's whole window in one input, over the batch token budget (16,384): it runs alone and eagerly
-    (no CUDA graph is that large), with no [tokens, tokens] buffer; the default dtype on a GPU, bfloat16."""
+    (no CUDA graph is that large), with no [tokens, tokens] buffer; the default dtype on a GPU, bfloat16. The
+    reference is the torch path in float32 on the same GPU (sentence-transformers' parity is checked on the inputs
+    above: at this length transformers' SDPA call with grouped-query heads falls to the math kernel, whose
+    [heads, tokens, tokens] float32 scores are 64 GiB)."""
     ours, report = Embedder.load(str(qwen3_06b), device="cuda", max_batch_tokens=16384)
     assert ours.dtype == torch.bfloat16 and ours.config.max_seq_length == LONG_TOKENS
-    reference = SentenceTransformer(str(qwen3_06b), device="cuda").float()
     text = " ".join(checkpoints._BPE_CORPUS) * 400
-    assert len(reference.tokenizer(text)["input_ids"]) > LONG_TOKENS  # truncated at the window by both
     rows = ours.tokenize([text])
-    assert len(rows[0]) == LONG_TOKENS
+    assert len(rows[0]) == LONG_TOKENS  # truncated at the window
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     held = torch.cuda.memory_allocated()
@@ -63,7 +64,9 @@ def test_a_32k_token_input_is_served_whole(qwen3_06b, record_property):
     # [heads, tokens, tokens] scores (16 x 32768^2 x 2 bytes = 32 GiB)
     assert peak_mib < 2048, peak_mib
     record_property("peak_mib_over_weights", round(peak_mib))  # in the JUnit report (--junitxml)
-    _agree(got, reference.encode([text], convert_to_tensor=True).float().cpu(), "bfloat16", "32k")
+    del ours
+    reference, _ = Embedder.load(str(qwen3_06b), device="cuda", dtype="float32", fused=False, cuda_graphs=False)
+    _agree(got, reference.embed([text]), "bfloat16", "32k")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
