@@ -51,16 +51,21 @@ class TextTokenizer:
         self._truncating = Tokenizer.from_file(str(path))
         self._truncating.no_padding()  # the MiniLM tokenizer.json pads every input to 128
         self._truncating.enable_truncation(max_length=max_length)
+        # the tokenizer cuts the text, not its special tokens, wherever its template puts them ([CLS] ... [SEP], a
+        # decoder's trailing <|endoftext|>)
+        self._left_truncating = Tokenizer.from_file(str(path))
+        self._left_truncating.no_padding()
+        self._left_truncating.enable_truncation(max_length=max_length, direction="left")
         self._full = Tokenizer.from_file(str(path))
         self._full.no_padding()
         self._full.no_truncation()
         self._template_truncating: tuple[int, Tokenizer] | None = None  # encode_between's (budget, tokenizer)
 
-    def encodings(self, texts: list[str], truncate: bool = True) -> list:
-        """The tokenizer's encodings per text, [CLS] ... [SEP] included. Without truncation, too-long inputs raise
-        InputTooLong."""
+    def encodings(self, texts: list[str], truncate: bool = True, direction: str = "right") -> list:
+        """The tokenizer's encodings per text, [CLS] ... [SEP] included, cut at the end (right) or the start (left) of
+        the text. Without truncation, too-long inputs raise InputTooLong."""
         if truncate:
-            return self._truncating.encode_batch(texts)
+            return (self._truncating if direction == "right" else self._left_truncating).encode_batch(texts)
         encodings = self._full.encode_batch(texts)
         for index, e in enumerate(encodings):
             if len(e.ids) > self.max_length:
@@ -123,8 +128,9 @@ def _rows_of(encodings) -> Rows:
 
 
 def cut(rows: list[list[int]], limit: int, truncate: bool, direction: str) -> list[list[int]]:
-    """Rows over `limit` tokens cut to it, keeping the first and last token ([CLS], [SEP]) and dropping from the end
-    (right) or the start (left) of the text; with truncate=False an over-long row raises InputTooLong."""
+    """Token-id rows a client sent over `limit` tokens cut to it, keeping the first and last token ([CLS], [SEP])
+    and dropping from the end (right) or the start (left) of the text; with truncate=False an over-long row raises
+    InputTooLong."""
     out = []
     for i, row in enumerate(rows):
         if len(row) > limit:
@@ -198,10 +204,7 @@ class TextPreparation:
                 raise _InputTooLong(f"{rows.tokens} tokens in one request; per-token output is limited to "
                                     f"{options.max_tokens}")
             return Rows(rows.ids, rows.lengths, details=[_tokens(text, e) for text, e in zip(texts, encodings)])
-        if options.direction == "left":
-            rows = [e.ids for e in self.tokenizer.untruncated.encode_batch(texts)]
-            return Rows.of(cut(rows, self.limit, options.truncate, "left"))
-        return _rows_of(self.tokenizer.encodings(texts, options.truncate))
+        return _rows_of(self.tokenizer.encodings(texts, options.truncate, options.direction))
 
     def pairs(self, pairs: list[tuple[str, str]], options: TextOptions) -> Rows:
         """A cross-encoder's text pairs, as its tokenizer call makes them (longest_first truncation)."""

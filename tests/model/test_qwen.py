@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from sentence_transformers import SentenceTransformer
 
-from fusedserve.model.api import InputTooLong
+from fusedserve.model.api import InputTooLong, TextOptions
 from fusedserve.model.config import UnsupportedModel
 from fusedserve.model.runner import Embedder
 from fusedserve.model.weights import CheckpointError
@@ -214,3 +214,13 @@ def test_a_causal_lm_the_family_cannot_rerank_with_is_refused(tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(UnsupportedModel, match="no lm_head.weight and tie_word_embeddings is not set"):
         Embedder.load(str(path), device="cpu")
+
+
+def test_left_truncation_keeps_the_appended_token(qwen_dir):
+    """TEI's truncation_direction "left" drops the start of the text, not the <|endoftext|> the tokenizer appends
+    (lasttoken pooling reads it), as the tokenizer's own left truncation does."""
+    ours, _ = Embedder.load(str(qwen_dir), device="cpu", backend="torch", max_seq_length=24)
+    reference = SentenceTransformer(str(qwen_dir), device="cpu")
+    whole = reference.tokenizer(TEXTS[3])["input_ids"]
+    left = ours.text.texts([TEXTS[3]], TextOptions(direction="left")).tolist()[0]
+    assert len(whole) > 24 and left == whole[-24:] and left[-1] == whole[-1]
