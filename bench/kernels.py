@@ -12,6 +12,11 @@ Scenarios:
                   sliding window) at GTE-base's and ModernBERT-base's: device time and TFLOP/s of the real (unpadded,
                   in-window) attention against the padded SDPA that eager PyTorch and torch.compile run (with a
                   materialized bias; with q and k rotated in the input dtype)
+  decoder-ops     the decoder embedders' ops (Qwen3) at Qwen3-Embedding-0.6B's and -4B's widths: RMSNorm, add + RMSNorm
+                  (the residual stream written too), q/k RMSNorm + RoPE (the rotation pass of rotary_attention) and
+                  SwiGLU (the gate/up GEMM with silu(gate) * up in its epilogue), beside eager PyTorch as transformers
+                  writes it, torch.compile and Liger-Kernel (an optional bench dependency: its rows are skipped where
+                  it is not installed); summary: ours against the best of torch.compile and Liger per cell
   splade          SPLADE pooling (splade_pool: the MLM head's vocab GEMM with each sequence's max of log1p(relu) in
                   its epilogue) at BERT's vocab and width: device time, TFLOP/s and the peak memory the call allocates,
                   against the unfused PyTorch that materializes the [tokens, vocab] logits, eager and torch.compile
@@ -26,6 +31,7 @@ gathered word rows, the id vectors and the output; its small position and token-
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -38,7 +44,7 @@ from fusedserve.kernels import timing
 from fusedserve.kernels.spec import OP_SPECS, ROWWISE_OPS
 from fusedserve.kernels.testing import compare, float64_reference
 
-SCENARIOS = ("fused-ops", "gemm-epilogues", "attention", "splade")
+SCENARIOS = ("fused-ops", "gemm-epilogues", "attention", "decoder-ops", "splade")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHAPES = ("4096x768", "32768x384", "32768x768", "16384x1024", "8192x4096")
 # name: (op, tokens M, in features K, out features N) at MiniLM-L6 (hidden 384) and BERT-base (768) widths
@@ -83,6 +89,19 @@ SPLADE_SHAPES = {
     "tiny b3 s5": (3, 5, 16, 70),
 }
 DEFAULT_SPLADE_SHAPES = tuple(name for name in SPLADE_SHAPES if not name.startswith("tiny"))
+# name: (tokens T, hidden, query heads H, key/value heads KV, head dim d, FFN intermediate I): Qwen3-Embedding-0.6B's
+# and -4B's widths, at a batch of 4096 tokens and one of 32768; sequences of 512 tokens (the tiny case's: 8)
+DECODER_SHAPES = {
+    "0.6b 4096 tokens": (4096, 1024, 16, 8, 128, 3072),
+    "0.6b 32768 tokens": (32768, 1024, 16, 8, 128, 3072),
+    "4b 4096 tokens": (4096, 2560, 32, 8, 128, 9728),
+    "4b 32768 tokens": (32768, 2560, 32, 8, 128, 9728),
+    "tiny 24 tokens": (24, 64, 4, 2, 16, 96),  # the CPU test's: not in the default set
+}
+DEFAULT_DECODER_SHAPES = tuple(name for name in DECODER_SHAPES if not name.startswith("tiny"))
+DECODER_OPS = ("rms_norm", "add_rms_norm", "qk_norm_rope", "swiglu")
+DECODER_PROVIDERS = ("ours", "eager", "compile", "liger")
+ROPE_THETA, RMS_EPS = 1_000_000.0, 1e-6
 PROVIDERS = ("triton", "cuda", "eager", "compile")
 AUTO_WIDTHS = (384, 768)  # MiniLM-L6's and BERT-base's hidden sizes
 EPS = 1e-5
@@ -188,6 +207,128 @@ UNFUSED: dict[str, Callable] = {
     "rotary_attention": padded_rotary_attention,
     "splade_pool": unfused_splade_pool,
 }
+
+
+# ---- decoder-ops: transformers' Qwen3 code as a user runs it, and the same through Liger-Kernel ----------------------
+def _qwen_rms(x, w, eps):
+    # Qwen3RMSNorm: normed in float32 (float64 stays: the accuracy reference), rounded to x's dtype, then scaled
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _qwen_add_rms(x, r, w, eps):
+    s = x + r  # the decoder layer's residual add, in the model dtype
+    return _qwen_rms(s, w, eps), s
+
+
+def _rope_tables(seq: int, inv_freq, dtype):
+    # Qwen3RotaryEmbedding: float32 angles, cos and sin cast to the model dtype
+    angles = torch.arange(seq, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _qwen_qk_norm_rope(qkv, seq: int, heads: int, kv_heads: int, inv_freq, q_norm, k_norm, eps):
+    """Qwen3Attention's q/k path on a batch of equal sequences: per-head norms, apply_rotary_pos_emb -> [T, (H + KV) d]
+    (the layout the fused pass writes)."""
+    t, d = qkv.shape[0], q_norm.shape[0]
+    q = _qwen_rms(qkv[:, : heads * d].view(t // seq, seq, heads, d), q_norm, eps)
+    k = _qwen_rms(qkv[:, heads * d: (heads + kv_heads) * d].view(t // seq, seq, kv_heads, d), k_norm, eps)
+    cos, sin = (c[None, :, None, :] for c in _rope_tables(seq, inv_freq, qkv.dtype))
+
+    def rotate(x):
+        return x * cos + torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1) * sin
+    return torch.cat((rotate(q).reshape(t, -1), rotate(k).reshape(t, -1)), dim=1)
+
+
+def _qwen_swiglu(x, w):
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+DECODER_UNFUSED: dict[str, Callable] = {"rms_norm": _qwen_rms, "add_rms_norm": _qwen_add_rms,
+                                        "qk_norm_rope": _qwen_qk_norm_rope, "swiglu": _qwen_swiglu}
+
+
+def _liger_ops() -> dict[str, Callable]:
+    """The decoder ops as Liger-Kernel's Qwen3 patches run them (LigerRMSNorm in the llama casting mode, the fused add
+    + RMSNorm, liger_rotary_pos_emb on q and k in their [batch, heads, seq, d] views, LigerSwiGLUMLP's two
+    projections and silu-mul); ImportError where it is not installed. Outputs in Liger's own layouts."""
+    from liger_kernel.transformers.functional import liger_fused_add_rms_norm, liger_rms_norm, liger_rope, liger_swiglu
+
+    def qk_norm_rope(qkv, seq, heads, kv_heads, inv_freq, q_norm, k_norm, eps):
+        t, d = qkv.shape[0], q_norm.shape[0]
+        q = liger_rms_norm(qkv[:, : heads * d].reshape(t // seq, seq, heads, d), q_norm, eps, in_place=False)
+        k = liger_rms_norm(qkv[:, heads * d: (heads + kv_heads) * d].reshape(t // seq, seq, kv_heads, d), k_norm,
+                           eps, in_place=False)
+        cos, sin = _rope_tables(seq, inv_freq, qkv.dtype)
+        return liger_rope(q.transpose(1, 2), k.transpose(1, 2), cos[None], sin[None])
+
+    def swiglu(x, w):
+        half = w.shape[0] // 2
+        return liger_swiglu(F.linear(x, w[:half]), F.linear(x, w[half:]))
+
+    return {"rms_norm": lambda x, w, eps: liger_rms_norm(x, w, eps, in_place=False),
+            "add_rms_norm": lambda x, r, w, eps: liger_fused_add_rms_norm(x, r, w, eps, in_place=False),
+            "qk_norm_rope": qk_norm_rope, "swiglu": swiglu}
+
+
+def _ours(op: str) -> Callable:
+    from fusedserve.kernels.triton import LAUNCHERS
+    from fusedserve.kernels.triton.rotary_attention import rotate_qk
+
+    if op == "rms_norm":
+        return LAUNCHERS["rms_norm"]
+    if op == "add_rms_norm":
+        return lambda x, r, w, eps: LAUNCHERS["add_rms_norm"](x, r, w, eps, return_sum=True)
+    if op == "swiglu":
+        return lambda x, w: LAUNCHERS["linear_glu"](x, w, None, "silu")
+
+    def qk_norm_rope(qkv, seq, heads, kv_heads, inv_freq, q_norm, k_norm, eps):
+        cu = torch.arange(0, qkv.shape[0] + 1, seq, dtype=torch.int32, device=qkv.device)
+        return rotate_qk(qkv, cu, seq, heads, inv_freq, kv_heads, q_norm, k_norm, eps)
+    return qk_norm_rope
+
+
+def _as_rows(op: str, out, shape: tuple) -> torch.Tensor:
+    """A provider's output in the fused op's layout, for the accuracy check (outside the timing)."""
+    if op == "add_rms_norm":
+        return out[0]
+    if op == "qk_norm_rope" and isinstance(out, tuple):  # Liger's q, k [batch, heads, seq, d]
+        t = shape[0]
+        return torch.cat([x.transpose(1, 2).reshape(t, -1) for x in out], dim=1)
+    return out
+
+
+def decoder_inputs(op: str, name: str, dtype: torch.dtype, device: str, seed: int) -> tuple:
+    t, hidden, heads, kv_heads, d, inner = DECODER_SHAPES[name]
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(device, dtype)
+
+    if op == "rms_norm":
+        return (randn(t, hidden), randn(hidden, scale=0.1, shift=1.0), RMS_EPS)
+    if op == "add_rms_norm":
+        return (randn(t, hidden), randn(t, hidden, scale=2.0), randn(hidden, scale=0.1, shift=1.0), RMS_EPS)
+    if op == "swiglu":
+        return (randn(t, hidden), randn(2 * inner, hidden, scale=hidden**-0.5))
+    inv_freq = (1.0 / ROPE_THETA ** (torch.arange(0, d, 2, dtype=torch.float32) / d)).to(device)
+    return (randn(t, (heads + 2 * kv_heads) * d), min(t, 8 if name.startswith("tiny") else 512), heads, kv_heads,
+            inv_freq, randn(d, scale=0.1, shift=1.0), randn(d, scale=0.1, shift=1.0), RMS_EPS)
+
+
+def decoder_cost(op: str, name: str, dtype: torch.dtype) -> tuple[int, int]:
+    """(the fewest bytes the op moves: each input read once, each output written once; its GEMM FLOPs, or 0)."""
+    t, hidden, heads, kv_heads, d, inner = DECODER_SHAPES[name]
+    size = torch.finfo(dtype).bits // 8
+    if op == "rms_norm":
+        return 2 * t * hidden * size, 0
+    if op == "add_rms_norm":  # x and the residual read, the normed rows and the sum written
+        return 4 * t * hidden * size, 0
+    if op == "qk_norm_rope":
+        return 2 * t * (heads + kv_heads) * d * size, 0
+    return (t * hidden + 2 * inner * hidden + t * inner) * size, 2 * t * hidden * 2 * inner
 
 
 def rowwise_inputs(op: str, rows: int, cols: int, dtype: torch.dtype, device: str, seed: int) -> tuple:
@@ -527,6 +668,88 @@ def attention(args: argparse.Namespace, save: Callable[[list[dict], dict, bool],
     save(rows, summary, True)
 
 
+def decoder_ops(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], None]) -> None:
+    device = args.device
+    cuda = device.startswith("cuda")
+    shapes = args.decoder_shapes or list(DEFAULT_DECODER_SHAPES)
+    dtypes = args.dtypes or (["float16", "bfloat16"] if cuda else ["float32"])
+    ops = args.decoder_ops or list(DECODER_OPS)
+    names = [p for p in DECODER_PROVIDERS if p in args.decoder_providers]
+    provs: dict[str, Callable[[str], Callable]] = {}
+    missing: dict[str, str] = {}
+    if "ours" in names:
+        provs["ours"] = _ours
+    if "eager" in names:
+        provs["eager"] = DECODER_UNFUSED.__getitem__
+    if "compile" in names:
+        from torch import _dynamo as dynamo
+
+        dynamo.config.cache_size_limit = 1024
+        compiled = {op: torch.compile(fn, dynamic=False) for op, fn in DECODER_UNFUSED.items()}
+        provs["compile"] = compiled.__getitem__
+    if "liger" in names:
+        try:
+            provs["liger"] = _liger_ops().__getitem__
+        except ImportError as exc:  # an optional bench dependency: its rows are skipped, and the summary says why
+            missing["liger"] = f"{type(exc).__name__}: {exc}"
+            print(f"provider liger: unavailable ({missing['liger']})", file=sys.stderr)
+    measured = copy_gbps(device)
+    summary: dict = {**measured, "unavailable": missing}
+    rows: list[dict] = []
+    cells = [(op, d, s) for op in ops for d in dtypes for s in shapes]
+    for i, (op, dtype_name, shape) in enumerate(cells, 1):
+        dtype = DTYPES[dtype_name]
+        inputs = decoder_inputs(op, shape, dtype, device, seed=i)
+        nbytes, flops = decoder_cost(op, shape, dtype)
+        ref = None
+        if args.check:  # transformers' formulas on the float64 copies of the same (rounded) inputs, on the device
+            ref = _as_rows(op, DECODER_UNFUSED[op](*(x.double() if torch.is_tensor(x) and x.is_floating_point() else x
+                                                      for x in inputs)), None)
+        line = []
+        for name, get in provs.items():
+            try:
+                fn = get(op)
+                out = fn(*inputs)  # warm-up: compilation, autotuning
+                err = compare(_as_rows(op, out, inputs[0].shape), ref, dtype) if ref is not None else None
+                us, launch_us = time_us(lambda: fn(*inputs), device)
+            except Exception as exc:  # one provider failing a cell is reported in the row, the run goes on
+                rows.append({"op": op, "dtype": dtype_name, "shape": shape, "provider": name,
+                             "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                line.append(f"{name} FAILED")
+                continue
+            rows.append({"op": op, "dtype": dtype_name, "shape": shape, "provider": name, "us": us,
+                         "launch_us": launch_us, "bytes": nbytes, "gbps": nbytes / us / 1e3,
+                         "pct_copy": 100 * nbytes / us / 1e3 / measured["copy_gbps"],
+                         "tflops": flops / us / 1e6 if flops else None,
+                         "rel_l2": err.rel_l2 if err else None, "max_abs": err.max_abs if err else None,
+                         "accurate": err.ok if err else None})
+            line.append(f"{name} {us:8.1f} us")
+        print(f"[{i}/{len(cells)}] {op} {dtype_name} {shape} ({nbytes / 1e6:.0f} MB): " + " | ".join(line),
+              file=sys.stderr, flush=True)
+        summary.update(decoder_summary(rows))
+        save(rows, summary, False)
+    save(rows, summary, True)
+
+
+def decoder_summary(rows: list[dict], min_mb: float = 25.0) -> dict:
+    """Ours against the best of torch.compile and Liger per cell ("vs_best_peer": their time over ours), and the
+    geometric mean over the cells of at least min_mb megabytes."""
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if "us" in r:
+            cells.setdefault((r["op"], r["dtype"], r["shape"]), {})[r["provider"]] = r
+    ratios = {}
+    for (op, dtype, shape), by in cells.items():
+        peers = [by[p]["us"] for p in ("compile", "liger") if p in by]
+        if "ours" in by and peers:
+            ratios[f"{op}|{dtype}|{shape}"] = {"vs_best_peer": min(peers) / by["ours"]["us"],
+                                               "mb": by["ours"]["bytes"] / 1e6}
+    large = [v["vs_best_peer"] for v in ratios.values() if v["mb"] >= min_mb]
+    geomean = math.exp(sum(map(math.log, large)) / len(large)) if large else None
+    return {"vs_best_peer": ratios, "geomean_vs_best_peer": geomean, "min_mb": min_mb,
+            "worst_vs_best_peer": min(large) if large else None}
+
+
 def splade(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], None]) -> None:
     device = args.device
     names = args.splade_shapes or list(DEFAULT_SPLADE_SHAPES)
@@ -582,6 +805,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"attention: the cases (default: {', '.join(DEFAULT_ATTENTION_SHAPES)})")
     parser.add_argument("--splade-shapes", nargs="+", choices=list(SPLADE_SHAPES),
                         help=f"splade: the cases (default: {', '.join(DEFAULT_SPLADE_SHAPES)})")
+    parser.add_argument("--decoder-shapes", nargs="+", choices=list(DECODER_SHAPES),
+                        help=f"decoder-ops: the cases (default: {', '.join(DEFAULT_DECODER_SHAPES)})")
+    parser.add_argument("--decoder-ops", nargs="+", choices=DECODER_OPS, help="decoder-ops: the ops (default: all)")
+    parser.add_argument("--decoder-providers", nargs="+", choices=DECODER_PROVIDERS, default=list(DECODER_PROVIDERS),
+                        help="decoder-ops: the providers (liger: where Liger-Kernel is installed)")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 accuracy check")
     parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/kernels.json)")
 
@@ -595,7 +823,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         head = store.header(args.device, argv)
         settings = {"device": args.device, "providers": args.providers, "ops": args.ops, "dtypes": args.dtypes,
                     "shapes": {"fused-ops": args.shapes, "gemm-epilogues": args.gemm_shapes,
-                               "attention": args.attention_shapes, "splade": args.splade_shapes}[scenario],
+                               "attention": args.attention_shapes, "decoder-ops": args.decoder_shapes,
+                               "splade": args.splade_shapes}[scenario],
                     "device_rounds": DEVICE_ROUNDS, "check": args.check}
 
         def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,
@@ -603,6 +832,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             store.write(out, "kernels", gpu, scenario, store.block(head, settings, rows, summary, complete=complete))
 
         {"fused-ops": fused_ops, "gemm-epilogues": gemm_epilogues, "attention": attention,
-         "splade": splade}[scenario](args, save)
+         "decoder-ops": decoder_ops, "splade": splade}[scenario](args, save)
         print(f"{scenario}: {out} ({time.monotonic() - started:.0f} s into the run)", file=sys.stderr, flush=True)
     return 0

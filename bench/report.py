@@ -141,6 +141,21 @@ def nsight_table(block: dict) -> str:
                    "of which long scoreboard"], rows)
 
 
+def decoder_ops_table(block: dict) -> str:
+    """One row per op, dtype and shape: each provider's us and ours against the best of torch.compile and Liger
+    (the summary's vs_best_peer)."""
+    ratios = block["summary"].get("vs_best_peer", {})
+    providers = ("ours", "eager", "compile", "liger")
+    rows = []
+    for (op, dt, shape), c in _fused_cells(block).items():
+        mb = next(iter(c.values()))["bytes"] / 1e6
+        ratio = (ratios.get(f"{op}|{dt}|{shape}") or {}).get("vs_best_peer")
+        rows.append([op, dt, shape, _f(mb, 0)] + [_f(c[p]["us"]) if p in c else "-" for p in providers] +
+                    [_f(ratio, 2, "x")])
+    return _table(["op", "dtype", "shape", "MB", "ours us", "eager us", "compile us", "liger us",
+                   "ours vs best of compile, liger"], rows)
+
+
 def gemm_table(block: dict) -> str:
     cells: dict[tuple, dict[str, dict]] = {}
     for r in block["results"]:
@@ -292,6 +307,7 @@ def openai_load_table(block: dict) -> str:
 
 TABLES: dict[tuple[str, str], Callable[[dict], str]] = {
     ("kernels", "fused-ops"): fused_ops_table, ("kernels", "gemm-epilogues"): gemm_table,
+    ("kernels", "decoder-ops"): decoder_ops_table,
     ("kernels", "nsight"): nsight_table,
     ("encoder", "profile"): profile_table, ("serve", "closed-loop"): closed_loop_table,
     ("serve", "single"): single_table, ("serve", "replicas"): _sharing_table("replicas", "servers"),

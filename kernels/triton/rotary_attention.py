@@ -220,6 +220,21 @@ def rotate_shape(num_heads: int, head_dim: int) -> dict:
             "num_warps": 4}
 
 
+def rotate_qk(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, inv_freq: Tensor, num_kv_heads: int,
+              q_norm: Tensor | None, k_norm: Tensor | None, norm_eps: float) -> Tensor:
+    """The rotation pass alone: qkv [T, (H + 2 KV) d] (unit column stride, checked offsets) -> [T, (H + KV) d], each
+    head of q and k RMS-normed (with q_norm / k_norm) and rotated by its row's position in its sequence; rows outside
+    every sequence are left unwritten. rotary_attention's first launch, and the bench's q/k norm + RoPE cell."""
+    t, d = qkv.shape[0], qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    qk = torch.empty((t, (num_heads + num_kv_heads) * d), dtype=qkv.dtype, device=qkv.device)
+    rotate = rotate_shape(num_heads, d)
+    norms = (inv_freq, inv_freq) if q_norm is None else (q_norm.contiguous(), k_norm.contiguous())  # unread: none
+    _rotate_kernel[(triton.cdiv(max(max_seqlen, 1), rotate["BLOCK_T"]), cu_seqlens.numel() - 1)](
+        qkv, cu_seqlens, inv_freq.contiguous(), *norms, qk, t, norm_eps, qkv.stride(0), qk.stride(0), HEAD_DIM=d,
+        HEADS=num_heads, KV_HEADS=num_kv_heads, HAS_NORM=q_norm is not None, **rotate, **pdl_args(qkv))
+    return qk
+
+
 def _check(qkv: Tensor, cu_seqlens: Tensor, num_heads: int, inv_freq: Tensor, window: int, num_kv_heads: int,
            causal: bool, q_norm: Tensor | None, k_norm: Tensor | None, out: Tensor | None) -> Tensor:
     """The checked offsets (contiguous, on qkv's device)."""
@@ -269,12 +284,7 @@ def rotary_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
     pdl = pdl_args(qkv)
     # the rotated q and k, each row's once, then attention over them and qkv's v
-    qk = torch.empty((t, (num_heads + kv_heads) * d), dtype=qkv.dtype, device=qkv.device)
-    rotate = rotate_shape(num_heads, d)
-    norms = (inv_freq, inv_freq) if q_norm is None else (q_norm.contiguous(), k_norm.contiguous())  # unread: none
-    _rotate_kernel[(triton.cdiv(max(max_seqlen, 1), rotate["BLOCK_T"]), cu_seqlens.numel() - 1)](
-        qkv, cu_seqlens, inv_freq.contiguous(), *norms, qk, t, norm_eps, qkv.stride(0), qk.stride(0), HEAD_DIM=d,
-        HEADS=num_heads, KV_HEADS=kv_heads, HAS_NORM=q_norm is not None, **rotate, **pdl)
+    qk = rotate_qk(qkv, cu_seqlens, max_seqlen, num_heads, inv_freq, kv_heads, q_norm, k_norm, norm_eps)
     ieee = ieee_products(qkv.dtype)
     shape = launch_shape(max_seqlen, d, ieee, window)
     _rotary_attention_kernel[grid(max_seqlen, shape["BLOCK_M"], cu_seqlens, num_heads)](

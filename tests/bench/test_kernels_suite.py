@@ -106,3 +106,35 @@ def test_unfused_splade_pool_is_the_reference():
     x[10:] = float("nan")
     torch.testing.assert_close(suite.unfused_splade_pool(x, weight, bias, cu).double(),
                                reference.splade_pool(x, weight, bias, cu), rtol=1e-6, atol=1e-6)
+
+
+def test_decoder_ops_on_the_interpreter(tmp_path):
+    """The decoder ops beside transformers' formulas (eager here; compile is the GPU's), each checked against the
+    float64 reference; Liger-Kernel is not installed here, and the summary says so instead of failing."""
+    out = tmp_path / "kernels.json"
+    assert main(["kernels", "decoder-ops", "--device", "cpu", "--decoder-providers", "ours", "eager", "liger",
+                 "--dtypes", "float32", "--decoder-shapes", "tiny 24 tokens", "--out", str(out)]) == 0
+    block = store.load(out)["scenarios"]["decoder-ops"]
+    assert block["complete"]
+    assert {(r["op"], r["provider"]) for r in block["results"]} == {
+        (op, p) for op in suite.DECODER_OPS for p in ("ours", "eager")}
+    assert all(r["accurate"] and r["us"] > 0 for r in block["results"])
+    assert all((r["tflops"] > 0) == (r["op"] == "swiglu") for r in block["results"] if r["tflops"] is not None)
+    assert "liger" in block["summary"]["unavailable"]
+    from bench import report
+
+    table = report.tables(out)
+    assert "| ours vs best of compile, liger |" in table and table.count("| tiny 24 tokens |") == len(suite.DECODER_OPS)
+
+
+def test_the_decoder_summary_takes_the_best_peer_and_the_large_cells():
+    def row(op, provider, us, mb):
+        return {"op": op, "dtype": "float16", "shape": "s", "provider": provider, "us": us, "bytes": mb * 1e6}
+
+    rows = [row("rms_norm", "ours", 10.0, 30), row("rms_norm", "compile", 12.0, 30), row("rms_norm", "liger", 11.0, 30),
+            row("swiglu", "ours", 8.0, 40), row("swiglu", "compile", 6.0, 40),
+            row("add_rms_norm", "ours", 1.0, 5), row("add_rms_norm", "compile", 4.0, 5)]  # under 25 MB: not counted
+    summary = suite.decoder_summary(rows)
+    assert summary["vs_best_peer"]["rms_norm|float16|s"]["vs_best_peer"] == 1.1
+    assert summary["worst_vs_best_peer"] == 0.75
+    assert abs(summary["geomean_vs_best_peer"] - (1.1 * 0.75) ** 0.5) < 1e-9
