@@ -211,7 +211,8 @@ def hf_model(config, device: str, dtype: torch.dtype, head: str = "embedding"):
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
             num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
             intermediate_size=config.intermediate_size, max_position_embeddings=config.max_position_embeddings,
-            rms_norm_eps=config.layer_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+            rms_norm_eps=config.layer_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
             attn_implementation="sdpa")
         return transformers.Qwen3Model(qwen).to(device=device, dtype=dtype).eval()
     if config.architecture == "mpnet":  # its attention is transformers' own (adds the bias): no SDPA option
@@ -478,7 +479,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 print(f"GEMM ceiling: {tflops:.0f} TFLOP/s (fp16 8192^3)", file=sys.stderr, flush=True)
             preset, batch, seq, varlen, kind = CASES[scenario]
             dtype = family(EncoderConfig.from_name(preset)).dtype_on_cuda if cuda else torch.float32
-            settings = {"device": args.device, "dtype": str(dtype).removeprefix("torch."), "preset": preset, "head": kind,
+            settings = {"device": args.device, "dtype": str(dtype).removeprefix("torch."), "preset": preset,
+                        "head": kind,
                         "batch": batch, "seq": seq, "varlen": varlen,
                         "lengths": lengths_for(batch, seq, varlen), "providers": args.providers,
                         "backends": args.backends}

@@ -126,7 +126,8 @@ class Family:
     masked_lm: MaskedLMHead | None = None  # None: its SPLADE (sparse) models are refused by name
     reranker: YesNoReranker | None = None  # None: its *ForCausalLM directories are refused by name
     gated_ffn: bool = False  # the FFN-in projects to 2 x intermediate_size (a gate and an up half)
-    # the dtype DTYPE=auto serves on a GPU: decoder LLMs' activations overflow float16 (Qwen's reach beyond 65504)
+    # the dtype DTYPE=auto serves on a GPU: decoder LLMs are trained and shipped in bfloat16, and their residual
+    # streams can outgrow float16's range
     dtype_on_cuda: torch.dtype = torch.float16
 
     def describe(self) -> str:

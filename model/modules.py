@@ -321,8 +321,8 @@ def _yes_no_reranker(path: Path, config: EncoderConfig, hf: dict, rest: Mapping[
     vocab = Tokenizer.from_file(str(path / "tokenizer.json"))
     ids = {word: vocab.token_to_id(word) for word in (reranker.yes, reranker.no)}
     if None in ids.values():
-        raise UnsupportedModel(f"{path}: the tokenizer has no single token {reranker.yes!r} / {reranker.no!r} (a yes/no "
-                               "reranker scores those two next tokens)")
+        raise UnsupportedModel(f"{path}: the tokenizer has no single token {reranker.yes!r} / {reranker.no!r} (a "
+                               "yes/no reranker scores those two next tokens)")
     lm_head = rest.get("lm_head.weight")
     if lm_head is None:
         if not hf.get("tie_word_embeddings", False) or word_embeddings is None:
@@ -350,6 +350,11 @@ def _last_tokens(hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
     # each sequence's last row (a decoder's summary of all its tokens: lasttoken pooling); a filler sequence (length
     # 0, at the end) reads the last real row
     return hidden.index_select(0, (cu_seqlens[1:].long() - 1).clamp(min=0))
+
+
+def _last_padded(hidden: Tensor, mask: Tensor) -> Tensor:
+    # each row's last real token in a batch padded on the right (the padded layout, a test oracle)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), mask.sum(1).long() - 1]
 
 
 class EmbeddingHead(nn.Module):
@@ -400,9 +405,8 @@ class EmbeddingHead(nn.Module):
         for mode in self.modes:
             if mode == "cls":
                 pooled.append(hidden[:, 0])
-            elif mode == "lasttoken":  # padded on the right
-                last = m[..., 0].sum(1).long() - 1
-                pooled.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+            elif mode == "lasttoken":
+                pooled.append(_last_padded(hidden, mask))
             elif mode == "max":
                 pooled.append(hidden.masked_fill(m == 0, float("-inf")).max(dim=1).values)
             else:
@@ -511,8 +515,7 @@ class YesNoHead(nn.Module):
         return self._score(_last_tokens(hidden, p.cu_seqlens))
 
     def forward_padded(self, hidden: Tensor, mask: Tensor) -> Tensor:
-        last = mask.sum(1).long() - 1  # padded on the right
-        return self._score(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+        return self._score(_last_padded(hidden, mask))
 
     def _score(self, last: Tensor) -> Tensor:
         yes, no = F.linear(last.float(), self.rows.float()).unbind(1)

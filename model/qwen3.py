@@ -14,7 +14,10 @@ block's weights (the post-attention norm, the next layer's input norm, the final
 kernels.rotary_attention norms, rotates and attends; kernels.linear_glu multiplies silu(gate) into up in the GEMM's
 epilogue (gate rows first, as GTE's). The sentence embedding is the last token's hidden state (sentence-transformers'
 `lasttoken` pooling). Sliding-window layers, attention biases on the output projection, scaled rotary embeddings and
-custom code (`auto_map`: gte-Qwen2's makes the attention bidirectional) are refused by name."""
+custom code (`auto_map`: gte-Qwen2's makes the attention bidirectional) are refused by name.
+
+Qwen3-Reranker (a Qwen3ForCausalLM directory) is served as the family's YesNoReranker (model/family.py): its model
+card's prompt template, the score from the "yes" and "no" rows of the LM head at the last token (model/modules.py)."""
 
 from __future__ import annotations
 
@@ -60,7 +63,8 @@ def _read(hf: dict, *, qwen3: bool) -> dict:
     positions = hf.get("max_position_embeddings", 32768)
     return dict(vocab_size=hf["vocab_size"], hidden_size=hidden, num_layers=hf["num_hidden_layers"], num_heads=heads,
                 num_kv_heads=hf.get("num_key_value_heads") or heads, head_size=head_size,
-                intermediate_size=hf["intermediate_size"], type_vocab_size=1, layer_norm_eps=hf.get("rms_norm_eps", 1e-6),
+                intermediate_size=hf["intermediate_size"], type_vocab_size=1,
+                layer_norm_eps=hf.get("rms_norm_eps", 1e-6),
                 pad_token_id=hf.get("pad_token_id") or 0, max_position_embeddings=positions, max_seq_length=positions,
                 rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0 if qwen3 else 10_000.0))),
                 hidden_act="silu", linear_bias=False, norm_bias=False, qkv_bias=not qwen3, qk_norm=qwen3)
@@ -85,12 +89,6 @@ _WEIGHTS = WeightLayout(
     optional=frozenset({"self_attn.q_norm.weight", "self_attn.k_norm.weight"}),
     token_types=False,
 )
-
-
-def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # transformers' Qwen3RMSNorm in plain torch: normed in float32, rounded to x's dtype, then scaled
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class Embeddings(nn.Module):
@@ -124,11 +122,12 @@ class Layer(nn.Module):
 
     def forward(self, x: Tensor, batch: int, seq: int, attn_mask: Tensor, inv_freq: Tensor) -> Tensor:
         # the padded layout in plain torch (a test oracle, independent of the fused ops): x [batch * seq, hidden]
-        qkv = F.linear(_rms(x, self.in_ln_weight, self.eps), self.qkv.weight, self.qkv.bias).view(batch, seq, -1,
-                                                                                                    self.head_dim)
+        rms = reference.rms_norm
+        qkv = F.linear(rms(x, self.in_ln_weight, self.eps), self.qkv.weight, self.qkv.bias).view(batch, seq, -1,
+                                                                                               self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.kv_heads, self.kv_heads], dim=2)
         if self.q_ln_weight is not None:
-            q, k = _rms(q, self.q_ln_weight, self.eps), _rms(k, self.k_ln_weight, self.eps)
+            q, k = rms(q, self.q_ln_weight, self.eps), rms(k, self.k_ln_weight, self.eps)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         positions = torch.arange(seq, device=x.device)
         q, k = reference.rotate_half(q, positions, inv_freq), reference.rotate_half(k, positions, inv_freq)
@@ -136,7 +135,7 @@ class Layer(nn.Module):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).transpose(1, 2).reshape(batch * seq, -1)
         x = x + F.linear(ctx, self.attn_out.weight)
-        gate, up = F.linear(_rms(x, self.post_ln_weight, self.eps), self.ffn_in.weight).chunk(2, dim=-1)
+        gate, up = F.linear(rms(x, self.post_ln_weight, self.eps), self.ffn_in.weight).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.ffn_out.weight)
 
     def forward_packed(self, h: Tensor, x: Tensor, p: Packed, inv_freq: Tensor, next_weight: Tensor
@@ -171,7 +170,7 @@ class Encoder(gte.Encoder):
         mask = causal & attention_mask.bool()[:, None, None, :]
         for layer in self.layers:
             x = layer(x, batch, seq, mask, self.inv_freq)
-        return _rms(x, self.final_ln_weight, self.config.layer_norm_eps).view(batch, seq, -1)
+        return reference.rms_norm(x, self.final_ln_weight, self.config.layer_norm_eps).view(batch, seq, -1)
 
     def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
         """The embeddings' output, then each layer's output normed by the next block's norm (the last: the final

@@ -170,11 +170,11 @@ class Embedder:
         **options,
     ) -> tuple[Embedder, LoadReport]:
         """model: "default" (the packaged all-MiniLM-L6-v2), a preset name (random init, default tokenizer),
-        or a checkpoint directory (an embedding model, sentence-transformers or plain Hugging Face, or a
-        `*ForSequenceClassification` classifier / cross-encoder). pooling: override an embedding model's pooling
-        (cls, mean, max, mean_sqrt_len_tokens, lasttoken). name: what it is called (default: the preset's name, "all-MiniLM-L6-v2",
-        or the directory's name). options: layout, attention, cuda_graphs, max_batch_tokens,
-        max_batch, max_graphs, backend, backend_overrides (see __init__)."""
+        or a checkpoint directory (an embedding model, sentence-transformers or plain Hugging Face, a
+        `*ForSequenceClassification` classifier / cross-encoder, or a yes/no reranker's `*ForCausalLM`). pooling:
+        override an embedding model's pooling (cls, mean, max, mean_sqrt_len_tokens, lasttoken). name: what it is
+        called (default: the preset's name, "all-MiniLM-L6-v2", or the directory's name). options: layout, attention,
+        cuda_graphs, max_batch_tokens, max_batch, max_graphs, backend, backend_overrides (see __init__)."""
         started = time.perf_counter()
         dev = resolve_device(device)
         resolve_dtype(dtype, dev)  # a wrong name fails before the weights load

@@ -1,7 +1,8 @@
 """Decoder embedders and the LLM reranker on the GPU's fused kernels, against the real libraries on the same
 directories with fp32 references on the GPU: Qwen3 and Qwen2 embedders (tiny, and Qwen3-Embedding-0.6B's shape) in
 float16 and bfloat16 against SentenceTransformer, one input of 32,768 tokens (the model's whole window, past the
-batch token budget: eager, alone) against the float32 torch path, and Qwen3-Reranker against its model card's code on Qwen3ForCausalLM."""
+batch token budget: eager, alone) against the float32 torch path, and Qwen3-Reranker against its model card's code
+on Qwen3ForCausalLM."""
 
 from __future__ import annotations
 

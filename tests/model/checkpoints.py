@@ -488,8 +488,8 @@ def bpe_tokenizer(dest: Path, vocab_size: int = 384, append_eos: bool = True) ->
     """A byte-level BPE tokenizer as Qwen's is built (tokenizers' ByteLevel pre-tokenizer and decoder, Qwen's special
     tokens, "yes" and "no" single tokens), trained here on a few sentences; append_eos: its post-processor ends every
     input with <|endoftext|> as Qwen3-Embedding's tokenizer.json does (the token lasttoken pooling reads), else it adds
-    nothing (Qwen3's own, the reranker's); tokenizer_config.json for transformers' AutoTokenizer (sentence-transformers'),
-    padding with the same token."""
+    nothing (Qwen3's own, the reranker's); tokenizer_config.json for transformers' AutoTokenizer
+    (sentence-transformers'), padding with the same token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
