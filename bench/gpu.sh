@@ -5,6 +5,12 @@
 #   sanitize  compute-sanitizer memcheck and racecheck over the CUDA kernel tests
 #   kernels   python -m bench kernels fused-ops in all three dtypes       -> bench/results/<gpu>/kernels.json
 #   gemm      python -m bench kernels gemm-epilogues                    -> bench/results/<gpu>/kernels.json
+#   decoder   python -m bench kernels decoder-ops in fp16 and bf16 (Liger-Kernel's rows: carry its wheel in .whl)
+#                                                                        -> bench/results/<gpu>/kernels.json
+#   qwen-encoder  python -m bench encoder's Qwen3-Embedding-0.6B rows, then its 32k-token input (ours only)
+#                                                                        -> bench/results/<gpu>/encoder.json
+#   qwen-peer     Infinity beside our server on a random Qwen3-Embedding-0.6B-shape directory built here
+#                 (tests/model/checkpoints.py; 2.4 GB, too large to carry) -> serve.json (peer-qwen3-0.6b)
 #   encoder   python -m bench encoder (the four batch shapes)  -> bench/results/<gpu>/encoder.json
 #   serve     python -m bench serve closed-loop single, then workers under CUDA MPS -> bench/results/<gpu>/serve.json
 #   startup   python -m bench serve startup (cold and warm time to ready, first requests) -> serve.json
@@ -37,7 +43,7 @@
 # rather than prepending it. $OUT comes back: the suite's log and, for a benchmark suite, its updated results file
 # (copy it over bench/results/<gpu>/ and commit it).
 set -uo pipefail
-suites="tests|sanitize|kernels|gemm|encoder|serve|startup|retune|peer|profile|nsight|compare|compare-encoder"
+suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|profile|nsight|compare|compare-encoder"
 suite=${1:?usage: bash bench/gpu.sh $suites [ARGS: compare: openai-load options; compare-encoder: encoder ones]}
 shift
 extra=("$@")  # more arguments of the compare suites' harness commands (e.g. --starts 1; encoder case names)
@@ -151,6 +157,20 @@ case "$suite" in
     timeout 300 python3 -m bench kernels gemm-epilogues 2>&1 | tee "$OUT/kernels.log"
     results kernels
     ;;
+  decoder)
+    build
+    timeout 560 python3 -m bench kernels decoder-ops --dtypes float16 bfloat16 2>&1 | tee "$OUT/kernels.log"
+    results kernels
+    ;;
+  qwen-encoder)
+    build
+    # the row not yet measured first: compiling 28 layers takes minutes on a cold machine
+    timeout 470 python3 -m bench encoder qwen3-0.6b-b32-s128 qwen3-0.6b-b1-s16 qwen3-0.6b-b128-varlen \
+      --backends auto triton 2>&1 | tee "$OUT/encoder.log" | grep -v Warning
+    timeout $(( 570 - SECONDS )) python3 -m bench encoder qwen3-0.6b-b1-s32768 --providers ours --backends auto \
+      2>&1 | tee -a "$OUT/encoder.log" | grep -v Warning
+    results encoder
+    ;;
   encoder)
     build
     timeout 540 python3 -m bench encoder 2>&1 | tee "$OUT/encoder.log"
@@ -221,6 +241,19 @@ case "$suite" in
       .whl-infinity/*.whl || exit
     timeout 400 python3 -m bench serve peer --model "$MODEL" --peer-batch-sizes 64 128 --log-dir "$OUT" 2>&1 \
       | tee "$OUT/peer.log" | grep -vE "^(INFO|Loading)"
+    results serve
+    ;;
+  qwen-peer)
+    build
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/infinity-site \
+      .whl-infinity/*.whl || exit
+    # built outside the tree's root: with the root on the path transformers' probe for Hugging Face's `kernels`
+    # package would find our kernels/ folder
+    repo=$PWD
+    (cd /tmp && PYTHONPATH=/tmp/site python3 -c "import sys; from pathlib import Path; \
+sys.path.append('$repo/tests/model'); import checkpoints; checkpoints.qwen(Path('/tmp/qwen3-0.6b'), '0.6b')") || exit
+    timeout 420 python3 -m bench serve peer --model /tmp/qwen3-0.6b --peer-batch-sizes 64 --as peer-qwen3-0.6b \
+      --log-dir "$OUT" 2>&1 | tee "$OUT/peer.log" | grep -vE "^(INFO|Loading)"
     results serve
     ;;
   compare)

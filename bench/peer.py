@@ -57,10 +57,15 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 
 def infinity_dtype(args: argparse.Namespace) -> str:
-    """Our server's dtype when one is set; else what ours picks by default: float16 on a GPU, float32 on the CPU."""
+    """Our server's dtype when one is set; else what ours picks by default: on a GPU the model family's (float16;
+    bfloat16 for the decoder embedders), float32 on the CPU."""
+    from fusedserve.model.families import config_from_dir, family
+
     if args.dtype != "auto":
         return args.dtype
-    return "float16" if on_cuda(args) else "float32"
+    if not on_cuda(args):
+        return "float32"
+    return str(family(config_from_dir(model_dir(args))).dtype_on_cuda).removeprefix("torch.")
 
 
 def infinity_version(site: str) -> str:
