@@ -241,13 +241,9 @@ def _qwen_qk_norm_rope(qkv, seq: int, heads: int, kv_heads: int, inv_freq, q_nor
     return torch.cat((rotate(q).reshape(t, -1), rotate(k).reshape(t, -1)), dim=1)
 
 
-def _qwen_swiglu(x, w):
-    gate, up = F.linear(x, w).chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 DECODER_UNFUSED: dict[str, Callable] = {"rms_norm": _qwen_rms, "add_rms_norm": _qwen_add_rms,
-                                        "qk_norm_rope": _qwen_qk_norm_rope, "swiglu": _qwen_swiglu}
+                                        "qk_norm_rope": _qwen_qk_norm_rope,
+                                        "swiglu": lambda x, w: _glu(F.linear(x, w), "silu")}
 
 
 def _liger_ops() -> dict[str, Callable]:

@@ -217,6 +217,15 @@ def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) 
     return attention
 
 
+def check_offsets(p: Packed, attention: str, dtype: torch.dtype, label: str) -> None:
+    """What a family attending over cu_seqlens needs of a packed batch: varlen where it runs (the one check, raising
+    with the reason) and the batch's offsets."""
+    if attention == "varlen":
+        resolve_attention("varlen", p.input_ids.device, dtype)
+    if p.cu_seqlens is None:
+        raise ValueError(f"{label}'s attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
+
+
 def packed_mean_pool(hidden: Tensor, p: Packed, normalize: bool) -> Tensor:
     """Mean over each sequence's tokens of a packed batch: [batch, hidden] float32 (filler tokens and filler
     sequences fall into scratch rows)."""

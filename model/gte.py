@@ -39,12 +39,7 @@ def _read_gte(hf: dict) -> dict:
     for key, plain in _CUSTOM_CODE_MATH.items():
         if hf.get(key, plain) != plain:
             raise UnsupportedModel(f"{key} {hf[key]!r} is not supported (GTE with {key} {plain!r} only)")
-    rope = hf.get("rope_parameters") or {}
-    scaled = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaled:
-        kind = scaled.get("rope_type") or scaled.get("type")
-        raise UnsupportedModel(f"rotary embeddings of type {kind!r} are not supported (only the default, unscaled "
-                               "rotary embedding)")
+    rope = default_rope(hf)
     heads = hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
         raise UnsupportedModel(f"head_dim {hf['head_dim']} other than hidden_size / num_attention_heads")
@@ -93,6 +88,17 @@ _GTE_WEIGHTS = WeightLayout(
     stacked={"ffn_in.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
     rename=_from_hub_layout,
 )
+
+
+def default_rope(hf: dict) -> dict:
+    """A config.json's rope_parameters ({} where it has none), refusing scaled rotary embeddings by their type."""
+    rope = hf.get("rope_parameters") or {}
+    scaled = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaled:
+        kind = scaled.get("rope_type") or scaled.get("type")
+        raise UnsupportedModel(f"rotary embeddings of type {kind!r} are not supported (only the default, unscaled "
+                               "rotary embedding)")
+    return rope
 
 
 def inverse_frequencies(theta: float, head_dim: int) -> Tensor:

@@ -27,7 +27,7 @@ from fusedserve import kernels
 from fusedserve.kernels import reference
 from fusedserve.model import gte
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
-from fusedserve.model.encoder import Packed, resolve_attention
+from fusedserve.model.encoder import Packed, check_offsets
 from fusedserve.model.family import ClassifierHead, Family, WeightLayout
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -198,10 +198,7 @@ class Encoder(gte.Encoder):
     def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
         """The embeddings' output, then each layer's output normed by the next block's norm (the last: the final
         norm, the hidden states)."""
-        if attention == "varlen":  # the one check of where varlen runs, as every family makes it
-            resolve_attention("varlen", p.input_ids.device, self.embeddings.word_embeddings.dtype)
-        if p.cu_seqlens is None:
-            raise ValueError("ModernBERT's attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
+        check_offsets(p, attention, self.embeddings.word_embeddings.dtype, "ModernBERT")
         x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
         yield x
         h = x

@@ -31,7 +31,7 @@ from fusedserve import kernels
 from fusedserve.kernels import reference
 from fusedserve.model import gte
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
-from fusedserve.model.encoder import Packed, resolve_attention
+from fusedserve.model.encoder import Packed, check_offsets
 from fusedserve.model.family import Family, WeightLayout, YesNoReranker
 
 
@@ -52,12 +52,7 @@ def _read(hf: dict, *, qwen3: bool) -> dict:
                                f"supported ({label} with full attention in every layer only)")
     if qwen3 and hf.get("attention_bias", False):
         raise UnsupportedModel("attention_bias true is not supported (Qwen3 without attention biases only)")
-    rope = hf.get("rope_parameters") or {}
-    scaled = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaled:
-        kind = scaled.get("rope_type") or scaled.get("type")
-        raise UnsupportedModel(f"rotary embeddings of type {kind!r} are not supported (only the default, unscaled "
-                               "rotary embedding)")
+    rope = gte.default_rope(hf)
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     head_size = hf.get("head_dim") or hidden // heads
     positions = hf.get("max_position_embeddings", 32768)
@@ -175,10 +170,7 @@ class Encoder(gte.Encoder):
     def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
         """The embeddings' output, then each layer's output normed by the next block's norm (the last: the final
         norm, the hidden states)."""
-        if attention == "varlen":  # the one check of where varlen runs, as every family makes it
-            resolve_attention("varlen", p.input_ids.device, self.embeddings.word_embeddings.dtype)
-        if p.cu_seqlens is None:
-            raise ValueError("Qwen's attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
+        check_offsets(p, attention, self.embeddings.word_embeddings.dtype, "Qwen")
         x = self.embeddings(p.input_ids, None, None)
         yield x
         h = kernels.rms_norm(x, self.layers[0].in_ln_weight, self.config.layer_norm_eps)
