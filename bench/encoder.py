@@ -88,9 +88,9 @@ DEFAULT_SCENARIOS = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128", "
                      "cross-encoder-minilm-b32-s128")
 PROVIDERS = ("torch eager", "torch.compile", "torch.compile + CUDA graphs", "ours")
 PROFILE_CASES = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128")
-# first match wins: attention before GEMM (fmha kernels would match both)
+# first match wins: attention before GEMM (fmha kernels would match both); rotary's q/k rotation pass is attention's
 CATEGORIES = (
-    ("attention", r"flash|fmha|attention|efficient_attention|softmax|attn"),
+    ("attention", r"flash|fmha|attention|efficient_attention|softmax|attn|rotate|rotary"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|linear_gelu|linear_glu|ffn_partials"),
     ("norm", r"layer_norm|layernorm|norm_kernel|_norm"),
     ("activation", r"gelu|erf"),
@@ -426,14 +426,16 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
         preset, batch, seq, varlen, _ = CASES[name]
         config = EncoderConfig.from_name(preset)
         encoder = family(config).encoder(config)
+        dtype = family(config).dtype_on_cuda
         rows = token_rows(lengths_for(batch, seq, varlen), config.vocab_size)
         for backend, mode in [("auto", "graphs"), ("auto", "eager"),
                               *((b, "graphs") for b in args.backends or () if b != "auto")]:
-            ours = embedder(encoder, args.device, torch.float16, backend=backend, graphs=mode == "graphs",
+            ours = embedder(encoder, args.device, dtype, backend=backend, graphs=mode == "graphs",
                             max_tokens=16384, max_batch=256)
             with torch.inference_mode():
                 result = breakdown(lambda e=ours: e.launch_ids(rows).wait())
-            out.append({"provider": "ours", "case": name, "mode": mode, "backend": backend,
+            out.append({"provider": "ours", "case": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode,
+                        "backend": backend,
                         "attention": ours.attention, "kernels": dict(ours.selection.used),
                         "ms": result["wall_us"] / 1e3, **result})
             print(f"{name} {backend} {mode}: {result['wall_us']:.0f} us/forward, "
@@ -471,7 +473,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     for scenario in args.scenarios or DEFAULT_SCENARIOS:
         head = store.header(args.device, argv)
         if scenario == "profile":
-            settings = {"device": args.device, "dtype": "float16", "cases": args.profile_cases, "iters": 20}
+            settings = {"device": args.device, "cases": args.profile_cases, "iters": 20}  # each case in its family's dtype
             summary: dict = {}
         else:
             if tflops is None and cuda:

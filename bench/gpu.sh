@@ -7,7 +7,8 @@
 #   gemm      python -m bench kernels gemm-epilogues                    -> bench/results/<gpu>/kernels.json
 #   decoder   python -m bench kernels decoder-ops in fp16 and bf16 (Liger-Kernel's rows: carry its wheel in .whl)
 #                                                                        -> bench/results/<gpu>/kernels.json
-#   qwen-encoder  python -m bench encoder's Qwen3-Embedding-0.6B rows, then its 32k-token input (ours only)
+#   qwen-encoder  python -m bench encoder's Qwen3-Embedding-0.6B rows (ARGS: the cases, default all three), the
+#                 profile of its b32 s128 forward beside MiniLM's, then its 32k-token input (ours only)
 #                                                                        -> bench/results/<gpu>/encoder.json
 #   qwen-peer     Infinity beside our server on a random Qwen3-Embedding-0.6B-shape directory built here
 #                 (tests/model/checkpoints.py; 2.4 GB, too large to carry) -> serve.json (peer-qwen3-0.6b)
@@ -44,7 +45,7 @@
 # (copy it over bench/results/<gpu>/ and commit it).
 set -uo pipefail
 suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|profile|nsight|compare|compare-encoder"
-suite=${1:?usage: bash bench/gpu.sh $suites [ARGS: compare: openai-load options; compare-encoder: encoder ones]}
+suite=${1:?usage: bash bench/gpu.sh $suites [ARGS: compare: openai-load options; compare-encoder: encoder ones; qwen-encoder: its cases]}
 shift
 extra=("$@")  # more arguments of the compare suites' harness commands (e.g. --starts 1; encoder case names)
 OUT=${OUT:-/tmp/bench-out}
@@ -164,9 +165,14 @@ case "$suite" in
     ;;
   qwen-encoder)
     build
-    # the row not yet measured first: compiling 28 layers takes minutes on a cold machine
-    timeout 470 python3 -m bench encoder qwen3-0.6b-b32-s128 qwen3-0.6b-b1-s16 qwen3-0.6b-b128-varlen \
-      --backends auto triton 2>&1 | tee "$OUT/encoder.log" | grep -v Warning
+    # the cases named (default: all three), the GEMM-bound one first: compiling 28 layers takes minutes on a cold
+    # machine; then where the forward's time goes (beside MiniLM's), then the 32k-token input (ours only)
+    cases=(${extra[@]+"${extra[@]}"})
+    [ ${#cases[@]} -gt 0 ] || cases=(qwen3-0.6b-b32-s128 qwen3-0.6b-b1-s16 qwen3-0.6b-b128-varlen)
+    timeout 400 python3 -m bench encoder "${cases[@]}" --backends auto triton 2>&1 | tee "$OUT/encoder.log" \
+      | grep -v Warning
+    timeout 120 python3 -m bench encoder profile --profile-cases minilm-b32-s128 qwen3-0.6b-b32-s128 \
+      --backends auto 2>&1 | tee -a "$OUT/encoder.log" | grep -v Warning
     timeout $(( 570 - SECONDS )) python3 -m bench encoder qwen3-0.6b-b1-s32768 --providers ours --backends auto \
       2>&1 | tee -a "$OUT/encoder.log" | grep -v Warning
     results encoder

@@ -234,7 +234,8 @@ def profile_table(block: dict) -> str:
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["kernel_us"].items())[:4])
         path = f"{r['backend']}, {'CUDA graphs' if r['mode'] == 'graphs' else 'eager'}" + \
             (f" ({r['variant']})" if r.get("variant") else "")
-        rows.append([r["case"], path, _f(r["wall_us"], 0), _f(r["kernels_per_forward"], 0),
+        dtype = r.get("dtype", "float16")  # the fp16 cases name no dtype; Qwen's runs in bf16
+        rows.append([r["case"] + (f" ({dtype})" if dtype != "float16" else ""), path, _f(r["wall_us"], 0), _f(r["kernels_per_forward"], 0),
                      _f(r["gpu_idle_us"], 0), top])
     return _table(["case", "ours", "us per forward", "kernels", "GPU idle us", "kernel us by category"], rows)
 
