@@ -127,7 +127,7 @@ def _rms_cases():
 def _attention_cases():
     """The packed attention kernels with their launch rules' options at the models' shapes: relative_attention
     (MPNet-base) and rotary_attention's rotation pass and attention (GTE-base; ModernBERT's window; Qwen3-Embedding-
-    0.6B's causal grouped heads of 128 with q/k norms), each dtype, half precision also with PDL."""
+    0.6B's causal grouped heads of 128 with q/k norms, within a graph bucket's bound and a long input's), each dtype, half precision also with PDL."""
     from fusedserve.kernels.triton import relative_attention, rotary_attention
 
     for ptr, max_seqlen, pdl in (("*fp16", 128, True), ("*bf16", 512, False), ("*fp32", 128, False)):
@@ -141,7 +141,7 @@ def _attention_cases():
     for ptr, max_seqlen, window, pdl, (d, heads, kv_heads, decoder) in (
             ("*fp16", 128, 0, True, (64, 12, 12, False)), ("*bf16", 512, 0, False, (64, 12, 12, False)),
             ("*bf16", 1024, 64, False, (64, 12, 12, False)), ("*fp32", 128, 0, False, (64, 12, 12, False)),
-            ("*bf16", 512, 0, True, (128, 16, 8, True))):
+            ("*bf16", 512, 0, True, (128, 16, 8, True)), ("*bf16", 2048, 0, False, (128, 16, 8, True))):
         label = f"{ptr[1:]} s{max_seqlen} w{window} {heads}/{kv_heads}x{d}{' pdl' if pdl else ''}"
         shape = rotary_attention.launch_shape(max_seqlen, d, ptr == "*fp32", window)
         options = {"num_warps": shape.pop("num_warps"), "num_stages": shape.pop("num_stages")}

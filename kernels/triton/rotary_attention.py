@@ -200,13 +200,24 @@ def windowed(max_seqlen: int, window: int) -> bool:
 
 
 def launch_shape(max_seqlen: int, head_dim: int, ieee: bool = False, window: int = 0) -> dict:
-    """relative_attention's rule (_packed_attention.launch_shape), and under a window at most 64 queries a program: a
-    query block of BLOCK_M visits BLOCK_M + 2 x window keys, so at ModernBERT's window of 64 a block of 128 queries
-    spends 256 key columns where 64 queries spend 192 (the ideal is 129)."""
+    """relative_attention's rule (_packed_attention.launch_shape), and two of this op's own, measured on the H200
+    (docs/decisions/0020-rotary-attention-shapes-for-wide-heads.md):
+    - Under a window at most 64 queries a program: a query block of BLOCK_M visits BLOCK_M + 2 x window keys, so at
+      ModernBERT's window of 64 a block of 128 queries spends 256 key columns where 64 queries spend 192 (the ideal
+      is 129).
+    - Heads wider than 64 (Qwen3's 128): up to a bound of 512 tokens (every CUDA-graph bucket), 64 queries on 4 warps
+      (one warp group, the tile a Hopper tensor-core instruction takes) over 32 keys a step, which a short causal key
+      loop fills best; past it (a long input, run eagerly with its own length as the bound), 128 queries on 8 warps
+      over 64 keys a step, three stages in flight."""
     shape = _packed_attention.launch_shape(max_seqlen, head_dim, ieee)
     if windowed(max_seqlen, window) and shape["BLOCK_M"] > 64:
         warps = 8 if shape["BLOCK_D"] > 64 else 4
         shape.update(BLOCK_M=64, num_warps=warps, num_stages=2)
+    elif not ieee and shape["BLOCK_D"] > 64 and max_seqlen > 64:
+        if max_seqlen <= 512:
+            shape.update(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+        else:
+            shape.update(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return shape
 
 

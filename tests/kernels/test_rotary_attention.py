@@ -182,6 +182,10 @@ def test_launch_shapes_hold_the_kernels_limits():
     assert launch_shape(16, 64) == {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 64, "num_warps": 4, "num_stages": 2}
     assert launch_shape(512, 64)["BLOCK_M"] == 128 and launch_shape(512, 64, window=64)["BLOCK_M"] == 64
     assert launch_shape(512, 64, window=600)["BLOCK_M"] == 128  # a window past the bound is none
+    # heads of 128: one warp group over 64 queries within the graph buckets' bounds, 128 queries beyond
+    assert launch_shape(128, 128) == {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_D": 128, "num_warps": 4, "num_stages": 2}
+    assert launch_shape(4096, 128) == {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 8,
+                                       "num_stages": 3}
     for max_seqlen, head_dim, ieee, window in itertools.product((1, 7, 33, 64, 65, 255, 256, 512), (2, 8, 32, 64, 128),
                                                                 (False, True), (0, 1, 64)):
         shape = launch_shape(max_seqlen, head_dim, ieee, window)
@@ -426,6 +430,36 @@ def test_gte_and_modernbert_shapes_on_the_gpu(dtype, lengths, bound, window):
     out = torch.full((qkv.shape[0], 768), NAN, dtype=dtype, device="cuda")
     _launch()(qkv, cu, bound, 12, inv_freq, window, out=out)
     _check(out, qkv, cu, bound, 12, inv_freq, window, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lengths,bound", [
+    ([128] * 32, 128),                                      # Qwen3-0.6B b32 s128: 64 queries on one warp group
+    ([7, 120, 33, 512, 1, 128, 90, 3, 0, 0], 512),          # a graph bucket's bound, mixed lengths, filler
+    ([1500, 700, 64, 3, 0], 2048),                          # a long input's bound: 128 queries, three stages
+])
+def test_qwen3_shapes_on_the_gpu(dtype, lengths, bound):
+    """Qwen3-Embedding-0.6B's heads (16 query heads of 128 over 8 key/value heads), causal, with q/k norms, in
+    each of its launch shapes."""
+    gen = torch.Generator().manual_seed(len(lengths) + bound)
+    heads, kv_heads, d = 16, 8, 128
+    t = sum(lengths) + 11
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
+    qkv[-11:] = NAN  # filler rows: never read
+    q_norm, k_norm = (1 + 0.5 * torch.randn(d, generator=gen)).cuda(), (1 + 0.5 * torch.randn(d, generator=gen)).cuda()
+    qkv = qkv.to("cuda", dtype)
+    cu = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32, device="cuda")
+    inv_freq = inverse_frequencies(d, 1000000.0).cuda()
+    out = torch.full((t, heads * d), NAN, dtype=dtype, device="cuda")
+    _launch()(qkv, cu, bound, heads, inv_freq, num_kv_heads=kv_heads, causal=True, q_norm=q_norm, k_norm=k_norm,
+              norm_eps=1e-6, out=out)
+    end = int(cu[-1])
+    expected = formula_float64(OP, (qkv[:end], cu, bound, heads, inv_freq, 0, kv_heads, True, q_norm, k_norm, 1e-6),
+                               {})
+    report = compare(out[:end], expected, dtype)
+    assert report.ok, report
+    assert torch.equal(out[end:], torch.zeros_like(out[end:])), "rows outside the sequences must be zeros"
 
 
 @pytest.mark.gpu
