@@ -5,8 +5,9 @@ Two layouts: an encoder's `forward` takes a padded [batch, seq] batch; `forward_
 real tokens of every sequence back to back ([tokens, hidden], no padding), so GEMMs and the fused ops touch real
 tokens only. Attention in the packed layout either scatters q/k/v into a padded [batch, seq] block for SDPA
 and gathers the context back ("pad", works everywhere and inside CUDA graphs; attention is a few per cent
-of an encoder's FLOPs at these lengths), or runs torch's variable-length flash attention ("varlen"), or runs the
-QKV projection and the attention of each sequence as one fused op ("fused", kernels.qkv_attention).
+of an encoder's FLOPs at these lengths), or attends within each sequence's offsets ("varlen": torch's
+variable-length flash attention on CUDA, one SDPA per sequence on the CPU), or runs the QKV projection and the
+attention of each sequence as one fused op ("fused", kernels.qkv_attention).
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ OFFSET_ATTENTIONS = ("varlen", "fused")  # attend within cu_seqlens: no padded b
 
 
 def varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """torch's varlen attention runs here: fp16/bf16 on CUDA, and varlen_attention found in this torch."""
+    """torch's varlen attention runs here: fp16/bf16 on CUDA, and varlen_attention found in this torch. (The CPU's
+    "varlen" is sequence_attention, which runs on any CPU.)"""
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and varlen_attention() is not None
 
 
@@ -185,13 +187,34 @@ def padded_attention(qkv: Tensor, batch: int, seq: int, heads: int, attn_mask: T
     return ctx.transpose(1, 2).reshape(batch * seq, -1)
 
 
+def sequence_attention(qkv: Tensor, cu_seqlens: Tensor, heads: int) -> Tensor:
+    """The CPU's varlen attention: SDPA over each sequence of a packed batch on its own, qkv [T, 3 * hidden] ->
+    context [T, hidden] (rows past the last sequence: zeros). torch has no variable-length attention on the CPU, and a
+    padded block attends every row over the longest row's length, so at a CPU batch's mixed lengths one unmasked SDPA
+    per sequence wins (decision 0021). A CPU batch holds a few dozen sequences at most (CPU_BATCH_TOKENS): the loop's
+    microseconds per sequence are noise against its attention; nested tensors' SDPA, the loop-free form, has no fused
+    CPU kernel."""
+    out = qkv.new_empty((qkv.shape[0], qkv.shape[1] // 3))
+    bounds = cu_seqlens.tolist()
+    out[bounds[-1]:].zero_()
+    lock = contextlib.nullcontext() if torch.compiler.is_compiling() else _SDPA_FLAGS
+    with lock, sdpa_kernel(SDPA_BACKENDS):
+        for start, end in zip(bounds, bounds[1:]):
+            if end > start:
+                q, k, v = qkv[start:end].view(end - start, 3, heads, -1).permute(1, 2, 0, 3)
+                out[start:end] = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(end - start, -1)
+    return out
+
+
 def packed_attention(qkv: Tensor, p: Packed, heads: int, attention: str) -> Tensor:
     """Attention of a packed batch, qkv [T, 3 * hidden] -> context [T, hidden]: a dense batch as the padded block
-    it is; "varlen": flash attention over cu_seqlens; else ("pad") scattered into a padded block for SDPA and
-    gathered back."""
+    it is; "varlen": within cu_seqlens (flash attention on CUDA, sequence_attention on the CPU); else ("pad")
+    scattered into a padded block for SDPA and gathered back."""
     if p.dense:  # rows of equal length back to back: the packed layout is the padded one, unmasked
         return padded_attention(qkv, p.batch, p.seq, heads, None)
     if attention == "varlen":
+        if qkv.device.type == "cpu":
+            return sequence_attention(qkv, p.cu_seqlens, heads)
         q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)
         return varlen_attention()(q, k, v, p.cu_seqlens, p.cu_seqlens, p.seq, p.seq).reshape(qkv.shape[0], -1)
     padded = qkv.new_zeros((p.batch * p.seq + 1, qkv.shape[1])).index_copy_(0, p.pad_index, qkv)
@@ -202,15 +225,16 @@ def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) 
     """The attention mode to start from. auto -> "fused" where torch's variable-length flash attention runs (fp16/bf16
     on CUDA, a torch built with it): the few-token layer for batches of at most FUSED_LAYER_TOKENS tokens, the
     varlen path above them (faster than varlen alone for a single short request: docs/performance.md, encoder suite);
-    "pad" elsewhere. The runner takes auto's "fused" back to "varlen" when the few-token ops did not land on a fused
-    backend (FEW_TOKEN_OPS; model.runner.Embedder._attention_for), since their reference path is slower than
-    varlen. "varlen" (no padded block, no mask) and "fused" (the QKV projection and attention of each sequence as one
-    op, `kernels.qkv_attention`, where varlen does not run) are taken as asked."""
+    "varlen" on the CPU (sequence_attention: no padded block); "pad" elsewhere. The runner takes auto's "fused" back
+    to "varlen" when the few-token ops did not land on a fused backend (FEW_TOKEN_OPS;
+    model.runner.Embedder._attention_for), since their reference path is slower than varlen. "varlen" (no padded
+    block, no mask) and "fused" (the QKV projection and attention of each sequence as one op, `kernels.qkv_attention`,
+    where varlen does not run) are taken as asked."""
     usable = varlen_runs(device, dtype)
     if attention == "auto":
-        return "fused" if usable else "pad"
-    if attention == "varlen" and not usable:
-        raise ValueError(f"varlen attention needs fp16/bf16 on CUDA and a torch built with flash "
+        return "fused" if usable else "varlen" if device.type == "cpu" else "pad"
+    if attention == "varlen" and not usable and device.type != "cpu":
+        raise ValueError(f"varlen attention needs the CPU, or fp16/bf16 on CUDA and a torch built with flash "
                          f"attention (device {device}, dtype {dtype}, torch {torch.__version__})")
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")

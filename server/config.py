@@ -86,9 +86,10 @@ class Settings(BaseSettings):
         "a plain Hugging Face directory without it is mean-pooled. With `models`, every model's unless its entry "
         "says otherwise (a classifier refuses it)")
     attention: Literal["auto", "pad", "varlen", "fused"] = Field(
-        "auto", description="packed attention: varlen flash (fp16/bf16 on CUDA), pad-for-SDPA, or fused (batches of "
-                            "<= 64 tokens as four kernels per layer, varlen above); auto: fused on CUDA fp16/bf16 "
-                            "while the few-token ops are on a fused backend, else varlen, pad on the CPU", json_schema_extra={"advanced": True})
+        "auto", description="packed attention: varlen (flash over the offsets in fp16/bf16 on CUDA, one SDPA per "
+                            "sequence on the CPU), pad-for-SDPA, or fused (batches of <= 64 tokens as four kernels per "
+                            "layer, varlen above); auto: fused on CUDA fp16/bf16 while the few-token ops are on a fused "
+                            "backend, else varlen (CUDA fp32: pad)", json_schema_extra={"advanced": True})
     cuda_graphs: bool = Field(True, description="replay the packed forward from CUDA graphs per shape bucket (GPU)"
 , json_schema_extra={"advanced": True})
     cuda_graph_warmup: bool = Field(True, description="capture every reachable graph bucket ahead of traffic (varlen "

@@ -3,6 +3,7 @@ CUDA-graph-style buckets (filler tokens and filler sequences), and the bucket ar
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -41,16 +42,43 @@ def _padded(encoder, rows):
     return mean_pool(encoder(ids, mask), mask, normalize=False)
 
 
+@pytest.mark.parametrize("attention", ["pad", "varlen"])
 @pytest.mark.parametrize("lengths", [[2], [2, 3], [7, 40, 3, 128, 16, 2, 99], [5] * 9])
 @torch.no_grad()
-def test_packed_equals_padded(encoder, lengths):
+def test_packed_equals_padded(encoder, lengths, attention):
     rows = _rows(lengths, seed=len(lengths))
     padded = _padded(encoder, rows)
     packed = Packed.from_rows(rows, "cpu")
     assert packed.input_ids.numel() == sum(lengths)  # no padding at all
-    ours = packed_mean_pool(encoder.forward_packed(packed), packed, normalize=False)
+    ours = packed_mean_pool(encoder.forward_packed(packed, attention), packed, normalize=False)
     assert torch.isfinite(ours).all()
     assert_embeddings_close(ours, padded)
+
+
+@torch.no_grad()
+def test_the_cpus_varlen_attends_within_each_sequence_only():
+    """sequence_attention (varlen on the CPU) against the float64 formula per sequence: odd lengths, empty (filler)
+    sequences, filler rows past the last sequence poisoned with NaN (never read; their context is zeros), under the
+    SDPA flags lock like every other SDPA call of the encoder."""
+    from fusedserve.kernels.testing import compare
+    from fusedserve.model.encoder import sequence_attention
+
+    heads, d = 3, 16
+    for lengths in ([1], [7, 0, 300, 1, 33], [769, 4]):
+        gen = torch.Generator().manual_seed(sum(lengths))
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        total = int(cu[-1])
+        qkv = torch.randn(total + 5, 3 * heads * d, generator=gen)
+        qkv[total:] = float("nan")
+        out = sequence_attention(qkv, cu, heads)
+        assert torch.equal(out[total:], torch.zeros_like(out[total:]))
+        for start, end in zip(cu.tolist(), cu.tolist()[1:]):
+            if end == start:
+                continue
+            q, k, v = qkv[start:end].double().view(end - start, 3, heads, d).permute(1, 2, 0, 3)
+            expected = torch.softmax(q @ k.transpose(1, 2) / d**0.5, dim=-1) @ v
+            report = compare(out[start:end], expected.transpose(0, 1).reshape(end - start, -1), torch.float32)
+            assert report.ok, (lengths, start, report)
 
 
 @torch.no_grad()
@@ -86,7 +114,8 @@ def test_sdpa_runs_off_cudnn_under_the_flags_lock(encoder, monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     _padded(encoder, _rows([9, 4]))  # masked padded batch
     encoder.forward_packed(Packed.from_rows(_rows([6] * 3), "cpu"))  # dense packed batch
-    assert len(seen) == 2 * len(encoder.layers), seen
+    encoder.forward_packed(Packed.from_rows(_rows([6, 3]), "cpu"), "varlen")  # one SDPA per sequence
+    assert len(seen) == 4 * len(encoder.layers), seen
     assert all(locked and not cudnn and flash for locked, cudnn, flash in seen), seen
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
     assert not encoder_module._SDPA_FLAGS.locked()
@@ -272,12 +301,12 @@ def test_varlen_graph_buckets_drop_the_sequence_length():
     assert varlen.bucket([[1] * 200] * 5)[:3] == (1024, 16, 256)  # MiniLM truncates at 256 tokens
     assert varlen.bucket([[1] * 32] * 16) == (512, 16, 32, True)
     assert varlen.reachable_keys() and pad.reachable_keys() == []
-    assert resolve_attention("auto", torch.device("cpu"), torch.float32) == "pad"
+    assert resolve_attention("auto", torch.device("cpu"), torch.float32) == "varlen"  # one SDPA per sequence
     assert resolve_attention("auto", torch.device("cuda"), torch.float32) == "pad"
     assert resolve_attention("auto", torch.device("cuda"), torch.float16) == (
         "fused" if varlen_runs(torch.device("cuda"), torch.float16) else "pad")
     with pytest.raises(ValueError, match="varlen attention needs"):
-        resolve_attention("varlen", torch.device("cpu"), torch.float16)
+        resolve_attention("varlen", torch.device("cuda"), torch.float32)
     assert resolve_attention("fused", torch.device("cpu"), torch.float32) == "fused"
     assert CudaGraphs(enc, torch.device("cpu"), max_tokens=4096, max_batch=64, attention="fused").bucket(short) == (
         48, 4, 48, False)  # fused attention buckets as varlen does

@@ -184,7 +184,7 @@ def test_admin_routes_need_the_token_and_flip_the_fused_path(make_server):
     assert httpx.post(server.url + "/admin/fused", json={"enabled": False}, headers=wrong).status_code == 401
     r = httpx.post(server.url + "/admin/fused", json={"enabled": False}, headers=admin_headers(), timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json()["fused"] is False and r.json()["attention"] == "pad"  # CPU: auto attention is pad
+    assert r.json()["fused"] is False and r.json()["attention"] == "varlen"  # CPU: one attention per sequence
     info = httpx.get(server.url + "/info").json()
     assert info["fused"] is False and info["attention_reason"] == r.json()["attention_reason"]
     assert info["kernels"]["bias_gelu"]["reason"] == "fused path disabled by configuration"
@@ -195,14 +195,14 @@ def test_admin_routes_need_the_token_and_flip_the_fused_path(make_server):
 
 def test_startup_ends_with_one_report_of_model_device_kernels_and_attention(make_server):
     """The report an operator reads at start: model, device and dtype, per op the backend and why, the attention
-    mode and why (on the CPU: pad, since varlen needs fp16/bf16 on CUDA), CUDA graphs, batching."""
+    mode and why (on the CPU: varlen, one attention per sequence), CUDA graphs, batching."""
     server = make_server()
     log = server.log()
     report = log[log.index("fusedserve: ready in "):]
     for line in ("model all-MiniLM-L6-v2: 6 layers, hidden 384", "device cpu, dtype float32",
                  "kernel backends (device cpu, dtypes float32, fused path on",
                  "not called by this model (reference, not tested)",
-                 "layout packed, attention pad (auto: varlen attention needs fp16/bf16 on CUDA), CUDA graphs off",
+                 "layout packed, attention varlen (auto: one attention per sequence on the CPU), CUDA graphs off",
                  "warm-up: shape sweep ", "batching: max_batch_tokens 2048"):
         assert line in report, (line, report)
     kernels = httpx.get(server.url + "/info").json()["kernels"]
