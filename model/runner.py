@@ -49,14 +49,42 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+# The CPU instructions that compute each half type natively (Linux /proc/cpuinfo flag names). Without them oneDNN
+# and torch's CPU kernels convert each element to fp32 and back: the half type then only costs time and accuracy.
+CPU_HALF_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo is not there to read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_half_isa(dtype: torch.dtype) -> list[str]:
+    """The flags of CPU_HALF_FLAGS[dtype] this CPU has (AMX first): what runs a half type's matmuls here."""
+    flags = cpu_flags()
+    return [flag for flag in CPU_HALF_FLAGS.get(dtype, ()) if flag in flags]
+
+
 def resolve_dtype(dtype: str, device: torch.device, on_cuda: torch.dtype = torch.float16) -> torch.dtype:
-    """auto: float32 on the CPU, on a GPU `on_cuda` (the model family's: model.family.Family.dtype_on_cuda)."""
+    """auto: float32 on the CPU, on a GPU `on_cuda` (the model family's: model.family.Family.dtype_on_cuda). A half
+    type on the CPU is the opt-in lower-precision path, refused where the CPU has no instructions for it."""
     if dtype == "auto":
         return on_cuda if device.type == "cuda" else torch.float32
     try:
-        return DTYPES[dtype]
+        resolved = DTYPES[dtype]
     except KeyError:
         raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}") from None
+    if device.type == "cpu" and resolved in CPU_HALF_FLAGS and not cpu_half_isa(resolved):
+        raise ValueError(f"dtype {dtype} on the CPU needs a CPU with {' or '.join(CPU_HALF_FLAGS[resolved])} "
+                         f"(this one has neither: its {dtype} would run emulated, slower than float32); use float32")
+    return resolved
 
 
 @dataclass(frozen=True)
@@ -141,7 +169,8 @@ class Embedder:
         self.max_batch_tokens, self.max_batch = max_batch_tokens, max_batch
         self.backend, self.backend_overrides = backend, dict(backend_overrides or {})
         # packed batches only: auto = the few-token layer + varlen flash attention in fp16/bf16 on CUDA (varlen alone
-        # while the few-token ops are on the reference: _attention_for), pad-for-SDPA otherwise
+        # while the few-token ops are on the reference: _attention_for), one SDPA per sequence on the CPU, else
+        # pad-for-SDPA
         self.requested_attention = attention if layout == "packed" else "pad"
         self.attention, self.attention_reason = self._attention_for(None)
         self.selection = kernels.reference_selection(device, (dtype,), "not selected yet")
@@ -266,6 +295,8 @@ class Embedder:
         attention = resolve_attention(self.requested_attention, self.device, self.dtype)
         if self.requested_attention != "auto":
             return attention, "as configured" if self.layout == "packed" else "padded layout"
+        if attention == "varlen":
+            return attention, "auto: one attention per sequence on the CPU"
         if attention != "fused":
             return attention, "auto: varlen attention needs fp16/bf16 on CUDA"
         if not self.family.few_token_layer:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fusedserve.model.config import EncoderConfig
+import fusedserve.model.runner as runner_module
 from fusedserve.model.runner import Embedder, resolve_dtype, resolve_device
 from tests.tolerances import assert_embeddings_close
 
@@ -44,7 +45,7 @@ def test_fused_attention_on_the_interpreter_matches_the_reference_path():
     fused, report = Embedder.load("tiny", device="cpu", backend="triton", attention="fused")
     assert fused.attention == "fused" and report.kernels.backend_of("qkv_attention") == "triton"
     plain, _ = Embedder.load("tiny", device="cpu", fused=False)
-    assert plain.attention == "pad"
+    assert plain.attention == "varlen"  # the CPU's: one attention per sequence
     assert_embeddings_close(fused.embed(texts), plain.embed(texts))
 
 
@@ -146,11 +147,34 @@ def test_timed_steps_stop_unreported_when_the_selection_changes_between_steps():
     assert list(steps) == [] and seen == []
 
 
+@pytest.mark.skipif(not runner_module.cpu_half_isa(torch.bfloat16), reason="this CPU has no bfloat16 instructions "
+                    "(amx_bf16, avx512_bf16): the setting is refused here")
 def test_bfloat16_on_cpu_is_close_to_float32():
     f32, _ = Embedder.load("default", device="cpu", dtype="float32", backend="torch")
     bf16, _ = Embedder.load("default", device="cpu", dtype="bfloat16", backend="torch")
     texts = ["A man is eating food.", "The girl is carrying a baby."]
     assert_embeddings_close(bf16.embed(texts), f32.embed(texts), torch.bfloat16)
+
+
+def test_a_half_type_on_the_cpu_needs_the_instructions_for_it(monkeypatch):
+    """bfloat16 / float16 on the CPU is the opt-in lower-precision path: refused, naming the flags, on a CPU that
+    would only emulate it; float32 and auto never need a flag."""
+    import fusedserve.model.runner as runner
+    from fusedserve.model.served import cpu_isa
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(runner, "cpu_flags", lambda: frozenset({"avx512f", "avx512_vnni"}))
+    with pytest.raises(ValueError, match="bfloat16 on the CPU needs a CPU with amx_bf16 or avx512_bf16"):
+        resolve_dtype("bfloat16", cpu)
+    with pytest.raises(ValueError, match="float16 on the CPU needs a CPU with amx_fp16 or avx512_fp16"):
+        resolve_dtype("float16", cpu)
+    with pytest.raises(ValueError, match="bfloat16 on the CPU"):  # before any weight loads
+        Embedder.load("tiny", device="cpu", dtype="bfloat16")
+    assert resolve_dtype("float32", cpu) == resolve_dtype("auto", cpu) == torch.float32
+    assert cpu_isa(cpu, torch.float32) == torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(runner, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16 and cpu_isa(cpu, torch.bfloat16) == "amx_bf16"
+    assert cpu_isa(torch.device("cuda"), torch.bfloat16) is None
 
 
 def test_unnormalized_output_and_empty_batch():
