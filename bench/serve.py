@@ -23,6 +23,9 @@ Scenarios:
   head-of-line one client sending a one-input request every --gap-ms, first alone, then while another sends the
                largest requests the limits allow (max_client_batch inputs of max_request_chars in all) back to back:
                the one input's p50/p99 beside the large requests', at the server's default batch limits
+  cpu          the CPU device only: sentence-transformers in-process (and its ONNX backend where it runs) against
+               the server on the same cores, fp32 / bfloat16 / WORKERS=2, same run and texts, --rounds alternating
+               rounds: texts/s, one text at a time, time to ready, cosine on held-out texts (bench/cpu_peers.py)
   openai-load  POST /v1/embeddings (float JSON) from aiohttp clients in load-generator processes of their own, at
                each of --openai-points (CLIENTSxTEXTS; 1x1 is single sequential requests), over 5-200-word texts;
                with --baseline DIR, an older tree's server started in turn with ours, the medians of --starts starts
@@ -50,12 +53,13 @@ from pathlib import Path
 
 import httpx
 
-from bench import openai_load, peer
+from bench import cpu_peers, openai_load, peer
 from bench import results as store
 from bench.harness import (load, log_path, mixed_texts, on_cuda, one_connection_session, percentiles_ms, request_body,
                            running_servers, sentences, server_settings, traffic)
 
-SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer", "openai-load", "head-of-line")
+SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer", "openai-load", "head-of-line",
+             "cpu")
 DEFAULT_SCENARIOS = ("closed-loop", "single", "workers")
 
 
@@ -630,6 +634,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "start-up beside the default model's: startup-modernbert-base)")
     peer.add_arguments(parser)
     openai_load.add_arguments(parser)
+    cpu_peers.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -643,7 +648,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     scenarios = {"closed-loop": closed_loop_scenario, "single": single_scenario, "workers": workers_scenario,
                  "peer": peer.peer_scenario, "openai-load": openai_load.openai_load_scenario,
                  "replicas": replicas_scenario, "soak": soak_scenario, "startup": startup_scenario,
-                 "head-of-line": head_of_line_scenario}
+                 "head-of-line": head_of_line_scenario, "cpu": cpu_peers.cpu_scenario}
     if args.block_name and len(args.scenarios or DEFAULT_SCENARIOS) != 1:
         raise SystemExit("--as names one scenario's block: run one scenario with it")
     started = time.monotonic()
@@ -661,7 +666,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                          "soak": {"clients": args.soak_clients, "cancel_rate": args.cancel_rate},
                          "peer": peer.settings(args), "openai-load": openai_load.settings(args),
                          "startup": {"first_requests": args.first_requests},
-                         "head-of-line": {"gap_ms": args.gap_ms}}[scenario])
+                         "head-of-line": {"gap_ms": args.gap_ms},
+                         "cpu": {"configs": args.cpu_configs, "clients": args.cpu_clients, "rounds": args.rounds}}[
+            scenario])
         if scenario == "openai-load":  # its points say how many texts a request carries
             del settings["per_request"]
 
