@@ -266,6 +266,20 @@ def head_of_line_table(block: dict) -> str:
     return _table(["client", "beside", "requests", "p50 / p99 ms", "max ms", "failed"], rows)
 
 
+def cpu_table(block: dict) -> str:
+    """The cpu scenario: one row per server configuration against sentence-transformers in-process (the summary's
+    peer rates and one-text latency sit in the same block)."""
+    st = block["summary"]["sentence_transformers_one_text"]
+    rows = [[r["config"], r["dtype"], r["cpu_isa"] or "-", str(r["workers"]), _f(r["texts_per_s"], 1),
+             _f(r["vs_sentence_transformers"], 2, "x"), f"{_f(r['one_text']['p50_ms'], 1)} / "
+             f"{_f(r['one_text']['p99_ms'], 1)}", f"{_f(st['p50_ms'], 1)} / {_f(st['p99_ms'], 1)}",
+             _f(r["ready_s"], 1), _f(r["min_cosine"], 6), _f(_pct(r["client_cpu_share"]), 1, "%")]
+            for r in block["results"]]
+    return _table(["config", "dtype", "cpu_isa", "WORKERS", "texts/s", "x sentence-transformers",
+                   "one text p50 / p99 ms", "sentence-transformers one text ms", "ready s", "min cosine",
+                   "client CPU"], rows)
+
+
 def _sharing_table(label: str, column: str) -> Callable[[dict], str]:
     """`replicas` (servers) and `workers` (WORKERS of one server): one row per count and payload."""
     def table(block: dict) -> str:
@@ -314,6 +328,7 @@ TABLES: dict[tuple[str, str], Callable[[dict], str]] = {
     ("serve", "single"): single_table, ("serve", "replicas"): _sharing_table("replicas", "servers"),
     ("serve", "workers"): _sharing_table("workers", "WORKERS"), ("serve", "soak"): soak_table,
     ("serve", "openai-load"): openai_load_table, ("serve", "head-of-line"): head_of_line_table,
+    ("serve", "cpu"): cpu_table,
 }
 
 

@@ -72,6 +72,15 @@ def cpu_half_isa(dtype: torch.dtype) -> list[str]:
     return [flag for flag in CPU_HALF_FLAGS.get(dtype, ()) if flag in flags]
 
 
+def cpu_isa(device: torch.device, dtype: torch.dtype) -> str | None:
+    """On the CPU, the instructions its matmuls run on: a half type's (AMX or AVX-512, cpu_half_isa), else
+    torch's vectorized-kernel level ("AVX512", "AVX2"); None on a GPU."""
+    if device.type != "cpu":
+        return None
+    half = cpu_half_isa(dtype)
+    return half[0] if half else torch.backends.cpu.get_cpu_capability()
+
+
 def resolve_dtype(dtype: str, device: torch.device, on_cuda: torch.dtype = torch.float16) -> torch.dtype:
     """auto: float32 on the CPU, on a GPU `on_cuda` (the model family's: model.family.Family.dtype_on_cuda). A half
     type on the CPU is the opt-in lower-precision path, refused where the CPU has no instructions for it."""

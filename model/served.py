@@ -17,7 +17,7 @@ import torch
 
 from fusedserve import kernels
 from fusedserve.model.api import Description, LoadOptions, Rows, TextOptions, Worker, name_of
-from fusedserve.model.runner import Embedder, LoadReport, Pending, cpu_half_isa
+from fusedserve.model.runner import Embedder, LoadReport, Pending, cpu_isa
 
 log = logging.getLogger("fusedserve.model")
 
@@ -256,15 +256,6 @@ class Served:
                         unwatch(None)
                     except Exception:
                         log.exception("removing the kernel watch failed")
-
-
-def cpu_isa(device: torch.device, dtype: torch.dtype) -> str | None:
-    """On the CPU, the instructions its matmuls run on: a half type's (AMX or AVX-512, runner.cpu_half_isa), else
-    torch's vectorized-kernel level ("AVX512", "AVX2"); None on a GPU."""
-    if device.type != "cpu":
-        return None
-    half = cpu_half_isa(dtype)
-    return half[0] if half else torch.backends.cpu.get_cpu_capability()
 
 
 def load_served(path: str, options: LoadOptions) -> Served:

@@ -160,7 +160,6 @@ def test_a_half_type_on_the_cpu_needs_the_instructions_for_it(monkeypatch):
     """bfloat16 / float16 on the CPU is the opt-in lower-precision path: refused, naming the flags, on a CPU that
     would only emulate it; float32 and auto never need a flag."""
     import fusedserve.model.runner as runner
-    from fusedserve.model.served import cpu_isa
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(runner, "cpu_flags", lambda: frozenset({"avx512f", "avx512_vnni"}))
@@ -171,10 +170,10 @@ def test_a_half_type_on_the_cpu_needs_the_instructions_for_it(monkeypatch):
     with pytest.raises(ValueError, match="bfloat16 on the CPU"):  # before any weight loads
         Embedder.load("tiny", device="cpu", dtype="bfloat16")
     assert resolve_dtype("float32", cpu) == resolve_dtype("auto", cpu) == torch.float32
-    assert cpu_isa(cpu, torch.float32) == torch.backends.cpu.get_cpu_capability()
+    assert runner.cpu_isa(cpu, torch.float32) == torch.backends.cpu.get_cpu_capability()
     monkeypatch.setattr(runner, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))
-    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16 and cpu_isa(cpu, torch.bfloat16) == "amx_bf16"
-    assert cpu_isa(torch.device("cuda"), torch.bfloat16) is None
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16 and runner.cpu_isa(cpu, torch.bfloat16) == "amx_bf16"
+    assert runner.cpu_isa(torch.device("cuda"), torch.bfloat16) is None
 
 
 def test_unnormalized_output_and_empty_batch():
