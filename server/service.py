@@ -173,7 +173,8 @@ class Service:
                 # the tokenizer's thread pool (rayon's, sized at its first parallel batch, after this) gets the same
                 # share: a pool per worker as wide as the machine spins the other workers' cores for small batches
                 os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
-            workers.wait_for_the_first()
+            if self.settings.device != "cpu" and torch.cuda.is_available():
+                workers.wait_for_the_first()  # on the CPU nothing is compiled or raced: the workers load together
             self.phase = "loading"
             self.load()
             if not self.draining:

@@ -10,8 +10,8 @@ once), and keep-alive clients stay where they land: 64 clients landed 49/13/2/0 
 capped the throughput of all. With the CUDA MPS daemon running (docs/operations.md) their kernels share the GPU
 concurrently instead of time-slicing.
 
-- Start: the first worker loads alone and fills the kernel cache (compiles, autotuning, races); the others load
-  once it is ready, from the cache.
+- Start: on a GPU the first worker loads alone and fills the kernel cache (compiles, autotuning, races); the others
+  load once it is ready, from the cache. On the CPU, where nothing is compiled or raced, they all load at once.
 - Readiness: a worker answers /readyz 200 only once every worker is ready (each marks itself in the shared state
   directory), so a probe never sees a pod ready whose next connection lands on a worker still loading.
 - Metrics: prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, one directory per start): any worker's

@@ -45,7 +45,8 @@ def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
                 assert info["worker"]["torch_threads"] == info["worker"]["tokenizer_threads"] == 1, info["worker"]
                 pids.add(info["worker"]["pid"])
         assert len(pids) == 2, "every connection went to one worker"
-        assert "worker 1: waiting for the first worker to be ready" in open(log_path).read()  # it fills the cache
+        # on the CPU nothing is compiled or raced, so no worker waits for the first to fill the kernel cache
+        assert "waiting for the first worker" not in open(log_path).read()
         # the same text gets the same vector from either worker: the same request to the same weights (the preset's
         # fixed seed) on the same kernels
         for _ in range(4):
