@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import load, log_path, mixed_texts, percentiles_ms, running_servers, server_settings
+from bench.harness import load, log_path, min_cosine, mixed_texts, percentiles_ms, running_servers, server_settings
 
 CONFIGS = {"fp32": {}, "bfloat16": {"dtype": "bfloat16"}, "workers-2": {"workers": "2"}}
 HELD_OUT = 32  # texts each configuration's vectors are checked on
@@ -74,15 +74,6 @@ def _one_text_ms(encode, texts: list[str]) -> dict:
     return percentiles_ms(latencies)
 
 
-def _min_cosine(a, b) -> float:
-    import numpy as np
-
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    a /= np.linalg.norm(a, axis=1, keepdims=True)
-    b /= np.linalg.norm(b, axis=1, keepdims=True)
-    return float((a * b).sum(axis=1).min())
-
-
 def _served_vectors(client: httpx.Client, texts: list[str], model: str) -> list[list[float]]:
     r = client.post("/v1/embeddings", json={"input": texts, "model": model})
     r.raise_for_status()
@@ -130,7 +121,7 @@ def cpu_scenario(args: argparse.Namespace, save) -> None:
     summary["sentence_transformers_one_text"] = _one_text_ms(lambda t: st.encode([t]), singles)
     onnx = peers["sentence-transformers onnx"]
     if not isinstance(onnx, str):
-        summary["onnx_min_cosine"] = _min_cosine(onnx.encode(held, batch_size=32), reference)
+        summary["onnx_min_cosine"] = min_cosine(onnx.encode(held, batch_size=32), reference)
     rows: list[dict] = []
     for config in args.cpu_configs:
         reason = _supported(config)
@@ -145,7 +136,7 @@ def cpu_scenario(args: argparse.Namespace, save) -> None:
             url = servers[0][1]
             with httpx.Client(base_url=url, timeout=60) as client:
                 info = client.get("/info").json()
-                cosine = _min_cosine(_served_vectors(client, held, info["model"]), reference)
+                cosine = min_cosine(_served_vectors(client, held, info["model"]), reference)
                 load(url, texts[:64], args.cpu_clients, 2, args.per_request, payload="openai")  # warm
                 points, ratios = [], []
                 for _ in range(args.rounds):

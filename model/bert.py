@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from fusedserve import kernels
 from fusedserve.model import encoder as packing
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
-from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, OFFSET_ATTENTIONS, Packed, resolve_attention
+from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, OFFSET_ATTENTIONS, Packed, check_offsets
 from fusedserve.model.family import ClassifierHead, Family, MaskedLMHead, WeightLayout
 
 
@@ -229,10 +229,8 @@ class Encoder(nn.Module):
     def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
         """forward_packed one block at a time: the embeddings' output, then each layer's (the last is the hidden
         states), for a caller that does other work between blocks."""
-        if attention == "varlen":  # the one check of where varlen runs (raises with the reason)
-            resolve_attention("varlen", p.input_ids.device, self.embeddings.word_embeddings.dtype)
-        if (attention in OFFSET_ATTENTIONS or self.attends_by_offsets) and p.cu_seqlens is None:
-            raise ValueError(f"{attention} attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
+        if attention in OFFSET_ATTENTIONS or self.attends_by_offsets:
+            check_offsets(p, attention, self.embeddings.word_embeddings.dtype, f"{attention} attention")
         x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
         yield x
         context = self.layer_context(attention)

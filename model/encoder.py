@@ -16,6 +16,7 @@ import contextlib
 import functools
 import importlib.util
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,13 +177,20 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 _SDPA_FLAGS = threading.Lock()
 
 
+@contextlib.contextmanager
+def pinned_sdpa() -> Iterator[None]:
+    """SDPA_BACKENDS for the block, under the flags lock; traced by torch.compile the backend is chosen at compile
+    time, and Dynamo cannot enter a lock."""
+    lock = contextlib.nullcontext() if torch.compiler.is_compiling() else _SDPA_FLAGS
+    with lock, sdpa_kernel(SDPA_BACKENDS):
+        yield
+
+
 def padded_attention(qkv: Tensor, batch: int, seq: int, heads: int, attn_mask: Tensor | None) -> Tensor:
     """SDPA over a padded block: qkv [batch * seq, 3 * hidden] (query, key, value stacked) -> context
     [batch * seq, hidden]; attn_mask [batch, 1, 1, seq] bool (True = attend) or None for rows of equal length."""
     q, k, v = qkv.view(batch, seq, 3, heads, -1).permute(2, 0, 3, 1, 4)
-    # traced by torch.compile the backend is chosen at compile time, and Dynamo cannot enter a lock
-    lock = contextlib.nullcontext() if torch.compiler.is_compiling() else _SDPA_FLAGS
-    with lock, sdpa_kernel(SDPA_BACKENDS):
+    with pinned_sdpa():
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
     return ctx.transpose(1, 2).reshape(batch * seq, -1)
 
@@ -197,8 +205,7 @@ def sequence_attention(qkv: Tensor, cu_seqlens: Tensor, heads: int) -> Tensor:
     out = qkv.new_empty((qkv.shape[0], qkv.shape[1] // 3))
     bounds = cu_seqlens.tolist()
     out[bounds[-1]:].zero_()
-    lock = contextlib.nullcontext() if torch.compiler.is_compiling() else _SDPA_FLAGS
-    with lock, sdpa_kernel(SDPA_BACKENDS):
+    with pinned_sdpa():
         for start, end in zip(bounds, bounds[1:]):
             if end > start:
                 q, k, v = qkv[start:end].view(end - start, 3, heads, -1).permute(1, 2, 0, 3)
@@ -241,13 +248,13 @@ def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) 
     return attention
 
 
-def check_offsets(p: Packed, attention: str, dtype: torch.dtype, label: str) -> None:
-    """What a family attending over cu_seqlens needs of a packed batch: varlen where it runs (the one check, raising
-    with the reason) and the batch's offsets."""
+def check_offsets(p: Packed, attention: str, dtype: torch.dtype, what: str) -> None:
+    """What attention over cu_seqlens (`what`: whose, for the message) needs of a packed batch: varlen where it runs
+    (the one check, raising with the reason) and the batch's offsets."""
     if attention == "varlen":
         resolve_attention("varlen", p.input_ids.device, dtype)
     if p.cu_seqlens is None:
-        raise ValueError(f"{label}'s attention needs the batch's cu_seqlens (Packed.from_rows sets them)")
+        raise ValueError(f"{what} needs the batch's cu_seqlens (Packed.from_rows sets them)")
 
 
 def packed_mean_pool(hidden: Tensor, p: Packed, normalize: bool) -> Tensor:

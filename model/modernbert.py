@@ -198,7 +198,7 @@ class Encoder(gte.Encoder):
     def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
         """The embeddings' output, then each layer's output normed by the next block's norm (the last: the final
         norm, the hidden states)."""
-        check_offsets(p, attention, self.embeddings.word_embeddings.dtype, "ModernBERT")
+        check_offsets(p, attention, self.embeddings.word_embeddings.dtype, "ModernBERT's attention")
         x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
         yield x
         h = x

@@ -170,7 +170,7 @@ class Encoder(gte.Encoder):
     def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
         """The embeddings' output, then each layer's output normed by the next block's norm (the last: the final
         norm, the hidden states)."""
-        check_offsets(p, attention, self.embeddings.word_embeddings.dtype, "Qwen")
+        check_offsets(p, attention, self.embeddings.word_embeddings.dtype, "Qwen's attention")
         x = self.embeddings(p.input_ids, None, None)
         yield x
         h = kernels.rms_norm(x, self.layers[0].in_ln_weight, self.config.layer_norm_eps)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -54,8 +55,9 @@ def resolve_device(device: str) -> torch.device:
 CPU_HALF_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (empty where /proc/cpuinfo is not there to read)."""
+    """This CPU's feature flags (empty where /proc/cpuinfo is not there to read), read once: /info asks each time."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -313,23 +313,30 @@ def test_the_window_matches_transformers_modernbert_local_attention(device):
     ([1], 2, 1, 8, True, True),                    # a single token: its own value
 ])
 def test_decoder_variants_match_the_formula(device, dtype, lengths, heads, kv_heads, d, causal, norms):
-    gen = torch.Generator().manual_seed(sum(lengths) + heads + d)
-    t = sum(lengths) + 5
+    _check_decoder(device, dtype, lengths, max(lengths), heads, kv_heads, d, causal, norms,
+                   seed=sum(lengths) + heads + d)
+
+
+def _check_decoder(device, dtype, lengths, bound, heads, kv_heads, d, causal, norms, seed, filler=5):
+    """The decoder variant on fresh random inputs against the float64 formula: `filler` NaN rows past the sequences
+    (never read; their output zeros), q/k norm weights of order 1 (Qwen3's start at ones), apart for q and k."""
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths) + filler
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
-    qkv[-5:] = NAN  # filler rows: never read
+    qkv[-filler:] = NAN
     q_norm = k_norm = None
-    if norms:  # weights of order 1 (Qwen3's start at ones), apart for q and k
+    if norms:
         q_norm, k_norm = 1 + 0.5 * torch.randn(d, generator=gen), 1 + 0.5 * torch.randn(d, generator=gen)
         q_norm, k_norm = q_norm.to(device, dtype), k_norm.to(device, dtype)
     qkv = qkv.to(device, dtype)
     cu = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32, device=device)
     inv_freq = inverse_frequencies(d, 1000000.0).to(device)  # Qwen3's theta
     out = torch.full((t, heads * d), NAN, dtype=dtype, device=device)
-    _launch()(qkv, cu, max(lengths), heads, inv_freq, num_kv_heads=kv_heads, causal=causal, q_norm=q_norm,
+    _launch()(qkv, cu, bound, heads, inv_freq, num_kv_heads=kv_heads, causal=causal, q_norm=q_norm,
               k_norm=k_norm, norm_eps=1e-6, out=out)
     end = int(cu[-1])
-    expected = formula_float64(OP, (qkv[:end], cu, max(lengths), heads, inv_freq, 0, kv_heads, causal, q_norm, k_norm,
-                                    1e-6), {})
+    expected = formula_float64(OP, (qkv[:end], cu, bound, heads, inv_freq, 0, kv_heads, causal, q_norm, k_norm, 1e-6),
+                               {})
     report = compare(out[:end], expected, dtype)
     assert report.ok, report
     assert torch.equal(out[end:], torch.zeros_like(out[end:])), "rows outside the sequences must be zeros"
@@ -442,24 +449,7 @@ def test_gte_and_modernbert_shapes_on_the_gpu(dtype, lengths, bound, window):
 def test_qwen3_shapes_on_the_gpu(dtype, lengths, bound):
     """Qwen3-Embedding-0.6B's heads (16 query heads of 128 over 8 key/value heads), causal, with q/k norms, in
     each of its launch shapes."""
-    gen = torch.Generator().manual_seed(len(lengths) + bound)
-    heads, kv_heads, d = 16, 8, 128
-    t = sum(lengths) + 11
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
-    qkv[-11:] = NAN  # filler rows: never read
-    q_norm, k_norm = (1 + 0.5 * torch.randn(d, generator=gen)).cuda(), (1 + 0.5 * torch.randn(d, generator=gen)).cuda()
-    qkv = qkv.to("cuda", dtype)
-    cu = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32, device="cuda")
-    inv_freq = inverse_frequencies(d, 1000000.0).cuda()
-    out = torch.full((t, heads * d), NAN, dtype=dtype, device="cuda")
-    _launch()(qkv, cu, bound, heads, inv_freq, num_kv_heads=kv_heads, causal=True, q_norm=q_norm, k_norm=k_norm,
-              norm_eps=1e-6, out=out)
-    end = int(cu[-1])
-    expected = formula_float64(OP, (qkv[:end], cu, bound, heads, inv_freq, 0, kv_heads, True, q_norm, k_norm, 1e-6),
-                               {})
-    report = compare(out[:end], expected, dtype)
-    assert report.ok, report
-    assert torch.equal(out[end:], torch.zeros_like(out[end:])), "rows outside the sequences must be zeros"
+    _check_decoder("cuda", dtype, lengths, bound, 16, 8, 128, True, True, seed=len(lengths) + bound, filler=11)
 
 
 @pytest.mark.gpu
