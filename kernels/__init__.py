@@ -259,3 +259,15 @@ def _load_cuda(device: torch.device):
 
 
 registry.register_backend("cuda", _load_cuda)
+
+
+def _load_cpu(device: torch.device):
+    if device.type != "cpu":
+        raise BackendUnavailable(f"needs the CPU, got {device}")
+    from fusedserve.kernels import library
+    from fusedserve.kernels.cpu import LAUNCHERS
+
+    return library.custom_ops("cpu", LAUNCHERS)
+
+
+registry.register_backend("cpu", _load_cpu)

@@ -298,6 +298,10 @@ def _triton_only(triton_module: str) -> dict[str, str]:
     return {"triton": triton_module}
 
 
+# the CPU backend's ops all live in kernels/cpu/aten.py (ATen's CPU kernels, composed in fewer passes)
+_CPU = {"cpu": "aten"}
+
+
 def ops_of(backend: str) -> list[str]:
     """The ops a fused backend implements (the registry runs the rest on the reference when it is forced)."""
     return [op for op, spec in OP_SPECS.items() if backend in spec.fused_in]
@@ -341,11 +345,11 @@ _SPECS = (
     OpSpec("linear_bias_gelu", reference.linear_bias_gelu,
            "GELU(x @ weight^T + bias), weight in nn.Linear's [out, in] layout: the FFN-in of an encoder layer.",
            _gemm_fake, _linear_gelu_inputs, rowwise=False, race_cols=lambda hidden: 4 * hidden,
-           fused_in=_triton_and_cuda("linear_gelu")),
+           fused_in=_triton_and_cuda("linear_gelu") | _CPU),
     OpSpec("linear_add_layer_norm", reference.linear_add_layer_norm,
            "LayerNorm(x @ weight^T + bias + residual), weight in nn.Linear's [out, in] layout: the attention-out "
            "and FFN-out blocks of a post-LN encoder layer.", _gemm_fake, _linear_ln_inputs, rowwise=False,
-           fused_in=_triton_and_cuda("linear_layer_norm")),
+           fused_in=_triton_and_cuda("linear_layer_norm") | _CPU),
     # mean pooling of a packed batch: [rows tokens, cols] -> [segments, cols] float32
     OpSpec("segment_mean", reference.segment_mean,
            "Mean of each segment of rows, x [T, H] and offsets cu_seqlens [B + 1] -> [B, H] float32 (empty "

@@ -247,13 +247,23 @@ def test_verification_catches_drift_and_falls_back(make_server):
     assert_embeddings_close(after, clean)
 
 
+def _reference_answer(server, texts: list[str]) -> list[list[float]]:
+    """The reference path's answer (the fused switch off for one request, then on again): what a fused forward
+    that fails must be re-run into, bit for bit (on the CPU too, where the CPU backend serves the GEMM blocks)."""
+    for enabled in (False, True):
+        r = httpx.post(server.url + "/admin/fused", json={"enabled": enabled}, headers=admin_headers(), timeout=60)
+        assert r.status_code == 200, r.text
+        if not enabled:
+            answer = httpx.post(server.url + "/infer", json={"inputs": texts}, timeout=30).json()["embeddings"]
+    return answer
+
+
 def test_a_raising_kernel_is_rerun_on_the_reference(make_server):
     server = make_server(faults=True)
-    clean = httpx.post(server.url + "/infer", json={"inputs": ["x y z"]}).json()["embeddings"]
+    clean = _reference_answer(server, ["x y z"])
     httpx.post(server.url + "/admin/faults", json={"op": "linear_add_layer_norm", "mode": "raise"}, headers=admin_headers())
     r = httpx.post(server.url + "/infer", json={"inputs": ["x y z"]}, timeout=30)
-    # bitwise: on the CPU every op of this server is already on the reference, which the re-run repeats
-    assert r.status_code == 200 and r.json()["embeddings"] == clean
+    assert r.status_code == 200 and r.json()["embeddings"] == clean  # bitwise: the re-run is the reference path
     assert metric(server, "fusedserve_fallbacks_total", op="all", reason="exception") == 1
 
 
@@ -272,11 +282,11 @@ def test_invalid_configuration_fails_at_startup_naming_the_setting():
 def test_nan_from_a_kernel_is_never_returned(make_server):
     server = make_server(faults=True)
     texts = ["NaN must not leak", "into any answer"]
-    clean = httpx.post(server.url + "/infer", json={"inputs": texts}).json()["embeddings"]
+    clean = _reference_answer(server, texts)
     httpx.post(server.url + "/admin/faults", json={"op": "linear_bias_gelu", "mode": "nan"}, headers=admin_headers())
     r = httpx.post(server.url + "/infer", json={"inputs": texts}, timeout=30)
     assert r.status_code == 200 and "NaN" not in r.text
-    assert r.json()["embeddings"] == clean  # bitwise, as above: the re-run is the path that served `clean`
+    assert r.json()["embeddings"] == clean  # bitwise, as above
     assert metric(server, "fusedserve_fallbacks_total", op="all", reason="non_finite") == 1
 
 

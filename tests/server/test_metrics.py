@@ -66,18 +66,19 @@ def test_every_family_with_sensible_values(busy_server):
     assert s[f"fusedserve_batch_size_count{{{m}}}"] >= 1 and s[f"fusedserve_batch_size_sum{{{m}}}"] == 10
     assert 0 < s[f"fusedserve_batch_padding_ratio_sum{{{m}}}"] < s[f"fusedserve_batch_padding_ratio_count{{{m}}}"]
     batches = s[f"fusedserve_batch_size_count{{{m}}}"]
-    assert s[f'fusedserve_forward_duration_seconds_count{{{m},path="reference"}}'] == batches
+    assert s[f'fusedserve_forward_duration_seconds_count{{{m},path="fused"}}'] == batches  # GEMM blocks on the CPU backend
     layers = 6
     kernel = "fusedserve_kernel_duration_seconds_count"
     # every batch is sampled; one sample waits for its timing at a time, so `timed` of them were: each op per forward
     timed = s[f'{kernel}{{backend="torch",{m},op="embedding_layer_norm"}}']
     assert 1 <= timed <= batches
-    assert s[f'{kernel}{{backend="torch",{m},op="linear_add_layer_norm"}}'] == 2 * layers * timed
-    assert s[f'{kernel}{{backend="torch",{m},op="linear_bias_gelu"}}'] == layers * timed
+    # the GEMM blocks on the CPU backend, the rest on the reference
+    assert s[f'{kernel}{{backend="cpu",{m},op="linear_add_layer_norm"}}'] == 2 * layers * timed
+    assert s[f'{kernel}{{backend="cpu",{m},op="linear_bias_gelu"}}'] == layers * timed
     assert s[f'fusedserve_reference_checks_total{{{m},result="match"}}'] >= 1
     assert s[f'fusedserve_reference_checks_total{{{m},result="mismatch"}}'] == 0
     assert 0 <= s[f"fusedserve_reference_max_abs_error{{{m}}}"] <= tolerance().max_abs  # the verifier's fp32 copy
-    assert s[f'fusedserve_backend_info{{backend="torch",{m},op="linear_bias_gelu"}}'] == 1
+    assert s[f'fusedserve_backend_info{{backend="cpu",{m},op="linear_bias_gelu"}}'] == 1
     assert not any('op="bias_gelu"' in k for k in s if k.startswith("fusedserve_backend_info"))  # not called
     assert s[f"fusedserve_fused_enabled{{{m}}}"] == 1 and s[f"fusedserve_model_ready{{{m}}}"] == 1
     assert s[f"fusedserve_queue_depth{{{m}}}"] == 0
