@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
         return workers.supervise(settings.workers, list(sys.argv[1:] if argv is None else argv), args.host,
                                  args.port, functools.partial(workers.run_worker, main))
     app = (app_factory or create_app)(settings)
+    app.state.host = args.host  # the gRPC service listens on the HTTP server's host
     # JSON logs: uvicorn's loggers propagate to the root's JSON handler instead of configuring their own format
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,

@@ -261,9 +261,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         # the port opens now: /healthz answers, /readyz says what is loading, everything else 503 until ready
         service.start()
+        rpc = None
+        if settings.grpc_port:  # in this event loop: its calls reach the service as the routes' do
+            from fusedserve.server.kserve_grpc import KServeGrpc
+
+            rpc = KServeGrpc(service, getattr(app.state, "host", "127.0.0.1"), settings.grpc_port)
+            await rpc.start()
         yield
         log.warning("shutting down: draining accepted requests")
-        await asyncio.to_thread(service.shutdown)
+        drain = [asyncio.to_thread(service.shutdown)]
+        if rpc is not None:  # new calls refused at once, those in flight answered (the queue drains for them too)
+            drain.append(rpc.stop(settings.request_timeout_s + 1))
+        await asyncio.gather(*drain)
 
     app = FastAPI(title="fusedserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Transformer-encoder embeddings on fused GPU kernels. Native (`/infer`), OpenAI "

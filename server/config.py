@@ -141,6 +141,9 @@ class Settings(BaseSettings):
                                  "probes and /metrics are still answered, any other request gets a 503 (with "
                                  "Retry-After) and its connection closed, and a new connection has 1 s for its headers")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit in bytes (413 beyond)")
+    grpc_port: int = Field(0, ge=0, le=65535, description="port of the KServe v2 gRPC service (`tritonclient.grpc`; "
+                           "texts or token ids in, embeddings out), on the HTTP server's host, under the same keys, "
+                           "limits and metrics (a message over max_body_bytes is refused); 0: no gRPC")
     warmup: bool = Field(True, description="before ready: run the model once at every launch shape a batch can meet "
                          "(so no request pays a kernel compile or autotune), capture the first CUDA graphs, "
                          "calibrate the int8 outputs", json_schema_extra={"advanced": True})

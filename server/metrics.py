@@ -40,7 +40,7 @@ class Metrics:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._refreshers: list[Callable[[], None]] = []
         self.registry = r = CollectorRegistry()
-        self.requests = Counter(PREFIX + "requests", "HTTP requests by model, route and status",
+        self.requests = Counter(PREFIX + "requests", "HTTP and gRPC requests by model, route and status",
                                 ["model", "route", "status"], registry=r)
         self.request_duration = Histogram(PREFIX + "request_duration_seconds", "Request latency", ["model", "route"],
                                           buckets=LATENCY_BUCKETS, registry=r)

@@ -243,17 +243,17 @@ class ModelService:
         except InputError as exc:
             raise Unprocessable(str(exc), param=exc.param) from None
 
-    async def run(self, rows: Rows, request: Request, *, normalize: bool = False,
+    async def run(self, rows: Rows, request: Request | None, *, normalize: bool = False,
                   dimensions: int | None = None) -> Result:
         """The model's output rows for `rows` through the batcher, as one block: the first `dimensions` of each,
         L2-normalized where asked (quantize.shape, run by the batcher once per batch), else raw. A client that
         disconnects meanwhile cancels its inputs that have not run; past request_timeout_s it is a 504. The job's
         future is the one thing awaited: the client's disconnect (the next ASGI message) and the deadline settle it
-        too, so nothing polls."""
+        too, so nothing polls. Without an HTTP request (gRPC) the caller's task is cancelled when its client goes."""
         left = self._left()
         job = self.batcher.submit(rows, left, normalize=normalize, dimensions=dimensions)
         loop = asyncio.get_running_loop()
-        watcher = loop.create_task(_watch(request, job.future))
+        watcher = loop.create_task(_watch(request, job.future)) if request is not None else None
         deadline = loop.call_later(left + 1.0, _settle, job.future, _Expired())
         try:
             block = await job.future
@@ -267,14 +267,15 @@ class ModelService:
             self.batcher.cancel(job)
             raise
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             deadline.cancel()
         record = CURRENT.get()
         if record is not None and job.started is not None and job.done is not None:
             record.served(job.enqueued, job.started, job.done, len(rows), rows.tokens)
         return Result(block, rows.tokens)
 
-    async def embed(self, inputs: Sequence, options: TextOptions, request: Request, *, normalize: bool = False,
+    async def embed(self, inputs: Sequence, options: TextOptions, request: Request | None, *, normalize: bool = False,
                     dimensions: int | None = None) -> Result:
         """prepare, then run."""
         return await self.run(await self.prepare(inputs, options), request, normalize=normalize,
