@@ -12,7 +12,7 @@ import threading
 
 import uvicorn
 
-from fusedserve.server import workers
+from fusedserve.server import devices, workers
 
 log = logging.getLogger("fusedserve")
 
@@ -84,9 +84,19 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
         return 2
     configure_logging(args.log_level, settings.log_format)
     _open_files_to_the_hard_limit()
-    if settings.workers > 1 and sockets is None:
-        return workers.supervise(settings.workers, list(sys.argv[1:] if argv is None else argv), args.host,
-                                 args.port, functools.partial(workers.run_worker, main))
+    if sockets is None:  # not a worker: one process, or a parent placing workers on the devices
+        try:
+            placements = devices.place(settings.device, settings.workers, _model_bytes(settings))
+        except ValueError as exc:
+            print(f"invalid configuration:\n{exc}", file=sys.stderr)
+            return 2
+        if len(placements) > 1:
+            per_device = len(placements) // len({p.name for p in placements})
+            log.warning("CUDA MPS: %s", devices.ensure_mps([p.name for p in placements], per_device))
+            return workers.supervise(placements, list(sys.argv[1:] if argv is None else argv), args.host, args.port,
+                                     functools.partial(workers.run_worker, main))
+        if settings.workers == "auto":  # it came to one process
+            settings = settings.model_copy(update={"workers": 1})
     app = (app_factory or create_app)(settings)
     app.state.host = args.host  # the gRPC service listens on the HTTP server's host
     # JSON logs: uvicorn's loggers propagate to the root's JSON handler instead of configuring their own format
@@ -100,6 +110,12 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
         print(f"start-up failed: {service.load_error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _model_bytes(settings) -> int | None:
+    """The weights' bytes of the largest model served (WORKERS=auto fits the workers to the GPU memory)."""
+    sizes = [devices.model_bytes(spec.path) for _, spec in settings.served_models()]
+    return max((b for b in sizes if b), default=None)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fusedserve.server import workers
 from fusedserve.server.config import Settings
 from fusedserve.server.heap import LARGE_BODY_BYTES, HeapTrimmer
 from fusedserve.server.errors import ServiceError, ascii_int, error_response, service_error_response
@@ -261,6 +262,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         # the port opens now: /healthz answers, /readyz says what is loading, everything else 503 until ready
         service.start()
+        if workers.rejoining():  # a worker started again takes connections once ready: uvicorn listens after this
+            while not service.ready and service.load_error is None:
+                await asyncio.sleep(0.1)
         rpc = None
         if settings.grpc_port:  # in this event loop: its calls reach the service as the routes' do
             from fusedserve.server.kserve_grpc import KServeGrpc

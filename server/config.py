@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
                                TomlConfigSettingsSource, YamlConfigSettingsSource)
 
+from fusedserve.server.devices import PATTERN as DEVICE_PATTERN
+
 log = logging.getLogger("fusedserve")
 
 # max_batch_tokens on a CPU device unless set: a 2-core machine runs MiniLM at a few thousand tokens/s, so a batch of
@@ -66,9 +68,10 @@ class Settings(BaseSettings):
         "stop", description="a model that fails to load: `stop` ends the start (exit code 1, the error names the "
         "model); `skip` logs it, reports it failed (start-up report, /readyz, /info) and serves the others, requests "
         "naming it get 503 saying why. The start fails when no model loads")
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
-                        description="where the model runs; `auto`: CUDA when available, else the CPU; `cuda:N` picks "
-                        "a GPU")
+    device: str = Field("auto", pattern=DEVICE_PATTERN,
+                        description="where the models run: `cpu`; `cuda:N`, one GPU; `cuda:0,cuda:1`, those GPUs; "
+                        "`cuda`, every visible GPU; `auto`, every visible GPU, else the CPU. With several devices each "
+                        "gets `workers` server processes on the one port")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="compute dtype; `auto`: float32 on the CPU; on CUDA float16, bfloat16 for the decoder "
         "embedders (Qwen2 / Qwen3: their activations overflow float16)")
@@ -103,10 +106,12 @@ class Settings(BaseSettings):
     cache_dir: str = Field("", description="where compiled and tuned kernels are kept for the next start (Triton's "
                            "cache, the CUDA launch tuning, the backend races; keyed by GPU model, versions and kernel "
                            "sources; replicas may share it). Empty: ~/.cache/fusedserve (the GPU image: /cache)")
-    workers: int = Field(1, ge=1, description="server processes on one port (a socket each, over which the "
-                         "kernel spreads new connections), each with its own models on the same device (one process "
-                         "is host-bound long before a GPU is busy; run the CUDA MPS daemon so their kernels share the "
-                         "GPU); metrics are summed over the workers")
+    workers: int | Literal["auto"] = Field(
+        1, description="server processes per device on one port (a socket each, over which the kernel spreads new "
+        "connections), each with its own models (one process is host-bound long before a GPU is busy; run the CUDA "
+        "MPS daemon so the kernels of a GPU's workers share it); `auto`: one on the CPU, on a GPU as many as the "
+        "host's CPUs (2 each), its free memory and 4 allow, starting the MPS daemon where it can. A worker that "
+        "exits is started again; metrics are summed over the workers")
     max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)",
                                  json_schema_extra={"advanced": True})
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default; with "
@@ -194,6 +199,13 @@ class Settings(BaseSettings):
                     log.warning("setting %s (FUSEDSERVE_%s) was removed and is ignored: %s; it will be an error in "
                                 "the next release", key, key.upper(), why)
         return data
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, value):
+        if isinstance(value, int) and value < 1:
+            raise ValueError("workers must be at least 1, or 'auto'")
+        return value
 
     @field_validator("api_keys", "cors_allow_origins", mode="before")
     @classmethod

@@ -36,7 +36,8 @@ class Metrics:
     """The server's registry. Every family about a model's work carries a `model` label (its first); a request not
     routed to a model (a probe, an unknown model's 404) counts under model="". ModelMetrics is one model's view."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device  # this process's device, by the name the operator gave (server.devices)
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._refreshers: list[Callable[[], None]] = []
         self.registry = r = CollectorRegistry()
@@ -80,6 +81,15 @@ class Metrics:
                                  "failed to load", ["model"], registry=r, multiprocess_mode="min")
         self.device_memory = Gauge(PREFIX + "device_memory_bytes", "GPU memory held by the process (CUDA only)",
                                    ["kind"], registry=r, multiprocess_mode="livesum")
+        # per device: the workers on it, and the seconds its forwards took (every worker's summed: under CUDA MPS a
+        # GPU's workers overlap, so busy seconds can pass wall seconds; the rate against the worker count says how
+        # much of the time each one kept the device busy)
+        self.device_busy = Counter(PREFIX + "device_busy_seconds", "Seconds of forwards run on each device",
+                                   ["device"], registry=r)
+        self.device_workers = Gauge(PREFIX + "device_workers", "Server processes serving on each device", ["device"],
+                                    registry=r, multiprocess_mode="livesum")
+        self.device_busy.labels(device)
+        self.device_workers.labels(device).set(1)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         if self.multiprocess:
             self._graph_families = {
@@ -181,6 +191,29 @@ class _Labelled:
         return self.family.labels(self.model, *values)
 
 
+class _Forwards:
+    """forward_duration{model, path}; every forward it times is also busy time of the process's device."""
+
+    __slots__ = ("family", "model", "busy")
+
+    def __init__(self, family, model: str, busy) -> None:
+        self.family, self.model, self.busy = family, model, busy
+
+    def labels(self, path: str) -> _Forward:
+        return _Forward(self.family.labels(self.model, path), self.busy)
+
+
+class _Forward:
+    __slots__ = ("child", "busy")
+
+    def __init__(self, child, busy) -> None:
+        self.child, self.busy = child, busy
+
+    def observe(self, seconds: float) -> None:
+        self.child.observe(seconds)
+        self.busy.inc(seconds)
+
+
 class ModelMetrics:
     """One model's series: the attributes of Metrics that the batcher, the verifier and the model's service write,
     with model=<name> filled in (a family without further labels is its child; one with more is `_Labelled`)."""
@@ -194,7 +227,7 @@ class ModelMetrics:
         self.batch_tokens = metrics.batch_tokens.labels(model)
         self.batch_padding_ratio = metrics.batch_padding_ratio.labels(model)
         self.kernel_duration = _Labelled(metrics.kernel_duration, model)
-        self.forward_duration = _Labelled(metrics.forward_duration, model)
+        self.forward_duration = _Forwards(metrics.forward_duration, model, metrics.device_busy.labels(metrics.device))
         self.reference_checks = _Labelled(metrics.reference_checks, model)
         self.reference_max_abs_error = metrics.reference_max_abs_error.labels(model)
         self.reference_cosine_distance = metrics.reference_cosine_distance.labels(model)

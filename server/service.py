@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fusedserve.server import workers
+from fusedserve.server import devices, workers
 from fusedserve.server.config import Settings
 from fusedserve.server.errors import NotFound, Unavailable, Unprocessable, quoted
 from fusedserve.server.metrics import Metrics
@@ -42,7 +42,8 @@ def _process_age_s() -> float | None:
 class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.metrics = Metrics()
+        self.device = workers.device_name(devices.devices(settings.device)[0])  # a worker's, or the one device
+        self.metrics = Metrics(self.device)
         # set once each (loaded, then draining) and read from the event loop, the signal handler and the drain
         # timer: Events, so no reader depends on when another thread's write becomes visible
         self._ready = threading.Event()
@@ -293,7 +294,8 @@ class Service:
                        "tolerance": s.verify_tolerance},
             "model_load_failure": s.model_load_failure,
             # the process that answered, of how many, and its threads (intra-op; the tokenizer's, where sized)
-            "worker": {"pid": os.getpid(), "workers": s.workers, "torch_threads": torch.get_num_threads(),
+            "worker": {"pid": os.getpid(), "workers": s.workers, "device": self.device,
+                       "index": int(os.environ.get(workers.INDEX_ENV, "0")), "torch_threads": torch.get_num_threads(),
                        "tokenizer_threads": int(os.environ.get("RAYON_NUM_THREADS", "0")) or None},
             "models": entries,
         }

@@ -1,25 +1,30 @@
-"""WORKERS=N: N server processes on one port, each with its own listening socket and its own models on the same
-device.
+"""Several server processes on one port: WORKERS per device, on each device of DEVICE (server.devices), each with
+its own listening socket and its own models on its one device.
 
 One Python process is host-bound long before an H200 is busy (its event loop parses, tokenizes and answers every
-request), so the throughput of one GPU comes from several processes feeding it, as replicas under CUDA MPS did by
-hand. The parent binds one socket per worker on the port (SO_REUSEPORT) and spawns the workers (spawn, not fork:
-CUDA must not be initialized in a forked child); the kernel spreads new connections over the sockets by a hash of
-each. With one shared socket a worker that woke accepted every connection waiting (asyncio takes the whole backlog at
-once), and keep-alive clients stay where they land: 64 clients landed 49/13/2/0 on 4 workers, and the busiest worker
-capped the throughput of all. With the CUDA MPS daemon running (docs/operations.md) their kernels share the GPU
-concurrently instead of time-slicing.
+request), so the throughput of one GPU comes from several processes feeding it, and a node's GPUs from processes
+placed on each. The parent binds one socket per worker on the port (SO_REUSEPORT) and spawns the workers (spawn, not
+fork: CUDA must not be initialized in a forked child); the kernel spreads new connections over the sockets by a hash
+of each. With one shared socket a worker that woke accepted every connection waiting (asyncio takes the whole backlog
+at once), and keep-alive clients stay where they land: 64 clients landed 49/13/2/0 on 4 workers, and the busiest
+worker capped the throughput of all. With the CUDA MPS daemon running (docs/operations.md) the kernels of one GPU's
+workers share it concurrently instead of time-slicing.
 
 - Start: on a GPU the first worker loads alone and fills the kernel cache (compiles, autotuning, races); the others
-  load once it is ready, from the cache. On the CPU, where nothing is compiled or raced, they all load at once.
-- Readiness: a worker answers /readyz 200 only once every worker is ready (each marks itself in the shared state
-  directory), so a probe never sees a pod ready whose next connection lands on a worker still loading.
+  load once it is ready, from the cache. On the CPU, where nothing is compiled or raced, they all load at once. The
+  parent closes its copy of each socket once the worker holding it runs, so a worker's socket dies with it.
+- Readiness: a worker answers /readyz 200 only once every worker the server counts is ready (each marks itself in
+  the shared state directory; the parent keeps the count in `expected`), so a probe never sees a pod ready whose
+  next connection lands on a worker still loading.
 - Metrics: prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, one directory per start): any worker's
   /metrics answers for all of them, counters and histograms summed, gauges as each declares (server.metrics). The
   alternative, a `worker` label per process, would leave each scrape with one worker's numbers.
-- Failure: a worker that exits stops the others and the parent exits non-zero (the failing worker's code, 1 for a
-  model that failed to load); the orchestrator restarts the pod (a half-serving pod with a dead worker would be
-  slower than it reports).
+- Failure (docs/decisions/0022-workers-that-fail.md): a worker that exits after it was ready is started again while
+  the others keep serving. Its socket closed with it, so new connections go to the others; the new worker binds a
+  socket that listens only once its models are ready, and the server stays ready meanwhile (it no longer counts that
+  worker). A worker that fails before it was ready, at the start or three times in a row after one, takes its device
+  out: that device's other workers stop, with a log line naming the device and the exit code, and the server serves
+  from the rest. With no device left the parent exits with the failure's code (1 for a model that failed to load).
 - Signals: SIGTERM or SIGINT on the parent sends SIGTERM to every worker (each in its own process group, so it gets
   one signal, not the terminal's too), and each drains as a single server does.
 - The admin fused switch answers 409: a request reaches one worker of several.
@@ -35,18 +40,38 @@ import signal
 import socket
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client import multiprocess
+
+from fusedserve.server.devices import Placement, usable_cpus
 
 log = logging.getLogger("fusedserve")
 
 STATE_ENV = "FUSEDSERVE_WORKERS_STATE"  # the shared state directory, set by the parent for its workers
 INDEX_ENV = "FUSEDSERVE_WORKER_INDEX"  # this worker's number, 0 for the first
+DEVICE_ENV = "FUSEDSERVE_WORKER_DEVICE"  # the device this worker was placed on, as /info and the metrics name it
+REJOIN_ENV = "FUSEDSERVE_WORKER_REJOIN"  # set for a worker started again: it listens only once ready
+
+FAILED_STARTS = 3  # a restarted worker failing this many starts in a row takes its device out
+RESTART_DELAY_S = (0.5, 2.0, 5.0)  # before the first, second and later restarts in a row
 
 
 def state_dir() -> Path | None:
     """The workers' shared directory, or None in a single-process server."""
     value = os.environ.get(STATE_ENV)
     return Path(value) if value else None
+
+
+def device_name(default: str) -> str:
+    """The device this process serves on, by the name the operator gave (`default`: a single server's setting)."""
+    return os.environ.get(DEVICE_ENV, default)
+
+
+def rejoining() -> bool:
+    """This worker replaces one that exited: it must not take connections until its models are ready."""
+    return os.environ.get(REJOIN_ENV) == "1"
 
 
 def mark_ready() -> None:
@@ -60,32 +85,37 @@ def wait_for_the_first() -> None:
     """Workers after the first wait until it is ready before they load: the first compiles, tunes and races the
     kernels into the cache directory, and the others then take all of it from there in seconds, instead of every
     worker autotuning and timing races on one GPU beside the others' start-up work (noisy races could make workers
-    choose different backends). No-op in a single-process server and in the first worker."""
+    choose different backends). No-op in a single-process server, in the first worker, and in a restarted one."""
     directory = state_dir()
-    if directory is None or os.environ.get(INDEX_ENV, "0") == "0":
+    if directory is None or os.environ.get(INDEX_ENV, "0") == "0" or rejoining():
         return
     log.warning("worker %s: waiting for the first worker to be ready (it fills the kernel cache)",
                 os.environ[INDEX_ENV])
-    while not any(directory.glob("ready-*")):
+    while not any(directory.glob("ready-*")) and not (directory / "first-failed").exists():
         time.sleep(0.2)
 
 
 def all_ready() -> bool:
-    """Every worker of this server is ready (True in a single-process server: the caller checks its own state)."""
+    """Every worker the server counts is ready (True in a single-process server: the caller checks its own state)."""
     directory = state_dir()
     if directory is None:
         return True
-    return len(list(directory.glob("ready-*"))) >= int(os.environ.get("FUSEDSERVE_WORKERS", "1"))
+    try:
+        expected = int((directory / "expected").read_text())
+    except (OSError, ValueError):  # being rewritten: the count the server started with
+        expected = int(os.environ.get("FUSEDSERVE_WORKERS", "1"))
+    return len(list(directory.glob("ready-*"))) >= expected
 
 
-def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+def bind(host: str, port: int, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    if listen:  # a socket that does not listen yet takes no connections; its server listens on it when it starts
+        sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
@@ -99,68 +129,197 @@ def bind_each(host: str, port: int, count: int) -> list[socket.socket]:
     return [first, *(bind(host, first.getsockname()[1], reuse_port=True) for _ in range(count - 1))]
 
 
-def supervise(count: int, argv: list[str], host: str, port: int, target) -> int:
-    """Bind host:port, run `target(argv, sock, index)` in `count` spawned processes, and wait: the first worker to exit
-    stops the others. Returns 0 when a signal stopped them and each ended cleanly; else the first failure's code
-    (1 for a worker killed by a signal nobody sent through the parent)."""
-    state = Path(tempfile.mkdtemp(prefix="fusedserve-workers-"))
-    (state / "metrics").mkdir()
-    os.environ.update({STATE_ENV: str(state), "FUSEDSERVE_WORKERS": str(count),
-                       "PROMETHEUS_MULTIPROC_DIR": str(state / "metrics")})
-    sockets = bind_each(host, port, count)
-    context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=target, args=(argv, sock, i), name=f"fusedserve-worker-{i}", daemon=False)
-               for i, sock in enumerate(sockets)]
-    signalled = False
+@dataclass
+class _Slot:
+    """One worker's place: its device, and the process holding it now."""
 
-    def stop_all() -> None:  # SIGTERM whatever the parent got: each worker drains as a single server does
-        for worker in workers:
-            if worker.pid is not None and worker.is_alive():
-                os.kill(worker.pid, signal.SIGTERM)
+    index: int
+    placement: Placement
+    sock: socket.socket | None
+    process: multiprocessing.process.BaseProcess | None = None
+    ready: bool = False  # this slot's current process has been seen ready
+    counted: bool = True  # `expected` counts this slot (not while a restarted worker loads)
+    failed_starts: int = 0  # in a row, of restarted workers
+    restart_at: float | None = None  # monotonic time of a pending restart
+    handed_over: bool = False  # the worker runs: the parent's copy of its socket is closed
+    history: list[str] = field(default_factory=list)
+
+
+class _Supervisor:
+    def __init__(self, placements: list[Placement], argv: list[str], host: str, port: int, target) -> None:
+        self.argv, self.host, self.target = argv, host, target
+        self.state = Path(tempfile.mkdtemp(prefix="fusedserve-workers-"))
+        (self.state / "metrics").mkdir()
+        os.environ.update({STATE_ENV: str(self.state), "FUSEDSERVE_WORKERS": str(len(placements)),
+                           "PROMETHEUS_MULTIPROC_DIR": str(self.state / "metrics")})
+        sockets = bind_each(host, port, len(placements))
+        self.port = sockets[0].getsockname()[1]
+        self.shared_socket = len(set(sockets)) == 1
+        self.slots = [_Slot(i, p, sock) for i, (p, sock) in enumerate(zip(placements, sockets))]
+        self.context = multiprocessing.get_context("spawn")
+        self.left_out: dict[str, int] = {}  # device -> the exit code that took it out
+        self.first_failure: int | None = None
+        self._write_expected()
+
+    def _write_expected(self) -> None:
+        tmp = self.state / "expected.tmp"
+        tmp.write_text(str(sum(s.counted for s in self.slots)))
+        tmp.replace(self.state / "expected")
+
+    def spawn(self, slot: _Slot, rejoin: bool = False) -> None:
+        slot.process = self.context.Process(
+            target=self.target, args=(self.argv, slot.sock, slot.index, slot.placement, rejoin),
+            name=f"fusedserve-worker-{slot.index}", daemon=False)
+        slot.process.start()
+        slot.ready, slot.handed_over = False, False
+
+    def live(self) -> list[_Slot]:
+        return [s for s in self.slots if s.process is not None and s.process.is_alive()]
+
+    def stop_all(self) -> None:  # SIGTERM whatever the parent got: each worker drains as a single server does
+        for slot in self.slots:
+            if slot.process is not None and slot.process.pid is not None and slot.process.is_alive():
+                os.kill(slot.process.pid, signal.SIGTERM)
+
+    def watch(self) -> None:
+        """One look at every worker: ready ones marked, exited ones started again or their device left out."""
+        now = time.monotonic()
+        for slot in self.slots:
+            p = slot.process
+            if p is None:
+                if slot.restart_at is not None and now >= slot.restart_at:
+                    self._restart(slot)
+                continue
+            if not slot.handed_over and (self.state / f"started-{p.pid}").exists() and not self.shared_socket:
+                slot.sock.close()  # the worker holds its own copy: the socket now dies with the worker
+                slot.handed_over = True
+            if p.is_alive():
+                if not slot.ready and (self.state / f"ready-{p.pid}").exists():
+                    slot.ready, slot.failed_starts = True, 0
+                    if not slot.counted:
+                        log.warning("worker %d on %s (pid %d) is ready again", slot.index, slot.placement.name, p.pid)
+                        slot.counted = True
+                        self._write_expected()
+                continue
+            self._exited(slot, p)
+
+    def _exited(self, slot: _Slot, p) -> None:
+        code, was_ready, device = p.exitcode, slot.ready, slot.placement.name
+        (self.state / f"ready-{p.pid}").unlink(missing_ok=True)
+        multiprocess.mark_process_dead(p.pid, str(self.state / "metrics"))  # its live gauges no longer count
+        if not slot.handed_over and not self.shared_socket:
+            slot.sock.close()
+        slot.process, slot.ready, slot.counted = None, False, False
+        if not self.shared_socket:
+            slot.sock = None
+        self._write_expected()
+        if was_ready:
+            log.critical("worker %d on %s (pid %d) exited with %s; starting it again, the other workers keep serving",
+                         slot.index, device, p.pid, code)
+            slot.failed_starts = 0
+            slot.restart_at = time.monotonic() + RESTART_DELAY_S[0]
+            return
+        restarted = slot.history.count("restart") > 0
+        slot.failed_starts += 1
+        if restarted and slot.failed_starts < FAILED_STARTS:
+            delay = RESTART_DELAY_S[min(slot.failed_starts, len(RESTART_DELAY_S) - 1)]
+            log.critical("worker %d on %s (pid %d) failed to start again (exit code %s); trying again in %.1fs",
+                         slot.index, device, p.pid, code, delay)
+            slot.restart_at = time.monotonic() + delay
+            return
+        self._leave_out(device, code, slot)
+
+    def _leave_out(self, device: str, code: int | None, slot: _Slot) -> None:
+        if device in self.left_out:
+            return
+        self.left_out[device] = code if code and code > 0 else 1
+        if self.first_failure is None:
+            self.first_failure = self.left_out[device]
+        if slot.index == 0:  # the workers waiting for the first one to fill the kernel cache need not wait
+            (self.state / "first-failed").touch()
+        others = [s for s in self.slots if s.placement.name == device and s is not slot]
+        log.critical("device %s left out: worker %d failed to start (exit code %s; its log lines above say why)%s",
+                     device, slot.index, code, f"; stopping its {len(others)} other workers" if others else "")
+        for s in [slot, *others]:
+            s.restart_at, s.counted = None, False
+            if s.process is not None and s.process.is_alive():
+                os.kill(s.process.pid, signal.SIGTERM)
+            s.history.append("left out")
+        self._write_expected()
+
+    def _restart(self, slot: _Slot) -> None:
+        slot.restart_at = None
+        slot.history.append("restart")
+        # bound now, listening only once the new worker is ready (REJOIN_ENV): until then the others take its share
+        if not self.shared_socket:
+            slot.sock = bind(self.host, self.port, reuse_port=True, listen=False)
+        self.spawn(slot, rejoin=True)
+        log.warning("worker %d on %s started again (pid %d)", slot.index, slot.placement.name, slot.process.pid)
+
+    def serving(self) -> bool:
+        """Some device still has a worker running or coming back."""
+        return any(s.process is not None or s.restart_at is not None for s in self.slots
+                   if s.placement.name not in self.left_out)
+
+    def close(self) -> None:
+        for slot in self.slots:
+            if slot.sock is not None and not slot.handed_over:
+                slot.sock.close()
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
+def supervise(placements: list[Placement], argv: list[str], host: str, port: int, target) -> int:
+    """Bind host:port, run `target(argv, sock, index, placement, rejoin)` for each placement in a spawned process,
+    and keep them running (the module's docstring says how). Returns 0 when a signal stopped them and each ended
+    cleanly; else the first failure's code, once no device is left."""
+    sup = _Supervisor(placements, argv, host, port, target)
+    signalled = False
 
     def on_signal(signum, frame) -> None:
         nonlocal signalled
         signalled = True
-        stop_all()
+        sup.stop_all()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for worker in workers:
+        for slot in sup.slots:
             if signalled:
                 break
-            worker.start()
-        started = [w for w in workers if w.pid is not None]
-        log.warning("%d workers on http://%s:%d (pids %s)", len(started), host, port,
-                    " ".join(str(w.pid) for w in started))
-        while not signalled and all(worker.is_alive() for worker in started):
-            time.sleep(0.2)
-        first = next((w for w in started if not w.is_alive()), None)
-        unexpected = not signalled and first is not None
-        if unexpected:
-            log.critical("worker %s (pid %d) exited with %s; stopping the others", first.name, first.pid,
-                         first.exitcode)
-        stop_all()
-        for worker in started:
-            worker.join()
-        if unexpected:
-            return first.exitcode if first.exitcode and first.exitcode > 0 else 1
+            sup.spawn(slot)
+        started = [s for s in sup.slots if s.process is not None]
+        devices = sorted({s.placement.name for s in started})
+        log.warning("%d workers on http://%s:%d, on %s (pids %s)", len(started), host, sup.port, ", ".join(devices),
+                    " ".join(str(s.process.pid) for s in started))
+        while not signalled and sup.serving():
+            sup.watch()
+            time.sleep(0.1)
+        sup.stop_all()
+        ended = [s.process for s in sup.slots if s.process is not None]
+        for process in ended:
+            process.join()
+        if not signalled:
+            log.critical("no device left to serve on (%s); stopping", ", ".join(
+                f"{d}: exit code {c}" for d, c in sup.left_out.items()))
+            return sup.first_failure or 1
         # after the parent's SIGTERM a worker ends by it (uvicorn re-raises the signal once it has shut down)
-        failed = [w.exitcode for w in started if w.exitcode not in (0, -signal.SIGTERM)]
+        failed = [p.exitcode for p in ended if p.exitcode not in (0, -signal.SIGTERM)]
         return next((code for code in failed if code > 0), 1) if failed else 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for sock in set(sockets):
-            sock.close()
-        shutil.rmtree(state, ignore_errors=True)
+        sup.close()
 
 
-def run_worker(main, argv: list[str], sock: socket.socket, index: int) -> None:
+def run_worker(main, argv: list[str], sock: socket.socket, index: int, placement: Placement, rejoin: bool) -> None:
     """A worker process: `main(argv, sockets=[sock])` (the same start as `fusedserve serve`, on the parent's socket;
-    the serve command hands its own main in, so this module never imports it). In a process group of its own, so a
-    terminal's Ctrl-C or a service manager's group-wide signal reaches it once, through the parent."""
+    the serve command hands its own main in, so this module never imports it), its models on `placement`. In a
+    process group of its own, so a terminal's Ctrl-C or a service manager's group-wide signal reaches it once,
+    through the parent."""
     os.setpgrp()
-    os.environ[INDEX_ENV] = str(index)
+    os.environ.update({INDEX_ENV: str(index), DEVICE_ENV: placement.name, "FUSEDSERVE_DEVICE": placement.runs_on})
+    if rejoin:
+        os.environ[REJOIN_ENV] = "1"
+    (state_dir() / f"started-{os.getpid()}").touch()  # the socket arrived: the parent may close its copy
     raise SystemExit(main(argv, sockets=[sock]))
 
 
@@ -171,15 +330,4 @@ def threads_per_worker(workers: int) -> int:
     docs/performance.md)."""
     if workers <= 1 or os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS"):
         return 0
-    return max(1, _usable_cpus() // workers)
-
-
-def _usable_cpus() -> int:
-    """This process's CPU affinity, capped by a cgroup v2 CPU quota (a container's limit, where the affinity still
-    lists every core of the node)."""
-    cpus = len(os.sched_getaffinity(0))
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]  # "max 100000" or "200000 100000"
-        return cpus if quota == "max" else min(cpus, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        return cpus
+    return max(1, usable_cpus() // workers)

@@ -69,7 +69,7 @@ def validate(docs: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-shared"])
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "gpu-shared", "gpu-node"])
 def test_overlays_render_and_validate_strictly(overlay, tmp_path):
     docs = render(overlay)
     kinds = {d["kind"] for d in docs}

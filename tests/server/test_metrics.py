@@ -87,9 +87,12 @@ def test_every_family_with_sensible_values(busy_server):
     assert s[f"fusedserve_cuda_graph_replays_total{{{m}}}"] == 0
     assert s[f"fusedserve_cuda_graph_eager_fallbacks_total{{{m}}}"] == 0
     # every series of a model's work says which model: only the requests no model was chosen for have none
+    # the device's series are the process's, as the device memory is
     unlabelled = {k for k in s if k.startswith("fusedserve_") and "model=" not in k
-                  and not k.startswith("fusedserve_device_memory")}
+                  and not k.startswith("fusedserve_device_")}
     assert not unlabelled, unlabelled
+    assert s['fusedserve_device_workers{device="cpu"}'] == 1
+    assert 0 < s['fusedserve_device_busy_seconds_total{device="cpu"}']
 
 
 # promtool and prometheus come with the Debian package prometheus; CI installs it and sets

@@ -79,14 +79,14 @@ def _answered(metrics: str) -> float:
 def test_workers_share_out_the_cores_unless_torch_threads_is_set(monkeypatch, tmp_path):
     """Without TORCH_THREADS each of N workers takes cores / N intra-op threads (at least one), the cores being the
     affinity capped by a cgroup CPU quota; one worker, or an operator's OMP_NUM_THREADS, keeps torch's default (0)."""
-    from fusedserve.server import workers
+    from fusedserve.server import devices, workers
 
-    monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     quota = tmp_path / "cpu.max"
-    real_path = workers.Path
-    monkeypatch.setattr(workers, "Path", lambda p: quota if p == "/sys/fs/cgroup/cpu.max" else real_path(p))
+    real_path = devices.Path
+    monkeypatch.setattr(devices, "Path", lambda p: quota if p == "/sys/fs/cgroup/cpu.max" else real_path(p))
     quota.write_text("max 100000\n")
     assert [workers.threads_per_worker(n) for n in (1, 2, 3, 4, 16, 32)] == [0, 8, 5, 4, 1, 1]
     quota.write_text("400000 100000\n")  # a pod limited to four CPUs on a 16-core node

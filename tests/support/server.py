@@ -4,11 +4,16 @@ the batcher's thread between batches, exactly as the product changes its path.
 
 POST /admin/faults {"op", "mode", "factor", "model"}: make the op of the model (absent: the first) raise, scale its
 output by `factor`, emit NaN, stall `factor` seconds per call, or run out of memory on inputs of more than `factor`
-rows. DELETE /admin/faults: every model back to its selection from before its first fault."""
+rows. DELETE /admin/faults: every model back to its selection from before its first fault.
+
+Fake GPUs on a machine without one, for the workers' placement: TEST_FAKE_GPUS="cuda:0,cuda:1" makes those the
+visible GPUs; each runs its workers on the CPU under its own name, except those in TEST_BROKEN_GPUS, whose workers
+ask torch for that CUDA device and fail their start as a broken GPU would."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from functools import partial
@@ -18,6 +23,7 @@ import torch
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
+from fusedserve.server import devices
 from fusedserve.server.__main__ import main
 from fusedserve.server.app import create_app
 from fusedserve.server.deps import ServiceDep
@@ -92,5 +98,15 @@ def create_test_app(settings):
     return app
 
 
+def _fake_gpus() -> None:
+    fake = [g for g in os.environ.get("TEST_FAKE_GPUS", "").split(",") if g]
+    if not fake:
+        return
+    broken = set(os.environ.get("TEST_BROKEN_GPUS", "").split(","))
+    devices.visible_gpus = lambda: list(fake)
+    devices.runs_on = lambda name: name if name in broken else "cpu"
+
+
 if __name__ == "__main__":
+    _fake_gpus()
     sys.exit(main(app_factory=create_test_app))
