@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
 
     from pydantic import ValidationError
 
-    from fusedserve.server.app import create_app
     from fusedserve.server.config import Settings
     from fusedserve.server.observability import configure_logging
     from fusedserve.server.protocol import guarded
@@ -97,6 +96,9 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
                                      functools.partial(workers.run_worker, main))
         if settings.workers == "auto":  # it came to one process
             settings = settings.model_copy(update={"workers": 1})
+    # the app's imports (torch, the model package) only where it runs: a parent of workers starts them sooner
+    from fusedserve.server.app import create_app
+
     app = (app_factory or create_app)(settings)
     app.state.host = args.host  # the gRPC service listens on the HTTP server's host
     # JSON logs: uvicorn's loggers propagate to the root's JSON handler instead of configuring their own format
