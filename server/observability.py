@@ -12,6 +12,7 @@ was delivered), and `x-request-id` (the client's, or a new one)."""
 from __future__ import annotations
 
 import contextvars
+import itertools
 import json
 import logging
 import math
@@ -29,8 +30,14 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
 TIMING_HEADERS = ("x-request-id", "x-total-time", "x-tokenization-time", "x-queue-time", "x-inference-time")
 
 
+# A new id: this process's random prefix and a counter, unique without a call per request that lets go of the GIL
+# (uuid4 reads os.urandom, and the event loop could then wait for a busy batcher thread's switch interval)
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_ID_COUNTER = itertools.count()
+
+
 def request_id(given: str | None) -> str:
-    return given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
+    return given if given and _REQUEST_ID.match(given) else f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 @dataclass
