@@ -31,9 +31,9 @@ from pathlib import Path
 import httpx
 
 from bench import results as store
-from bench.harness import (CURRENT, SAME_MODEL_MIN_COSINE, ClientProcesses, client_shares, extra_settings, log_path,
-                           merge_runs, min_cosine, one_connection_session, percentiles_ms, running_servers, sentences,
-                           traffic, tree_launch)
+from bench.harness import (CURRENT, SAME_MODEL_MIN_COSINE, ClientProcesses, client_shares, extra_settings, free_port,
+                           log_path, merge_runs, min_cosine, one_connection_session, percentiles_ms, running_servers,
+                           sentences, traffic, tree_launch)
 
 ROUTE = "/v1/embeddings"
 POINT_METRICS = ("requests_per_s", "texts_per_s", "tokens_per_s", "p50_ms", "p99_ms")
@@ -58,6 +58,9 @@ def point_name(clients: int, per_request: int) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--openai-points", type=point, nargs="+", default=[(1, 1), (64, 1), (64, 16)],
                         metavar="CLIENTSxTEXTS", help="openai-load: clients x texts a request, one point each")
+    parser.add_argument("--grpc-points", type=point, nargs="*", default=[], metavar="CLIENTSxTEXTS",
+                        help="openai-load: the same texts through this tree's KServe v2 gRPC service (ModelInfer, "
+                             "BYTES in, raw FP32 out), beside the HTTP points; tokens are not reported by gRPC")
     parser.add_argument("--warm-seconds", type=float, default=2.0,
                         help="openai-load: seconds of each point's load before its measured --seconds")
     parser.add_argument("--baseline", metavar="DIR",
@@ -83,7 +86,8 @@ def server_settings(args: argparse.Namespace) -> dict[str, str]:
 
 def settings(args: argparse.Namespace) -> dict:
     """What the results block records as this scenario's settings."""
-    return {"points": [point_name(*p) for p in args.openai_points], "route": ROUTE, "encoding_format": "float",
+    return {"points": [point_name(*p) for p in args.openai_points],
+            "grpc_points": [point_name(*p) for p in args.grpc_points], "route": ROUTE, "encoding_format": "float",
             "warm_seconds": args.warm_seconds, "starts": starts(args), "baseline": args.baseline,
             "server": server_settings(args), "corpus_words": [min(5, args.max_words), args.max_words],
             "bounds": {"max_throughput_loss": args.max_throughput_loss,
@@ -135,16 +139,61 @@ async def openai_clients(url: str, texts: list[str], clients: int, seconds: floa
     return {"latencies": latencies, "errors": errors, "elapsed": time.monotonic() - started, "tokens": tokens}
 
 
+async def grpc_clients(target: str, texts: list[str], clients: int, seconds: float, per_request: int,
+                       seed: int) -> dict:
+    """As openai_clients, over gRPC: `clients` channels to `target` (host:port), each sending its next ModelInfer
+    (`per_request` texts, raw BYTES) when the last is answered. An answer counts when it holds one vector per text."""
+    import grpc
+
+    from fusedserve.server.kserve_grpc import SERVICE, _message
+
+    request_type, response_type = _message("ModelInferRequest"), _message("ModelInferResponse")
+    latencies: list[float] = []
+    errors = 0
+    rng = random.Random(seed)
+    stop = time.monotonic() + seconds
+    encoded = [t.encode() for t in texts]
+
+    async def client_loop() -> None:
+        nonlocal errors
+        async with grpc.aio.insecure_channel(target) as channel:
+            infer = channel.unary_unary(f"/{SERVICE}/ModelInfer", request_serializer=request_type.SerializeToString,
+                                        response_deserializer=response_type.FromString)
+            while time.monotonic() < stop:
+                picked = [encoded[rng.randrange(len(encoded))] for _ in range(per_request)]
+                request = request_type(model_name="")
+                request.inputs.add(name="text", datatype="BYTES", shape=[per_request])
+                request.raw_input_contents.append(b"".join(len(b).to_bytes(4, "little") + b for b in picked))
+                t = time.perf_counter()
+                try:
+                    response = await infer(request, timeout=120)
+                except grpc.aio.AioRpcError as exc:
+                    errors += 1
+                    print(f"client error: {exc.code()}: {exc.details()}", file=sys.stderr)
+                    await asyncio.sleep(0.1)
+                    continue
+                elapsed = time.perf_counter() - t
+                if list(response.outputs[0].shape)[:1] != [per_request]:
+                    errors += 1
+                    continue
+                latencies.append(elapsed)
+
+    started = time.monotonic()
+    await asyncio.gather(*(client_loop() for _ in range(clients)))
+    return {"latencies": latencies, "errors": errors, "elapsed": time.monotonic() - started, "tokens": 0}
+
+
 def run_point(pool: ClientProcesses, url: str, texts: list[str], clients: int, per_request: int,
-              seconds: float) -> dict:
+              seconds: float, clients_fn=openai_clients) -> dict:
     """One closed-loop run of `clients` over the pool's processes, all started together."""
     jobs = [(url, texts, n, seconds, per_request, 1 + i) for i, n in enumerate(client_shares(clients, len(pool)))]
-    return merge_runs(pool.run(openai_clients, jobs, timeout_s=seconds + 300))
+    return merge_runs(pool.run(clients_fn, jobs, timeout_s=seconds + 300))
 
 
-def point_row(run: dict, clients: int, per_request: int, **labels) -> dict:
+def point_row(run: dict, clients: int, per_request: int, prefix: str = "", **labels) -> dict:
     latencies, elapsed = run["latencies"], run["elapsed"]
-    return {**labels, "point": point_name(clients, per_request), "clients": clients, "per_request": per_request,
+    return {**labels, "point": prefix + point_name(clients, per_request), "clients": clients,
+            "per_request": per_request,
             "requests": len(latencies), "errors": run["errors"], "seconds": elapsed,
             "requests_per_s": len(latencies) / elapsed, "texts_per_s": len(latencies) * per_request / elapsed,
             "tokens_per_s": run["tokens"] / elapsed, **percentiles_ms(latencies)}
@@ -239,8 +288,10 @@ def openai_load_scenario(args: argparse.Namespace, save) -> None:
     vectors: dict[str, list] = {}
     with ClientProcesses(max(1, args.client_processes)) as pool:
         for start, tree in start_order(list(launches), starts(args)):
+            grpc_port = str(free_port()) if tree == "current" and args.grpc_points else None
             with running_servers(1, log_path(args, f"openai-load-{tree}-{start + 1}"), launch=launches[tree],
-                                 **server_settings(args)) as servers:
+                                 **server_settings(args), **({"grpc_port": grpc_port} if grpc_port else {})) \
+                    as servers:
                 url = servers[0][1]
                 if tree not in vectors:
                     vectors[tree] = check_vectors(url, check)
@@ -255,6 +306,14 @@ def openai_load_scenario(args: argparse.Namespace, save) -> None:
                         run_point(pool, url, texts, clients, per_request, args.warm_seconds)
                     run = run_point(pool, url, texts, clients, per_request, args.seconds)
                     rows.append(point_row(run, clients, per_request, tree=tree, start=start))
+                    _say(rows[-1])
+                    save(rows, summary, False)
+                for clients, per_request in args.grpc_points if grpc_port else ():
+                    target = f"127.0.0.1:{grpc_port}"
+                    if args.warm_seconds > 0:
+                        run_point(pool, target, texts, clients, per_request, args.warm_seconds, grpc_clients)
+                    run = run_point(pool, target, texts, clients, per_request, args.seconds, grpc_clients)
+                    rows.append(point_row(run, clients, per_request, "grpc-", tree=tree, start=start))
                     _say(rows[-1])
                     save(rows, summary, False)
     summary["medians"] = medians(rows)

@@ -88,7 +88,8 @@ def test_openai_load_against_real_servers(tmp_path):
     texts, max_words = 24, 12
     assert main(["serve", "openai-load", "--device", "cpu", "--model", "tiny", "--setting", "torch_threads=1",
                  "--setting", "backend=torch", "--seconds", "1", "--warm-seconds", "0.3", "--texts", str(texts),
-                 "--max-words", str(max_words), "--openai-points", "1x1", "3x2", "--client-processes", "2",
+                 "--max-words", str(max_words), "--openai-points", "1x1", "3x2", "--grpc-points", "2x2",
+                 "--client-processes", "2",
                  "--baseline", str(baseline), "--starts", "2", "--log-dir", str(tmp_path), "--out", str(out)]) == 0
     doc = store.load(out)
     assert store.validate(doc) == [] and list(doc["scenarios"]) == ["openai-load"]
@@ -96,9 +97,10 @@ def test_openai_load_against_real_servers(tmp_path):
     assert block["complete"] and block["settings"]["points"] == ["1x1", "3x2"]
     assert "per_request" not in block["settings"]  # the points say it
     rows, summary = block["results"], block["summary"]
+    # gRPC on this tree's server only (the older tree may have none), after its HTTP points
     assert [(r["tree"], r["start"], r["point"]) for r in rows] == [
         (tree, start, point) for start, tree in ((0, "baseline"), (0, "current"), (1, "current"), (1, "baseline"))
-        for point in ("1x1", "3x2")]
+        for point in ("1x1", "3x2", *(("grpc-2x2",) if tree == "current" else ()))]
     # the baseline's rows came from its own starts: two, each from its root with its folder first on the path
     starts = (baseline / "starts.txt").read_text().splitlines()
     assert starts == [f"{baseline.resolve()}|{baseline.resolve()}"] * 2
@@ -112,6 +114,9 @@ def test_openai_load_against_real_servers(tmp_path):
         assert r["errors"] == 0 and r["requests"] > 0 and r["p50_ms"] <= r["p99_ms"]
         answered = r["requests"] * r["per_request"]
         assert r["texts_per_s"] * r["seconds"] == pytest.approx(answered)
+        if r["point"].startswith("grpc-"):  # no usage in a gRPC answer
+            assert r["tokens_per_s"] == 0
+            continue
         # tokens: each answer's usage, so between the corpus's shortest and longest text for every text answered
         assert min(counts) * answered <= round(r["tokens_per_s"] * r["seconds"]) <= max(counts) * answered
     for tree in ("baseline", "current"):
