@@ -74,7 +74,7 @@ baseline() {  # a command of the older tree's own, from its root with its packag
   (cd "$BASELINE" && PYTHONPATH=$BASELINE:$PYTHONPATH FUSEDSERVE_BENCH_SOURCE=$BASELINE/source.json "$@")
 }
 need_baseline() {
-  [ -f "$BASELINE/server/__main__.py" ] && return
+  [ -f "$BASELINE/fusedserve/server/__main__.py" ] && return
   echo "no older tree in $BASELINE: python -m bench.gpu_assets --baseline COMMIT (here), and carry .gpu-assets" >&2
   exit 2
 }
@@ -265,7 +265,7 @@ sys.path.append('$repo/tests/model'); import checkpoints; checkpoints.qwen(Path(
   compare)
     need_baseline
     build
-    baseline python3 -m kernels.cuda.build 2>&1 | tail -1
+    baseline python3 -m fusedserve.kernels.cuda.build 2>&1 | tail -1
     # each tree's server started 3 times, alternating; every point 2 s of warm-up and 8 s measured
     timeout 400 python3 -m bench serve openai-load --baseline "$BASELINE" --model "$MODEL" --seconds 8 \
       --warm-seconds 2 --log-dir "$OUT" ${extra[@]+"${extra[@]}"} 2>&1 | tee "$OUT/compare.log" \
@@ -276,7 +276,7 @@ sys.path.append('$repo/tests/model'); import checkpoints; checkpoints.qwen(Path(
   compare-encoder)
     need_baseline
     build
-    baseline python3 -m kernels.cuda.build 2>&1 | tail -1
+    baseline python3 -m fusedserve.kernels.cuda.build 2>&1 | tail -1
     encoder_compare 270 ${extra[@]+"${extra[@]}"}
     ;;
   *)

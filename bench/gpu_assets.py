@@ -14,7 +14,7 @@
   folder with the other carried wheels. It is built from a copy of the tree's package folders (no stale build/ files)
   and must be rebuilt after every edit: gpu.sh refuses to run when the installed files differ from the tree's
   (--check-installed).
-- `.gpu-assets/baseline/` (--baseline COMMIT): `git archive` of that commit's kernels/, model/, server/ and bench/,
+- `.gpu-assets/baseline/` (--baseline COMMIT): that commit's fusedserve, installed from its wheel, and its bench/,
   with its own source.json: the older tree `python -m bench serve openai-load --baseline` and the compare suites
   start in the same session as this one.
 """
@@ -31,12 +31,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the wheel is built from: pyproject.toml names these (package-dir, the readme)
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "fusedserve", "kernels", "model", "server")
-BASELINE_PATHS = ("kernels", "model", "server", "bench")
 
 
 def package_dirs(root: Path = ROOT) -> dict[str, Path]:
@@ -107,17 +107,26 @@ def build_wheel(wheel_dir: Path, root: Path = ROOT) -> Path:
 
 
 def export_tree(commit: str, out: Path, root: Path = ROOT) -> dict:
-    """`git archive` of `commit`'s BASELINE_PATHS (bench/results left out) into `out`, emptied first, with a
-    source.json naming the commit; returns that record."""
+    """`commit`'s fusedserve installed into `out` (its wheel, built from a `git archive` of its sources and unpacked:
+    out/fusedserve/{kernels,model,server}), beside its bench/ (bench/results left out), with a source.json naming the
+    commit; `out` is emptied first. Returns that record. Run from `out` with `out` first on the path, `python -m
+    fusedserve serve` and `python -m bench` are that commit's."""
     sha = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=root, capture_output=True,
                          text=True, check=True, timeout=10).stdout.strip()
-    archive = subprocess.run(["git", "archive", "--format=tar", sha, *BASELINE_PATHS, ":(exclude)bench/results"],
-                             cwd=root, capture_output=True, check=True, timeout=120).stdout
+    archive = subprocess.run(["git", "archive", "--format=tar", sha, *WHEEL_SOURCES, "bench",
+                              ":(exclude)bench/results"], cwd=root, capture_output=True, check=True, timeout=120).stdout
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(out, filter="data")
+    with tempfile.TemporaryDirectory(prefix="fusedserve-baseline-") as tmp:
+        tree = Path(tmp) / "tree"
+        tree.mkdir()
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tree, filter="data")
+        wheel = build_wheel(Path(tmp) / "wheel", root=tree)
+        with zipfile.ZipFile(wheel) as unpacked:  # a pure-Python wheel is its installed layout, zipped
+            unpacked.extractall(out)
+        shutil.copytree(tree / "bench", out / "bench")
     record = {"git_sha": sha, "git_dirty": False}
     (out / "source.json").write_text(json.dumps(record) + "\n")
     return record

@@ -116,7 +116,7 @@ def log_path(args: argparse.Namespace, name: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class ServerLaunch:
     """How a server process starts: the command before its --port/--log-level arguments, the directory it runs in,
-    and a folder put first on its PYTHONPATH (an older tree whose packages are top-level runs from its own root)."""
+    and a folder put first on its PYTHONPATH (an older tree's installed fusedserve runs from there)."""
 
     argv: tuple[str, ...]
     cwd: str | None = None
@@ -133,14 +133,14 @@ CURRENT = ServerLaunch((sys.executable, "-m", "fusedserve", "serve"))
 
 
 def tree_launch(root: str | Path) -> ServerLaunch:
-    """The server of an exported older tree (`git archive COMMIT | tar -x -C root`) whose kernels/, model/ and
-    server/ are top-level packages: `python -m server` from its root, which goes first on its path so that its
-    packages, not this tree's, are the ones imported."""
+    """The server of an older tree exported by `python -m bench.gpu_assets --baseline COMMIT`: its fusedserve
+    installed in `root`, started as `python -m fusedserve serve` from `root`, which goes first on its path so that
+    its packages, not this tree's, are the ones imported."""
     root = Path(root).resolve()
-    if not (root / "server" / "__main__.py").is_file():
-        raise SystemExit(f"{root}: no server/__main__.py; a baseline is a tree whose server starts as "
-                         "`python -m server` from its root")
-    return ServerLaunch((sys.executable, "-m", "server"), cwd=str(root), path_first=str(root))
+    if not (root / "fusedserve" / "server" / "__main__.py").is_file():
+        raise SystemExit(f"{root}: no fusedserve/server/__main__.py; a baseline is an older tree's fusedserve "
+                         "installed there (python -m bench.gpu_assets --baseline COMMIT)")
+    return ServerLaunch((sys.executable, "-m", "fusedserve", "serve"), cwd=str(root), path_first=str(root))
 
 
 def free_port() -> int:

@@ -8,9 +8,10 @@ request; 1x1 is one client's sequential single requests. A point reports request
 --warm-seconds of the same load. The servers run the project's defaults (what a deployment gets) with --model,
 --device, --dtype and any --setting.
 
-With --baseline DIR (a `git archive` export of an older commit whose server starts as `python -m server` from its
-root), each tree's server is started --starts times, in rounds that alternate the two in an order reversed every
-round (baseline first, then this tree first, ...), so a drift through the session falls on both alike; the summary
+With --baseline DIR (an older commit's fusedserve installed in DIR by `python -m bench.gpu_assets --baseline`, its
+server `python -m fusedserve serve` from DIR), each tree's server is started --starts times, in rounds that
+alternate the two in an order reversed every round (baseline first, then this tree first, ...), so a drift through
+the session falls on both alike; the summary
 holds each tree's medians over its starts per point and this tree's over the baseline's: throughput ratios at
 several clients (at least 1 - --max-throughput-loss) and the p50 change of the one-client point (at most
 --max-p50-increase-ms). Before the numbers count, both trees embed the same check texts and must agree.
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-seconds", type=float, default=2.0,
                         help="openai-load: seconds of each point's load before its measured --seconds")
     parser.add_argument("--baseline", metavar="DIR",
-                        help="openai-load: an exported older tree (its server: `python -m server` from DIR), "
+                        help="openai-load: an older tree's fusedserve installed in DIR (bench.gpu_assets --baseline), "
                              "started in turn with this tree's; the summary compares the two")
     parser.add_argument("--starts", type=int,
                         help="openai-load: server starts per tree (default 3 with --baseline, else 1)")

@@ -74,8 +74,16 @@ def test_the_baseline_export_holds_the_commit_tree(tmp_path):
     record = export_tree("HEAD", out)
     assert record == {"git_sha": head, "git_dirty": False}
     assert json.loads((out / "source.json").read_text()) == record
-    assert sorted(p.name for p in out.iterdir()) == ["bench", "kernels", "model", "server", "source.json"]
-    assert (out / "server" / "__main__.py").is_file() and not (out / "bench" / "results").exists()
+    # the commit's fusedserve as its wheel installs it, and its bench/ without the results
+    names = sorted(p.name for p in out.iterdir())
+    assert names[:2] == ["bench", "fusedserve"] and names[-1] == "source.json" and len(names) == 4, names
+    assert names[2].startswith("fusedserve-") and names[2].endswith(".dist-info")
+    assert (out / "fusedserve" / "server" / "__main__.py").is_file() and not (out / "bench" / "results").exists()
     committed = subprocess.run(["git", "show", "HEAD:kernels/spec.py"], cwd=ROOT, capture_output=True, check=True,
                                timeout=10).stdout
-    assert (out / "kernels" / "spec.py").read_bytes() == committed
+    assert (out / "fusedserve" / "kernels" / "spec.py").read_bytes() == committed
+    # what the compare suites run from there is that tree's: the server module resolves inside `out`
+    found = subprocess.run([sys.executable, "-c", "import fusedserve.server.__main__ as m; print(m.__file__)"],
+                           cwd=out, env={**os.environ, "PYTHONPATH": str(out)}, capture_output=True, text=True,
+                           timeout=60)
+    assert found.returncode == 0 and found.stdout.strip().startswith(str(out)), found.stdout + found.stderr

@@ -62,7 +62,8 @@ def test_medians_and_the_verdict():
     assert not openai_load.comparison(failing, 0.03, 0.1)["no_regression"]  # an error anywhere: not within bounds
 
 
-# An older tree's `python -m server`, as the scenario starts it: from its root, its folder first on the path
+# An older tree's `python -m fusedserve serve`, as the scenario starts it: from its root, its folder first on the path.
+# It records that, then this tree's server stands in for the older one's (the fake package out of the way first).
 FAKE_BASELINE_MAIN = '''\
 import os
 import sys
@@ -71,18 +72,22 @@ from pathlib import Path
 root = Path(__file__).resolve().parents[1]
 with open(root / "starts.txt", "a") as record:
     record.write(f"{os.getcwd()}|{sys.path[0]}\\n")
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+for name in [m for m in sys.modules if m == "fusedserve" or m.startswith("fusedserve.")]:
+    del sys.modules[name]
 
 from fusedserve.cli import main
 
-sys.exit(main(["serve", *sys.argv[1:]]))
+sys.exit(main(sys.argv[1:]))
 '''
 
 
 def test_openai_load_against_real_servers(tmp_path):
     baseline = tmp_path / "baseline"
-    (baseline / "server").mkdir(parents=True)
-    (baseline / "server" / "__init__.py").write_text("")
-    (baseline / "server" / "__main__.py").write_text(textwrap.dedent(FAKE_BASELINE_MAIN))
+    (baseline / "fusedserve" / "server").mkdir(parents=True)
+    (baseline / "fusedserve" / "__init__.py").write_text("")
+    (baseline / "fusedserve" / "server" / "__main__.py").write_text("")  # where a baseline's server is looked for
+    (baseline / "fusedserve" / "__main__.py").write_text(textwrap.dedent(FAKE_BASELINE_MAIN))
     (baseline / "source.json").write_text('{"git_sha": "0123abc", "git_dirty": false}\n')
     out = tmp_path / "serve.json"
     texts, max_words = 24, 12
@@ -105,7 +110,7 @@ def test_openai_load_against_real_servers(tmp_path):
     starts = (baseline / "starts.txt").read_text().splitlines()
     assert starts == [f"{baseline.resolve()}|{baseline.resolve()}"] * 2
     assert summary["trees"]["baseline"]["source"]["git_sha"] == "0123abc"
-    assert summary["trees"]["baseline"]["command"] == "-m server"
+    assert summary["trees"]["baseline"]["command"] == "-m fusedserve serve"
     assert summary["same_model_min_cosine"] > harness.SAME_MODEL_MIN_COSINE  # it serves this tree's model
 
     corpus = harness.mixed_texts(texts, low=5, high=max_words)
