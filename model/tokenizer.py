@@ -42,21 +42,6 @@ class PairTemplate(Protocol):
     instruction: str
 
 
-# Up to this many characters a request's texts are encoded one by one, holding the GIL. A batch call lets go of it and
-# hands the texts to the tokenizer's thread pool: right for many texts, but for a few short ones the hand-over costs
-# more than the work, and the thread that takes the GIL meanwhile (a busy batcher's) may keep it for the interpreter's
-# switch interval, 5 ms, before this one gets it back (one short text: ~0.04 ms either way alone, 5.3 ms by batch
-# call beside a busy thread against 0.13 ms one by one).
-FEW_CHARS = 512
-
-
-def _encode(tokenizer: Tokenizer, inputs: list, **options) -> list:
-    """The encodings of texts or (text, text) pairs, as tokenizer.encode_batch gives them."""
-    if sum(len(x) if isinstance(x, str) else len(x[0]) + len(x[1]) for x in inputs) > FEW_CHARS:
-        return tokenizer.encode_batch(inputs, **options)
-    return [tokenizer.encode(x, **options) if isinstance(x, str) else tokenizer.encode(*x, **options) for x in inputs]
-
-
 class TextTokenizer:
     def __init__(self, path: str | Path, max_length: int) -> None:
         path = Path(path)
@@ -80,8 +65,8 @@ class TextTokenizer:
         """The tokenizer's encodings per text, [CLS] ... [SEP] included, cut at the end (right) or the start (left) of
         the text. Without truncation, too-long inputs raise InputTooLong."""
         if truncate:
-            return _encode(self._truncating if direction == "right" else self._left_truncating, texts)
-        encodings = _encode(self._full, texts)
+            return (self._truncating if direction == "right" else self._left_truncating).encode_batch(texts)
+        encodings = self._full.encode_batch(texts)
         for index, e in enumerate(encodings):
             if len(e.ids) > self.max_length:
                 raise InputTooLong(index, len(e.ids), self.max_length)
@@ -101,7 +86,7 @@ class TextTokenizer:
         to max_length as a cross-encoder's tokenizer call does. Without truncation, too-long pairs raise."""
         pairs = [tuple(p) for p in pairs]
         rows = [PairIds(e.ids, next((i for i, t in enumerate(e.type_ids) if t), len(e.ids)))
-                for e in _encode(self._truncating if truncate else self._full, pairs)]
+                for e in (self._truncating if truncate else self._full).encode_batch(pairs)]
         if not truncate:
             for index, row in enumerate(rows):
                 if len(row) > self.max_length:
@@ -112,7 +97,7 @@ class TextTokenizer:
         """prefix + text + suffix per text as a causal LM's prompt template builds it (Qwen3-Reranker's code): the
         prefix and suffix tokenized without special tokens, each text with them and truncated to what max_length
         leaves after the two. Without truncation, too-long inputs raise InputTooLong."""
-        around = [e.ids for e in _encode(self._full, [prefix, suffix], add_special_tokens=False)]
+        around = [e.ids for e in self._full.encode_batch([prefix, suffix], add_special_tokens=False)]
         budget = self.max_length - len(around[0]) - len(around[1])
         if budget < 1:
             raise ValueError(f"max_seq_length {self.max_length} leaves no room for a text in the prompt template "
@@ -122,9 +107,9 @@ class TextTokenizer:
                 cutting = Tokenizer.from_str(self._full.to_str())
                 cutting.enable_truncation(max_length=budget)
                 self._template_truncating = (budget, cutting)
-            encodings = _encode(self._template_truncating[1], texts)
+            encodings = self._template_truncating[1].encode_batch(texts)
         else:
-            encodings = _encode(self._full, texts)
+            encodings = self._full.encode_batch(texts)
         rows = []
         for index, e in enumerate(encodings):
             if len(e.ids) > budget:
@@ -213,7 +198,7 @@ class TextPreparation:
         if self.lower_case:
             texts = [t.lower() for t in texts]
         if options.details:  # /tokenize: every token, with the text it covers (in the text as prepared)
-            encodings = _encode(self.tokenizer.untruncated, texts, add_special_tokens=options.special_tokens)
+            encodings = self.tokenizer.untruncated.encode_batch(texts, add_special_tokens=options.special_tokens)
             rows = _rows_of(encodings)
             if options.max_tokens is not None and rows.tokens > options.max_tokens:
                 raise _InputTooLong(f"{rows.tokens} tokens in one request; per-token output is limited to "
