@@ -265,6 +265,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if workers.rejoining():  # a worker started again takes connections once ready: uvicorn listens after this
             while not service.ready and service.load_error is None:
                 await asyncio.sleep(0.1)
+            switch = workers.read_switch()
+            if service.ready and switch is not None:  # the others' kernel path, before its first request
+                service.applied_switch = switch["generation"]
+                await service.set_fused(switch["enabled"], switch["model"])
+                workers.acknowledge_switch(switch["generation"])
+        follower = asyncio.create_task(service.follow_switch()) if workers.state_dir() is not None else None
         rpc = None
         if settings.grpc_port:  # in this event loop: its calls reach the service as the routes' do
             from fusedserve.server.kserve_grpc import KServeGrpc
@@ -272,6 +278,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             rpc = KServeGrpc(service, getattr(app.state, "host", "127.0.0.1"), settings.grpc_port)
             await rpc.start()
         yield
+        if follower is not None:
+            follower.cancel()
         log.warning("shutting down: draining accepted requests")
         drain = [asyncio.to_thread(service.shutdown)]
         if rpc is not None:  # new calls refused at once, those in flight answered (the queue drains for them too)

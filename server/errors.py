@@ -65,10 +65,6 @@ class PayloadTooLarge(ServiceError):
     status, type = 413, "payload_too_large"
 
 
-class Conflict(ServiceError):
-    status, type = 409, "conflict"
-
-
 class Unprocessable(ServiceError):
     status, type = 422, "validation_error"
 

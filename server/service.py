@@ -62,6 +62,24 @@ class Service:
 
             self.tracing = Tracing(settings.otlp_endpoint, settings.otel_service_name, VERSION)
         self.metrics.watch_cuda_graphs(self._graph_stats)
+        self.applied_switch = 0  # WORKERS > 1: the latest generation of the admin switch this worker applied
+
+    async def follow_switch(self) -> None:
+        """WORKERS > 1: apply each new admin switch another worker published (server.workers), once ready."""
+        while True:
+            await asyncio.sleep(workers.SWITCH_POLL_S)
+            switch = workers.read_switch()
+            if switch is None or switch["generation"] <= self.applied_switch or not self.ready:
+                continue
+            self.applied_switch = switch["generation"]
+            try:
+                await self.set_fused(switch["enabled"], switch["model"])
+            except Exception:  # logged; the worker keeps its path, and the admin's answer says who did not switch
+                log.exception("applying the admin switch of another worker failed")
+                continue
+            log.warning("admin switch from another worker applied: fused %s (%s)", switch["enabled"],
+                        switch["model"] or "every model")
+            workers.acknowledge_switch(switch["generation"])
 
     def _graph_stats(self) -> list[tuple[str, dict]]:
         return [(m.name, dict(m.model.describe().graphs)) for m in self.models if m.model is not None]

@@ -27,11 +27,13 @@ workers share it concurrently instead of time-slicing.
   from the rest. With no device left the parent exits with the failure's code (1 for a model that failed to load).
 - Signals: SIGTERM or SIGINT on the parent sends SIGTERM to every worker (each in its own process group, so it gets
   one signal, not the terminal's too), and each drains as a single server does.
-- The admin fused switch answers 409: a request reaches one worker of several.
+- The admin fused switch reaches every worker: the worker a request lands on writes it to the state directory,
+  every worker applies it within a fraction of a second, and the answer comes once all of them have.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -43,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from filelock import FileLock
 from prometheus_client import multiprocess
 
 from fusedserve.server.devices import Placement, usable_cpus
@@ -105,6 +108,52 @@ def all_ready() -> bool:
     except (OSError, ValueError):  # being rewritten: the count the server started with
         expected = int(os.environ.get("FUSEDSERVE_WORKERS", "1"))
     return len(list(directory.glob("ready-*"))) >= expected
+
+
+# ---- the admin fused switch, for every worker ------------------------------------------------------------------
+# The worker a request reaches writes the switch to `switch.json` (a generation number, the model or every model, on
+# or off) and applies it; every worker's watcher applies each new generation within SWITCH_POLL_S and acknowledges
+# it in `switched-<pid>`; the request answers once every worker counted ready has (a worker started again applies
+# the latest switch before it is ready).
+SWITCH_POLL_S = 0.1
+
+
+def publish_switch(enabled: bool, model: str | None) -> int:
+    """Write the switch for every worker; returns its generation."""
+    directory = state_dir()
+    with FileLock(str(directory / "switch.lock")):
+        generation = (read_switch() or {}).get("generation", 0) + 1
+        tmp = directory / f"switch.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"generation": generation, "enabled": enabled, "model": model}))
+        tmp.replace(directory / "switch.json")
+    return generation
+
+
+def read_switch() -> dict | None:
+    directory = state_dir()
+    try:
+        return json.loads((directory / "switch.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def acknowledge_switch(generation: int) -> None:
+    tmp = state_dir() / f"switched-{os.getpid()}.tmp"
+    tmp.write_text(str(generation))
+    tmp.replace(state_dir() / f"switched-{os.getpid()}")
+
+
+def switched_workers(generation: int) -> tuple[int, int]:
+    """(ready workers that applied `generation` or a later one, ready workers)."""
+    directory = state_dir()
+    pids = [p.name.removeprefix("ready-") for p in directory.glob("ready-*")]
+    done = 0
+    for pid in pids:
+        try:
+            done += int((directory / f"switched-{pid}").read_text()) >= generation
+        except (OSError, ValueError):
+            pass
+    return done, len(pids)
 
 
 def bind(host: str, port: int, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:

@@ -55,7 +55,7 @@ _Response = dict((m, response) for m, _, response, _ in METHODS)
 
 # an error's HTTP status -> the gRPC code that says the same (gRPC's own HTTP mapping where it has one)
 CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
-         408: grpc.StatusCode.DEADLINE_EXCEEDED, 409: grpc.StatusCode.FAILED_PRECONDITION,
+         408: grpc.StatusCode.DEADLINE_EXCEEDED,
          413: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.INVALID_ARGUMENT,
          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
          504: grpc.StatusCode.DEADLINE_EXCEEDED}

@@ -1,7 +1,8 @@
 """Device lists and workers that fail: where DEVICE and WORKERS place the workers (fake GPU counts, CPUs and free
 memory), and on a real `fusedserve serve` with fake GPUs on the CPU (tests.support.server): a GPU whose workers fail
 their start is left out with a log line naming it while the rest serve, /info and the metrics carry the device, and
-a killed worker comes back while the others keep answering, the server ready throughout."""
+a killed worker comes back, on the kernel path the admin switch set, while the others keep answering, the server
+ready throughout."""
 
 from __future__ import annotations
 
@@ -164,9 +165,14 @@ def test_no_device_left_stops_the_server_with_the_failure(tmp_path):
 
 
 def test_a_killed_worker_comes_back_while_the_others_keep_answering(tmp_path):
-    process, url, log_path = _serve(tmp_path, {"FUSEDSERVE_WORKERS": "2", "FUSEDSERVE_DEVICE": "cpu"})
+    process, url, log_path = _serve(tmp_path, {"FUSEDSERVE_WORKERS": "2", "FUSEDSERVE_DEVICE": "cpu",
+                                               "FUSEDSERVE_ADMIN_TOKEN": "secret"})
     try:
         _ready(process, url, log_path)
+        # the workers were switched to the reference path: the one that comes back must be too
+        r = httpx.post(url + "/admin/fused", json={"enabled": False}, headers={"Authorization": "Bearer secret"},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["workers"] == {"switched": 2, "of": 2}, r.text
         pids = set()
         deadline = time.monotonic() + 60
         while len(pids) < 2 and time.monotonic() < deadline:
@@ -188,6 +194,11 @@ def test_a_killed_worker_comes_back_while_the_others_keep_answering(tmp_path):
             if pid is not None and pid not in pids:
                 back = time.monotonic() - (deadline - 60)
         assert back is not None and back < 30, open(log_path).read()
+        seen = {}
+        while len(seen) < 2:
+            info = _info(url)
+            seen[info["worker"]["pid"]] = info["fused"]
+        assert set(seen.values()) == {False}, seen  # the new worker took the switch before its first request
         # the killed worker held no request: none may fail (its socket died with it, so none lands there)
         assert failed == 0 and answered > 0, (answered, failed)
         log = open(log_path).read()

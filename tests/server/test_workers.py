@@ -1,6 +1,6 @@
 """WORKERS=2 on a real `fusedserve serve`: two processes on one port, each with its own model; /readyz turns 200 only
 once both are ready; connections land on both; any worker's /metrics counts every worker's requests (multiprocess
-mode); answers equal a single server's; the admin switch answers 409; SIGTERM stops the parent and both workers
+mode); answers equal a single server's; the admin switch reaches both; SIGTERM stops the parent and both workers
 cleanly."""
 
 from __future__ import annotations
@@ -62,9 +62,17 @@ def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
             time.sleep(0.05)
         assert answered == expected, metrics
         assert f'fusedserve_model_ready{{model="{info["model"]}"}} 1.0' in metrics
-        # the fused switch would reach one worker of two: refused, saying what to do instead
-        r = httpx.post(url + "/admin/fused", json={"enabled": False}, headers={"Authorization": "Bearer secret"})
-        assert r.status_code == 409 and "FUSEDSERVE_FUSED=false" in r.json()["error"]["message"], r.text
+        # the fused switch reaches both workers, whichever one the request lands on, and answers once both switched
+        for enabled in (False, True):
+            r = httpx.post(url + "/admin/fused", json={"enabled": enabled}, headers={"Authorization": "Bearer secret"},
+                           timeout=60)
+            assert r.status_code == 200 and r.json()["workers"] == {"switched": 2, "of": 2}, r.text
+            seen = {}
+            while len(seen) < 2:  # new connections until both workers have answered
+                with httpx.Client(base_url=url, timeout=30) as client:
+                    info = client.get("/info").json()
+                seen[info["worker"]["pid"]] = info["fused"]
+            assert set(seen.values()) == {enabled}, seen
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, open(log_path).read()
