@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -164,6 +165,20 @@ def test_no_device_left_stops_the_server_with_the_failure(tmp_path):
     assert "device cuda:0 left out" in log and "device cuda:1 left out" in log and "no device left" in log, log
 
 
+def _gone(pid: int, timeout_s: float = 30) -> None:
+    """Wait until `pid` has exited (gone, or a zombie its parent has not reaped yet: its files are closed)."""
+    deadline = time.monotonic() + timeout_s
+    status = Path(f"/proc/{pid}/status")
+    while time.monotonic() < deadline:
+        try:
+            if "\nState:\tZ" in status.read_text():
+                return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} still running {timeout_s} s after SIGKILL")
+
+
 def test_a_killed_worker_comes_back_while_the_others_keep_answering(tmp_path):
     process, url, log_path = _serve(tmp_path, {"FUSEDSERVE_WORKERS": "2", "FUSEDSERVE_DEVICE": "cpu",
                                                "FUSEDSERVE_ADMIN_TOKEN": "secret"})
@@ -180,6 +195,7 @@ def test_a_killed_worker_comes_back_while_the_others_keep_answering(tmp_path):
         assert len(pids) == 2
         victim = min(pids)
         os.kill(victim, signal.SIGKILL)
+        _gone(victim)  # its sockets close as it exits: a connection made in that instant may still land there
         answered, failed, back = 0, 0, None
         deadline = time.monotonic() + 60
         while back is None and time.monotonic() < deadline:
