@@ -42,7 +42,7 @@ import signal
 import socket
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
@@ -191,7 +191,7 @@ class _Slot:
     failed_starts: int = 0  # in a row, of restarted workers
     restart_at: float | None = None  # monotonic time of a pending restart
     handed_over: bool = False  # the worker runs: the parent's copy of its socket is closed
-    history: list[str] = field(default_factory=list)
+    restarted: bool = False  # this slot's worker has been started again at least once
 
 
 class _Supervisor:
@@ -262,15 +262,16 @@ class _Supervisor:
         if not self.shared_socket:
             slot.sock = None
         self._write_expected()
+        if device in self.left_out:  # stopped with its device: not started again
+            return
         if was_ready:
             log.critical("worker %d on %s (pid %d) exited with %s; starting it again, the other workers keep serving",
                          slot.index, device, p.pid, code)
             slot.failed_starts = 0
             slot.restart_at = time.monotonic() + RESTART_DELAY_S[0]
             return
-        restarted = slot.history.count("restart") > 0
         slot.failed_starts += 1
-        if restarted and slot.failed_starts < FAILED_STARTS:
+        if slot.restarted and slot.failed_starts < FAILED_STARTS:
             delay = RESTART_DELAY_S[min(slot.failed_starts, len(RESTART_DELAY_S) - 1)]
             log.critical("worker %d on %s (pid %d) failed to start again (exit code %s); trying again in %.1fs",
                          slot.index, device, p.pid, code, delay)
@@ -293,12 +294,10 @@ class _Supervisor:
             s.restart_at, s.counted = None, False
             if s.process is not None and s.process.is_alive():
                 os.kill(s.process.pid, signal.SIGTERM)
-            s.history.append("left out")
         self._write_expected()
 
     def _restart(self, slot: _Slot) -> None:
-        slot.restart_at = None
-        slot.history.append("restart")
+        slot.restart_at, slot.restarted = None, True
         # bound now, listening only once the new worker is ready (REJOIN_ENV): until then the others take its share
         if not self.shared_socket:
             slot.sock = bind(self.host, self.port, reuse_port=True, listen=False)
