@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import secrets
 from contextlib import asynccontextmanager
 from importlib import resources
 
@@ -22,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fusedserve.server import workers
 from fusedserve.server.config import Settings
+from fusedserve.server.deps import key_matches
 from fusedserve.server.heap import LARGE_BODY_BYTES, HeapTrimmer
 from fusedserve.server.errors import ServiceError, ascii_int, error_response, service_error_response
 from fusedserve.server.observability import CURRENT, TIMING_HEADERS, RequestRecord, request_id
@@ -192,10 +192,7 @@ class ApiKeys:
             if key == b"authorization":
                 scheme, _, given = value.partition(b" ")
                 given = given.strip() if scheme.lower() == b"bearer" else b""
-        matched = False
-        for key in self.keys:
-            matched |= secrets.compare_digest(given, key)
-        if matched:
+        if key_matches(self.keys, given):
             return await self.app(scope, receive, send)
         message = "missing API key (Authorization: Bearer <key>)" if not given else "invalid API key"
         response = error_response(path, 401, "unauthorized", message, code="invalid_api_key",
@@ -267,9 +264,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await asyncio.sleep(0.1)
             switch = workers.read_switch()
             if service.ready and switch is not None:  # the others' kernel path, before its first request
-                service.applied_switch = switch["generation"]
-                await service.set_fused(switch["enabled"], switch["model"])
-                workers.acknowledge_switch(switch["generation"])
+                await service.apply_switch(switch)
         follower = asyncio.create_task(service.follow_switch()) if workers.state_dir() is not None else None
         rpc = None
         if settings.grpc_port:  # in this event loop: its calls reach the service as the routes' do

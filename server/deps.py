@@ -1,7 +1,8 @@
-"""FastAPI dependencies as Annotated aliases."""
+"""FastAPI dependencies as Annotated aliases, and the API-key check the HTTP middleware and the gRPC service share."""
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -15,3 +16,12 @@ async def get_service(request: Request) -> Service:
 
 
 ServiceDep = Annotated[Service, Depends(get_service)]
+
+
+def key_matches(keys: list[bytes], given: bytes) -> bool:
+    """`given` is one of `keys`, every key compared in constant time, so neither the timing nor the order says which
+    one nearly matched (the HTTP middleware's check and the gRPC service's)."""
+    matched = False
+    for key in keys:
+        matched |= secrets.compare_digest(given, key)
+    return matched

@@ -64,22 +64,28 @@ class Service:
         self.metrics.watch_cuda_graphs(self._graph_stats)
         self.applied_switch = 0  # WORKERS > 1: the latest generation of the admin switch this worker applied
 
+    async def apply_switch(self, switch: dict) -> list[tuple[ModelService, dict]]:
+        """WORKERS > 1: apply an admin switch from the workers' shared state (server.workers) and acknowledge it; the
+        one place that moves applied_switch."""
+        self.applied_switch = switch["generation"]  # before the await: the watcher must not take it up again
+        switched = await self.set_fused(switch["enabled"], switch["model"])
+        workers.acknowledge_switch(switch["generation"])
+        return switched
+
     async def follow_switch(self) -> None:
-        """WORKERS > 1: apply each new admin switch another worker published (server.workers), once ready."""
+        """WORKERS > 1: apply each new admin switch another worker published, once ready."""
         while True:
             await asyncio.sleep(workers.SWITCH_POLL_S)
             switch = workers.read_switch()
             if switch is None or switch["generation"] <= self.applied_switch or not self.ready:
                 continue
-            self.applied_switch = switch["generation"]
             try:
-                await self.set_fused(switch["enabled"], switch["model"])
+                await self.apply_switch(switch)
             except Exception:  # logged; the worker keeps its path, and the admin's answer says who did not switch
                 log.exception("applying the admin switch of another worker failed")
                 continue
             log.warning("admin switch from another worker applied: fused %s (%s)", switch["enabled"],
                         switch["model"] or "every model")
-            workers.acknowledge_switch(switch["generation"])
 
     def _graph_stats(self) -> list[tuple[str, dict]]:
         return [(m.name, dict(m.model.describe().graphs)) for m in self.models if m.model is not None]

@@ -118,15 +118,15 @@ def all_ready() -> bool:
 SWITCH_POLL_S = 0.1
 
 
-def publish_switch(enabled: bool, model: str | None) -> int:
-    """Write the switch for every worker; returns its generation."""
+def publish_switch(enabled: bool, model: str | None) -> dict:
+    """Write the switch for every worker; returns it, with its generation."""
     directory = state_dir()
     with FileLock(str(directory / "switch.lock")):
-        generation = (read_switch() or {}).get("generation", 0) + 1
+        switch = {"generation": (read_switch() or {}).get("generation", 0) + 1, "enabled": enabled, "model": model}
         tmp = directory / f"switch.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"generation": generation, "enabled": enabled, "model": model}))
+        tmp.write_text(json.dumps(switch))
         tmp.replace(directory / "switch.json")
-    return generation
+    return switch
 
 
 def read_switch() -> dict | None:

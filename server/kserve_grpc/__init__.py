@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -29,9 +29,11 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from fusedserve.model.api import TextOptions
+from fusedserve.server.deps import key_matches
 from fusedserve.server.errors import BadRequest, NotFound, ServiceError, Unauthorized, Unavailable, quoted
 from fusedserve.server.kserve_grpc.descriptor import SERIALIZED
 from fusedserve.server.observability import CURRENT, RequestRecord, request_id
+from fusedserve.server.routes.kserve import deserialize_bytes
 from fusedserve.server.service import VERSION, Service
 
 log = logging.getLogger("fusedserve")
@@ -127,10 +129,7 @@ class KServeGrpc:
     def _authorize(self, header: str) -> None:
         scheme, _, given = header.partition(" ")
         given_key = given.strip().encode() if scheme.lower() == "bearer" else b""
-        matched = False
-        for key in self.keys:  # every key compared, in constant time, as the HTTP check does
-            matched |= secrets.compare_digest(given_key, key)
-        if not matched:
+        if not key_matches(self.keys, given_key):
             raise Unauthorized("missing API key (authorization: Bearer <key>)" if not given_key else
                                "invalid API key")
 
@@ -220,38 +219,16 @@ def _inputs(request) -> dict[str, tuple]:
     return out
 
 
-def _count(tensor) -> int:
-    n = 1
-    for d in tensor.shape:
-        n *= d
-    return n
-
-
 def _texts(tensor, raw: bytes | None) -> list[str]:
     if tensor.datatype != "BYTES" or len(tensor.shape) != 1:
         raise BadRequest(f"input {TEXT!r} is BYTES of shape [n], not {tensor.datatype} {list(tensor.shape)}")
-    items = _split_bytes(raw) if raw is not None else list(tensor.contents.bytes_contents)
-    if len(items) != _count(tensor):
+    items = deserialize_bytes(raw) if raw is not None else list(tensor.contents.bytes_contents)
+    if len(items) != math.prod(tensor.shape):
         raise BadRequest(f"shape {list(tensor.shape)} does not match {len(items)} BYTES elements")
     try:
         return [b.decode("utf-8") for b in items]
     except UnicodeDecodeError:
         raise BadRequest("BYTES input data must be UTF-8 text") from None
-
-
-def _split_bytes(buffer: bytes) -> list[bytes]:
-    """Raw BYTES elements: each a 4-byte little-endian length and that many bytes."""
-    out, offset, end = [], 0, len(buffer)
-    while offset < end:
-        if offset + 4 > end:
-            raise BadRequest("raw BYTES data ends inside an element's length")
-        length = int.from_bytes(buffer[offset: offset + 4], "little")
-        offset += 4
-        if offset + length > end:
-            raise BadRequest("raw BYTES data ends inside an element")
-        out.append(buffer[offset: offset + length])
-        offset += length
-    return out
 
 
 def _integers(name: str, tensor, raw: bytes | None) -> np.ndarray:
@@ -261,14 +238,14 @@ def _integers(name: str, tensor, raw: bytes | None) -> np.ndarray:
                          f"{list(tensor.shape)}")
     if raw is not None:
         dtype = _RAW[tensor.datatype]
-        if len(raw) != _count(tensor) * dtype.itemsize:
+        if len(raw) != math.prod(tensor.shape) * dtype.itemsize:
             raise BadRequest(f"input {name!r}: {len(raw)} raw bytes for shape {list(tensor.shape)} of "
                              f"{tensor.datatype}")
         values = np.frombuffer(raw, dtype=dtype)
     else:
         c = tensor.contents
         values = np.asarray(c.int64_contents if tensor.datatype == "INT64" else c.int_contents, dtype=np.int64)
-        if values.size != _count(tensor):
+        if values.size != math.prod(tensor.shape):
             raise BadRequest(f"input {name!r}: {values.size} values for shape {list(tensor.shape)}")
     return values.astype(np.int64, copy=False).reshape(-1, tensor.shape[-1])
 

@@ -44,21 +44,20 @@ async def set_fused(body: FusedSwitch, service: ServiceDep) -> dict:
     if body.model:  # an unknown model: 404 before any worker moves
         service.model(body.model)
     service.check_ready()
-    generation = None
     if workers.state_dir() is not None:
-        # this worker applies it here, not again through its watcher
-        generation = service.applied_switch = workers.publish_switch(body.enabled, body.model)
-    switched = await service.set_fused(body.enabled, body.model)
+        switch = workers.publish_switch(body.enabled, body.model)
+        switched = await service.apply_switch(switch)
+    else:
+        switch, switched = None, await service.set_fused(body.enabled, body.model)
     # auto attention follows the switch (the few-token layer only while its ops are fused)
     states = {m.name: {"fused": state["fused"], "attention": state["attention"],
                        "attention_reason": state["attention_reason"], "kernels": state["kernels"]}
               for m, state in switched}
     first = next(iter(states))
     answer = {"model": first, **states[first], "models": states}
-    if generation is not None:
-        workers.acknowledge_switch(generation)
+    if switch is not None:
         deadline = time.monotonic() + 30
-        while (counts := workers.switched_workers(generation))[0] < counts[1]:
+        while (counts := workers.switched_workers(switch["generation"]))[0] < counts[1]:
             if time.monotonic() > deadline:
                 raise Unavailable(f"the switch reached {counts[0]} of {counts[1]} workers within 30 s; the others "
                                   "apply it as they can")

@@ -185,7 +185,7 @@ def _decompress(raw: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
-def _deserialize_bytes(buffer: bytes) -> list[bytes]:
+def deserialize_bytes(buffer: bytes) -> list[bytes]:
     """BYTES tensor data in the binary extension: each element a 4-byte little-endian length and that many bytes."""
     out, offset = [], 0
     while offset < len(buffer):
@@ -221,7 +221,7 @@ def _parse(raw: bytes, header_length: str | None) -> tuple[InferenceRequest, lis
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > len(binary):
             raise BadRequest(f"binary_data_size {size!r} does not fit the {len(binary)} bytes after the JSON")
         try:
-            texts = [t.decode("utf-8") for t in _deserialize_bytes(binary[:size])]
+            texts = [t.decode("utf-8") for t in deserialize_bytes(binary[:size])]
         except UnicodeDecodeError:
             raise BadRequest("BYTES input data must be UTF-8 text") from None
     elif tensor.data is not None:
