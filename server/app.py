@@ -5,6 +5,7 @@ shutdown refuse new work and drain the queue)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -16,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
+from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -26,6 +28,7 @@ from fusedserve.server.heap import LARGE_BODY_BYTES, HeapTrimmer
 from fusedserve.server.errors import ServiceError, ascii_int, error_response, service_error_response
 from fusedserve.server.observability import CURRENT, TIMING_HEADERS, RequestRecord, request_id
 from fusedserve.server.protocol import OVER_CAPACITY
+from fusedserve.server.responses import LeanRoute
 from fusedserve.server.routes import admin, health, infer, kserve, openai, rerank, tei
 from fusedserve.server.service import VERSION, Service
 
@@ -166,6 +169,45 @@ class RequestObserver:
                 self.tracing.end_request(record.span, route, status, record.id, record.model)
 
 
+class HotRoutes:
+    """Pure ASGI middleware, the innermost: a POST to one of the LeanRoutes (the embedding routes that parse their own
+    bodies, server.responses) goes straight to its handler, and its ServiceError or validation error to the app's
+    handler for it. The router and the layers between it and here (exception middleware, FastAPI's exit stacks, the
+    route's request/response wrapper) were a third of the event loop's time per request in a py-spy profile of a
+    server under load (docs/performance.md), and the event loop's time is what bounds one process's requests/s. What
+    the middleware above does (ids, metrics, limits, keys, the body read) is unchanged; every other request, and an
+    error without a handler of its own (a 500), takes the usual way."""
+
+    def __init__(self, app: ASGIApp, routes: list, exception_handlers: dict) -> None:
+        """routes: the routers' own routes (their paths carry the routers' prefixes); exception_handlers: the app's,
+        read when the middleware stack is built, at the first request."""
+        self.app = app
+        self.routes = {route.path: route for route in routes
+                       if isinstance(route, LeanRoute) and route.methods == {"POST"} and not route.param_convertors}
+        self.handlers = {path: route.get_route_handler() for path, route in self.routes.items()}
+        # ExceptionMiddleware's share of the handlers; Exception's (500) stays with ServerErrorMiddleware, outermost
+        self.errors = {cls: handler for cls, handler in exception_handlers.items()
+                       if isinstance(cls, type) and cls is not Exception}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = get_route_path(scope)
+            handler = self.handlers.get(path)
+        if handler is None:
+            return await self.app(scope, receive, send)
+        scope["route"], scope["endpoint"], scope["path_params"] = self.routes[path], self.routes[path].endpoint, {}
+        request = Request(scope, receive, send)
+        try:
+            response = await handler(request)
+        except Exception as exc:
+            error = next((self.errors[cls] for cls in type(exc).__mro__ if cls in self.errors), None)
+            if error is None:
+                raise
+            response = await error(request, exc)
+        await response(scope, receive, send)
+
+
 # open without an API key: the docs (a browser cannot send a bearer token for a page load), and /admin/*, which
 # checks its own token
 OPEN_PATHS = ("/docs", "/redoc", "/openapi.json", "/admin/")
@@ -200,7 +242,13 @@ class ApiKeys:
         await response(scope, receive, send)
 
 
+# FastAPI's own OpenTelemetry (0.16x) stays off: the service's spans and metrics (server.tracing, server.metrics)
+# are the ones, and FastAPI's would add a second server span per request wherever a global provider is configured;
+# off, it also skips the look at the global providers it made on every request
+NO_TELEMETRY = {"telemetry": {"tracing": False, "metrics": False, "logs": False}} \
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {}
 DOCS_ASSETS = "/docs/assets"
+ROUTERS = (infer, openai, tei, rerank, kserve, health, admin)
 
 
 def _mount_docs(app: FastAPI) -> None:
@@ -281,11 +329,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             drain.append(rpc.stop(settings.request_timeout_s + 1))
         await asyncio.gather(*drain)
 
-    app = FastAPI(title="fusedserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = FastAPI(title="fusedserve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None, **NO_TELEMETRY,
                   description="Transformer-encoder embeddings on fused GPU kernels. Native (`/infer`), OpenAI "
                   "(`/v1/*`), text-embeddings-inference (`/embed`, ...) and KServe v2 (`/v2/*`) APIs.")
     app.state.service = service
-    for module in (infer, openai, tei, rerank, kserve, health, admin):
+    for module in ROUTERS:
         app.include_router(module.router)
     _mount_docs(app)
     if settings.api_keys:
@@ -317,7 +365,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # outermost last: CORS (answers preflights, decorates every answer) -> the observer (ids, timings, metrics,
     # spans; it sees the 401s, 413s and 431s too) -> the header limits (one Authorization header, read alike by the
-    # key check and the admin check) -> API keys (before the body is read) -> the body, read whole -> the routes
+    # key check and the admin check) -> API keys (before the body is read) -> the body, read whole -> the hot
+    # routes' shortcut -> the routes
+    app.add_middleware(HotRoutes, routes=[route for module in ROUTERS for route in module.router.routes],
+                       exception_handlers=app.exception_handlers)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.request_timeout_s)
     if settings.api_keys:
         app.add_middleware(ApiKeys, keys=settings.api_keys, probes=settings.auth_probes)
