@@ -38,6 +38,90 @@ INLINE_TOKENIZE_CHARS = 512
 PHASES = ("waiting", "loading", "warmup", "cuda_graphs", "calibration", "loaded", "ready", "failed")
 
 
+# TickPreparer: the most characters of text one thread call prepares for several requests together
+PREPARE_CHUNK_CHARS = 32_768
+
+
+class TickPreparer:
+    """Inputs too long to prepare on the event loop, gathered over one loop tick and prepared on worker threads, one
+    call per chunk of up to PREPARE_CHUNK_CHARS: requests of texts alone with the same options as one model.prepare
+    call (the tokenizer spreads one call's texts over its threads), each cut back into its own Rows. A thread hop and
+    a GIL hand-back per request cost the event loop more than their tokenizing under load (docs/performance.md); per
+    tick they are paid once. Preparing a text does not depend on the others beside it, so the rows are those of
+    separate calls; a combined call that raises is made again request by request, so each request gets its own
+    error, its input indices its own."""
+
+    def __init__(self, prepare: Callable[[Sequence, TextOptions], Rows]) -> None:
+        self._prepare = prepare
+        self._waiting: list[tuple[Sequence, TextOptions, int, asyncio.Future]] = []
+        # its own threads, handed work with submit(): no asyncio future wrapped around each call (the results come
+        # back through call_soon_threadsafe); the tokenizer's own threads do the parallel work
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="fusedserve-prepare")
+
+    def __call__(self, inputs: Sequence, options: TextOptions, chars: int) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        if not self._waiting:
+            loop.call_soon(self._flush, loop)
+        future = loop.create_future()
+        self._waiting.append((inputs, options, chars, future))
+        return future
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        work, self._waiting = self._waiting, []
+        chunk, size = [], 0
+        for item in work:
+            if chunk and size + item[2] > PREPARE_CHUNK_CHARS:
+                self._threads.submit(self._run, loop, chunk)
+                chunk, size = [], 0
+            chunk.append(item)
+            size += item[2]
+        self._threads.submit(self._run, loop, chunk)
+
+    def _run(self, loop: asyncio.AbstractEventLoop, chunk: list) -> None:
+        """On a worker thread: the chunk's rows (or errors), handed to the loop in one call."""
+        try:
+            results = self._prepared(chunk)
+        except BaseException as exc:  # not the model's InputError (those are per request): nobody waits forever
+            results = [(item[3], None, exc) for item in chunk]
+        loop.call_soon_threadsafe(_settle_prepared, results)
+
+    def _prepared(self, chunk: list) -> list[tuple[asyncio.Future, Rows | None, Exception | None]]:
+        groups: dict[TextOptions | None, list] = {}
+        for item in chunk:
+            inputs, options = item[0], item[1]
+            together = not options.details and all(type(x) is str for x in inputs)
+            groups.setdefault(options if together else None, []).append(item)
+        results = []
+        for options, items in groups.items():
+            if options is not None and len(items) > 1:
+                try:
+                    rows = self._prepare([x for item in items for x in item[0]], options)
+                except Exception:
+                    pass  # each request alone below: its own error
+                else:
+                    start = 0
+                    for inputs, _, _, future in items:
+                        results.append((future, rows.slice(start, start + len(inputs)), None))
+                        start += len(inputs)
+                    continue
+            for inputs, options, _, future in items:
+                try:
+                    results.append((future, self._prepare(inputs, options), None))
+                except Exception as exc:
+                    results.append((future, None, exc))
+        return results
+
+
+def _settle_prepared(results: list) -> None:
+    for future, rows, error in results:
+        if future.done():  # its request timed out or went away
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(rows)
+
+
 @dataclass
 class Result:
     rows: np.ndarray  # [n, width] float32, one row per input: embeddings as the request shaped them, or logits
@@ -90,6 +174,7 @@ class ModelService:
         self._calibration: np.ndarray | None = None  # raw embeddings of CALIBRATION_TEXTS
         self._ranges: dict[tuple[bool, int | None], np.ndarray] = {}
         self._calibrating: asyncio.Lock | None = None
+        self._preparer = TickPreparer(lambda inputs, options: self.model.prepare(inputs, options))
 
     @property
     def kind(self) -> str | None:
@@ -223,8 +308,9 @@ class ModelService:
             if chars <= INLINE_TOKENIZE_CHARS:
                 rows = self.model.prepare(inputs, options)
             else:
-                rows = await asyncio.wait_for(asyncio.to_thread(self.model.prepare, inputs, options), self._left())
-        except asyncio.TimeoutError:
+                async with asyncio.timeout(self._left()):
+                    rows = await self._preparer(inputs, options, chars)
+        except TimeoutError:
             raise self._timeout() from None
         except InputTooLong as exc:
             raise PayloadTooLarge(str(exc), param=exc.param) from None
