@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import math
@@ -255,7 +256,8 @@ async def closed_loop(urls: str | list[str], texts: list, clients: int, seconds:
 def merge_runs(parts: list[dict]) -> dict:
     """The client processes' runs of one point as one: latencies and counts pooled, the longest elapsed time."""
     return {"latencies": [x for p in parts for x in p["latencies"]], "errors": sum(p["errors"] for p in parts),
-            "elapsed": max(p["elapsed"] for p in parts), "tokens": sum(p["tokens"] for p in parts)}
+            "elapsed": max(p["elapsed"] for p in parts), "tokens": sum(p["tokens"] for p in parts),
+            "cpu": sum(p.get("cpu", 0.0) for p in parts)}
 
 
 def client_shares(clients: int, processes: int) -> list[int]:
@@ -344,3 +346,70 @@ def load(urls: str | list[str], texts: list, clients: int, seconds: float, per_r
             for i, n in enumerate(client_shares(clients, processes))]
     with ClientProcesses(processes) as pool:
         return merge_runs(pool.run(closed_loop, jobs, timeout_s=seconds + 300))
+
+
+# what -> (sample name, labels it must carry): summed over every other label (the model, a replica's worker)
+SERVER_SUMS = {
+    "request": ("fusedserve_request_duration_seconds_sum", {"route": "{route}"}),
+    "requests": ("fusedserve_request_duration_seconds_count", {"route": "{route}"}),
+    "queue": ("fusedserve_queue_duration_seconds_sum", {}), "inputs": ("fusedserve_queue_duration_seconds_count", {}),
+    "batch_size": ("fusedserve_batch_size_sum", {}), "batches": ("fusedserve_batch_size_count", {}),
+    "forward": ("fusedserve_forward_duration_seconds_sum", {}),
+    "cpu": ("process_cpu_seconds_total", {}),  # the server process's user + system CPU time (prometheus_client)
+    "workers_cpu": ("fusedserve_worker_cpu_seconds", {}),  # the same summed over WORKERS > 1 (multiprocess mode)
+}
+
+
+def server_sums(urls: str | list[str], route: str = "/infer") -> dict[str, float]:
+    """Counters and histogram sums of the servers' /metrics that the per-run breakdown is built from (summed over
+    replicas, models and any other label), parsed by prometheus-client's own exposition parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: collections.Counter = collections.Counter({k: 0.0 for k in SERVER_SUMS})
+    for url in [urls] if isinstance(urls, str) else urls:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        server: collections.Counter = collections.Counter()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                for what, (name, labels) in SERVER_SUMS.items():
+                    if sample.name == name and all(sample.labels.get(k) == v.format(route=route)
+                                                   for k, v in labels.items()):
+                        server[what] += sample.value
+        if server["workers_cpu"]:  # several workers: process_* describes only the one that answered the scrape
+            server["cpu"] = server["workers_cpu"]
+        totals.update(server)
+    del totals["workers_cpu"]
+    return dict(totals)
+
+
+def settled_sums(urls: str | list[str], route: str = "/infer", tries: int = 20) -> dict[str, float]:
+    """server_sums once two reads 50 ms apart agree: the server records a request's duration just after sending
+    its response, so a read taken the moment the clients have their last answers can miss the last few."""
+    last = server_sums(urls, route)
+    for _ in range(tries):
+        time.sleep(0.05)
+        current = server_sums(urls, route)
+        if current == last:
+            break
+        last = current
+    return last
+
+
+def server_breakdown(before: dict[str, float], after: dict[str, float], elapsed: float) -> dict[str, float]:
+    """Where a request's time went inside the server during one run: mean time from arrival to response, of which
+    queued (waiting for a batch), and the model's forward time per batch; the rest is the server's own work
+    (parsing, tokenizing, batching, serializing) plus waiting on the worker."""
+    d = {k: after[k] - before[k] for k in after}
+    requests, batches = max(d["requests"], 1), max(d["batches"], 1)
+    out = {"requests": d["requests"], "server_request_ms": 1e3 * d["request"] / requests,
+           "queue_ms_per_input": 1e3 * d["queue"] / max(d["inputs"], 1),
+           "forward_ms_per_batch": 1e3 * d["forward"] / batches, "batches": d["batches"],
+           "inputs_per_batch": d["batch_size"] / batches,
+           "forward_busy": d["forward"] / elapsed,  # summed over replicas
+           # CPU the server process(es) spent per request, all threads (event loop, batcher, tokenizer): what caps
+           # a GIL-bound process at 1000 / cpu_ms_per_request requests/s; cpu_cores is summed over replicas
+           "cpu_ms_per_request": 1e3 * d["cpu"] / requests, "cpu_cores": d["cpu"] / elapsed}
+    # the server's own time per request: in the server, but neither queued for a batch nor in a forward (parsing,
+    # validation, tokenizing, the thread hops, waiting for the event loop, serializing)
+    out["overhead_ms"] = out["server_request_ms"] - out["queue_ms_per_input"] - out["forward_ms_per_batch"]
+    return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -34,10 +35,11 @@ import httpx
 from bench import results as store
 from bench.harness import (CURRENT, SAME_MODEL_MIN_COSINE, ClientProcesses, client_shares, extra_settings, free_port,
                            log_path, merge_runs, min_cosine, one_connection_session, percentiles_ms, running_servers,
-                           sentences, traffic, tree_launch)
+                           sentences, server_sums, settled_sums, traffic, tree_launch)
 
 ROUTE = "/v1/embeddings"
-POINT_METRICS = ("requests_per_s", "texts_per_s", "tokens_per_s", "p50_ms", "p99_ms")
+POINT_METRICS = ("requests_per_s", "texts_per_s", "tokens_per_s", "p50_ms", "p99_ms", "client_cpu_share",
+                 "server_cpu_cores")
 THROUGHPUT = ("requests_per_s", "texts_per_s", "tokens_per_s")
 
 
@@ -135,9 +137,10 @@ async def openai_clients(url: str, texts: list[str], clients: int, seconds: floa
                 latencies.append(elapsed)
                 tokens += answer["usage"]["prompt_tokens"]
 
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     await asyncio.gather(*(client_loop() for _ in range(clients)))
-    return {"latencies": latencies, "errors": errors, "elapsed": time.monotonic() - started, "tokens": tokens}
+    return {"latencies": latencies, "errors": errors, "elapsed": time.monotonic() - started, "tokens": tokens,
+            "cpu": time.process_time() - cpu}
 
 
 async def grpc_clients(target: str, texts: list[str], clients: int, seconds: float, per_request: int,
@@ -179,25 +182,38 @@ async def grpc_clients(target: str, texts: list[str], clients: int, seconds: flo
                     continue
                 latencies.append(elapsed)
 
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     await asyncio.gather(*(client_loop() for _ in range(clients)))
-    return {"latencies": latencies, "errors": errors, "elapsed": time.monotonic() - started, "tokens": 0}
+    return {"latencies": latencies, "errors": errors, "elapsed": time.monotonic() - started, "tokens": 0,
+            "cpu": time.process_time() - cpu}
 
 
 def run_point(pool: ClientProcesses, url: str, texts: list[str], clients: int, per_request: int,
-              seconds: float, clients_fn=openai_clients) -> dict:
-    """One closed-loop run of `clients` over the pool's processes, all started together."""
+              seconds: float, clients_fn=openai_clients, metrics_url: str | None = None) -> dict:
+    """One closed-loop run of `clients` over the pool's processes, all started together; with metrics_url (the
+    server's HTTP address), the server's CPU seconds over the run too (its /metrics before and after: every worker's
+    process)."""
     jobs = [(url, texts, n, seconds, per_request, 1 + i) for i, n in enumerate(client_shares(clients, len(pool)))]
-    return merge_runs(pool.run(clients_fn, jobs, timeout_s=seconds + 300))
+    before = server_sums(metrics_url, ROUTE) if metrics_url else None
+    run = merge_runs(pool.run(clients_fn, jobs, timeout_s=seconds + 300))
+    if before is not None:
+        run["server_cpu"] = settled_sums(metrics_url, ROUTE)["cpu"] - before["cpu"]
+    return run
 
 
 def point_row(run: dict, clients: int, per_request: int, prefix: str = "", **labels) -> dict:
-    latencies, elapsed = run["latencies"], run["elapsed"]
+    """A point's numbers, with the CPU the load generator and the server took over it: in cores, and as a share of
+    the machine's (the two share one host)."""
+    latencies, elapsed, cores = run["latencies"], run["elapsed"], os.cpu_count() or 1
+    cpu = {"client_cpu_cores": run["cpu"] / elapsed, "client_cpu_share": run["cpu"] / elapsed / cores}
+    if "server_cpu" in run:
+        cpu.update(server_cpu_cores=run["server_cpu"] / elapsed, server_cpu_share=run["server_cpu"] / elapsed / cores,
+                   server_cpu_ms_per_request=1e3 * run["server_cpu"] / max(len(latencies), 1))
     return {**labels, "point": prefix + point_name(clients, per_request), "clients": clients,
             "per_request": per_request,
             "requests": len(latencies), "errors": run["errors"], "seconds": elapsed,
             "requests_per_s": len(latencies) / elapsed, "texts_per_s": len(latencies) * per_request / elapsed,
-            "tokens_per_s": run["tokens"] / elapsed, **percentiles_ms(latencies)}
+            "tokens_per_s": run["tokens"] / elapsed, **percentiles_ms(latencies), **cpu}
 
 
 def medians(rows: list[dict]) -> dict[str, dict[str, dict]]:
@@ -258,16 +274,19 @@ def check_vectors(url: str, texts: list[str]) -> list[list[float]]:
 def _say(row: dict) -> None:
     print(f"[openai-load] {row['tree']} start {row['start'] + 1}, {row['point']}: {row['requests_per_s']:.0f} "
           f"requests/s, {row['texts_per_s']:.0f} texts/s, {row['tokens_per_s']:.0f} tokens/s, p50 "
-          f"{row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms, {row['errors']} errors", file=sys.stderr, flush=True)
+          f"{row['p50_ms']:.2f} ms, p99 {row['p99_ms']:.2f} ms, {row['errors']} errors; load generator "
+          f"{row['client_cpu_share']:.0%} of the CPUs, server {row['server_cpu_cores']:.2f} cores", file=sys.stderr,
+          flush=True)
 
 
 def table(per_tree: dict[str, dict[str, dict]], compared: dict | None) -> str:
     lines = [f"{'tree':<9} {'point':>6} {'starts':>6} {'requests/s':>10} {'texts/s':>9} {'tokens/s':>10} "
-             f"{'p50 ms':>8} {'p99 ms':>8} {'errors':>6}"]
+             f"{'p50 ms':>8} {'p99 ms':>8} {'errors':>6} {'client CPU':>10} {'server cores':>12}"]
     for tree, points in per_tree.items():
         for name, m in points.items():
             lines.append(f"{tree:<9} {name:>6} {m['starts']:>6} {m['requests_per_s']:>10.1f} {m['texts_per_s']:>9.1f} "
-                         f"{m['tokens_per_s']:>10.0f} {m['p50_ms']:>8.2f} {m['p99_ms']:>8.2f} {m['errors']:>6}")
+                         f"{m['tokens_per_s']:>10.0f} {m['p50_ms']:>8.2f} {m['p99_ms']:>8.2f} {m['errors']:>6} "
+                         f"{m['client_cpu_share']:>10.0%} {m['server_cpu_cores']:>12.2f}")
     for name, c in (compared or {}).get("points", {}).items():
         lines.append(f"{name}: current/baseline requests/s x{c['requests_per_s_ratio']:.3f}, tokens/s "
                      f"x{c['tokens_per_s_ratio']:.3f}, p50 {c['p50_ms_change']:+.3f} ms, p99 "
@@ -305,7 +324,7 @@ def openai_load_scenario(args: argparse.Namespace, save) -> None:
                 for clients, per_request in args.openai_points:
                     if args.warm_seconds > 0:
                         run_point(pool, url, texts, clients, per_request, args.warm_seconds)
-                    run = run_point(pool, url, texts, clients, per_request, args.seconds)
+                    run = run_point(pool, url, texts, clients, per_request, args.seconds, metrics_url=url)
                     rows.append(point_row(run, clients, per_request, tree=tree, start=start))
                     _say(rows[-1])
                     save(rows, summary, False)
@@ -313,7 +332,8 @@ def openai_load_scenario(args: argparse.Namespace, save) -> None:
                     target = f"127.0.0.1:{grpc_port}"
                     if args.warm_seconds > 0:
                         run_point(pool, target, texts, clients, per_request, args.warm_seconds, grpc_clients)
-                    run = run_point(pool, target, texts, clients, per_request, args.seconds, grpc_clients)
+                    run = run_point(pool, target, texts, clients, per_request, args.seconds, grpc_clients,
+                                    metrics_url=url)
                     rows.append(point_row(run, clients, per_request, "grpc-", tree=tree, start=start))
                     _say(rows[-1])
                     save(rows, summary, False)

@@ -312,12 +312,16 @@ def openai_load_table(block: dict) -> str:
             c = compared.get(name) if tree == "current" else None
             rows.append([tree, name, str(m["starts"]), _f(m["requests_per_s"], 0), _f(m["texts_per_s"], 0),
                          _f(m["tokens_per_s"] / 1e3, 1), f"{_f(m['p50_ms'], 2)} / {_f(m['p99_ms'], 1)}",
-                         str(m["errors"]),
+                         str(m["errors"]), _percent(m.get("client_cpu_share")), _f(m.get("server_cpu_cores"), 2),
                          f"x{_f(c['requests_per_s_ratio'], 3)}, x{_f(c['tokens_per_s_ratio'], 3)}, "
                          f"{c['p50_ms_change']:+.3f} ms" + ("" if c["within_bounds"] else " **out of bounds**")
                          if c else "-"])
     return _table(["tree", "clients x texts", "starts", "requests/s", "texts/s", "k tokens/s", "p50 / p99 ms",
-                   "errors", "vs baseline: requests/s, tokens/s, p50"], rows)
+                   "errors", "load generator CPU", "server cores", "vs baseline: requests/s, tokens/s, p50"], rows)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"
 
 
 TABLES: dict[tuple[str, str], Callable[[dict], str]] = {

@@ -56,7 +56,8 @@ import httpx
 from bench import cpu_peers, openai_load, peer
 from bench import results as store
 from bench.harness import (load, log_path, mixed_texts, on_cuda, one_connection_session, percentiles_ms, request_body,
-                           running_servers, sentences, server_settings, traffic)
+                           running_servers, sentences, server_breakdown, server_settings, server_sums, settled_sums,
+                           traffic)
 
 SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer", "openai-load", "head-of-line",
              "cpu")
@@ -73,18 +74,6 @@ def kernel_choices(urls: list[str]) -> dict[str, dict[str, int]]:
     return {op: dict(c) for op, c in counts.items()}
 
 
-# what -> (sample name, labels it must carry): summed over every other label (the model, a replica's worker)
-SERVER_SUMS = {
-    "request": ("fusedserve_request_duration_seconds_sum", {"route": "{route}"}),
-    "requests": ("fusedserve_request_duration_seconds_count", {"route": "{route}"}),
-    "queue": ("fusedserve_queue_duration_seconds_sum", {}), "inputs": ("fusedserve_queue_duration_seconds_count", {}),
-    "batch_size": ("fusedserve_batch_size_sum", {}), "batches": ("fusedserve_batch_size_count", {}),
-    "forward": ("fusedserve_forward_duration_seconds_sum", {}),
-    "cpu": ("process_cpu_seconds_total", {}),  # the server process's user + system CPU time (prometheus_client)
-    "workers_cpu": ("fusedserve_worker_cpu_seconds", {}),  # the same summed over WORKERS > 1 (multiprocess mode)
-}
-
-
 def measured_load(urls: str | list[str], rows: list, clients: int, seconds: float, per_request: int,
                   count_tokens: list[int], processes: int = 1, payload: str = "text") -> tuple[dict, dict]:
     """One closed-loop run (load) and the servers' own account of it (server_breakdown of their /metrics before and
@@ -93,61 +82,6 @@ def measured_load(urls: str | list[str], rows: list, clients: int, seconds: floa
     before = server_sums(urls, route)
     run = load(urls, rows, clients, seconds, per_request, count_tokens, processes, payload)
     return run, server_breakdown(before, settled_sums(urls, route), run["elapsed"])
-
-
-def server_sums(urls: str | list[str], route: str = "/infer") -> dict[str, float]:
-    """Counters and histogram sums of the servers' /metrics that the per-run breakdown is built from (summed over
-    replicas, models and any other label), parsed by prometheus-client's own exposition parser."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals: collections.Counter = collections.Counter({k: 0.0 for k in SERVER_SUMS})
-    for url in [urls] if isinstance(urls, str) else urls:
-        text = httpx.get(url + "/metrics", timeout=30).text
-        server: collections.Counter = collections.Counter()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                for what, (name, labels) in SERVER_SUMS.items():
-                    if sample.name == name and all(sample.labels.get(k) == v.format(route=route)
-                                                   for k, v in labels.items()):
-                        server[what] += sample.value
-        if server["workers_cpu"]:  # several workers: process_* describes only the one that answered the scrape
-            server["cpu"] = server["workers_cpu"]
-        totals.update(server)
-    del totals["workers_cpu"]
-    return dict(totals)
-
-
-def settled_sums(urls: str | list[str], route: str = "/infer", tries: int = 20) -> dict[str, float]:
-    """server_sums once two reads 50 ms apart agree: the server records a request's duration just after sending
-    its response, so a read taken the moment the clients have their last answers can miss the last few."""
-    last = server_sums(urls, route)
-    for _ in range(tries):
-        time.sleep(0.05)
-        current = server_sums(urls, route)
-        if current == last:
-            break
-        last = current
-    return last
-
-
-def server_breakdown(before: dict[str, float], after: dict[str, float], elapsed: float) -> dict[str, float]:
-    """Where a request's time went inside the server during one run: mean time from arrival to response, of which
-    queued (waiting for a batch), and the model's forward time per batch; the rest is the server's own work
-    (parsing, tokenizing, batching, serializing) plus waiting on the worker."""
-    d = {k: after[k] - before[k] for k in after}
-    requests, batches = max(d["requests"], 1), max(d["batches"], 1)
-    out = {"requests": d["requests"], "server_request_ms": 1e3 * d["request"] / requests,
-           "queue_ms_per_input": 1e3 * d["queue"] / max(d["inputs"], 1),
-           "forward_ms_per_batch": 1e3 * d["forward"] / batches, "batches": d["batches"],
-           "inputs_per_batch": d["batch_size"] / batches,
-           "forward_busy": d["forward"] / elapsed,  # summed over replicas
-           # CPU the server process(es) spent per request, all threads (event loop, batcher, tokenizer): what caps
-           # a GIL-bound process at 1000 / cpu_ms_per_request requests/s; cpu_cores is summed over replicas
-           "cpu_ms_per_request": 1e3 * d["cpu"] / requests, "cpu_cores": d["cpu"] / elapsed}
-    # the server's own time per request: in the server, but neither queued for a batch nor in a forward (parsing,
-    # validation, tokenizing, the thread hops, waiting for the event loop, serializing)
-    out["overhead_ms"] = out["server_request_ms"] - out["queue_ms_per_input"] - out["forward_ms_per_batch"]
-    return out
 
 
 def single_requests(url: str, texts: list[str], count: int = 200, warm: int = 20) -> dict:

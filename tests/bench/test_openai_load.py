@@ -34,7 +34,7 @@ def _row(tree: str, start: int, clients: int, per_request: int, requests_per_s: 
     return {"tree": tree, "start": start, "point": f"{clients}x{per_request}", "clients": clients,
             "per_request": per_request, "errors": errors, "requests_per_s": requests_per_s,
             "texts_per_s": requests_per_s * per_request, "tokens_per_s": requests_per_s * per_request * 50,
-            "p50_ms": p50_ms, "p99_ms": 2 * p50_ms}
+            "p50_ms": p50_ms, "p99_ms": 2 * p50_ms, "client_cpu_share": 0.25, "server_cpu_cores": 1.0}
 
 
 def test_medians_and_the_verdict():
@@ -119,6 +119,9 @@ def test_openai_load_against_real_servers(tmp_path):
         assert r["errors"] == 0 and r["requests"] > 0 and r["p50_ms"] <= r["p99_ms"]
         answered = r["requests"] * r["per_request"]
         assert r["texts_per_s"] * r["seconds"] == pytest.approx(answered)
+        # the CPU both sides took: the load generator's processes, and the server's own account (/metrics)
+        assert 0 < r["client_cpu_share"] <= 1 and r["client_cpu_cores"] > 0
+        assert r["server_cpu_cores"] > 0 and r["server_cpu_ms_per_request"] > 0
         if r["point"].startswith("grpc-"):  # no usage in a gRPC answer
             assert r["tokens_per_s"] == 0
             continue

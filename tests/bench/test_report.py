@@ -117,13 +117,13 @@ def test_openai_load_table(tmp_path):
     def row(tree, start, rate, p50):
         return {"tree": tree, "start": start, "point": "64x1", "clients": 64, "per_request": 1, "requests": 100,
                 "errors": 0, "seconds": 8.0, "requests_per_s": rate, "texts_per_s": rate, "tokens_per_s": 50 * rate,
-                "p50_ms": p50, "p99_ms": 2 * p50}
+                "p50_ms": p50, "p99_ms": 2 * p50, "client_cpu_share": 0.31, "server_cpu_cores": rate / 1000}
 
     rows = [row("baseline", 0, 1000.0, 40.0), row("current", 0, 950.0, 42.0)]
     per_tree = openai_load.medians(rows)
     summary = {"medians": per_tree, "comparison": openai_load.comparison(per_tree, 0.03, 0.1)}
     _write(tmp_path, "serve", "openai-load", rows, summary)
     text = report.tables(tmp_path / "serve.json")
-    assert "| baseline | 64x1 | 1 | 1000 | 1000 | 50.0 | 40.00 / 80.0 | 0 | - |" in text
-    assert "| current | 64x1 | 1 | 950 | 950 | 47.5 | 42.00 / 84.0 | 0 | x0.950, x0.950, +2.000 ms " \
+    assert "| baseline | 64x1 | 1 | 1000 | 1000 | 50.0 | 40.00 / 80.0 | 0 | 31% | 1.00 | - |" in text
+    assert "| current | 64x1 | 1 | 950 | 950 | 47.5 | 42.00 / 84.0 | 0 | 31% | 0.95 | x0.950, x0.950, +2.000 ms " \
            "**out of bounds** |" in text
