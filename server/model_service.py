@@ -29,9 +29,12 @@ from fusedserve.server.verify import Verifier
 
 log = logging.getLogger("fusedserve")
 
-# Inputs this short are prepared on the event loop: a hop to a worker thread and back costs several times what
-# tokenizing a sentence does, a real share of a single request's latency on a GPU. Longer inputs go to a thread (the
-# tokenizer releases the GIL there).
+# A request of inputs this short is prepared on the event loop when no other request of the model is being served: a
+# hop to a worker thread and back costs several times what tokenizing a sentence does, a real share of a lone
+# request's latency on a GPU. Under load every request goes to TickPreparer: the tokenizer lets go of the GIL and
+# hands its work to its own threads, and getting the GIL back beside a busy batcher thread held the event loop for
+# half of its samples on the H200 (docs/performance.md); gathered per tick, the waits are paid on a worker thread,
+# once per tick. Longer inputs always go there.
 INLINE_TOKENIZE_CHARS = 512
 # a model's start-up, as /readyz and /info report it: phases move forward, to ready (every model loaded, the server
 # serves) or failed
@@ -175,6 +178,7 @@ class ModelService:
         self._ranges: dict[tuple[bool, int | None], np.ndarray] = {}
         self._calibrating: asyncio.Lock | None = None
         self._preparer = TickPreparer(lambda inputs, options: self.model.prepare(inputs, options))
+        self._serving = 0  # requests of this model submitted to the batcher and not answered yet (the event loop's)
 
     @property
     def kind(self) -> str | None:
@@ -305,7 +309,7 @@ class ModelService:
             raise PayloadTooLarge(f"{chars} characters of text in one request; the limit is "
                                   f"{self.settings.max_request_chars} (max_request_chars)")
         try:
-            if chars <= INLINE_TOKENIZE_CHARS:
+            if chars <= INLINE_TOKENIZE_CHARS and not self._serving:
                 rows = self.model.prepare(inputs, options)
             else:
                 async with asyncio.timeout(self._left()):
@@ -341,6 +345,7 @@ class ModelService:
         loop = asyncio.get_running_loop()
         watcher = loop.create_task(_watch(request, job.future)) if request is not None else None
         deadline = loop.call_later(left + 1.0, _settle, job.future, _Expired())
+        self._serving += 1
         try:
             block = await job.future
         except _ClientGone:
@@ -353,6 +358,7 @@ class ModelService:
             self.batcher.cancel(job)
             raise
         finally:
+            self._serving -= 1
             if watcher is not None:
                 watcher.cancel()
             deadline.cancel()

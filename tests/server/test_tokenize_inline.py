@@ -1,10 +1,12 @@
-"""Short inputs are tokenized on the event loop (a thread hop costs more than the tokenizer), long ones on worker
-threads, the requests of one loop tick together (server.model_service.TickPreparer); either way the token ids and
-the embeddings are those of each request prepared alone, and a request's error is its own."""
+"""A lone request of short inputs is tokenized on the event loop (a thread hop costs more than the tokenizer); long
+inputs, and every request while others are being served, on worker threads, the requests of one loop tick together
+(server.model_service.TickPreparer); either way the token ids and the embeddings are those of each request prepared
+alone, and a request's error is its own."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -72,6 +74,30 @@ def test_short_inputs_skip_the_thread_hop(server, hops):
     embedder = svc.model.embedder  # the test's oracle reaches past the seam
     assert_embeddings_close(a.rows, embedder.embed(short, normalize=False))
     assert_embeddings_close(b.rows, embedder.embed(long_, normalize=False))
+
+
+def test_short_inputs_under_load_go_to_the_threads(server, hops):
+    svc = server.default
+    gate = threading.Event()
+    held = svc.batcher.between_batches(lambda: gate.wait(30))  # the batcher busy: requests wait for it
+    first, second = ["the first short sentence"], ["another short sentence"]
+
+    async def two():
+        waiting = asyncio.create_task(svc.embed(first, TextOptions(), _Connected()))
+        await asyncio.sleep(0.05)  # the first is with the batcher now (prepared here: nothing else was served)
+        assert hops == []
+        rows = await svc.prepare(second)  # one request is being served: this one is prepared on a thread
+        assert hops == [[second]]
+        gate.set()
+        return (await waiting).rows, rows
+
+    try:
+        a, second_rows = asyncio.run(two())
+    finally:
+        gate.set()
+        held.result(timeout=30)
+    assert second_rows.tolist() == svc.model.prepare(second, TextOptions()).tolist()
+    assert_embeddings_close(a, svc.model.embedder.embed(first, normalize=False))
 
 
 def test_one_tick_of_requests_is_one_thread_call_with_each_requests_own_rows(server, hops):
