@@ -17,6 +17,11 @@ Scenarios:
                   SwiGLU (the gate/up GEMM with silu(gate) * up in its epilogue), beside eager PyTorch as transformers
                   writes it, torch.compile and Liger-Kernel (an optional bench dependency: its rows are skipped where
                   it is not installed); summary: ours against the best of torch.compile and Liger per cell
+  gemm-fp8        an encoder layer's four GEMMs (QKV, attention output, FFN in, FFN out) at MiniLM-L6's and
+                  BERT-base's widths in fp16 (cuBLAS, bias in the GEMM) against FP8 E4M3 on the tensor cores
+                  (torch._scaled_mm: weights quantized per output channel ahead, activations per token), the
+                  activations' quantization timed apart and together: device time, TFLOP/s and the error against a
+                  float64 reference; summary: each case's layer sum per provider (what an FP8 encoder would gain)
   splade          SPLADE pooling (splade_pool: the MLM head's vocab GEMM with each sequence's max of log1p(relu) in
                   its epilogue) at BERT's vocab and width: device time, TFLOP/s and the peak memory the call allocates,
                   against the unfused PyTorch that materializes the [tokens, vocab] logits, eager and torch.compile
@@ -44,7 +49,7 @@ from fusedserve.kernels import timing
 from fusedserve.kernels.spec import OP_SPECS, ROWWISE_OPS
 from fusedserve.kernels.testing import compare, float64_reference
 
-SCENARIOS = ("fused-ops", "gemm-epilogues", "attention", "decoder-ops", "splade")
+SCENARIOS = ("fused-ops", "gemm-epilogues", "gemm-fp8", "attention", "decoder-ops", "splade")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHAPES = ("4096x768", "32768x384", "32768x768", "16384x1024", "8192x4096")
 # name: (op, tokens M, in features K, out features N) at MiniLM-L6 (hidden 384) and BERT-base (768) widths
@@ -620,6 +625,91 @@ def gemm_epilogues(args: argparse.Namespace, save: Callable[[list[dict], dict, b
     save(rows, summary, True)
 
 
+# gemm-fp8: name -> (hidden, FFN width, tokens); the layer's GEMMs as (in features K, out features N)
+FP8_CASES = {
+    "minilm 16 tokens": (384, 1536, 16),
+    "minilm 4096 tokens": (384, 1536, 4096),
+    "bert-base 4096 tokens": (768, 3072, 4096),
+    "bert-base 8990 tokens": (768, 3072, 8990),  # the b128 varlen row's real tokens
+    "tiny 8 tokens": (16, 64, 8),  # the CPU test's: not in the default set
+}
+DEFAULT_FP8_CASES = tuple(name for name in FP8_CASES if not name.startswith("tiny"))
+FP8_PROVIDERS = ("fp16", "fp8", "fp8 + quantize")
+E4M3_MAX = 448.0
+# E4M3 keeps 3 mantissa bits: a value's rounding error is up to 2^-4 of it. With a scale per token and per output
+# channel a GEMM's relative error norm stays near that (3-4% on random data), well above fp16's table entry: an FP8
+# cell is accurate within this bound, as a measurement; the serving path's own bound is its embeddings' cosine.
+FP8_REL_L2 = 0.06
+
+
+def layer_gemms(hidden: int, inner: int) -> dict[str, tuple[int, int]]:
+    return {"qkv": (hidden, 3 * hidden), "attn_out": (hidden, hidden), "ffn_in": (hidden, inner),
+            "ffn_out": (inner, hidden)}
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `t` in E4M3 with its own fp32 scale (amax / 448): (values, scales [rows, 1])."""
+    scale = t.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / E4M3_MAX
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def fp8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor) -> torch.Tensor:
+    """x W^T + b from row-quantized x [M, K] and W [N, K] (the weight's rows are its output channels)."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.t(), bias=bias, out_dtype=bias.dtype)
+
+
+def gemm_fp8(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], None]) -> None:
+    device = args.device
+    names = args.fp8_shapes or list(DEFAULT_FP8_CASES)
+    rows: list[dict] = []
+    summary: dict = {"layers": {}}
+    seed = 0
+    for name in names:
+        hidden, inner, m = FP8_CASES[name]
+        sums = dict.fromkeys(FP8_PROVIDERS, 0.0)
+        for gemm, (k, n) in layer_gemms(hidden, inner).items():
+            seed += 1
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(m, k, generator=gen).to(device, torch.float16)  # an activation after LayerNorm
+            # outputs of unit scale, so the error is relative to the output (compare floors its norm at an RMS of 1)
+            w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(device, torch.float16)
+            b = (torch.randn(n, generator=gen) * 0.1).to(device, torch.float16)
+            ref = x.double() @ w.double().t() + b.double()
+            wq, w_scale = quantize_rows(w)
+            xq, x_scale = quantize_rows(x)
+            calls = {"fp16": lambda: F.linear(x, w, b),
+                     "fp8": lambda: fp8_linear(xq, x_scale, wq, w_scale, b),
+                     "fp8 + quantize": lambda: fp8_linear(*quantize_rows(x), wq, w_scale, b)}
+            line = []
+            for provider, fn in calls.items():
+                try:
+                    out = fn()
+                    us = cell_us(fn, device)
+                except Exception as exc:  # a torch without row-wise FP8 GEMMs on this device
+                    rows.append({"op": gemm, "case": name, "dtype": "float16", "shape": f"{m}x{k}x{n}",
+                                 "provider": provider, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                    sums[provider] = math.nan
+                    line.append(f"{provider} FAILED")
+                    continue
+                err = compare(out, ref, torch.float16)
+                accurate = err.ok if provider == "fp16" else math.isfinite(err.rel_l2) and err.rel_l2 <= FP8_REL_L2
+                # dtype: the activations' and the output's (the fp8 providers' GEMM inputs are E4M3)
+                rows.append({"op": gemm, "case": name, "dtype": "float16", "shape": f"{m}x{k}x{n}",
+                             "provider": provider, "us": us,
+                             "tflops": gemm_flops(m, k, n) / us / 1e6, "rel_l2": err.rel_l2, "max_abs": err.max_abs,
+                             "accurate": accurate})
+                sums[provider] += us
+                line.append(f"{provider} {us:7.1f} us")
+            print(f"{name} {gemm}: " + " | ".join(line), file=sys.stderr, flush=True)
+        summary["layers"][name] = {"us": sums, "fp8_speedup": sums["fp16"] / sums["fp8"],
+                                   "fp8_quantize_speedup": sums["fp16"] / sums["fp8 + quantize"]}
+        print(f"{name}: one layer's GEMMs fp16 {sums['fp16']:.1f} us, fp8 {sums['fp8']:.1f} us, with the "
+              f"activations' quantization {sums['fp8 + quantize']:.1f} us", file=sys.stderr, flush=True)
+        save(rows, summary, False)
+    save(rows, summary, True)
+
+
 def attention(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], None]) -> None:
     device = args.device
     names = args.attention_shapes or list(DEFAULT_ATTENTION_SHAPES)
@@ -797,6 +887,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", help=f"fused-ops: ROWSxCOLS (default: {' '.join(SHAPES)})")
     parser.add_argument("--gemm-shapes", nargs="+", choices=list(GEMM_SHAPES),
                         help=f"gemm-epilogues: the cases (default: {', '.join(DEFAULT_GEMM_SHAPES)})")
+    parser.add_argument("--fp8-shapes", nargs="+", choices=list(FP8_CASES),
+                        help=f"gemm-fp8: the cases (default: {', '.join(DEFAULT_FP8_CASES)})")
     parser.add_argument("--attention-shapes", nargs="+", choices=list(ATTENTION_SHAPES),
                         help=f"attention: the cases (default: {', '.join(DEFAULT_ATTENTION_SHAPES)})")
     parser.add_argument("--splade-shapes", nargs="+", choices=list(SPLADE_SHAPES),
@@ -818,7 +910,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     for scenario in args.scenarios or SCENARIOS:
         head = store.header(args.device, argv)
         settings = {"device": args.device, "providers": args.providers, "ops": args.ops, "dtypes": args.dtypes,
-                    "shapes": {"fused-ops": args.shapes, "gemm-epilogues": args.gemm_shapes,
+                    "shapes": {"fused-ops": args.shapes, "gemm-epilogues": args.gemm_shapes, "gemm-fp8": args.fp8_shapes,
                                "attention": args.attention_shapes, "decoder-ops": args.decoder_shapes,
                                "splade": args.splade_shapes}[scenario],
                     "device_rounds": DEVICE_ROUNDS, "check": args.check}
@@ -827,7 +919,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                  settings: dict = settings) -> None:
             store.write(out, "kernels", gpu, scenario, store.block(head, settings, rows, summary, complete=complete))
 
-        {"fused-ops": fused_ops, "gemm-epilogues": gemm_epilogues, "attention": attention,
+        {"fused-ops": fused_ops, "gemm-epilogues": gemm_epilogues, "gemm-fp8": gemm_fp8, "attention": attention,
          "decoder-ops": decoder_ops, "splade": splade}[scenario](args, save)
         print(f"{scenario}: {out} ({time.monotonic() - started:.0f} s into the run)", file=sys.stderr, flush=True)
     return 0

@@ -170,6 +170,18 @@ def gemm_table(block: dict) -> str:
     return _table(["case", "dtype", "M x K -> N"] + [f"{p} us (TFLOP/s)" for p in providers], rows)
 
 
+def gemm_fp8_table(block: dict) -> str:
+    """Per case, one layer's four GEMMs summed per provider, and the fp8 rows' largest error."""
+    rows = []
+    for case, layer in block["summary"].get("layers", {}).items():
+        worst = max((r["rel_l2"] for r in block["results"] if r["case"] == case and "rel_l2" in r
+                     and r["provider"] != "fp16"), default=None)
+        rows.append([case, _f(layer["us"]["fp16"]), _f(layer["us"]["fp8"]), _f(layer["us"]["fp8 + quantize"]),
+                     f"{_f(layer['fp8_speedup'], 2)}x", f"{_f(layer['fp8_quantize_speedup'], 2)}x", _f(worst, 4)])
+    return _table(["case", "fp16 us", "fp8 us", "fp8 + quantize us", "fp8 speed-up", "with quantize",
+                   "fp8 rel. error (worst GEMM)"], rows)
+
+
 # ---- encoder ----------------------------------------------------------------------------------------------------
 def encoder_label(r: dict) -> str:
     label = r["provider"]
@@ -326,7 +338,7 @@ def _percent(share: float | None) -> str:
 
 TABLES: dict[tuple[str, str], Callable[[dict], str]] = {
     ("kernels", "fused-ops"): fused_ops_table, ("kernels", "gemm-epilogues"): gemm_table,
-    ("kernels", "decoder-ops"): decoder_ops_table,
+    ("kernels", "decoder-ops"): decoder_ops_table, ("kernels", "gemm-fp8"): gemm_fp8_table,
     ("kernels", "nsight"): nsight_table,
     ("encoder", "profile"): profile_table, ("serve", "closed-loop"): closed_loop_table,
     ("serve", "single"): single_table, ("serve", "replicas"): _sharing_table("replicas", "servers"),

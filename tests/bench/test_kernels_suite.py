@@ -34,6 +34,28 @@ def test_fused_ops_and_gemm_epilogues_on_the_interpreter(tmp_path):
     assert all(r["accurate"] and r["tflops"] > 0 for r in gemm)
 
 
+def test_gemm_fp8_on_the_cpu(tmp_path):
+    out = tmp_path / "kernels.json"
+    assert main(["kernels", "gemm-fp8", "--device", "cpu", "--fp8-shapes", "tiny 8 tokens", "--out", str(out)]) == 0
+    doc = store.load(out)
+    assert store.validate(doc) == []
+    block = doc["scenarios"]["gemm-fp8"]
+    assert block["complete"] and block["settings"]["shapes"] == ["tiny 8 tokens"]
+    rows = block["results"]
+    assert {(r["op"], r["provider"]) for r in rows} == {
+        (gemm, p) for gemm in ("qkv", "attn_out", "ffn_in", "ffn_out") for p in suite.FP8_PROVIDERS}
+    assert {r["shape"] for r in rows if r["op"] == "ffn_out"} == {"8x64x16"}
+    assert all(r["accurate"] and r["us"] > 0 and r["tflops"] > 0 for r in rows)
+    for gemm in ("qkv", "attn_out", "ffn_in", "ffn_out"):
+        error = {r["provider"]: r["rel_l2"] for r in rows if r["op"] == gemm}
+        # the quantization is real (E4M3's rounding shows) and the same whether timed with the GEMM or not
+        assert error["fp16"] < 1e-3 < error["fp8"] <= suite.FP8_REL_L2
+        assert error["fp8 + quantize"] == error["fp8"]
+    layer = block["summary"]["layers"]["tiny 8 tokens"]
+    assert layer["us"]["fp16"] == sum(r["us"] for r in rows if r["provider"] == "fp16")
+    assert layer["fp8_speedup"] == layer["us"]["fp16"] / layer["us"]["fp8"]
+
+
 def test_the_same_bytes_copy_moves_the_cells_bytes(monkeypatch):
     """Half the cell's bytes read and half written: a float32 tensor of nbytes / 8 elements copied once."""
     copied = []
