@@ -26,6 +26,9 @@
 #             bench serve openai-load --baseline (each tree's server started 3 times, alternating; medians side by
 #             side) -> serve.json (scenario openai-load); then the encoder rows as compare-encoder does, in the time
 #             left. Run retune first when the kernel sources changed, or this tree's starts tune
+#   devices   (two GPUs or more) python -m bench serve devices: every GPU against one GPU and half the CPUs, both
+#             WORKERS=auto, MiniLM float JSON and a random MPNet-base (BERT-base-shaped) with base64, then one GPU's
+#             workers killed under load                         -> serve.json (scenario devices)
 #   compare-encoder  before/after encoder rows only: the encoder suite's "ours" rows of the older tree, then of this
 #             one -> $OUT/encoder-baseline.json, $OUT/encoder-current.json and their table (python -m bench report
 #             --compare) in $OUT/encoder-compare.md
@@ -44,7 +47,7 @@
 # rather than prepending it. $OUT comes back: the suite's log and, for a benchmark suite, its updated results file
 # (copy it over bench/results/<gpu>/ and commit it).
 set -uo pipefail
-suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|profile|nsight|compare|compare-encoder"
+suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|devices|profile|nsight|compare|compare-encoder"
 suite=${1:?usage: bash bench/gpu.sh $suites [ARGS: compare: openai-load options; compare-encoder: encoder ones; qwen-encoder: its cases]}
 shift
 extra=("$@")  # more arguments of the compare suites' harness commands (e.g. --starts 1; encoder case names)
@@ -260,6 +263,16 @@ case "$suite" in
 sys.path.append('$repo/tests/model'); import checkpoints; checkpoints.qwen(Path('/tmp/qwen3-0.6b'), '0.6b')") || exit
     timeout 420 python3 -m bench serve peer --model /tmp/qwen3-0.6b --peer-batch-sizes 64 --as peer-qwen3-0.6b \
       --log-dir "$OUT" 2>&1 | tee "$OUT/peer.log" | grep -vE "^(INFO|Loading)"
+    results serve
+    ;;
+  devices)
+    build
+    repo=$PWD  # the checkpoint is built outside the tree's root, as qwen-peer's is
+    (cd /tmp && PYTHONPATH=/tmp/site python3 -c "import sys; from pathlib import Path; \
+sys.path.append('$repo/tests/model'); import checkpoints; checkpoints.mpnet(Path('/tmp/mpnet-base'), shape='base')") \
+      || exit
+    timeout 560 python3 -m bench serve devices --model "$MODEL" --devices-big-model /tmp/mpnet-base --log-dir "$OUT" \
+      2>&1 | tee "$OUT/devices.log" | grep -vE "^(INFO|Loading)"
     results serve
     ;;
   compare)

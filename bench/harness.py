@@ -173,12 +173,13 @@ def _log_tail(path: str, chars: int = 3000) -> str:
 
 @contextlib.contextmanager
 def running_servers(count: int, log: str = os.devnull, *, launch: ServerLaunch = CURRENT,
-                    ready_timeout_s: float = 480, log_level: str = "warning", **settings: str):
+                    ready_timeout_s: float = 480, log_level: str = "warning", cpus: frozenset[int] | None = None,
+                    **settings: str):
     """`count` servers (this tree's `fusedserve serve` unless `launch` says otherwise) on free loopback ports with
     FUSEDSERVE_* settings, started together (replicas on one machine, as a Kubernetes node runs several pods), all
     writing to `log` (at `log_level`: "info" keeps the start-up report). Yields [(process, url)] once every one is
     ready (a first start on a fresh GPU machine compiles,
-    self-tests and races the kernels before it is)."""
+    self-tests and races the kernels before it is). cpus: the CPUs the servers (and their workers) may run on."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{f"FUSEDSERVE_{k.upper()}": v for k, v in settings.items()})
     env.pop("TRITON_INTERPRET", None)  # the harness's own switch on a CPU: a server chooses kernels as deployed
     env = launch.env(env)
@@ -187,7 +188,8 @@ def running_servers(count: int, log: str = os.devnull, *, launch: ServerLaunch =
         for _ in range(count):
             port = free_port()
             process = subprocess.Popen([*launch.argv, "--port", str(port), "--log-level", log_level], env=env,
-                                       cwd=launch.cwd, stdout=handle, stderr=subprocess.STDOUT)
+                                       cwd=launch.cwd, stdout=handle, stderr=subprocess.STDOUT,
+                                       preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
             servers.append((process, f"http://127.0.0.1:{port}"))
         deadline = time.monotonic() + ready_timeout_s
         for process, url in servers:
@@ -299,26 +301,35 @@ class ClientProcesses:
     def run(self, function: Callable[..., Coroutine], jobs: list[tuple], timeout_s: float) -> list[dict]:
         """`function(*jobs[i])` in process i, all started together; their results in process order. Raises if a
         process fails or none has answered within `timeout_s`."""
+        self.submit(function, jobs)
+        return self.collect(timeout_s)
+
+    def submit(self, function: Callable[..., Coroutine], jobs: list[tuple]) -> None:
+        """Start `function(*jobs[i])` in process i, all together, and return at once (collect() waits for them):
+        the caller acts on the server while the load runs (the devices scenario's fault case)."""
         if len(jobs) != len(self.workers):
             raise ValueError(f"{len(jobs)} jobs for {len(self.workers)} client processes")
         for inbox, args in zip(self.jobs, jobs, strict=True):
             inbox.put((function, args))
+
+    def collect(self, timeout_s: float) -> list[dict]:
+        """The submitted jobs' results in process order."""
         parts: dict[int, dict] = {}
         deadline = time.monotonic() + timeout_s
-        while len(parts) < len(jobs):
+        while len(parts) < len(self.workers):
             try:  # a second at a time, so that a process that died is noticed at once
                 index, result, error = self.results.get(timeout=1.0)
             except queue.Empty:
                 dead = [i for i, w in enumerate(self.workers) if not w.is_alive()]
                 if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"client processes: {len(jobs) - len(parts)} gave no result"
+                    raise RuntimeError(f"client processes: {len(self.workers) - len(parts)} gave no result"
                                        + (f" (processes {dead} exited)" if dead else f" in {timeout_s:.0f} s")
                                        ) from None
                 continue
             if error is not None:
                 raise RuntimeError(f"client process {index}: {error}")
             parts[index] = result
-        return [parts[i] for i in range(len(jobs))]
+        return [parts[i] for i in range(len(self.workers))]
 
     def close(self) -> None:
         for inbox in self.jobs:

@@ -103,10 +103,11 @@ def start_order(trees: list[str], rounds: int) -> list[tuple[int, str]]:
 
 
 async def openai_clients(url: str, texts: list[str], clients: int, seconds: float, per_request: int,
-                         seed: int) -> dict:
-    """`clients` aiohttp sessions of one connection each, each sending its next POST /v1/embeddings (float JSON,
-    `per_request` texts picked at random) when the last is answered, for `seconds`. An answer counts when it is a 200
-    holding one vector per text; its `usage.prompt_tokens` adds to the tokens. Runs in a load-generator process."""
+                         seed: int, encoding: str = "float") -> dict:
+    """`clients` aiohttp sessions of one connection each, each sending its next POST /v1/embeddings (`per_request`
+    texts picked at random, vectors as `encoding`: float JSON or base64) when the last is answered, for `seconds`. An
+    answer counts when it is a 200 holding one vector per text; its `usage.prompt_tokens` adds to the tokens. Runs in
+    a load-generator process."""
     import aiohttp
 
     latencies: list[float] = []
@@ -119,7 +120,7 @@ async def openai_clients(url: str, texts: list[str], clients: int, seconds: floa
         async with one_connection_session(url) as session:
             while time.monotonic() < stop:
                 body = {"input": [texts[rng.randrange(len(texts))] for _ in range(per_request)],
-                        "encoding_format": "float"}
+                        "encoding_format": encoding}
                 t = time.perf_counter()
                 try:
                     async with session.post(ROUTE, json=body) as response:
@@ -189,11 +190,14 @@ async def grpc_clients(target: str, texts: list[str], clients: int, seconds: flo
 
 
 def run_point(pool: ClientProcesses, url: str, texts: list[str], clients: int, per_request: int,
-              seconds: float, clients_fn=openai_clients, metrics_url: str | None = None) -> dict:
+              seconds: float, clients_fn=openai_clients, metrics_url: str | None = None,
+              encoding: str = "float") -> dict:
     """One closed-loop run of `clients` over the pool's processes, all started together; with metrics_url (the
     server's HTTP address), the server's CPU seconds over the run too (its /metrics before and after: every worker's
-    process)."""
-    jobs = [(url, texts, n, seconds, per_request, 1 + i) for i, n in enumerate(client_shares(clients, len(pool)))]
+    process). encoding: the HTTP clients' vectors (float or base64)."""
+    extra = (encoding,) if clients_fn is openai_clients else ()
+    jobs = [(url, texts, n, seconds, per_request, 1 + i, *extra)
+            for i, n in enumerate(client_shares(clients, len(pool)))]
     before = server_sums(metrics_url, ROUTE) if metrics_url else None
     run = merge_runs(pool.run(clients_fn, jobs, timeout_s=seconds + 300))
     if before is not None:

@@ -446,6 +446,7 @@ class Batcher:
         m.batch_size.observe(len(batch))
         m.batch_tokens.observe(longest * len(batch))
         m.batch_padding_ratio.observe(1 - real / (longest * len(batch)))
+        m.device_tokens.inc(real)
         if random.random() < self.settings.kernel_timing_sample_rate:
             self._sample_timing(rows)  # timed after it is answered: the request never waits on the instrumented path
         if self.settings.overlap_batches:

@@ -88,7 +88,11 @@ class Metrics:
                                    ["device"], registry=r)
         self.device_workers = Gauge(PREFIX + "device_workers", "Server processes serving on each device", ["device"],
                                     registry=r, multiprocess_mode="livesum")
+        # the real (unpadded) tokens each device's batches ran: its share of the server's tokens/s
+        self.device_tokens = Counter(PREFIX + "device_tokens", "Input tokens of the batches run on each device",
+                                     ["device"], registry=r)
         self.device_busy.labels(device)
+        self.device_tokens.labels(device)
         self.device_workers.labels(device).set(1)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         if self.multiprocess:
@@ -228,6 +232,7 @@ class ModelMetrics:
         self.batch_padding_ratio = metrics.batch_padding_ratio.labels(model)
         self.kernel_duration = _Labelled(metrics.kernel_duration, model)
         self.forward_duration = _Forwards(metrics.forward_duration, model, metrics.device_busy.labels(metrics.device))
+        self.device_tokens = metrics.device_tokens.labels(metrics.device)
         self.reference_checks = _Labelled(metrics.reference_checks, model)
         self.reference_max_abs_error = metrics.reference_max_abs_error.labels(model)
         self.reference_cosine_distance = metrics.reference_cosine_distance.labels(model)

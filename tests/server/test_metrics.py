@@ -93,6 +93,8 @@ def test_every_family_with_sensible_values(busy_server):
     assert not unlabelled, unlabelled
     assert s['fusedserve_device_workers{device="cpu"}'] == 1
     assert 0 < s['fusedserve_device_busy_seconds_total{device="cpu"}']
+    # the batches' real tokens: some, and no more than the padded tokens the batch histogram counts
+    assert 0 < s['fusedserve_device_tokens_total{device="cpu"}'] <= s[f"fusedserve_batch_tokens_sum{{{m}}}"]
 
 
 # promtool and prometheus come with the Debian package prometheus; CI installs it and sets

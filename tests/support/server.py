@@ -7,8 +7,9 @@ output by `factor`, emit NaN, stall `factor` seconds per call, or run out of mem
 rows. DELETE /admin/faults: every model back to its selection from before its first fault.
 
 Fake GPUs on a machine without one, for the workers' placement: TEST_FAKE_GPUS="cuda:0,cuda:1" makes those the
-visible GPUs; each runs its workers on the CPU under its own name, except those in TEST_BROKEN_GPUS, whose workers
-ask torch for that CUDA device and fail their start as a broken GPU would."""
+visible GPUs; each runs its workers (or the one process a single placement makes) on the CPU under its own name,
+except those in TEST_BROKEN_GPUS, whose workers ask torch for that CUDA device and fail their start as a broken GPU
+would."""
 
 from __future__ import annotations
 
@@ -93,6 +94,16 @@ async def clear_faults(service: ServiceDep) -> dict:
 
 
 def create_test_app(settings):
+    fake = [g for g in os.environ.get("TEST_FAKE_GPUS", "").split(",") if g]
+    broken = set(os.environ.get("TEST_BROKEN_GPUS", "").split(","))
+    if settings.device in fake and settings.device not in broken:
+        # a server of one process on one fake GPU (DEVICE=cuda:0 coming to one worker) loads its models through its
+        # setting, not a placement: the fake name resolves to the CPU here (in the serving process only: the
+        # parent of workers must not import the model package before it starts them)
+        from fusedserve.model import runner
+
+        resolve = runner.resolve_device
+        runner.resolve_device = lambda device: resolve("cpu" if device == settings.device else device)
     app = create_app(settings)
     app.include_router(router)
     return app
