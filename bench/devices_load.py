@@ -65,12 +65,23 @@ def settings(args: argparse.Namespace) -> dict:
                                                             **extra_settings(args)}}
 
 
+def _get(url: str, tries: int = 50) -> httpx.Response:
+    """GET over a fresh connection, again after a reset: while a device's workers are being killed, a connection
+    can land on a socket that is going away."""
+    for _ in range(tries - 1):
+        try:
+            return httpx.get(url, timeout=30, headers={"Connection": "close"})
+        except httpx.TransportError:
+            time.sleep(0.05)
+    return httpx.get(url, timeout=30, headers={"Connection": "close"})
+
+
 def _samples(url: str, name: str) -> dict[str, float]:
     """label "device" -> value of the server's `name` samples (summed over its other labels)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: collections.Counter = collections.Counter()
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+    for family in text_string_to_metric_families(_get(url + "/metrics").text):
         for sample in family.samples:
             if sample.name == name and "device" in sample.labels:
                 out[sample.labels["device"]] += sample.value
@@ -83,10 +94,7 @@ def workers_by_device(url: str, tries: int = 400) -> dict[str, set[int]]:
     expected = {d: round(n) for d, n in _samples(url, "fusedserve_device_workers").items()}
     seen: dict[str, set[int]] = collections.defaultdict(set)
     for _ in range(tries):
-        try:
-            worker = httpx.get(url + "/info", timeout=30, headers={"Connection": "close"}).json()["worker"]
-        except httpx.TransportError:  # a connection that landed on a killed worker's socket as it went
-            continue
+        worker = _get(url + "/info").json()["worker"]
         seen[worker["device"]].add(worker["pid"])
         if all(len(seen[d]) >= n for d, n in expected.items()):
             break
