@@ -4,7 +4,7 @@
 #             server tests side by side (logs: tests-kernels.log, tests-model.log)
 #   sanitize  compute-sanitizer memcheck and racecheck over the CUDA kernel tests
 #   kernels   python -m bench kernels fused-ops in all three dtypes       -> bench/results/<gpu>/kernels.json
-#   gemm      python -m bench kernels gemm-epilogues                    -> bench/results/<gpu>/kernels.json
+#   gemm      python -m bench kernels gemm-epilogues gemm-fp8           -> bench/results/<gpu>/kernels.json
 #   decoder   python -m bench kernels decoder-ops in fp16 and bf16 (Liger-Kernel's rows: carry its wheel in .whl)
 #                                                                        -> bench/results/<gpu>/kernels.json
 #   qwen-encoder  python -m bench encoder's Qwen3-Embedding-0.6B rows (ARGS: the cases, default all three), the
@@ -158,7 +158,7 @@ case "$suite" in
     ;;
   gemm)
     build
-    timeout 300 python3 -m bench kernels gemm-epilogues 2>&1 | tee "$OUT/kernels.log"
+    timeout 300 python3 -m bench kernels gemm-epilogues gemm-fp8 2>&1 | tee "$OUT/kernels.log"
     results kernels
     ;;
   decoder)
