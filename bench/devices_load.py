@@ -76,22 +76,28 @@ def _get(url: str, tries: int = 50) -> httpx.Response:
     return httpx.get(url, timeout=30, headers={"Connection": "close"})
 
 
-def _samples(url: str, name: str) -> dict[str, float]:
-    """label "device" -> value of the server's `name` samples (summed over its other labels)."""
+# what the scenario reads of the server's metrics per device: key -> sample name
+DEVICE_SAMPLES = {"busy": "fusedserve_device_busy_seconds_total", "tokens": "fusedserve_device_tokens_total",
+                  "workers": "fusedserve_device_workers"}
+
+
+def device_sums(url: str) -> dict[str, dict[str, float]]:
+    """key of DEVICE_SAMPLES -> device -> value, summed over the other labels, from one read of /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: collections.Counter = collections.Counter()
+    names = {name: key for key, name in DEVICE_SAMPLES.items()}
+    out: dict[str, collections.Counter] = {key: collections.Counter() for key in DEVICE_SAMPLES}
     for family in text_string_to_metric_families(_get(url + "/metrics").text):
         for sample in family.samples:
-            if sample.name == name and "device" in sample.labels:
-                out[sample.labels["device"]] += sample.value
-    return dict(out)
+            if sample.name in names and "device" in sample.labels:
+                out[names[sample.name]][sample.labels["device"]] += sample.value
+    return {key: dict(values) for key, values in out.items()}
 
 
 def workers_by_device(url: str, tries: int = 400) -> dict[str, set[int]]:
     """device -> the worker pids seen answering /info, each over a fresh connection (the kernel spreads new
     connections over the workers' sockets), until as many as fusedserve_device_workers counts are seen."""
-    expected = {d: round(n) for d, n in _samples(url, "fusedserve_device_workers").items()}
+    expected = {d: round(n) for d, n in device_sums(url)["workers"].items()}
     seen: dict[str, set[int]] = collections.defaultdict(set)
     for _ in range(tries):
         worker = _get(url + "/info").json()["worker"]
@@ -106,22 +112,16 @@ def measured_point(pool: ClientProcesses, url: str, texts: list[str], clients: i
     """One point (after its warm-up) with each device's busy share and tokens/s share over it."""
     if warm_seconds > 0:
         run_point(pool, url, texts, clients, per_request, warm_seconds, encoding=encoding)
-    busy = _samples(url, "fusedserve_device_busy_seconds_total")
-    tokens_before = _device_tokens(url)
+    before = device_sums(url)
     run = run_point(pool, url, texts, clients, per_request, seconds, metrics_url=url, encoding=encoding)
-    busy_after, tokens_after = _samples(url, "fusedserve_device_busy_seconds_total"), _device_tokens(url)
+    after = device_sums(url)
     row = point_row(run, clients, per_request, **labels)
-    total = sum(tokens_after.values()) - sum(tokens_before.values())
-    row["devices"] = {d: {"busy": (busy_after[d] - busy.get(d, 0.0)) / run["elapsed"],
-                          "tokens_share": (tokens_after.get(d, 0.0) - tokens_before.get(d, 0.0)) / total
-                          if total else None}
-                      for d in busy_after}
+    tokens = {d: v - before["tokens"].get(d, 0.0) for d, v in after["tokens"].items()}
+    total = sum(tokens.values())
+    row["devices"] = {d: {"busy": (v - before["busy"].get(d, 0.0)) / run["elapsed"],
+                          "tokens_share": tokens.get(d, 0.0) / total if total else None}
+                      for d, v in after["busy"].items()}
     return row
-
-
-def _device_tokens(url: str) -> dict[str, float]:
-    """device -> tokens its forwards ran (the batches' real tokens, summed over the device's workers)."""
-    return _samples(url, "fusedserve_device_tokens_total")
 
 
 async def checking_clients(url: str, texts: list[str], clients: int, seconds: float, per_request: int, seed: int,

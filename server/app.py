@@ -196,7 +196,8 @@ class HotRoutes:
             handler = self.handlers.get(path)
         if handler is None:
             return await self.app(scope, receive, send)
-        scope["route"], scope["endpoint"], scope["path_params"] = self.routes[path], self.routes[path].endpoint, {}
+        route = self.routes[path]
+        scope["route"], scope["endpoint"], scope["path_params"] = route, route.endpoint, {}
         request = Request(scope, receive, send)
         try:
             response = await handler(request)

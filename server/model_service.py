@@ -47,8 +47,9 @@ PREPARE_CHUNK_CHARS = 32_768
 
 class TickPreparer:
     """Requests not prepared on the event loop (long inputs, and every request while others are being served),
-    gathered over one loop tick and prepared on worker threads, one call per chunk of up to PREPARE_CHUNK_CHARS: requests of texts alone with the same options as one model.prepare
-    call (the tokenizer spreads one call's texts over its threads), each cut back into its own Rows. A thread hop and
+    gathered over one loop tick and prepared on worker threads, one call per chunk of up to PREPARE_CHUNK_CHARS:
+    requests of texts alone with the same options as one model.prepare call (the tokenizer spreads one call's texts
+    over its threads), each cut back into its own Rows. A thread hop and
     a GIL hand-back per request cost the event loop more than their tokenizing under load (docs/performance.md); per
     tick they are paid once. Preparing a text does not depend on the others beside it, so the rows are those of
     separate calls; a combined call that raises is made again request by request, so each request gets its own
