@@ -31,6 +31,10 @@ Scenarios (one batch shape each, plus a profile):
                                  beside transformers' BertForSequenceClassification
   tiny-b3-varlen, tiny-cross-encoder-b3-varlen
                          the tiny preset, 3 sequences of 4..12 tokens (the CPU tests'; not in the default set)
+  fp8-accuracy           PRECISION=fp8 against sentence-transformers in fp32 on a real checkpoint (--model, default
+                         the packaged MiniLM), beside our fp16 path: every held-out text's cosine
+                         (bench/data/fp8-heldout.txt) and the top-10 neighbours of each of 2,000 texts
+                         (bench/data/fp8-corpus.txt: docstrings of Python modules) against the fp32 ones (GPU only)
   profile                where a forward's time goes (torch.profiler: kernel time by category, GPU idle) for
                          --profile-cases, our default path with CUDA graphs and eager (GPU only)
 
@@ -45,17 +49,19 @@ the same run (an fp16 8192^3 matmul).
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import re
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from bench import results as store
-from fusedserve.kernels import timing
+from fusedserve.kernels import fp8, timing
 
 # name: (preset, batch, longest sequence, varlen, head: "embedding" (mean pooling) or "classifier" (one label))
 CASES = {
@@ -80,7 +86,7 @@ CASES = {
     "tiny-b3-varlen": ("tiny", 3, 12, True, "embedding"),
     "tiny-cross-encoder-b3-varlen": ("tiny", 3, 12, True, "classifier"),
 }
-SCENARIOS = (*CASES, "profile")
+SCENARIOS = (*CASES, "profile", "fp8-accuracy")
 DEFAULT_SCENARIOS = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128", "bert-base-b128-varlen",
                      "xlm-roberta-base-b32-s128", "mpnet-base-b32-s128", "mpnet-base-b128-varlen",
                      "gte-base-b32-s128", "gte-base-b128-varlen", "nomic-bert-base-b32-s128",
@@ -249,7 +255,7 @@ def random_classifier(config):
 
 
 def embedder(encoder, device: str, dtype: torch.dtype, *, backend: str, graphs: bool, max_tokens: int,
-             max_batch: int, classifier=None):
+             max_batch: int, classifier=None, precision: str = "native"):
     """Our serving path for `encoder` (model.runner.Embedder, its kernel selection made for this backend): token ids
     in, so no tokenizer (a preset takes its tokenizer from the packaged model, which a GPU machine may lack)."""
     from fusedserve.model.families import family
@@ -258,7 +264,8 @@ def embedder(encoder, device: str, dtype: torch.dtype, *, backend: str, graphs: 
 
     pipeline = Pipeline(family(encoder.config).pooling)  # the family's (Qwen's: the last token)
     e = Embedder(encoder, None, "bench", torch.device(device), dtype, pipeline=pipeline, classifier=classifier,
-                 backend=backend, cuda_graphs=graphs, max_batch_tokens=max_tokens, max_batch=max_batch)
+                 backend=backend, cuda_graphs=graphs, max_batch_tokens=max_tokens, max_batch=max_batch,
+                 precision=precision)
     e.set_fused(True)
     return e
 
@@ -309,7 +316,7 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
         emit(provider, ms, peak, **extra)
 
     def emit(provider: str, ms: float, peak: float | None, **extra) -> None:
-        label = " ".join([provider, *(f"{k}={v}" for k, v in extra.items() if k in ("backend", "mode"))])
+        label = " ".join([provider, *(f"{k}={v}" for k, v in extra.items() if k in ("backend", "mode", "precision"))])
         out.append({"provider": provider, **extra, "ms": ms, "tokens": tokens, "padded_tokens": batch * longest,
                     "tokens_per_s": tokens / ms * 1e3, "gemm_floor_ms": floor_ms,
                     "pct_floor": 100 * floor_ms / ms if floor_ms else None, "peak_mem_mib": peak})
@@ -345,31 +352,40 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
         classifier = random_classifier(config) if head == "classifier" else None
         backends = args.backends or (["auto", "triton", "cuda"] if cuda else ["auto"])
         built: dict[str, tuple[dict, Callable[[], object], float | None]] = {}
-        for i, backend in enumerate(backends):
-            modes = (["graphs"] if cuda else []) + (["eager"] if i == 0 or not cuda else [])
-            for mode in modes:
-                extra = {"backend": backend, "mode": mode}
-                label = f"ours backend={backend} mode={mode}"
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                held = torch.cuda.memory_allocated() if cuda else 0
-                try:
-                    ours = embedder(encoder, device, dtype, backend=backend, graphs=mode == "graphs",
-                                    max_tokens=max(16384, tokens), max_batch=max(256, batch), classifier=classifier)
-                    with torch.inference_mode():
-                        ours.launch_ids(rows).wait()  # warm: captures the graph, compiles, autotunes
-                except Exception as exc:  # a forced backend that cannot run here (no CUDA build, say)
-                    print(f"  {label}: unavailable ({type(exc).__name__}: {str(exc)[:300]})", file=sys.stderr)
-                    out.append({"provider": "ours", **extra, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-                    ours = None
-                    _release()
-                    break
-                # the Embedders stay alive to be timed side by side: each one's peak counts from what was held
-                # before it was built (the shared weights, the Embedders built before it)
-                peak = (torch.cuda.max_memory_allocated() - held) / 2**20 if cuda else None
-                built[label] = ({**extra, "attention": ours.attention, "kernels": dict(ours.selection.used)},
-                                lambda e=ours: e.launch_ids(rows), peak)
+        runs = [(backend, mode, "native") for i, backend in enumerate(backends)
+                for mode in (["graphs"] if cuda else []) + (["eager"] if i == 0 or not cuda else [])]
+        if cuda and family(config).fp8 and fp8.unavailable(torch.device(device)) is None:
+            runs.append((backends[0], "graphs", "fp8"))  # PRECISION=fp8: the four GEMMs of a layer in E4M3
+        failed: set[str] = set()  # a backend that cannot run here: its other rows are skipped
+        for backend, mode, precision in runs:
+            if backend in failed:
+                continue
+            extra = {"backend": backend, "mode": mode, **({"precision": precision} if precision != "native" else {})}
+            label = " ".join(["ours", *(f"{k}={v}" for k, v in extra.items())])
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_allocated() if cuda else 0
+            try:
+                # the precision is the encoder's state (Encoder.precision): the FP8 row gets its own copy
+                mine = copy.deepcopy(encoder) if precision != "native" else encoder
+                ours = embedder(mine, device, dtype, backend=backend, graphs=mode == "graphs",
+                                max_tokens=max(16384, tokens), max_batch=max(256, batch), classifier=classifier,
+                                precision=precision)
+                with torch.inference_mode():
+                    ours.launch_ids(rows).wait()  # warm: captures the graph, compiles, autotunes
+            except Exception as exc:  # a forced backend that cannot run here (no CUDA build, say)
+                print(f"  {label}: unavailable ({type(exc).__name__}: {str(exc)[:300]})", file=sys.stderr)
+                out.append({"provider": "ours", **extra, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 ours = None
+                _release()
+                failed.add(backend)
+                continue
+            # the Embedders stay alive to be timed side by side: each one's peak counts from what was held
+            # before it was built (the shared weights, the Embedders built before it)
+            peak = (torch.cuda.max_memory_allocated() - held) / 2**20 if cuda else None
+            built[label] = ({**extra, "attention": ours.attention, "kernels": dict(ours.selection.used)},
+                            lambda e=ours: e.launch_ids(rows), peak)
+            ours = None
         with torch.inference_mode():
             times = interleaved_ms({label: fn for label, (_, fn, _) in built.items()}, device)
         for label, (extra, _, peak) in built.items():
@@ -447,6 +463,71 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
     save(out, True)
 
 
+HERE = Path(__file__).resolve().parent
+HELDOUT, CORPUS = HERE / "data" / "fp8-heldout.txt", HERE / "data" / "fp8-corpus.txt"
+ACCURACY_BATCH = 64  # texts per forward: far past the few-token layer's 64 tokens, so every batch runs FP8
+FP8_TARGETS = {"min_cosine": 0.998, "top10_overlap": 0.97}
+
+
+def _texts(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line]
+
+
+def top10_overlap(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """The mean share of each text's 10 nearest neighbours (cosine, itself left out) in `ours` that are among its 10
+    nearest in `reference`; both [n, dim], unit rows."""
+    def neighbours(e: torch.Tensor) -> torch.Tensor:
+        sims = e @ e.t()
+        sims.fill_diagonal_(-2.0)
+        return sims.topk(10, dim=1).indices
+
+    a, b = neighbours(ours.double()), neighbours(reference.double())
+    return float((a[:, :, None] == b[:, None, :]).any(-1).double().mean())
+
+
+def fp8_accuracy(args: argparse.Namespace, save: Callable[[list[dict], bool], None], summary: dict) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    from fusedserve.model.runner import Embedder
+    from fusedserve.model.weights import default_model_dir
+
+    path = args.model or str(default_model_dir())
+    held, corpus = _texts(HELDOUT), _texts(CORPUS)
+    st = SentenceTransformer(path, device=args.device).float()
+    reference = {name: torch.from_numpy(st.encode(texts, batch_size=ACCURACY_BATCH, normalize_embeddings=True,
+                                                  convert_to_numpy=True)).double()
+                 for name, texts in (("heldout", held), ("corpus", corpus))}
+    del st
+    _release()
+    rows: list[dict] = []
+    for precision in ("native", "fp8"):
+        ours, _ = Embedder.load(path, device=args.device, dtype="float16", precision=precision)
+
+        def embed(texts: list[str]) -> torch.Tensor:
+            out = torch.cat([ours.embed(texts[i: i + ACCURACY_BATCH], normalize=True)
+                             for i in range(0, len(texts), ACCURACY_BATCH)]).double()
+            return out / out.norm(dim=1, keepdim=True)
+
+        cos = (embed(held) * reference["heldout"]).sum(1)
+        overlap = top10_overlap(embed(corpus), reference["corpus"])
+        worst = int(cos.argmin())
+        rows.append({"provider": "ours", "precision": precision, "dtype": "float16",
+                     "active_precision": ours.active_precision, "heldout_texts": len(held),
+                     "min_cosine": float(cos.min()), "p01_cosine": float(cos.quantile(0.01)),
+                     "mean_cosine": float(cos.mean()), "worst_text_words": len(held[worst].split()),
+                     "corpus_texts": len(corpus), "top10_overlap": overlap})
+        print(f"  {precision}: held-out cosine min {cos.min():.5f} mean {cos.mean():.6f}; top-10 overlap "
+              f"{overlap:.4f}", file=sys.stderr, flush=True)
+        ours = None
+        _release()
+        save(rows, False)
+    fp8_row = rows[-1]
+    summary.update({"fp8_min_cosine": fp8_row["min_cosine"], "fp8_top10_overlap": fp8_row["top10_overlap"],
+                    "meets_targets": fp8_row["min_cosine"] >= FP8_TARGETS["min_cosine"]
+                    and fp8_row["top10_overlap"] >= FP8_TARGETS["top10_overlap"]})
+    save(rows, True)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenarios", nargs="*", metavar="SCENARIO",
                         help=f"any of {', '.join(SCENARIOS)} (default: {' '.join(DEFAULT_SCENARIOS)})")
@@ -458,6 +539,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "triton cuda; on the CPU: auto, eager). profile: auto (graphs and eager) and each other "
                              "backend named here (graphs)")
     parser.add_argument("--profile-cases", nargs="+", choices=list(CASES), default=list(PROFILE_CASES))
+    parser.add_argument("--model", help="fp8-accuracy: the checkpoint directory (default: the packaged MiniLM)")
     parser.add_argument("--out", help="the results file (default: bench/results/<gpu>/encoder.json)")
 
 
@@ -475,6 +557,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if scenario == "profile":
             settings = {"device": args.device, "cases": args.profile_cases, "iters": 20}  # each case in its family's dtype
             summary: dict = {}
+        elif scenario == "fp8-accuracy":
+            settings = {"device": args.device, "model": args.model or "default", "dtype": "float16",
+                        "heldout": str(HELDOUT.relative_to(HERE.parent)), "corpus": str(CORPUS.relative_to(HERE.parent)),
+                        "batch": ACCURACY_BATCH, "targets": FP8_TARGETS}
+            summary = {}
         else:
             if tflops is None and cuda:
                 tflops = gemm_tflops(args.device)
@@ -494,6 +581,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
         if scenario == "profile":
             profile_cases(args, save)
+        elif scenario == "fp8-accuracy":
+            fp8_accuracy(args, save, summary)
         else:
             run_case(scenario, args, tflops, save)
         print(f"{scenario}: {out} ({time.monotonic() - started:.0f} s into the run)", file=sys.stderr, flush=True)

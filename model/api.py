@@ -169,6 +169,7 @@ class Description:
     activation: str = "identity"   # a classifier's scores from its logits (scores())
     fused: bool = False            # the fused path is on and has not fallen back
     path: str = "reference"        # "fused" while any op the model calls runs on a fused backend
+    precision: str = "native"      # "fp8" while its GEMMs run in FP8 (PRECISION=fp8, not fallen back)
     kernels: Mapping[str, str] = field(default_factory=dict)  # op -> backend, for the ops a forward calls
     graphs: Mapping[str, object] = field(default_factory=dict)  # CUDA graph counters ({} without graphs)
     memory: Mapping[str, int] = field(default_factory=dict)    # bytes held on the device, by what holds them
@@ -210,6 +211,10 @@ class ServedModel(Protocol):
     def fall_back(self, reason: str) -> tuple[str, ...]:
         """Every op on the reference from the next forward on; returns the ops that moved."""
 
+    def fall_back_precision(self, reason: str) -> bool:
+        """PRECISION=fp8's fallback tier: the GEMMs back in the model's dtype on its fused path from the next forward
+        on; False where FP8 was not running. set_fused clears it, as it clears fall_back."""
+
     def reference_copy(self) -> ServedModel:
         """An fp32 copy on the torch reference, for a background thread's checks."""
 
@@ -225,8 +230,8 @@ class ServedModel(Protocol):
         """Stop the background work (shutdown)."""
 
 
-MEMBERS = ("describe", "prepare", "decode", "launch", "time_ops", "set_fused", "fall_back", "reference_copy",
-           "warm_up", "run_background", "stop")
+MEMBERS = ("describe", "prepare", "decode", "launch", "time_ops", "set_fused", "fall_back", "fall_back_precision",
+           "reference_copy", "warm_up", "run_background", "stop")
 
 
 @dataclass(frozen=True)
@@ -234,7 +239,8 @@ class LoadOptions:
     """How to load and run a model: device ("auto", "cpu", "cuda", "cuda:N"), dtype ("auto", "float32", "float16",
     "bfloat16"), the fused path and its backends, the longest input and pooling overrides, the attention mode, CUDA
     graphs and the batch limits they are sized for, how many graphs to capture before ready (None: none ahead of
-    traffic), and the kernels' cache directory (compiled kernels, tuning; None: the kernel layer's default)."""
+    traffic), the kernels' cache directory (compiled kernels, tuning; None: the kernel layer's default), and the
+    GEMMs' precision ("native": the dtype's; "fp8": E4M3 on FP8 tensor cores, refused where they are missing)."""
 
     device: str = "auto"
     dtype: str = "auto"
@@ -250,6 +256,7 @@ class LoadOptions:
     max_graphs: int = 256
     graphs_before_ready: int | None = None
     cache_dir: str | None = None
+    precision: str = "native"
 
 
 def name_of(path: str) -> str:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fusedserve import kernels
+from fusedserve.kernels import fp8
 from fusedserve.model import encoder as packing
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, OFFSET_ATTENTIONS, Packed, check_offsets
@@ -175,6 +176,23 @@ class Layer(nn.Module):
         return kernels.partial_add_layer_norm(parts, self.ffn_out.bias, x, self.ffn_ln_weight, self.ffn_ln_bias,
                                               self.eps)
 
+    FP8_GEMMS = ("qkv", "attn_out", "ffn_in", "ffn_out")
+
+    def forward_fp8(self, x: Tensor, xq: Tensor, xs: Tensor, p: Packed, attention: str,
+                    w: dict[str, fp8.QuantizedWeight]) -> tuple[Tensor, Tensor, Tensor]:
+        """One layer with its four GEMMs in FP8 (PRECISION=fp8): x [T, hidden] and its row-quantized copy (xq,
+        xs) in, the same three out. Biases before a LayerNorm or GELU go to that kernel; the QKV bias to the GEMM.
+        Attention itself (varlen or pad) stays in x's dtype."""
+        dtype = x.dtype
+        qkv = fp8.linear(xq, xs, w["qkv"], self.qkv.bias, dtype)
+        ctx = packing.packed_attention(qkv, p, self.num_heads, attention)
+        y = fp8.linear(*fp8.quantize_rows(ctx), w["attn_out"], None, dtype)
+        x, xq, xs = fp8.add_layer_norm_quantize(y, x, self.attn_out.bias, self.attn_ln_weight, self.attn_ln_bias,
+                                                self.eps)
+        h = fp8.linear(xq, xs, w["ffn_in"], None, dtype)
+        y = fp8.linear(*fp8.bias_gelu_quantize(h, self.ffn_in.bias), w["ffn_out"], None, dtype)
+        return fp8.add_layer_norm_quantize(y, x, self.ffn_out.bias, self.ffn_ln_weight, self.ffn_ln_bias, self.eps)
+
     def _residual_blocks(self, x: Tensor, ctx: Tensor) -> Tensor:
         # post-LN residual blocks: x = LN(x + dense(ctx) + b); x = LN(x + W2 gelu(W1 x + b1) + b2). Each GEMM +
         # bias + residual + LayerNorm is one op (cuBLAS + the chosen backend's add_layer_norm kernel; a split GEMM +
@@ -195,6 +213,17 @@ class Encoder(nn.Module):
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
         self.reset_parameters()
+        # PRECISION=fp8: each layer's GEMM weights in E4M3 (quantize_fp8), kept beside the fp16 ones (the fp16 path
+        # is the fallback tier); not parameters or buffers, so .to(), .float() and the reference copy leave them out
+        self.fp8_weights: list[dict[str, fp8.QuantizedWeight]] | None = None
+        self.precision = "native"  # "fp8": packed forwards under a fused selection run forward_fp8 (packed_steps)
+
+    def quantize_fp8(self) -> int:
+        """Quantize every layer's GEMM weights for the fp8 precision (once, on the device); returns their bytes."""
+        if self.fp8_weights is None:
+            self.fp8_weights = [{name: fp8.quantize_weight(getattr(layer, name).weight) for name in Layer.FP8_GEMMS}
+                                for layer in self.layers]
+        return sum(w.nbytes for layer in self.fp8_weights for w in layer.values())
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -233,10 +262,30 @@ class Encoder(nn.Module):
             check_offsets(p, attention, self.embeddings.word_embeddings.dtype, f"{attention} attention")
         x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
         yield x
+        fp8_attention = self._fp8_attention(x, attention)
+        if fp8_attention is not None:
+            xq, xs = fp8.quantize_rows(x)
+            for layer, weights in zip(self.layers, self.fp8_weights):
+                x, xq, xs = layer.forward_fp8(x, xq, xs, p, fp8_attention, weights)
+                yield x
+            return
         context = self.layer_context(attention)
         for layer in self.layers:
             x = layer.forward_packed(x, p, context)
             yield x
+
+    def _fp8_attention(self, x: Tensor, attention: str) -> str | None:
+        """The attention mode of this forward's FP8 layers, or None where it runs in x's dtype: the fp8 precision
+        off, the fused path off (the reference path, the verifier's copy: FP8 is part of the fused path) or a batch
+        for the few-token layer (at <= FUSED_LAYER_TOKENS tokens its fp16 launches cost less than FP8 GEMMs, which
+        lose to fp16 ones at such sizes: bench kernels gemm-fp8)."""
+        if self.precision != "fp8" or not kernels.current().any_fused:
+            return None
+        if attention == "fused":
+            if x.shape[0] <= FUSED_LAYER_TOKENS:
+                return None
+            return "varlen" if packing.varlen_runs(x.device, x.dtype) else "pad"
+        return attention
 
     # an encoder whose layers attend over cu_seqlens whatever the mode (MPNet's and GTE's fused attention ops; the
     # modes then differ only in how the runner buckets graphs)
@@ -263,7 +312,7 @@ def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.d
 
 # ---- the declarations ------------------------------------------------------------------------------------------
 
-_COMMON = dict(encoder=Encoder, kernel_ops=kernel_ops)
+_COMMON = dict(encoder=Encoder, kernel_ops=kernel_ops, fp8=True)
 BERT = Family("bert", ("bert",), "BERT", _read_bert, _BERT_WEIGHTS,
               ClassifierHead("pooler.dense", "tanh", "classifier"),
               masked_lm=MaskedLMHead("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",

@@ -126,6 +126,8 @@ class Family:
     masked_lm: MaskedLMHead | None = None  # None: its SPLADE (sparse) models are refused by name
     reranker: YesNoReranker | None = None  # None: its *ForCausalLM directories are refused by name
     gated_ffn: bool = False  # the FFN-in projects to 2 x intermediate_size (a gate and an up half)
+    # its encoder runs PRECISION=fp8: quantize_fp8() and an fp8_weights / precision pair its packed forward follows
+    fp8: bool = False
     # the dtype DTYPE=auto serves on a GPU: decoder LLMs are trained and shipped in bfloat16, and their residual
     # streams can outgrow float16's range
     dtype_on_cuda: torch.dtype = torch.float16

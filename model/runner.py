@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from fusedserve import kernels
+from fusedserve.kernels import fp8
 from fusedserve.kernels.registry import REFERENCE_BACKEND
 from fusedserve.kernels.timing import OpTimer
 from fusedserve.model.api import Rows, TextOptions, l2_normalize, name_of
@@ -39,6 +40,7 @@ from fusedserve.model.weights import CheckpointError, check_encoder_only, defaul
 log = logging.getLogger("fusedserve.model")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PRECISIONS = ("native", "fp8")  # the GEMMs in the model's dtype, or in FP8 with the rest in it (kernels.fp8)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -144,9 +146,12 @@ class Embedder:
                  device: torch.device, dtype: torch.dtype, *, pipeline: Pipeline | None = None,
                  classifier: Classifier | None = None, layout: str = "packed", attention: str = "auto",
                  cuda_graphs: bool = True, max_batch_tokens: int = 8192, max_batch: int = 256,
-                 max_graphs: int = 256, backend: str = "auto", backend_overrides: dict[str, str] | None = None) -> None:
+                 max_graphs: int = 256, backend: str = "auto", backend_overrides: dict[str, str] | None = None,
+                 precision: str = "native") -> None:
         if layout not in ("packed", "padded"):
             raise ValueError(f"layout must be packed or padded, got {layout!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.encoder = encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.config = encoder.config
         self.family = family(self.config)
@@ -188,6 +193,10 @@ class Embedder:
         self.fallback: str | None = None  # why the path fell back to the reference (fall_back), until set_fused
         self._reference = kernels.reference_selection(device, (dtype,), "reference re-run")
         self._observer: kernels.Observer | None = None  # set inside timed()
+        # the precision asked for, and why it fell back to the fp16 (native) path: the verifier's sustained FP8
+        # mismatches (fall_back_precision), until set_fused
+        self.precision, self.precision_fallback = precision, None
+        self.fp8_bytes = self._enable_fp8() if precision == "fp8" else 0
         self.graphs = None
         if cuda_graphs and layout == "packed" and device.type == "cuda":
             from fusedserve.model.graphs import CudaGraphs
@@ -195,6 +204,22 @@ class Embedder:
             self.graphs = CudaGraphs(self.encoder, device, max_tokens=max_batch_tokens, max_batch=max_batch,
                                      max_graphs=max_graphs, head=self.head, attention=self.attention,
                                      **self._token_layout())
+
+    def _enable_fp8(self) -> int:
+        """Check that this model can run PRECISION=fp8 here (raises UnsupportedModel naming what cannot), run the
+        FP8 ops' self-test and quantize the GEMM weights; returns their bytes."""
+        refused = fp8.unavailable(self.device)
+        if refused is None and not self.family.fp8:
+            refused = f"{self.family.label} models have no FP8 path (BERT, RoBERTa / XLM-RoBERTa and DistilBERT do)"
+        if refused is None and self.layout != "packed":
+            refused = "the padded layout (the tests' oracle) has no FP8 path"
+        if refused is None:
+            try:
+                fp8.self_test(self.device, self.dtype, (self.config.hidden_size, self.config.intermediate_size))
+                return self.encoder.quantize_fp8()
+            except fp8.Fp8Unavailable as exc:
+                refused = str(exc)
+        raise UnsupportedModel(f"PRECISION=fp8 cannot serve {self.name}: {refused}")
 
     @classmethod
     def load(
@@ -271,7 +296,7 @@ class Embedder:
         # may raise: nothing changed
         ops = self.family.kernel_ops(self.layout, attention, self.device, self.dtype) + self.head.ops
         selection = select(ops)
-        self.fallback = None
+        self.fallback = self.precision_fallback = None
         return self._install(selection)
 
     def fall_back(self, op: str, reason: str) -> kernels.Selection:
@@ -281,6 +306,20 @@ class Embedder:
         ops = list(self.selection.used) if op == "all" else [op]
         self.fallback = reason
         return self._install(self.selection.on_reference(ops, f"fallback: {reason}"))
+
+    def fall_back_precision(self, reason: str) -> bool:
+        """PRECISION=fp8's fallback tier: from the next forward on the GEMMs run in the model's dtype (its fp16 fused
+        path, the kernels as selected), CUDA graphs re-captured; False where FP8 was not running."""
+        if self.active_precision != "fp8":
+            return False
+        self.precision_fallback = reason
+        self._install(self.selection)
+        return True
+
+    @property
+    def active_precision(self) -> str:
+        """"fp8" while the GEMMs run in FP8 (asked for, not fallen back, the fused path on), else "native"."""
+        return self.encoder.precision if self.family.fp8 else "native"
 
     def use(self, selection: kernels.Selection) -> kernels.Selection:
         """Run on `selection` from the next forward on: one derived from this Embedder's own (Selection.on_reference,
@@ -293,9 +332,12 @@ class Embedder:
     def _install(self, selection: kernels.Selection) -> kernels.Selection:
         self.selection = selection
         self.attention, self.attention_reason = self._attention_for(selection)
-        if self.graphs is not None:  # the graphs replay what was captured: a new selection or attention drops them
-            self.graphs.attention = self.attention
-            self.graphs.set_fingerprint((selection.version, self.attention))
+        if self.precision == "fp8":
+            on = self.precision_fallback is None and selection.any_fused and self.fallback is None
+            self.encoder.precision = "fp8" if on else "native"
+        if self.graphs is not None:  # the graphs replay what was captured: a new selection, attention or precision
+            self.graphs.attention = self.attention  # drops them
+            self.graphs.set_fingerprint((selection.version, self.attention, self.active_precision))
         log.info("kernel selection %d, attention %s (%s)", selection.version, self.attention, self.attention_reason)
         return selection
 
@@ -372,7 +414,10 @@ class Embedder:
     def reference_copy(self) -> Embedder:
         """An fp32 copy of this model on the same device, every op on the torch reference, no CUDA graphs: for a
         background thread's checks (the copy is that thread's own; this Embedder stays the worker's)."""
-        encoder = copy.deepcopy(self.encoder).float()
+        # the fp8 weights (not parameters) stay behind: the copy runs the reference (memo: what deepcopy gives for them)
+        encoder = copy.deepcopy(self.encoder, memo={id(getattr(self.encoder, "fp8_weights", None)): None}).float()
+        if hasattr(encoder, "precision"):
+            encoder.precision = "native"
         return Embedder(encoder, self.tokenizer, self.name, self.device, torch.float32, pipeline=self.pipeline,
                         classifier=self.classifier, layout=self.layout, cuda_graphs=False)
 
@@ -454,6 +499,8 @@ class Embedder:
             **({"prompts": dict(self.pipeline.prompts)} if self.pipeline is not None and self.pipeline.prompts else {}),
             "fused": self.fused,
             "fallback": self.fallback,
+            "precision": {"requested": self.precision, "active": self.active_precision,
+                          "fallback": self.precision_fallback},
             "selection_version": self.selection.version,
             "kernels": self.selection.as_dict()["ops"],
             "layout": self.layout,
@@ -477,7 +524,13 @@ class Embedder:
             graphs = f"CUDA graphs on (up to {self.graphs.max_graphs} held, {len(self.graphs.graphs)} captured)"
         if self.device.type == "cuda" and "triton" in self.selection.used.values():
             graphs += f", Triton programmatic dependent launch {'on' if kernels.pdl_enabled(self.device) else 'off'}"
-        return f"layout {self.layout}, attention {self.attention} ({self.attention_reason}), {graphs}"
+        line = f"layout {self.layout}, attention {self.attention} ({self.attention_reason}), {graphs}"
+        if self.precision == "fp8":
+            which = f"batches above {FUSED_LAYER_TOKENS} tokens" if self.attention == "fused" else "every batch"
+            line += (f", FP8 GEMMs for {which} ({self.fp8_bytes / 2**20:.1f} MiB of E4M3 weights)"
+                     if self.active_precision == "fp8" else
+                     f", FP8 GEMMs off ({self.precision_fallback or 'the fused path is off'})")
+        return line
 
     # ---- forwards ---------------------------------------------------------------------------------------------
     @torch.inference_mode()

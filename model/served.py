@@ -84,6 +84,8 @@ class Served:
         self.kind = e.kind
         self._limit = e.config.max_seq_length
         self._memory = {"parameters_bytes": _bytes_of(e.encoder, e.head)}
+        if e.fp8_bytes:
+            self._memory["fp8_weights_bytes"] = e.fp8_bytes
         self._background: threading.Thread | None = None
         self._stopping = threading.Event()
         self._watching = False
@@ -103,7 +105,8 @@ class Served:
             name=self.name, kind=self.kind, dim=e.dim, max_length=self._limit, device=str(e.device),
             labels=tuple(classifier.labels) if classifier is not None else (),
             activation=classifier.activation if classifier is not None else "identity",
-            fused=e.fused, path=e.path, kernels=dict(e.selection.used), graphs=graphs, memory=memory,
+            fused=e.fused, path=e.path, precision=e.active_precision, kernels=dict(e.selection.used), graphs=graphs,
+            memory=memory,
             info={"max_seq_length": self._limit, "device": str(e.device),
                   "dtype": str(e.dtype).removeprefix("torch."), "cpu_isa": cpu_isa(e.device, e.dtype), **state},
             report=self._report())
@@ -150,6 +153,9 @@ class Served:
         ops = tuple(e.selection.used)
         e.fall_back("all", reason)
         return ops
+
+    def fall_back_precision(self, reason: str) -> bool:
+        return self.embedder.fall_back_precision(reason)
 
     def reference_copy(self) -> Served:
         copy = Served(self.embedder.reference_copy(), None, self.options)
@@ -270,5 +276,5 @@ def load_served(path: str, options: LoadOptions) -> Served:
         backend_overrides=dict(options.backend_overrides), max_seq_length=options.max_seq_length,
         pooling=options.pooling, attention=options.attention, cuda_graphs=options.cuda_graphs,
         max_batch_tokens=options.max_batch_tokens, max_batch=options.max_batch, max_graphs=options.max_graphs,
-        name=name_of(path))
+        precision=options.precision, name=name_of(path))
     return Served(embedder, report, options)

@@ -77,6 +77,12 @@ class Settings(BaseSettings):
         "embedders (Qwen2 / Qwen3: their activations overflow float16)")
     fused: bool = Field(True, description="serve on the fused kernels; `false` runs every op on the torch reference "
                         "path")
+    precision: Literal["native", "fp8"] = Field(
+        "native", description="the encoder's GEMMs: `native`, in the dtype; `fp8`, in E4M3 on FP8 tensor cores (weights "
+        "per output channel, activations per token; BERT, RoBERTa / XLM-RoBERTa and DistilBERT models, batches past "
+        "the few-token layer's), the rest in the dtype: on GPUs of compute capability 8.9+ only (refused elsewhere, "
+        "naming why). The verifier holds it to `verify_tolerance_fp8`; sustained mismatches move it back to `native` "
+        "(docs/operations.md)")
     backend: Literal["auto", "triton", "cuda", "torch"] = Field(
         "auto", description="kernel backend for every op: `auto` self-tests the candidates and, on a GPU, races those "
         "that pass; a forced backend that fails its self-test stops the start")
@@ -162,6 +168,10 @@ class Settings(BaseSettings):
         "log", description="on a mismatch beyond verify_tolerance: `log`, or `fallback` (every op the model calls "
         "moves to the torch reference, as the admin switch would)")
     verify_tolerance: float = Field(1e-3, gt=0, description="max cosine distance between fused and reference")
+    verify_tolerance_fp8: float = Field(2e-3, gt=0, description="the same for batches whose GEMMs ran in FP8 "
+                                        "(precision=fp8); 3 mismatches among its last 20 checks move the model to "
+                                        "its fp16 fused path (whatever verify_action says), counted in "
+                                        "`fusedserve_precision_fallbacks_total`")
     verify_queue: int = Field(8, ge=1, description="sampled batches waiting for the verifier; a full queue drops the "
                               "sample (counted as `dropped`)", json_schema_extra={"advanced": True})
     kernel_timing_sample_rate: float = Field(0.01, ge=0, le=1, description="share of batches whose inputs run "

@@ -71,6 +71,10 @@ class Metrics:
                                                registry=r, multiprocess_mode="mostrecent")
         self.fallbacks = Counter(PREFIX + "fallbacks", "Switches of ops to the reference path",
                                  ["model", "op", "reason"], registry=r)
+        self.fp8_enabled = Gauge(PREFIX + "fp8_enabled", "1 while the model's GEMMs run in FP8 (precision=fp8, not "
+                                 "fallen back)", ["model"], registry=r, multiprocess_mode="min")
+        self.precision_fallbacks = Counter(PREFIX + "precision_fallbacks", "Moves of a model's GEMMs from FP8 back "
+                                           "to its dtype", ["model", "reason"], registry=r)
         self.batch_splits = Counter(PREFIX + "batch_splits", "Batches split in two after running out of device memory",
                                     ["model"], registry=r)
         self.backend_info = Gauge(PREFIX + "backend_info", "1 for the backend serving each op",
@@ -239,6 +243,9 @@ class ModelMetrics:
         self.fallbacks = _Labelled(metrics.fallbacks, model)
         self.batch_splits = metrics.batch_splits.labels(model)
         self.fused_enabled = metrics.fused_enabled.labels(model)
+        self.fp8_enabled = metrics.fp8_enabled.labels(model)
+        self.precision_fallbacks = _Labelled(metrics.precision_fallbacks, model)
+        self.precision_fallbacks.labels("fp8_mismatch")
         self._backend_info = metrics.backend_info
         self._backends: list[tuple[str, str]] = []
         for result in ("match", "mismatch", "error", "dropped"):

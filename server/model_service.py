@@ -215,7 +215,7 @@ class ModelService:
         if s.verify_sample_rate > 0:
             self.verifier = Verifier(self.model.reference_copy(), s, self.metrics, self._on_mismatch)
             self.verifier.start()
-        self.batcher = Batcher(self.model, s, self.metrics, on_batch=self.verifier.submit if self.verifier else None)
+        self.batcher = Batcher(self.model, s, self.metrics, on_batch=self._check if self.verifier else None)
         self.batcher.start()
         self._publish_backends(self.description)
         self.server_metrics.watch_device_memory(self.description.device)
@@ -430,10 +430,21 @@ class ModelService:
         # ops the model does not call are left out: a dashboard row saying "torch" for them would read as a fallback
         self.description = description
         self.metrics.set_backends(dict(description.kernels), description.fused)
+        self.metrics.fp8_enabled.set(1 if description.precision == "fp8" else 0)
+
+    def _check(self, rows, block) -> None:
+        # the batcher's thread, after a batch: the precision it ran at is the one published (switches run between
+        # batches on that thread)
+        self.verifier.submit(rows, block, self.description.precision)
 
     def _on_mismatch(self, reason: str) -> None:
-        """The verifier saw fused outputs differ from the reference (verify_action=fallback): every op the model
-        calls falls back to the reference, as the fused switch would."""
+        """The verifier saw fused outputs differ from the reference. "fp8_mismatch" (sustained, on FP8 batches): the
+        GEMMs go back to the model's dtype, on its fused path. "verify_mismatch" (verify_action=fallback): every op
+        the model calls falls back to the reference, as the fused switch would."""
+        if reason == "fp8_mismatch":
+            self.batcher.between_batches(lambda: self._leave_fp8(reason))
+            return
+
         def apply() -> None:
             ops = self.model.fall_back(reason)
             if not ops:
@@ -445,6 +456,16 @@ class ModelService:
             log.error("fallback: every op of %s now runs on the reference path (%s)", self.name, reason)
 
         self.batcher.between_batches(apply)
+
+    def _leave_fp8(self, reason: str) -> None:
+        if not self.model.fall_back_precision(reason):
+            return
+        refreeze()
+        self.metrics.precision_fallbacks.labels(reason).inc()
+        self._publish_backends(self.model.describe())
+        log.error("precision fallback: the GEMMs of %s run in %s again, on its fused path (%s: FP8 outputs kept "
+                  "missing the reference beyond verify_tolerance_fp8)", self.name, self.description.info.get("dtype"),
+                  reason)
 
     def set_fused(self, enabled: bool) -> dict:
         """The admin switch: select again with the fused path on or off (clears a fallback). A selection that cannot
