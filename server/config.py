@@ -168,7 +168,7 @@ class Settings(BaseSettings):
         "log", description="on a mismatch beyond verify_tolerance: `log`, or `fallback` (every op the model calls "
         "moves to the torch reference, as the admin switch would)")
     verify_tolerance: float = Field(1e-3, gt=0, description="max cosine distance between fused and reference")
-    verify_tolerance_fp8: float = Field(2e-3, gt=0, description="the same for batches whose GEMMs ran in FP8 "
+    verify_tolerance_fp8: float = Field(2e-2, gt=0, description="the same for batches whose GEMMs ran in FP8 "
                                         "(precision=fp8); 3 mismatches among its last 20 checks move the model to "
                                         "its fp16 fused path (whatever verify_action says), counted in "
                                         "`fusedserve_precision_fallbacks_total`")

@@ -157,7 +157,7 @@ def _load_options(settings: Settings, spec: ModelSpec) -> LoadOptions:
         max_seq_length=spec.max_seq_length if spec.max_seq_length is not None else s.max_seq_length,
         pooling=spec.pooling if spec.pooling is not None else s.pooling, attention=s.attention,
         cuda_graphs=s.cuda_graphs, max_batch_tokens=s.max_batch_tokens, max_batch=s.max_batch_requests,
-        max_graphs=s.max_cuda_graphs, cache_dir=s.cache_dir or None,
+        max_graphs=s.max_cuda_graphs, cache_dir=s.cache_dir or None, precision=s.precision,
         graphs_before_ready=s.cuda_graphs_before_ready if s.cuda_graph_warmup and s.warmup else None)
 
 

@@ -39,6 +39,10 @@ EMBEDDING_TOLERANCES: dict[torch.dtype, EmbeddingTolerance] = {
     torch.float32: EmbeddingTolerance(min_cosine=0.99999, max_abs=1e-5),
     torch.float16: EmbeddingTolerance(min_cosine=0.9999, max_abs=2e-3),
     torch.bfloat16: EmbeddingTolerance(min_cosine=0.999, max_abs=1.6e-2),
+    # PRECISION=fp8: the four GEMMs of each layer on E4M3 operands (3 mantissa bits, ~4% per element) and the rest in
+    # the dtype, against an fp32 reference: set from the real MiniLM (the CPU test and the GPU test measure it; the
+    # per-text distribution is bench encoder fp8-accuracy's), not from the rounding of one op
+    torch.float8_e4m3fn: EmbeddingTolerance(min_cosine=0.985, max_abs=4e-2),
 }
 
 

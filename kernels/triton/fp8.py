@@ -38,7 +38,9 @@ def _to_e4m3(v):
 def _store_row(q_row, s_ptr, row, v, mask):
     """Row `row`'s values v (fp32) as E4M3 at q_row, its scale at s_ptr[row]."""
     amax = tl.maximum(tl.max(tl.where(mask, tl.abs(v), 0.0), 0), 1e-12)
-    scale = amax / 448.0
+    # a NaN or Inf in the row makes its scale NaN (the sum of v * 0), so the GEMM's row is NaN too: max and min
+    # drop NaN on the GPU, which would otherwise store it as +-448
+    scale = amax / 448.0 + tl.sum(tl.where(mask, v * 0.0, 0.0), 0)
     tl.store(q_row, _to_e4m3(v / scale).to(q_row.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 

@@ -11,6 +11,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from fusedserve.kernels import fp8
 from fusedserve.model import api
 from fusedserve.server import model_service
 from fusedserve.server.config import Settings
@@ -47,13 +48,16 @@ def used(tmp_path_factory, monkeypatch_module) -> set[str]:
     members: set[str] = set()
     # the fused backends are rejected on the CPU as in a real server (the suite's Triton interpreter is for kernel tests)
     monkeypatch_module.delenv("TRITON_INTERPRET", raising=False)
+    # PRECISION=fp8 on this CPU (torch._scaled_mm runs here; the capability check stands in for an FP8 GPU), held to a
+    # tolerance no FP8 batch meets: the verifier's sustained mismatches take the fallback tier first
+    monkeypatch_module.setattr(fp8, "unavailable", lambda device: None)
     real_load = model_service.load
     monkeypatch_module.setattr(model_service, "load", lambda path, options: Recorder(real_load(path, options),
                                                                                       members))
     reranker = checkpoints.cross_encoder(tmp_path_factory.mktemp("seam") / "reranker", 1)
     settings = Settings(models=f"tiny=tiny,reranker={reranker}", device="cpu", max_batch_tokens=512,
                         verify_sample_rate=1.0, verify_action="fallback", kernel_timing_sample_rate=1.0,
-                        admin_token=TOKEN)
+                        admin_token=TOKEN, precision="fp8", verify_tolerance_fp8=1e-9)
     app = create_test_app(settings)  # with the test-only fault hook, to make the verifier see a mismatch
     with TestClient(app) as client:
         deadline = time.monotonic() + 300
@@ -79,6 +83,12 @@ def used(tmp_path_factory, monkeypatch_module) -> set[str]:
         for method, path, body in calls:
             r = client.request(method, path, json=body)
             assert r.status_code == 200, (path, r.text)
+        assert client.get("/info").json()["precision"]["requested"] == "fp8"
+        deadline = time.monotonic() + 60
+        while client.get("/info").json()["precision"]["active"] == "fp8":
+            assert time.monotonic() < deadline, "the verifier never took the FP8 fallback tier"
+            client.post("/infer", json={"inputs": "one more"})
+        assert client.get("/info").json()["fallback"] is None  # the tier is not the reference fallback
         # a fault the verifier sees moves the first model to the reference, between batches
         r = client.post("/admin/faults", json={"op": "linear_bias_gelu", "mode": "scale", "factor": 3.0},
                         headers=ADMIN)

@@ -1,0 +1,95 @@
+"""PRECISION=fp8 in the model (model.runner.Embedder, model/bert.py's forward_fp8): refused where it cannot run,
+naming why; on the CPU (FP8 GEMMs run there through torch._scaled_mm, so the path is forced on for these tests
+only) the real MiniLM against sentence-transformers in fp32, and the switches: the fallback tier back to the
+dtype's fused path, the fused switch, the verifier's reference copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedserve.kernels import fp8
+from fusedserve.model.config import UnsupportedModel
+from fusedserve.model.runner import Embedder
+from tests.model.checkpoints import source_dir
+from tests.model.sentences import SENTENCES
+from tests.tolerances import assert_embeddings_close, embedding_errors
+
+
+def test_refused_on_the_cpu():
+    with pytest.raises(UnsupportedModel, match="PRECISION=fp8 cannot serve .*device cpu has no FP8 tensor cores"):
+        Embedder.load("tiny", device="cpu", precision="fp8")
+
+
+def test_a_precision_of_another_name_is_refused():
+    with pytest.raises(ValueError, match="precision must be one of native, fp8, got 'int4'"):
+        Embedder.load("tiny", device="cpu", precision="int4")
+
+
+@pytest.fixture
+def fp8_here(monkeypatch):
+    """FP8 allowed on this CPU (a test-only stand-in for an FP8 GPU): the quantizing ops run their references."""
+    monkeypatch.setattr(fp8, "unavailable", lambda device: None)
+
+
+def test_families_without_the_path_are_refused(fp8_here):
+    with pytest.raises(UnsupportedModel, match="MPNet models have no FP8 path"):
+        Embedder.load("mpnet-base", device="cpu", precision="fp8")
+
+
+@pytest.fixture(scope="module")
+def st_reference() -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(source_dir()), device="cpu")
+    return torch.from_numpy(st.encode(SENTENCES, batch_size=32, convert_to_numpy=True))
+
+
+def test_minilm_in_fp8_against_sentence_transformers(fp8_here, st_reference):
+    embedder, report = Embedder.load(str(source_dir()), device="cpu", dtype="float32", precision="fp8")
+    assert embedder.active_precision == "fp8" and embedder.describe()["precision"] == {
+        "requested": "fp8", "active": "fp8", "fallback": None}
+    # one byte a weight, four a channel's scale
+    gemms = [getattr(layer, name).weight for layer in embedder.encoder.layers
+             for name in ("qkv", "attn_out", "ffn_in", "ffn_out")]
+    assert embedder.fp8_bytes == sum(w.numel() + 4 * w.shape[0] for w in gemms)
+    assert "FP8 GEMMs for every batch" in embedder.report()
+    ours = torch.cat([embedder.embed(SENTENCES[i: i + 32]) for i in range(0, len(SENTENCES), 32)])
+    native = embedding_errors(Embedder.load(str(source_dir()), device="cpu", dtype="float32")[0].embed(SENTENCES),
+                              st_reference)
+    cosine, _ = assert_embeddings_close(ours, st_reference, torch.float8_e4m3fn, what="fp8")
+    # FP8 is the lossy step: it must move the answer (a path that silently stayed native would not)
+    assert cosine < native[0] - 1e-5, (cosine, native)
+
+
+def test_fallback_tier_and_switches(fp8_here):
+    embedder, _ = Embedder.load(str(source_dir()), device="cpu", dtype="float32", precision="fp8")
+    native, _ = Embedder.load(str(source_dir()), device="cpu", dtype="float32")
+    texts = SENTENCES[:24]
+    fp8_out = embedder.embed(texts)
+    assert not torch.equal(fp8_out, native.embed(texts))
+
+    assert embedder.fall_back_precision("fp8_mismatch") is True
+    assert embedder.fall_back_precision("fp8_mismatch") is False  # once
+    assert embedder.describe()["precision"] == {"requested": "fp8", "active": "native", "fallback": "fp8_mismatch"}
+    assert embedder.fused  # the dtype's fused path, not the reference
+    assert "FP8 GEMMs off (fp8_mismatch)" in embedder.report()
+    assert torch.equal(embedder.embed(texts), native.embed(texts))
+
+    embedder.set_fused(True)  # the admin switch clears the fallback, as it clears fall_back's
+    assert embedder.active_precision == "fp8"
+    assert torch.equal(embedder.embed(texts), fp8_out)
+    embedder.set_fused(False)  # every op on the reference: no FP8 either
+    assert embedder.active_precision == "native"
+    embedder.set_fused(True)
+    embedder.fall_back("all", "verify_mismatch")
+    assert embedder.active_precision == "native"
+
+
+def test_the_reference_copy_leaves_the_fp8_weights_behind(fp8_here):
+    embedder, _ = Embedder.load(str(source_dir()), device="cpu", dtype="float32", precision="fp8")
+    copy = embedder.reference_copy()
+    assert copy.encoder.fp8_weights is None and copy.active_precision == "native"
+    assert embedder.encoder.fp8_weights is not None and embedder.active_precision == "fp8"
+    assert_embeddings_close(copy.embed(SENTENCES[:8]),
+                            Embedder.load(str(source_dir()), device="cpu", dtype="float32")[0].embed(SENTENCES[:8]))
