@@ -213,10 +213,12 @@ class Encoder(nn.Module):
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
         self.reset_parameters()
-        # PRECISION=fp8: each layer's GEMM weights in E4M3 (quantize_fp8), kept beside the fp16 ones (the fp16 path
-        # is the fallback tier); not parameters or buffers, so .to(), .float() and the reference copy leave them out
-        self.fp8_weights: list[dict[str, fp8.QuantizedWeight]] | None = None
-        self.precision = "native"  # "fp8": packed forwards under a fused selection run forward_fp8 (packed_steps)
+
+    # PRECISION=fp8: each layer's GEMM weights in E4M3 (quantize_fp8), kept beside the fp16 ones (the fp16 path is
+    # the fallback tier); not parameters or buffers, so .to(), .float() and the reference copy leave them out. Class
+    # defaults: the families whose encoders derive from this one (and have no FP8 path) never set them
+    fp8_weights: list[dict[str, fp8.QuantizedWeight]] | None = None
+    precision = "native"  # "fp8": packed forwards under a fused selection run forward_fp8 (packed_steps)
 
     def quantize_fp8(self) -> int:
         """Quantize every layer's GEMM weights for the fp8 precision (once, on the device); returns their bytes."""
