@@ -100,6 +100,7 @@ CATEGORIES = (
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|linear_gelu|linear_glu|ffn_partials"),
     ("norm", r"layer_norm|layernorm|norm_kernel|_norm"),
     ("activation", r"gelu|erf"),
+    ("quantize", r"quantize"),  # PRECISION=fp8's pass of its own over the attention's context (the rest is fused)
     ("elementwise", r"elementwise|vectorized|index|copy|fill|cat|scatter|gather|reduce|arange|compare|segment|mean"),
 )
 
@@ -444,17 +445,21 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
         encoder = family(config).encoder(config)
         dtype = family(config).dtype_on_cuda
         rows = token_rows(lengths_for(batch, seq, varlen), config.vocab_size)
-        for backend, mode in [("auto", "graphs"), ("auto", "eager"),
-                              *((b, "graphs") for b in args.backends or () if b != "auto")]:
-            ours = embedder(encoder, args.device, dtype, backend=backend, graphs=mode == "graphs",
-                            max_tokens=16384, max_batch=256)
+        runs = [("auto", "graphs", "native"), ("auto", "eager", "native"),
+                *((b, "graphs", "native") for b in args.backends or () if b != "auto")]
+        if family(config).fp8 and fp8.unavailable(torch.device(args.device)) is None:
+            runs.append(("auto", "graphs", "fp8"))
+        for backend, mode, precision in runs:
+            ours = embedder(copy.deepcopy(encoder) if precision != "native" else encoder, args.device, dtype,
+                            backend=backend, graphs=mode == "graphs", max_tokens=16384, max_batch=256,
+                            precision=precision)
             with torch.inference_mode():
                 result = breakdown(lambda e=ours: e.launch_ids(rows).wait())
             out.append({"provider": "ours", "case": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode,
-                        "backend": backend,
+                        "backend": backend, **({"precision": precision} if precision != "native" else {}),
                         "attention": ours.attention, "kernels": dict(ours.selection.used),
                         "ms": result["wall_us"] / 1e3, **result})
-            print(f"{name} {backend} {mode}: {result['wall_us']:.0f} us/forward, "
+            print(f"{name} {backend} {mode} {precision}: {result['wall_us']:.0f} us/forward, "
                   f"{result['kernels_per_forward']:.0f} kernels, GPU idle {result['gpu_idle_us']:.0f} us: "
                   f"{result['kernel_us']}; top {result['top_kernels_us']}", file=sys.stderr, flush=True)
             save(out, False)
