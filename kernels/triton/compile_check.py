@@ -14,7 +14,8 @@ then hold the grid-dependency wait and release (kernels/triton/_common.py, pdl_s
 store; and the GELU kernels (LayerNorm + GELU in both GELU forms at 768 columns in three exact blocks and at a
 padded width, bias + residual + GELU on an exact and a padded column block: the inline-PTX reciprocal is compiled
 only here); the RMSNorm entry of the LayerNorm body; and the packed attention kernels (relative, and rotary with
-its rotation pass, GTE's, ModernBERT's windowed and Qwen3's causal grouped-query configurations). Must run without
+its rotation pass, GTE's, ModernBERT's windowed and Qwen3's causal grouped-query configurations); and the FP8
+precision's row-quantizing kernels. Must run without
 TRITON_INTERPRET (under it `triton.jit` builds interpreter objects the compiler cannot take);
 tests/kernels/test_triton_compile.py runs it in a subprocess.
 """
@@ -54,6 +55,7 @@ def cases():
     yield from _gelu_cases()
     yield from _rms_cases()
     yield from _attention_cases()
+    yield from _fp8_cases()
 
 
 _NORM_TYPES = {"X": "*fp16", "R": "*fp16", "T": "*fp16", "IDX_X": "*i64", "IDX_R": "*i64", "IDX_T": "*i64",
@@ -122,6 +124,26 @@ def _rms_cases():
                       "CHUNK": chunk, "EVEN_COLS": nchunk == 3 or chunk == 1024, "BLOCK_M": block_m, "USE_PDL": pdl}
         name = f"{'add_rms_norm' if add else 'rms_norm'} {ptr[1:]} {nchunk * chunk}{' pdl' if pdl else ''}"
         yield name, _rms_norm_kernel.fn, types, constexprs, warps
+
+
+def _fp8_cases():
+    """PRECISION=fp8's row-quantizing kernels (E4M3 stores, the bit-level rounding) at BERT-base's widths with their
+    launch configuration (kernels/triton/fp8.py launch_config): the hidden size and the FFN's inner width, in both
+    half types."""
+    from fusedserve.kernels.triton import fp8
+
+    for ptr in ("*fp16", "*bf16"):
+        for cols in (768, 3072):
+            block, rows, warps = fp8.launch_config(cols)
+            shape = {"ROWS": rows, "BLOCK": block}
+            common = {"Q": "*fp8e4nv", "S": "*fp32", "n_rows": "i32", "cols": "i32", "stride_x": "i32",
+                      "stride_q": "i32"}
+            yield (f"quantize_rows {ptr[1:]} {cols}", fp8._quantize_kernel, {"X": ptr, **common}, shape, warps)
+            yield (f"bias_gelu_quantize {ptr[1:]} {cols}", fp8._bias_gelu_quantize_kernel,
+                   {"X": ptr, "BIAS": ptr, **common}, {**shape, "GELU": 1}, warps)
+            yield (f"add_layer_norm_quantize {ptr[1:]} {cols}", fp8._add_layer_norm_quantize_kernel,
+                   {"X": ptr, "R": ptr, "BIAS": ptr, "W": ptr, "B": ptr, "Y": ptr, "eps": "fp32", "stride_r": "i32",
+                    "stride_y": "i32", **common}, shape, warps)
 
 
 def _attention_cases():
