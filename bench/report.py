@@ -187,8 +187,8 @@ def encoder_label(r: dict) -> str:
     label = r["provider"]
     if r["provider"] == "ours":
         backend = r.get("backend", "auto")
-        label += ("" if backend == "auto" else f" {backend}") + (", CUDA graphs" if r.get("mode") == "graphs" else
-                                                                   ", eager")
+        label += ("" if backend == "auto" else f" {backend}") + (" FP8" if r.get("precision") == "fp8" else "") + \
+            (", CUDA graphs" if r.get("mode") == "graphs" else ", eager")
     if r.get("variant"):
         label += f" ({r['variant']})"
     return label
@@ -199,7 +199,7 @@ def _encoder_order(r: dict) -> tuple:
     backends = ("auto", "triton", "cuda", "torch")
     return (providers.index(r["provider"]) if r["provider"] in providers else len(providers),
             backends.index(r.get("backend", "auto")) if r.get("backend", "auto") in backends else len(backends),
-            r.get("mode") != "graphs", bool(r.get("variant")), r.get("variant") or "")
+            r.get("precision") == "fp8", r.get("mode") != "graphs", bool(r.get("variant")), r.get("variant") or "")
 
 
 def encoder_table(blocks: dict[str, dict]) -> str:
@@ -244,12 +244,19 @@ def profile_table(block: dict) -> str:
     rows = []
     for r in block["results"]:
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["kernel_us"].items())[:4])
-        path = f"{r['backend']}, {'CUDA graphs' if r['mode'] == 'graphs' else 'eager'}" + \
+        path = f"{r['backend']}{' FP8' if r.get('precision') == 'fp8' else ''}, " \
+            f"{'CUDA graphs' if r['mode'] == 'graphs' else 'eager'}" + \
             (f" ({r['variant']})" if r.get("variant") else "")
         dtype = r.get("dtype", "float16")  # the fp16 cases name no dtype; Qwen's runs in bf16
         rows.append([r["case"] + (f" ({dtype})" if dtype != "float16" else ""), path, _f(r["wall_us"], 0), _f(r["kernels_per_forward"], 0),
                      _f(r["gpu_idle_us"], 0), top])
     return _table(["case", "ours", "us per forward", "kernels", "GPU idle us", "kernel us by category"], rows)
+
+
+def fp8_accuracy_table(block: dict) -> str:
+    rows = [[r["precision"], _f(r["min_cosine"], 5), _f(r["p01_cosine"], 5), _f(r["mean_cosine"], 6),
+             _f(r["top10_overlap"], 4)] for r in block["results"] if "error" not in r]
+    return _table(["precision", "held-out min cosine", "p1 cosine", "mean cosine", "top-10 overlap"], rows)
 
 
 # ---- serve ------------------------------------------------------------------------------------------------------
@@ -340,7 +347,8 @@ TABLES: dict[tuple[str, str], Callable[[dict], str]] = {
     ("kernels", "fused-ops"): fused_ops_table, ("kernels", "gemm-epilogues"): gemm_table,
     ("kernels", "decoder-ops"): decoder_ops_table, ("kernels", "gemm-fp8"): gemm_fp8_table,
     ("kernels", "nsight"): nsight_table,
-    ("encoder", "profile"): profile_table, ("serve", "closed-loop"): closed_loop_table,
+    ("encoder", "profile"): profile_table, ("encoder", "fp8-accuracy"): fp8_accuracy_table,
+    ("serve", "closed-loop"): closed_loop_table,
     ("serve", "single"): single_table, ("serve", "replicas"): _sharing_table("replicas", "servers"),
     ("serve", "workers"): _sharing_table("workers", "WORKERS"), ("serve", "soak"): soak_table,
     ("serve", "openai-load"): openai_load_table, ("serve", "head-of-line"): head_of_line_table,

@@ -146,5 +146,6 @@ def test_expression_returns_data(prometheus_with_traffic, name, expr):
 
 def test_alert_list_covers_the_contract():
     names = {n.removeprefix("alert: ") for n, _ in alert_exprs()}
-    assert names == {"FusedserveReferenceMismatch", "FusedserveFallback", "FusedserveHighLatency",
+    assert names == {"FusedserveReferenceMismatch", "FusedserveFallback", "FusedservePrecisionFallback",
+                     "FusedserveHighLatency",
                      "FusedserveQueueSaturated", "FusedserveRejecting", "FusedserveDown"}
