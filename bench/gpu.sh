@@ -20,6 +20,8 @@
 #             serve.json
 #   peer      python -m bench serve peer (Infinity beside our server; carry .whl-infinity too) -> serve.json
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
+#   fp8       PRECISION=fp8: its GPU tests, python -m bench encoder fp8-accuracy on the packaged MiniLM, the BERT-base
+#             rows beside torch.compile + CUDA graphs and the profile with the FP8 rows -> encoder.json
 #   nsight    Nsight Compute on one launch per fused row-wise op and provider (python -m bench.nsight)
 #                                                                        -> bench/results/<gpu>/kernels.json (nsight)
 #   compare   before/after in one session, the older tree (.gpu-assets/baseline) against this one: serving, python -m
@@ -47,7 +49,7 @@
 # rather than prepending it. $OUT comes back: the suite's log and, for a benchmark suite, its updated results file
 # (copy it over bench/results/<gpu>/ and commit it).
 set -uo pipefail
-suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|devices|profile|nsight|compare|compare-encoder"
+suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|devices|profile|fp8|nsight|compare|compare-encoder"
 suite=${1:?usage: bash bench/gpu.sh $suites [ARGS: compare: openai-load options; compare-encoder: encoder ones; qwen-encoder: its cases]}
 shift
 extra=("$@")  # more arguments of the compare suites' harness commands (e.g. --starts 1; encoder case names)
@@ -183,6 +185,18 @@ case "$suite" in
   encoder)
     build
     timeout 540 python3 -m bench encoder 2>&1 | tee "$OUT/encoder.log"
+    results encoder
+    ;;
+  fp8)
+    build
+    timeout 240 python3 -m pytest -m gpu -q -rfs -p no:cacheprovider tests/kernels/test_fp8.py tests/gpu/test_fp8_gpu.py \
+      > "$OUT/tests-fp8.log" 2>&1
+    pytest_summary "$OUT/tests-fp8.log"
+    timeout 90 python3 -m bench encoder fp8-accuracy --model "$MODEL" 2>&1 | tee "$OUT/fp8.log" | grep held-out
+    timeout 150 python3 -m bench encoder bert-base-b128-varlen bert-base-b32-s128 --providers \
+      "torch.compile + CUDA graphs" ours --backends auto 2>&1 | tee -a "$OUT/fp8.log" | grep -E "^  "
+    timeout 120 python3 -m bench encoder profile --profile-cases bert-base-b128-varlen bert-base-b32-s128 \
+      minilm-b32-s128 --backends auto 2>&1 | tee -a "$OUT/fp8.log" | grep "us/forward" | cut -c1-200
     results encoder
     ;;
   nsight)

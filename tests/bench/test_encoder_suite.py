@@ -3,6 +3,7 @@ ours on the same token ids, into a valid results block. It asserts structure, ne
 
 from __future__ import annotations
 
+import torch
 
 from bench import encoder as suite
 from bench import results as store
@@ -72,3 +73,29 @@ def test_interleaved_timing_alternates_the_order_every_round():
     assert calibration == ["a", "b", "c"]
     # five rounds on the CPU: a b c | c b a | a b c ... (adjacent equal names merge across a round's boundary)
     assert rounds == ["a", "b", "c", "b", "a", "b", "c", "b", "a", "b", "c"]
+
+
+def test_top10_overlap_counts_shared_neighbours():
+    from bench.encoder import top10_overlap
+
+    gen = torch.Generator().manual_seed(0)
+    e = torch.nn.functional.normalize(torch.randn(60, 16, generator=gen), dim=1)
+    assert top10_overlap(e, e) == 1.0
+    # a text's own row is never its neighbour: a copy of the set with every row moved far away shares nothing
+    noise = torch.nn.functional.normalize(torch.randn(60, 16, generator=gen), dim=1)
+    assert top10_overlap(noise, e) < 0.5
+    slight = torch.nn.functional.normalize(e + 0.01 * torch.randn(60, 16, generator=gen), dim=1)
+    assert 0.9 <= top10_overlap(slight, e) <= 1.0
+
+
+def test_the_report_labels_fp8_rows_and_renders_the_accuracy_block():
+    from bench import report
+
+    assert report.encoder_label({"provider": "ours", "backend": "auto", "mode": "graphs", "precision": "fp8"}) == \
+        "ours FP8, CUDA graphs"
+    assert report.encoder_label({"provider": "ours", "backend": "auto", "mode": "graphs"}) == "ours, CUDA graphs"
+    table = report.fp8_accuracy_table({"results": [
+        {"precision": "native", "min_cosine": 1.0, "p01_cosine": 1.0, "mean_cosine": 1.0, "top10_overlap": 0.9992},
+        {"precision": "fp8", "min_cosine": 0.99456, "p01_cosine": 0.99645, "mean_cosine": 0.997652,
+         "top10_overlap": 0.9435}]})
+    assert "| fp8 | 0.99456 | 0.99645 | 0.997652 | 0.9435 |" in table
