@@ -13,7 +13,7 @@ from fusedserve.model.config import UnsupportedModel
 from fusedserve.model.runner import Embedder
 from tests.model.checkpoints import source_dir
 from tests.model.sentences import SENTENCES
-from tests.tolerances import assert_embeddings_close, embedding_errors
+from tests.tolerances import assert_embeddings_close, embedding_errors, tolerance
 
 
 def test_refused_on_the_cpu():
@@ -37,12 +37,15 @@ def test_families_without_the_path_are_refused(fp8_here):
         Embedder.load("mpnet-base", device="cpu", precision="fp8")
 
 
+TEXTS = SENTENCES[:32]  # one batch (FP8 GEMMs on the CPU are emulated: slow), the short and odd ones among them
+
+
 @pytest.fixture(scope="module")
 def st_reference() -> torch.Tensor:
     from sentence_transformers import SentenceTransformer
 
     st = SentenceTransformer(str(source_dir()), device="cpu")
-    return torch.from_numpy(st.encode(SENTENCES, batch_size=32, convert_to_numpy=True))
+    return torch.from_numpy(st.encode(TEXTS, batch_size=32, convert_to_numpy=True))
 
 
 def test_minilm_in_fp8_against_sentence_transformers(fp8_here, st_reference):
@@ -54,18 +57,17 @@ def test_minilm_in_fp8_against_sentence_transformers(fp8_here, st_reference):
              for name in ("qkv", "attn_out", "ffn_in", "ffn_out")]
     assert embedder.fp8_bytes == sum(w.numel() + 4 * w.shape[0] for w in gemms)
     assert "FP8 GEMMs for every batch" in embedder.report()
-    ours = torch.cat([embedder.embed(SENTENCES[i: i + 32]) for i in range(0, len(SENTENCES), 32)])
-    native = embedding_errors(Embedder.load(str(source_dir()), device="cpu", dtype="float32")[0].embed(SENTENCES),
-                              st_reference)
+    ours = embedder.embed(TEXTS)
     cosine, _ = assert_embeddings_close(ours, st_reference, torch.float8_e4m3fn, what="fp8")
-    # FP8 is the lossy step: it must move the answer (a path that silently stayed native would not)
-    assert cosine < native[0] - 1e-5, (cosine, native)
+    # FP8 is the lossy step: it must move the answer past float32's entry of the table (the fp32 path meets that
+    # entry against sentence-transformers in tests/model/test_parity.py), or it did not run
+    assert embedding_errors(ours, st_reference)[0] < tolerance(torch.float32).min_cosine
 
 
 def test_fallback_tier_and_switches(fp8_here):
     embedder, _ = Embedder.load(str(source_dir()), device="cpu", dtype="float32", precision="fp8")
     native, _ = Embedder.load(str(source_dir()), device="cpu", dtype="float32")
-    texts = SENTENCES[:24]
+    texts = SENTENCES[:8]
     fp8_out = embedder.embed(texts)
     assert not torch.equal(fp8_out, native.embed(texts))
 
