@@ -368,6 +368,9 @@ SERVER_SUMS = {
     "forward": ("fusedserve_forward_duration_seconds_sum", {}),
     "cpu": ("process_cpu_seconds_total", {}),  # the server process's user + system CPU time (prometheus_client)
     "workers_cpu": ("fusedserve_worker_cpu_seconds", {}),  # the same summed over WORKERS > 1 (multiprocess mode)
+    # the verifier's sampled checks (VERIFY_SAMPLE_RATE), by outcome
+    **{f"checks_{result}": ("fusedserve_reference_checks_total", {"result": result})
+       for result in ("match", "mismatch", "error", "dropped")},
 }
 
 

@@ -201,7 +201,12 @@ def run_point(pool: ClientProcesses, url: str, texts: list[str], clients: int, p
     before = server_sums(metrics_url, ROUTE) if metrics_url else None
     run = merge_runs(pool.run(clients_fn, jobs, timeout_s=seconds + 300))
     if before is not None:
-        run["server_cpu"] = settled_sums(metrics_url, ROUTE)["cpu"] - before["cpu"]
+        after = settled_sums(metrics_url, ROUTE)
+        run["server_cpu"] = after["cpu"] - before["cpu"]
+        checks = {result: after[f"checks_{result}"] - before[f"checks_{result}"]
+                  for result in ("match", "mismatch", "error", "dropped")}
+        if any(checks.values()):  # VERIFY_SAMPLE_RATE set: how the sampled batches of this point compared
+            run["reference_checks"] = checks
     return run
 
 
@@ -217,7 +222,8 @@ def point_row(run: dict, clients: int, per_request: int, prefix: str = "", **lab
             "per_request": per_request,
             "requests": len(latencies), "errors": run["errors"], "seconds": elapsed,
             "requests_per_s": len(latencies) / elapsed, "texts_per_s": len(latencies) * per_request / elapsed,
-            "tokens_per_s": run["tokens"] / elapsed, **percentiles_ms(latencies), **cpu}
+            "tokens_per_s": run["tokens"] / elapsed, **percentiles_ms(latencies), **cpu,
+            **({"reference_checks": run["reference_checks"]} if "reference_checks" in run else {})}
 
 
 def medians(rows: list[dict]) -> dict[str, dict[str, dict]]:

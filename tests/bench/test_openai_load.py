@@ -92,6 +92,7 @@ def test_openai_load_against_real_servers(tmp_path):
     out = tmp_path / "serve.json"
     texts, max_words = 24, 12
     assert main(["serve", "openai-load", "--device", "cpu", "--model", "tiny", "--setting", "torch_threads=1",
+                 "--setting", "verify_sample_rate=1",
                  "--setting", "backend=torch", "--seconds", "1", "--warm-seconds", "0.3", "--texts", str(texts),
                  "--max-words", str(max_words), "--openai-points", "1x1", "3x2", "--grpc-points", "2x2",
                  "--client-processes", "2",
@@ -122,6 +123,8 @@ def test_openai_load_against_real_servers(tmp_path):
         # the CPU both sides took: the load generator's processes, and the server's own account (/metrics)
         assert 0 < r["client_cpu_share"] <= 1 and r["client_cpu_cores"] > 0
         assert r["server_cpu_cores"] > 0 and r["server_cpu_ms_per_request"] > 0
+        # VERIFY_SAMPLE_RATE=1: every batch of the point went to the verifier (the reference against its fp32 copy)
+        assert r["reference_checks"]["match"] > 0 and r["reference_checks"]["mismatch"] == 0, r["reference_checks"]
         if r["point"].startswith("grpc-"):  # no usage in a gRPC answer
             assert r["tokens_per_s"] == 0
             continue
