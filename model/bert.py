@@ -178,20 +178,25 @@ class Layer(nn.Module):
 
     FP8_GEMMS = ("qkv", "attn_out", "ffn_in", "ffn_out")
 
-    def forward_fp8(self, x: Tensor, xq: Tensor, xs: Tensor, p: Packed, attention: str,
+    def forward_fp8(self, x: Tensor, xq: Tensor, xs: Tensor, p: Packed, context,
                     w: dict[str, fp8.QuantizedWeight]) -> tuple[Tensor, Tensor, Tensor]:
         """One layer with its four GEMMs in FP8 (PRECISION=fp8): x [T, hidden] and its row-quantized copy (xq,
         xs) in, the same three out. Biases before a LayerNorm or GELU go to that kernel; the QKV bias to the GEMM.
-        Attention itself (varlen or pad) stays in x's dtype."""
+        Attention itself (_attend, with the encoder's layer_context) stays in x's dtype."""
         dtype = x.dtype
         qkv = fp8.linear(xq, xs, w["qkv"], self.qkv.bias, dtype)
-        ctx = packing.packed_attention(qkv, p, self.num_heads, attention)
+        ctx = self._attend(qkv, p, context)
         y = fp8.linear(*fp8.quantize_rows(ctx), w["attn_out"], None, dtype)
         x, xq, xs = fp8.add_layer_norm_quantize(y, x, self.attn_out.bias, self.attn_ln_weight, self.attn_ln_bias,
                                                 self.eps)
         h = fp8.linear(xq, xs, w["ffn_in"], None, dtype)
         y = fp8.linear(*fp8.bias_gelu_quantize(h, self.ffn_in.bias), w["ffn_out"], None, dtype)
         return fp8.add_layer_norm_quantize(y, x, self.ffn_out.bias, self.ffn_ln_weight, self.ffn_ln_bias, self.eps)
+
+    def _attend(self, qkv: Tensor, p: Packed, attention: str) -> Tensor:
+        """The attention of a packed batch from its stacked q, k, v [T, 3 hidden] -> [T, hidden] (the FP8 layer's;
+        attention: "pad" or "varlen")."""
+        return packing.packed_attention(qkv, p, self.num_heads, attention)
 
     def _residual_blocks(self, x: Tensor, ctx: Tensor) -> Tensor:
         # post-LN residual blocks: x = LN(x + dense(ctx) + b); x = LN(x + W2 gelu(W1 x + b1) + b2). Each GEMM +
@@ -266,9 +271,10 @@ class Encoder(nn.Module):
         yield x
         fp8_attention = self._fp8_attention(x, attention)
         if fp8_attention is not None:
+            context = self.layer_context(fp8_attention)
             xq, xs = fp8.quantize_rows(x)
             for layer, weights in zip(self.layers, self.fp8_weights):
-                x, xq, xs = layer.forward_fp8(x, xq, xs, p, fp8_attention, weights)
+                x, xq, xs = layer.forward_fp8(x, xq, xs, p, context, weights)
                 yield x
             return
         context = self.layer_context(attention)

@@ -89,9 +89,10 @@ class Layer(bert.Layer):
         return self._residual_blocks(x, ctx)
 
     def forward_packed(self, x: Tensor, p: Packed, table: Tensor) -> Tensor:
-        qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
-        ctx = kernels.relative_attention(qkv, p.cu_seqlens, p.seq, self.num_heads, table)
-        return self._residual_blocks(x, ctx)
+        return self._residual_blocks(x, self._attend(F.linear(x, self.qkv.weight, self.qkv.bias), p, table))
+
+    def _attend(self, qkv: Tensor, p: Packed, table: Tensor) -> Tensor:
+        return kernels.relative_attention(qkv, p.cu_seqlens, p.seq, self.num_heads, table)
 
 
 class Encoder(bert.Encoder):
@@ -138,5 +139,5 @@ def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.d
 
 MPNET = Family("mpnet", ("mpnet",), "MPNet", _read_mpnet, _MPNET_WEIGHTS,
                ClassifierHead("classifier.dense", "tanh", "classifier.out_proj"), encoder=Encoder,
-               kernel_ops=kernel_ops, positions="learned absolute + relative bias", few_token_layer=False)
+               kernel_ops=kernel_ops, positions="learned absolute + relative bias", few_token_layer=False, fp8=True)
 FAMILIES = (MPNET,)

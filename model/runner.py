@@ -210,7 +210,8 @@ class Embedder:
         FP8 ops' self-test and quantize the GEMM weights; returns their bytes."""
         refused = fp8.unavailable(self.device)
         if refused is None and not self.family.fp8:
-            refused = f"{self.family.label} models have no FP8 path (BERT, RoBERTa / XLM-RoBERTa and DistilBERT do)"
+            refused = (f"{self.family.label} models have no FP8 path (BERT, RoBERTa / XLM-RoBERTa, DistilBERT and "
+                       "MPNet do)")
         if refused is None and self.layout != "packed":
             refused = "the padded layout (the tests' oracle) has no FP8 path"
         if refused is None:

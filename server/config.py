@@ -78,11 +78,11 @@ class Settings(BaseSettings):
     fused: bool = Field(True, description="serve on the fused kernels; `false` runs every op on the torch reference "
                         "path")
     precision: Literal["native", "fp8"] = Field(
-        "native", description="the encoder's GEMMs: `native`, in the dtype; `fp8`, in E4M3 on FP8 tensor cores (weights "
-        "per output channel, activations per token; BERT, RoBERTa / XLM-RoBERTa and DistilBERT models, batches past "
-        "the few-token layer's), the rest in the dtype: on GPUs of compute capability 8.9+ only (refused elsewhere, "
-        "naming why). The verifier holds it to `verify_tolerance_fp8`; sustained mismatches move it back to `native` "
-        "(docs/operations.md)")
+        "native", description="the encoder's GEMMs: `native`, in the dtype; `fp8`, in E4M3 on FP8 tensor cores "
+        "(weights per output channel, activations per token; BERT, RoBERTa / XLM-RoBERTa, DistilBERT and MPNet "
+        "models, batches past the few-token layer's), the rest in the dtype: on GPUs of compute capability 8.9+ only "
+        "(refused elsewhere, naming why). The verifier holds it to `verify_tolerance_fp8`; sustained mismatches move "
+        "it back to `native` (docs/operations.md)")
     backend: Literal["auto", "triton", "cuda", "torch"] = Field(
         "auto", description="kernel backend for every op: `auto` self-tests the candidates and, on a GPU, races those "
         "that pass; a forced backend that fails its self-test stops the start")

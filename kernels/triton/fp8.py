@@ -2,9 +2,10 @@
 (amax / 448), written as the op that produces the activation ends, so the fp16 value is not read back.
 
 A program holds whole rows (one or several): each row's amax is a reduction over all of it, and an encoder's rows
-(384-4096 columns) fit one block. Values are rounded onto the E4M3 grid in fp32 before the cast (_to_e4m3): the cast is then exact on
-every path. The GPU's own conversion rounds to nearest even and saturates as well; Triton's interpreter does not
-(it rounds 1.0625 up to 1.125, 126.5 to 64 and 500 to 256), and the tests run these kernels on the interpreter.
+(384-4096 columns) fit one block. Values are rounded onto the E4M3 grid in fp32 before the cast (_to_e4m3): the
+cast is then exact on every path. The GPU's own conversion rounds to nearest even and saturates as well; Triton's
+interpreter does not (it rounds 1.0625 up to 1.125, 126.5 to 64 and 500 to 256), and the tests run these kernels
+on the interpreter.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ def fp8_here(monkeypatch):
 
 
 def test_families_without_the_path_are_refused(fp8_here):
-    with pytest.raises(UnsupportedModel, match="MPNet models have no FP8 path"):
-        Embedder.load("mpnet-base", device="cpu", precision="fp8")
+    with pytest.raises(UnsupportedModel, match="GTE models have no FP8 path"):
+        Embedder.load("gte-base", device="cpu", precision="fp8")
 
 
 TEXTS = SENTENCES[:32]  # one batch (FP8 GEMMs on the CPU are emulated: slow), the short and odd ones among them
@@ -95,3 +95,19 @@ def test_the_reference_copy_leaves_the_fp8_weights_behind(fp8_here):
     assert embedder.encoder.fp8_weights is not None and embedder.active_precision == "fp8"
     assert_embeddings_close(copy.embed(SENTENCES[:8]),
                             Embedder.load(str(source_dir()), device="cpu", dtype="float32")[0].embed(SENTENCES[:8]))
+
+
+def test_mpnet_runs_its_relative_attention_between_fp8_gemms(fp8_here, monkeypatch):
+    # MPNet's layers are BERT's but for the attention (its relative bias table, model/mpnet.py _attend)
+    embedder, _ = Embedder.load("mpnet-base", device="cpu", dtype="float32", precision="fp8")
+    calls = []
+    linear = fp8.linear
+    monkeypatch.setattr(fp8, "linear", lambda *args: calls.append(args[2]) or linear(*args))
+    texts = SENTENCES[:3]
+    ours = embedder.embed(texts)
+    assert len(calls) == 4 * embedder.config.num_layers  # every GEMM of every layer, once
+    embedder.fall_back_precision("test")  # the same weights on the float32 path
+    want = embedder.embed(texts)
+    assert len(calls) == 4 * embedder.config.num_layers
+    assert_embeddings_close(ours, want, torch.float8_e4m3fn, what="MPNet, random weights")
+    assert embedding_errors(ours, want)[0] < tolerance(torch.float32).min_cosine
