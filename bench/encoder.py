@@ -271,6 +271,22 @@ def embedder(encoder, device: str, dtype: torch.dtype, *, backend: str, graphs: 
     return e
 
 
+def fp8_runs(config, device: str, backend: str) -> list[tuple[str, str, str]]:
+    """The PRECISION=fp8 row, (backend, "graphs", "fp8"), where the family has an FP8 path and the GPU FP8 tensor
+    cores; else none."""
+    from fusedserve.model.families import family
+
+    if not device.startswith("cuda") or not family(config).fp8 or fp8.unavailable(torch.device(device)) is not None:
+        return []
+    return [(backend, "graphs", "fp8")]
+
+
+def encoder_for(encoder, precision: str):
+    """The encoder an Embedder of `precision` is built on: the precision is the encoder's state (Encoder.precision),
+    so a row of another precision gets its own copy of the shared random init."""
+    return encoder if precision == "native" else copy.deepcopy(encoder)
+
+
 def _release() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -355,8 +371,7 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
         built: dict[str, tuple[dict, Callable[[], object], float | None]] = {}
         runs = [(backend, mode, "native") for i, backend in enumerate(backends)
                 for mode in (["graphs"] if cuda else []) + (["eager"] if i == 0 or not cuda else [])]
-        if cuda and family(config).fp8 and fp8.unavailable(torch.device(device)) is None:
-            runs.append((backends[0], "graphs", "fp8"))  # PRECISION=fp8: the four GEMMs of a layer in E4M3
+        runs += fp8_runs(config, device, backends[0])
         failed: set[str] = set()  # a backend that cannot run here: its other rows are skipped
         for backend, mode, precision in runs:
             if backend in failed:
@@ -367,9 +382,7 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
                 torch.cuda.reset_peak_memory_stats()
             held = torch.cuda.memory_allocated() if cuda else 0
             try:
-                # the precision is the encoder's state (Encoder.precision): the FP8 row gets its own copy
-                mine = copy.deepcopy(encoder) if precision != "native" else encoder
-                ours = embedder(mine, device, dtype, backend=backend, graphs=mode == "graphs",
+                ours = embedder(encoder_for(encoder, precision), device, dtype, backend=backend, graphs=mode == "graphs",
                                 max_tokens=max(16384, tokens), max_batch=max(256, batch), classifier=classifier,
                                 precision=precision)
                 with torch.inference_mode():
@@ -446,11 +459,10 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
         dtype = family(config).dtype_on_cuda
         rows = token_rows(lengths_for(batch, seq, varlen), config.vocab_size)
         runs = [("auto", "graphs", "native"), ("auto", "eager", "native"),
-                *((b, "graphs", "native") for b in args.backends or () if b != "auto")]
-        if family(config).fp8 and fp8.unavailable(torch.device(args.device)) is None:
-            runs.append(("auto", "graphs", "fp8"))
+                *((b, "graphs", "native") for b in args.backends or () if b != "auto"),
+                *fp8_runs(config, args.device, "auto")]
         for backend, mode, precision in runs:
-            ours = embedder(copy.deepcopy(encoder) if precision != "native" else encoder, args.device, dtype,
+            ours = embedder(encoder_for(encoder, precision), args.device, dtype,
                             backend=backend, graphs=mode == "graphs", max_tokens=16384, max_batch=256,
                             precision=precision)
             with torch.inference_mode():

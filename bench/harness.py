@@ -360,6 +360,7 @@ def load(urls: str | list[str], texts: list, clients: int, seconds: float, per_r
 
 
 # what -> (sample name, labels it must carry): summed over every other label (the model, a replica's worker)
+CHECK_RESULTS = ("match", "mismatch", "error", "dropped")  # fusedserve_reference_checks_total's `result` values
 SERVER_SUMS = {
     "request": ("fusedserve_request_duration_seconds_sum", {"route": "{route}"}),
     "requests": ("fusedserve_request_duration_seconds_count", {"route": "{route}"}),
@@ -369,8 +370,7 @@ SERVER_SUMS = {
     "cpu": ("process_cpu_seconds_total", {}),  # the server process's user + system CPU time (prometheus_client)
     "workers_cpu": ("fusedserve_worker_cpu_seconds", {}),  # the same summed over WORKERS > 1 (multiprocess mode)
     # the verifier's sampled checks (VERIFY_SAMPLE_RATE), by outcome
-    **{f"checks_{result}": ("fusedserve_reference_checks_total", {"result": result})
-       for result in ("match", "mismatch", "error", "dropped")},
+    **{f"checks_{result}": ("fusedserve_reference_checks_total", {"result": result}) for result in CHECK_RESULTS},
 }
 
 

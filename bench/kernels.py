@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import results as store
-from fusedserve.kernels import timing
+from fusedserve.kernels import fp8, timing
 from fusedserve.kernels.spec import OP_SPECS, ROWWISE_OPS
 from fusedserve.kernels.testing import compare, float64_reference
 
@@ -635,7 +635,6 @@ FP8_CASES = {
 }
 DEFAULT_FP8_CASES = tuple(name for name in FP8_CASES if not name.startswith("tiny"))
 FP8_PROVIDERS = ("fp16", "fp8", "fp8 + quantize")
-E4M3_MAX = 448.0
 # E4M3 keeps 3 mantissa bits: a value's rounding error is up to 2^-4 of it. With a scale per token and per output
 # channel a GEMM's relative error norm stays near that (3-4% on random data), well above fp16's table entry: an FP8
 # cell is accurate within this bound, as a measurement; the serving path's own bound is its embeddings' cosine.
@@ -646,17 +645,6 @@ def layer_gemms(hidden: int, inner: int) -> dict[str, tuple[int, int]]:
     return {"qkv": (hidden, 3 * hidden), "attn_out": (hidden, hidden), "ffn_in": (hidden, inner),
             "ffn_out": (inner, hidden)}
 
-
-def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of `t` in E4M3 with its own fp32 scale (amax / 448): (values, scales [rows, 1])."""
-    scale = t.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / E4M3_MAX
-    return (t.float() / scale).to(torch.float8_e4m3fn), scale
-
-
-def fp8_linear(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor) -> torch.Tensor:
-    """x W^T + b from row-quantized x [M, K] and W [N, K] (the weight's rows are its output channels)."""
-    return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.t(), bias=bias, out_dtype=bias.dtype)
 
 
 def gemm_fp8(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], None]) -> None:
@@ -676,11 +664,12 @@ def gemm_fp8(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], 
             w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(device, torch.float16)
             b = (torch.randn(n, generator=gen) * 0.1).to(device, torch.float16)
             ref = x.double() @ w.double().t() + b.double()
-            wq, w_scale = quantize_rows(w)
-            xq, x_scale = quantize_rows(x)
+            # the serving path's quantization (kernels/fp8.py); "fp8 + quantize" quantizes x with PyTorch ops
+            weight = fp8.quantize_weight(w)
+            xq, x_scale = fp8.quantize_rows_reference(x)
             calls = {"fp16": lambda: F.linear(x, w, b),
-                     "fp8": lambda: fp8_linear(xq, x_scale, wq, w_scale, b),
-                     "fp8 + quantize": lambda: fp8_linear(*quantize_rows(x), wq, w_scale, b)}
+                     "fp8": lambda: fp8.linear(xq, x_scale, weight, b, b.dtype),
+                     "fp8 + quantize": lambda: fp8.linear(*fp8.quantize_rows_reference(x), weight, b, b.dtype)}
             line = []
             for provider, fn in calls.items():
                 try:

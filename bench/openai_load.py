@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from bench import results as store
-from bench.harness import (CURRENT, SAME_MODEL_MIN_COSINE, ClientProcesses, client_shares, extra_settings, free_port,
+from bench.harness import (CHECK_RESULTS, CURRENT, SAME_MODEL_MIN_COSINE, ClientProcesses, client_shares, extra_settings, free_port,
                            log_path, merge_runs, min_cosine, one_connection_session, percentiles_ms, running_servers,
                            sentences, server_sums, settled_sums, traffic, tree_launch)
 
@@ -203,8 +203,7 @@ def run_point(pool: ClientProcesses, url: str, texts: list[str], clients: int, p
     if before is not None:
         after = settled_sums(metrics_url, ROUTE)
         run["server_cpu"] = after["cpu"] - before["cpu"]
-        checks = {result: after[f"checks_{result}"] - before[f"checks_{result}"]
-                  for result in ("match", "mismatch", "error", "dropped")}
+        checks = {result: after[f"checks_{result}"] - before[f"checks_{result}"] for result in CHECK_RESULTS}
         if any(checks.values()):  # VERIFY_SAMPLE_RATE set: how the sampled batches of this point compared
             run["reference_checks"] = checks
     return run

@@ -15,12 +15,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fusedserve.kernels import fp8
 from fusedserve.kernels.triton._common import deferrable
 from fusedserve.kernels.triton._gelu import GELU_ERF, gelu
 
-E4M3_MAX = 448.0
-# a row of zeros gets this scale (its values quantize to 0 whatever it is); amax below it is clamped up
-MIN_AMAX = 1e-12
+# kernels/fp8.py's constants, as the kernels read them (the torch references use the same)
+_E4M3_MAX = tl.constexpr(fp8.E4M3_MAX)
+_MIN_AMAX = tl.constexpr(fp8.MIN_AMAX)
 
 
 @triton.jit
@@ -31,17 +32,17 @@ def _to_e4m3(v):
     a = tl.abs(v)
     e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
     magic = ((e + 147) << 23).to(tl.float32, bitcast=True)
-    r = tl.minimum((a + magic) - magic, 448.0)
+    r = tl.minimum((a + magic) - magic, _E4M3_MAX)
     return tl.where(v < 0, -r, r)
 
 
 @triton.jit
 def _store_rows(Q, stride_q, S, rows, c, v, mask, n_rows):
     """Rows `rows` (a block of them) of values v (fp32, [ROWS, BLOCK]) as E4M3 at Q, each row's scale at S[row]."""
-    amax = tl.maximum(tl.max(tl.where(mask, tl.abs(v), 0.0), 1), 1e-12)
+    amax = tl.maximum(tl.max(tl.where(mask, tl.abs(v), 0.0), 1), _MIN_AMAX)
     # a NaN or Inf in a row makes its scale NaN (the sum of v * 0), so the GEMM's row is NaN too: max and min drop
     # NaN on the GPU, which would otherwise store it as +-448
-    scale = amax / 448.0 + tl.sum(tl.where(mask, v * 0.0, 0.0), 1)
+    scale = amax / _E4M3_MAX + tl.sum(tl.where(mask, v * 0.0, 0.0), 1)
     q = _to_e4m3(v / scale[:, None]).to(Q.dtype.element_ty)
     tl.store(Q + rows[:, None] * stride_q + c[None, :], q, mask=mask)
     tl.store(S + rows, scale, mask=rows < n_rows)
