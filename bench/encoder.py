@@ -38,7 +38,8 @@ Scenarios (one batch shape each, plus a profile):
   profile                where a forward's time goes (torch.profiler: kernel time by category, GPU idle) for
                          --profile-cases, our default path with CUDA graphs and eager (GPU only)
 
-Ours is model.runner.Embedder from token-id rows, as the server runs it: host packing, the copy to the device, the
+Ours is model.runner.Embedder from token-id rows as the server's batcher hands them over (model.api.Rows, the arrays
+the tokenizer writes once per request), as the server runs it: host packing, the copy to the device, the
 CUDA-graph replay (or the eager forward), mean pooling and the copy of the result back. "ours" takes the
 registry's auto choice per op; "ours triton" / "ours cuda" force one backend. Time: median over rounds of
 back-to-back calls (kernels.timing.eager_us: the host's work for one call overlaps the device's for the previous,
@@ -62,6 +63,7 @@ import torch
 
 from bench import results as store
 from fusedserve.kernels import fp8, timing
+from fusedserve.model.api import Rows
 
 # name: (preset, batch, longest sequence, varlen, head: "embedding" (mean pooling) or "classifier" (one label))
 CASES = {
@@ -304,6 +306,7 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
     dtype = family(config).dtype_on_cuda if cuda else torch.float32
     lengths = lengths_for(batch, seq, varlen)
     rows = token_rows(lengths, config.vocab_size)
+    batch_rows = Rows.of(rows)
     longest, tokens = max(lengths), sum(lengths)
     ids = torch.zeros(batch, longest, dtype=torch.long)
     mask = torch.zeros(batch, longest, dtype=torch.long)
@@ -386,7 +389,7 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
                                 max_tokens=max(16384, tokens), max_batch=max(256, batch), classifier=classifier,
                                 precision=precision)
                 with torch.inference_mode():
-                    ours.launch_ids(rows).wait()  # warm: captures the graph, compiles, autotunes
+                    ours.launch_ids(batch_rows).wait()  # warm: captures the graph, compiles, autotunes
             except Exception as exc:  # a forced backend that cannot run here (no CUDA build, say)
                 print(f"  {label}: unavailable ({type(exc).__name__}: {str(exc)[:300]})", file=sys.stderr)
                 out.append({"provider": "ours", **extra, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
@@ -398,7 +401,7 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
             # before it was built (the shared weights, the Embedders built before it)
             peak = (torch.cuda.max_memory_allocated() - held) / 2**20 if cuda else None
             built[label] = ({**extra, "attention": ours.attention, "kernels": dict(ours.selection.used)},
-                            lambda e=ours: e.launch_ids(rows), peak)
+                            lambda e=ours: e.launch_ids(batch_rows), peak)
             ours = None
         with torch.inference_mode():
             times = interleaved_ms({label: fn for label, (_, fn, _) in built.items()}, device)
@@ -445,6 +448,32 @@ def breakdown(fn: Callable[[], object], iters: int = 20) -> dict:
             "top_kernels_us": {k[:120]: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]}}
 
 
+def host_and_replay_us(ours, rows: Rows, iters: int = 50) -> dict:
+    """Where a replayed forward's time goes outside the kernels: host_us, the median host time of one launch_ids
+    call on an idle stream (conversion, packing, the input copy and the replay queued; nothing waited for), and
+    replay_us, the median device time of the bucket's graph replayed back to back (kernels and the gaps between
+    them, no input copy). A back-to-back caller overlaps the two, so a forward costs about the larger."""
+    bucket = ours.graphs.bucket(rows)
+    graph = ours.graphs.graphs[bucket].graph
+    host = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        ours.launch_ids(rows)
+        host.append((time.perf_counter() - started) * 1e6)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay = []
+    for _ in range(iters // 5):
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        replay.append(start.elapsed_time(end) * 1e3 / 5)
+    return {"host_us": round(statistics.median(host), 1), "replay_us": round(statistics.median(replay), 1)}
+
+
 def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], None]) -> None:
     from fusedserve.model.config import EncoderConfig
     from fusedserve.model.families import family
@@ -457,7 +486,7 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
         config = EncoderConfig.from_name(preset)
         encoder = family(config).encoder(config)
         dtype = family(config).dtype_on_cuda
-        rows = token_rows(lengths_for(batch, seq, varlen), config.vocab_size)
+        rows = Rows.of(token_rows(lengths_for(batch, seq, varlen), config.vocab_size))
         runs = [("auto", "graphs", "native"), ("auto", "eager", "native"),
                 *((b, "graphs", "native") for b in args.backends or () if b != "auto"),
                 *fp8_runs(config, args.device, "auto")]
@@ -467,12 +496,15 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
                             precision=precision)
             with torch.inference_mode():
                 result = breakdown(lambda e=ours: e.launch_ids(rows).wait())
+                if mode == "graphs":
+                    result.update(host_and_replay_us(ours, rows))
             out.append({"provider": "ours", "case": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode,
                         "backend": backend, **({"precision": precision} if precision != "native" else {}),
                         "attention": ours.attention, "kernels": dict(ours.selection.used),
                         "ms": result["wall_us"] / 1e3, **result})
             print(f"{name} {backend} {mode} {precision}: {result['wall_us']:.0f} us/forward, "
-                  f"{result['kernels_per_forward']:.0f} kernels, GPU idle {result['gpu_idle_us']:.0f} us: "
+                  f"{result['kernels_per_forward']:.0f} kernels, GPU idle {result['gpu_idle_us']:.0f} us, "
+                  f"host {result.get('host_us', '-')} us, replay {result.get('replay_us', '-')} us: "
                   f"{result['kernel_us']}; top {result['top_kernels_us']}", file=sys.stderr, flush=True)
             save(out, False)
             ours = None

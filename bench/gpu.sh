@@ -22,6 +22,10 @@
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
 #   fp8       PRECISION=fp8: its GPU tests, python -m bench encoder fp8-accuracy on the packaged MiniLM, the BERT-base
 #             rows beside torch.compile + CUDA graphs and the profile with the FP8 rows -> encoder.json
+#   fp8-serve PRECISION=fp8 served with the reference check on 5% of batches (python -m bench serve openai-load
+#             --as openai-load-fp8), the FP8 GEMMs and the quantizing kernels' launch sweep (bench kernels gemm-fp8),
+#             and the small rows' host and replay times (profile of minilm-b1-s16, minilm-b32-s128)
+#                                                              -> serve.json, kernels.json, encoder.json
 #   nsight    Nsight Compute on one launch per fused row-wise op and provider (python -m bench.nsight)
 #                                                                        -> bench/results/<gpu>/kernels.json (nsight)
 #   compare   before/after in one session, the older tree (.gpu-assets/baseline) against this one: serving, python -m
@@ -49,7 +53,7 @@
 # rather than prepending it. $OUT comes back: the suite's log and, for a benchmark suite, its updated results file
 # (copy it over bench/results/<gpu>/ and commit it).
 set -uo pipefail
-suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|devices|profile|fp8|nsight|compare|compare-encoder"
+suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|devices|profile|fp8|fp8-serve|nsight|compare|compare-encoder"
 suite=${1:?usage: bash bench/gpu.sh $suites [ARGS: compare: openai-load options; compare-encoder: encoder ones; qwen-encoder: its cases]}
 shift
 extra=("$@")  # more arguments of the compare suites' harness commands (e.g. --starts 1; encoder case names)
@@ -197,6 +201,19 @@ case "$suite" in
       "torch.compile + CUDA graphs" ours --backends auto 2>&1 | tee -a "$OUT/fp8.log" | grep -E "^  "
     timeout 120 python3 -m bench encoder profile --profile-cases bert-base-b128-varlen bert-base-b32-s128 \
       minilm-b32-s128 --backends auto 2>&1 | tee -a "$OUT/fp8.log" | grep "us/forward" | cut -c1-200
+    results encoder
+    ;;
+  fp8-serve)
+    build
+    # the server first, while the call is young: 500 checked batches at 5% take about 10,000 batches
+    timeout 300 python3 -m bench serve openai-load --model "$MODEL" --openai-points 64x1 64x16 --seconds 90 \
+      --setting precision=fp8 --setting verify_sample_rate=0.05 --as openai-load-fp8 --log-dir "$OUT" 2>&1 \
+      | tee "$OUT/fp8-serve.log" | grep -vE "^(INFO|Loading)"
+    results serve
+    timeout 150 python3 -m bench kernels gemm-fp8 2>&1 | tee "$OUT/gemm-fp8.log" | grep -E "launch|layer"
+    results kernels
+    timeout 100 python3 -m bench encoder profile --profile-cases minilm-b1-s16 minilm-b32-s128 --backends auto 2>&1 \
+      | tee "$OUT/profile.log" | grep "us/forward" | cut -c1-260
     results encoder
     ;;
   nsight)

@@ -647,6 +647,51 @@ def layer_gemms(hidden: int, inner: int) -> dict[str, tuple[int, int]]:
 
 
 
+# (ROWS, num_warps) of the FP8 quantizing kernels' launch sweep; ROWS x the row's power-of-two block stays within
+# 16,384 elements a program (the registers of 8 warps)
+FP8_LAUNCHES = ((1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (8, 4), (8, 8),
+                (16, 4), (16, 8))
+
+
+def quantize_launches(hidden: int, inner: int, m: int, device: str, rows: list[dict], case: str, seed: int) -> dict:
+    """The FP8 quantizing kernels (kernels/triton/fp8.py) at one case's widths, timed at each (ROWS, num_warps) of
+    FP8_LAUNCHES and at launch_config's default; a row per launch, and per kernel the default's and the best one's
+    time (what launch_config's choices are taken from)."""
+    from fusedserve.kernels.triton import fp8 as triton_fp8
+
+    gen = torch.Generator().manual_seed(seed + 100)
+    x = torch.randn(m, hidden, generator=gen).to(device, torch.float16)
+    h = torch.randn(m, inner, generator=gen).to(device, torch.float16)
+    r = torch.randn(m, hidden, generator=gen).to(device, torch.float16)
+    bh, bi = (torch.randn(n, generator=gen).to(device, torch.float16) * 0.1 for n in (hidden, inner))
+    w = (1 + torch.randn(hidden, generator=gen) * 0.1).to(device, torch.float16)
+    kernels = {"quantize_rows": (hidden, lambda c: triton_fp8.quantize_rows(x, c)),
+               "bias_gelu_quantize": (inner, lambda c: triton_fp8.bias_gelu_quantize(h, bi, c)),
+               "add_layer_norm_quantize": (hidden, lambda c: triton_fp8.add_layer_norm_quantize(
+                   x, r, bh, w, bh, 1e-12, c))}
+    best: dict = {}
+    for kernel, (cols, call) in kernels.items():
+        block = triton_fp8.launch_config(cols)[0]
+        default = triton_fp8.launch_config(cols)
+        times = {}
+        for n_rows, warps in FP8_LAUNCHES:
+            if n_rows * block > 16384:
+                continue
+            config = (block, n_rows, warps)
+            us = cell_us(lambda: call(config), device)
+            times[config] = us
+            rows.append({"op": f"{kernel} launch", "case": case, "dtype": "float16", "shape": f"{m}x{cols}",
+                         "provider": f"rows {n_rows}, {warps} warps", "us": us,
+                         "default": config == default})
+        fastest = min(times, key=times.get)
+        best[kernel] = {"cols": cols, "default": list(default), "default_us": times.get(default),
+                        "best": list(fastest), "best_us": times[fastest]}
+        print(f"{case} {kernel} ({m}x{cols}): default rows {default[1]}, {default[2]} warps "
+              f"{times.get(default, math.nan):.1f} us; best rows {fastest[1]}, {fastest[2]} warps "
+              f"{times[fastest]:.1f} us", file=sys.stderr, flush=True)
+    return best
+
+
 def gemm_fp8(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], None]) -> None:
     device = args.device
     names = args.fp8_shapes or list(DEFAULT_FP8_CASES)
@@ -695,6 +740,8 @@ def gemm_fp8(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], 
                                    "fp8_quantize_speedup": sums["fp16"] / sums["fp8 + quantize"]}
         print(f"{name}: one layer's GEMMs fp16 {sums['fp16']:.1f} us, fp8 {sums['fp8']:.1f} us, with the "
               f"activations' quantization {sums['fp8 + quantize']:.1f} us", file=sys.stderr, flush=True)
+        if device.startswith("cuda") and m > 16:
+            summary.setdefault("launch", {})[name] = quantize_launches(hidden, inner, m, device, rows, name, seed)
         save(rows, summary, False)
     save(rows, summary, True)
 

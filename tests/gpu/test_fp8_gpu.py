@@ -18,7 +18,7 @@ from tests.gpu.test_minilm_gpu import _model_dir
 from tests.gpu.test_server_gpu import GPU_READY_S
 from tests.model.sentences import SENTENCES
 from tests.server.conftest import start_server
-from tests.tolerances import assert_embeddings_close, embedding_errors
+from tests.tolerances import assert_embeddings_close, embedding_errors, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -53,6 +53,25 @@ def test_minilm_in_fp8_against_sentence_transformers(reference, record_property)
     embedder.set_fused(True)
     back = torch.cat([embedder.embed(SENTENCES[i: i + 32]) for i in range(0, len(SENTENCES), 32)])
     assert_embeddings_close(back, ours, "float16", what="fp8 again after the fused switch")
+
+
+@needs_fp8
+def test_mpnet_in_fp8_on_the_gpu(monkeypatch):
+    # MPNet's relative-bias attention between FP8 GEMMs (model/mpnet.py), replayed from CUDA graphs; its weights are
+    # random (the real ones are over the GPU machine's carry limit), so the reference is the same model in fp16
+    embedder, _ = Embedder.load("mpnet-base", device="cuda", dtype="float16", precision="fp8")
+    assert embedder.active_precision == "fp8" and embedder.graphs is not None
+    calls = []
+    linear = fp8.linear
+    monkeypatch.setattr(fp8, "linear", lambda *args: calls.append(args[2]) or linear(*args))
+    texts = SENTENCES[:48]
+    ours = embedder.embed(texts)  # the first batch of its bucket is captured, so the FP8 GEMMs run while Python looks
+    assert len(calls) >= 4 * embedder.config.num_layers
+    assert embedder.graphs.stats()["replays"] >= 1
+    assert embedder.fall_back_precision("test")
+    fp16 = embedder.embed(texts)
+    assert_embeddings_close(ours, fp16, torch.float8_e4m3fn, what="MPNet, random weights, against its fp16 path")
+    assert embedding_errors(ours, fp16)[0] < tolerance(torch.float16).min_cosine  # the batch did run in FP8
 
 
 @needs_fp8
