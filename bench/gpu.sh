@@ -21,11 +21,10 @@
 #   peer      python -m bench serve peer (Infinity beside our server; carry .whl-infinity too) -> serve.json
 #   profile   python -m bench encoder profile                  -> bench/results/<gpu>/encoder.json (scenario profile)
 #   fp8       PRECISION=fp8: its GPU tests, python -m bench encoder fp8-accuracy on the packaged MiniLM, the BERT-base
-#             rows beside torch.compile + CUDA graphs and the profile with the FP8 rows -> encoder.json
+#             rows beside torch.compile + CUDA graphs, the profile with the FP8 rows and the small rows -> encoder.json
 #   fp8-serve PRECISION=fp8 served with the reference check on 5% of batches (python -m bench serve openai-load
 #             --as openai-load-fp8), the FP8 GEMMs and the quantizing kernels' launch sweep (bench kernels gemm-fp8),
-#             and the small rows' host and replay times (profile of minilm-b1-s16, minilm-b32-s128)
-#                                                              -> serve.json, kernels.json, encoder.json
+#                                                              -> serve.json, kernels.json
 #   nsight    Nsight Compute on one launch per fused row-wise op and provider (python -m bench.nsight)
 #                                                                        -> bench/results/<gpu>/kernels.json (nsight)
 #   compare   before/after in one session, the older tree (.gpu-assets/baseline) against this one: serving, python -m
@@ -199,8 +198,8 @@ case "$suite" in
     timeout 90 python3 -m bench encoder fp8-accuracy --model "$MODEL" 2>&1 | tee "$OUT/fp8.log" | grep held-out
     timeout 150 python3 -m bench encoder bert-base-b128-varlen bert-base-b32-s128 --providers \
       "torch.compile + CUDA graphs" ours --backends auto 2>&1 | tee -a "$OUT/fp8.log" | grep -E "^  "
-    timeout 120 python3 -m bench encoder profile --profile-cases bert-base-b128-varlen bert-base-b32-s128 \
-      minilm-b32-s128 --backends auto 2>&1 | tee -a "$OUT/fp8.log" | grep "us/forward" | cut -c1-200
+    timeout 150 python3 -m bench encoder profile --profile-cases bert-base-b128-varlen bert-base-b32-s128 \
+      minilm-b32-s128 minilm-b1-s16 --backends auto 2>&1 | tee -a "$OUT/fp8.log" | grep "us/forward" | cut -c1-240
     results encoder
     ;;
   fp8-serve)
@@ -210,11 +209,8 @@ case "$suite" in
       --setting precision=fp8 --setting verify_sample_rate=0.05 --as openai-load-fp8 --log-dir "$OUT" 2>&1 \
       | tee "$OUT/fp8-serve.log" | grep -vE "^(INFO|Loading)"
     results serve
-    timeout 150 python3 -m bench kernels gemm-fp8 2>&1 | tee "$OUT/gemm-fp8.log" | grep -E "launch|layer"
+    timeout 150 python3 -m bench kernels gemm-fp8 2>&1 | tee "$OUT/gemm-fp8.log" | grep -E "default rows|layer"
     results kernels
-    timeout 100 python3 -m bench encoder profile --profile-cases minilm-b1-s16 minilm-b32-s128 --backends auto 2>&1 \
-      | tee "$OUT/profile.log" | grep "us/forward" | cut -c1-260
-    results encoder
     ;;
   nsight)
     build
