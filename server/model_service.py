@@ -460,9 +460,10 @@ class ModelService:
     def _leave_fp8(self, reason: str) -> None:
         if not self.model.fall_back_precision(reason):
             return
-        refreeze()
+        # counted at once: /info reports the move from here on, and a scrape that sees it there sees the count
         self.metrics.precision_fallbacks.labels(reason).inc()
         self._publish_backends(self.model.describe())
+        refreeze()
         log.error("precision fallback: the GEMMs of %s run in %s again, on its fused path (%s: FP8 outputs kept "
                   "missing the reference beyond verify_tolerance_fp8)", self.name, self.description.info.get("dtype"),
                   reason)

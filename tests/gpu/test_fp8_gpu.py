@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from fusedserve.kernels import fp8
+from fusedserve.model.config import EncoderConfig
+from fusedserve.model.families import family
 from fusedserve.model.runner import Embedder
 from tests.gpu.test_minilm_gpu import _model_dir
 from tests.gpu.test_server_gpu import GPU_READY_S
@@ -58,18 +60,22 @@ def test_minilm_in_fp8_against_sentence_transformers(reference, record_property)
 @needs_fp8
 def test_mpnet_in_fp8_on_the_gpu(monkeypatch):
     # MPNet's relative-bias attention between FP8 GEMMs (model/mpnet.py), replayed from CUDA graphs; its weights are
-    # random (the real ones are over the GPU machine's carry limit), so the reference is the same model in fp16
-    embedder, _ = Embedder.load("mpnet-base", device="cuda", dtype="float16", precision="fp8")
+    # random (the real ones are over the GPU machine's carry limit), so the reference is the same model in fp16, fed
+    # token ids (a preset borrows the packaged model's tokenizer, which the GPU machine lacks)
+    config = EncoderConfig.from_name("mpnet-base")
+    embedder = Embedder(family(config).encoder(config), None, "mpnet-base", device=torch.device("cuda"),
+                        dtype=torch.float16, precision="fp8")
     assert embedder.active_precision == "fp8" and embedder.graphs is not None
     calls = []
     linear = fp8.linear
     monkeypatch.setattr(fp8, "linear", lambda *args: calls.append(args[2]) or linear(*args))
-    texts = SENTENCES[:48]
-    ours = embedder.embed(texts)  # the first batch of its bucket is captured, so the FP8 GEMMs run while Python looks
-    assert len(calls) >= 4 * embedder.config.num_layers
+    gen = torch.Generator().manual_seed(11)
+    rows = [torch.randint(5, config.vocab_size, (n,), generator=gen).tolist() for n in (7, 200, 128, 41, 1)]
+    ours = embedder.embed_ids(rows)  # captured on first use: the FP8 GEMMs run while Python looks, then replayed
+    assert len(calls) >= 4 * config.num_layers
     assert embedder.graphs.stats()["replays"] >= 1
     assert embedder.fall_back_precision("test")
-    fp16 = embedder.embed(texts)
+    fp16 = embedder.embed_ids(rows)
     assert_embeddings_close(ours, fp16, torch.float8_e4m3fn, what="MPNet, random weights, against its fp16 path")
     assert embedding_errors(ours, fp16)[0] < tolerance(torch.float16).min_cosine  # the batch did run in FP8
 
@@ -102,7 +108,12 @@ def test_gpu_server_guard_moves_sustained_fp8_mismatches_to_fp16(tmp_path):
                 info = client.get("/info").json()
                 if info["precision"]["active"] == "native":
                     break
-            metrics = client.get("/metrics").text
+            # /info reports the move as the model makes it; the count follows within the same step
+            counted = time.monotonic() + 30
+            while 'reason="fp8_mismatch"} 1.0' not in (metrics := client.get("/metrics").text):
+                if time.monotonic() > counted:
+                    break
+                time.sleep(0.1)
             # later batches are checked at the fp16 tolerance, and match: no reference fallback follows
             for _ in range(5):
                 client.post("/infer", json={"inputs": SENTENCES[:32]})
