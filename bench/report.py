@@ -248,9 +248,13 @@ def profile_table(block: dict) -> str:
             f"{'CUDA graphs' if r['mode'] == 'graphs' else 'eager'}" + \
             (f" ({r['variant']})" if r.get("variant") else "")
         dtype = r.get("dtype", "float16")  # the fp16 cases name no dtype; Qwen's runs in bf16
-        rows.append([r["case"] + (f" ({dtype})" if dtype != "float16" else ""), path, _f(r["wall_us"], 0), _f(r["kernels_per_forward"], 0),
-                     _f(r["gpu_idle_us"], 0), top])
-    return _table(["case", "ours", "us per forward", "kernels", "GPU idle us", "kernel us by category"], rows)
+        rows.append([r["case"] + (f" ({dtype})" if dtype != "float16" else ""), path, _f(r["wall_us"], 0),
+                     _f(r["kernels_per_forward"], 0), _f(r["gpu_idle_us"], 0), top,
+                     _f(r.get("host_us"), 0), _f(r.get("replay_us"), 0)])
+    # host_us / replay_us: a graph forward's host work (launch_ids) and its replay's device time, measured apart
+    # (bench.encoder.host_and_replay_us); "-" on eager rows and in runs before they were measured
+    return _table(["case", "ours", "us per forward", "kernels", "GPU idle us", "kernel us by category",
+                   "host us", "replay us"], rows)
 
 
 def fp8_accuracy_table(block: dict) -> str:
@@ -335,8 +339,14 @@ def openai_load_table(block: dict) -> str:
                          f"x{_f(c['requests_per_s_ratio'], 3)}, x{_f(c['tokens_per_s_ratio'], 3)}, "
                          f"{c['p50_ms_change']:+.3f} ms" + ("" if c["within_bounds"] else " **out of bounds**")
                          if c else "-"])
-    return _table(["tree", "clients x texts", "starts", "requests/s", "texts/s", "k tokens/s", "p50 / p99 ms",
-                   "errors", "load generator CPU", "server cores", "vs baseline: requests/s, tokens/s, p50"], rows)
+    table = _table(["tree", "clients x texts", "starts", "requests/s", "texts/s", "k tokens/s", "p50 / p99 ms",
+                    "errors", "load generator CPU", "server cores", "vs baseline: requests/s, tokens/s, p50"], rows)
+    checks = [r["reference_checks"] for r in block["results"] if r.get("reference_checks")]
+    if checks:  # a run with the online reference check on (VERIFY_SAMPLE_RATE): its outcomes over every point
+        total = {k: int(sum(c.get(k, 0) for c in checks)) for k in ("match", "mismatch", "error", "dropped")}
+        table += (f"\nReference checks over the run: {total['match']:,} matched, {total['mismatch']:,} mismatched, "
+                  f"{total['error']:,} failed, {total['dropped']:,} dropped.\n")
+    return table
 
 
 def _percent(share: float | None) -> str:
@@ -354,6 +364,16 @@ TABLES: dict[tuple[str, str], Callable[[dict], str]] = {
     ("serve", "openai-load"): openai_load_table, ("serve", "head-of-line"): head_of_line_table,
     ("serve", "cpu"): cpu_table,
 }
+
+
+def _renderer(suite: str, scenario: str) -> Callable[[dict], str] | None:
+    """The table of a scenario, or of the scenario it is a variant of: a run stored under `--as NAME-VARIANT`
+    (openai-load-fp8, nsight-fp8) renders as NAME does."""
+    while scenario:
+        if (suite, scenario) in TABLES:
+            return TABLES[(suite, scenario)]
+        scenario = scenario.rpartition("-")[0]
+    return None
 
 
 def _shown(path: Path) -> Path:
@@ -374,7 +394,7 @@ def tables(path: Path) -> str:
 
     cases = {n: doc["scenarios"][n] for n in CASES if doc["suite"] == "encoder" and n in doc["scenarios"]}
     for name, b in doc["scenarios"].items():
-        render = TABLES.get((doc["suite"], name))
+        render = _renderer(doc["suite"], name)
         if render is None:
             continue
         out.append(_source(path, name, b) + "\n" + render(b))

@@ -127,3 +127,21 @@ def test_openai_load_table(tmp_path):
     assert "| baseline | 64x1 | 1 | 1000 | 1000 | 50.0 | 40.00 / 80.0 | 0 | 31% | 1.00 | - |" in text
     assert "| current | 64x1 | 1 | 950 | 950 | 47.5 | 42.00 / 84.0 | 0 | 31% | 0.95 | x0.950, x0.950, +2.000 ms " \
            "**out of bounds** |" in text
+
+
+def test_a_variant_run_renders_as_its_scenario_with_its_reference_checks(tmp_path):
+    """`bench serve openai-load --as openai-load-fp8` is stored under its own name and renders as openai-load does;
+    a run with the online reference check on says what the checks found; a name no table knows renders nothing."""
+    from bench import openai_load
+
+    rows = [{"tree": "current", "start": 0, "point": p, "clients": 64, "per_request": 1, "requests": 100,
+             "errors": 0, "seconds": 8.0, "requests_per_s": 900.0, "texts_per_s": 900.0, "tokens_per_s": 9e4,
+             "p50_ms": 20.0, "p99_ms": 30.0, "client_cpu_share": 0.05, "server_cpu_cores": 2.0,
+             "reference_checks": {"match": m, "mismatch": 1.0, "error": 0.0, "dropped": 2.0}}
+            for p, m in (("64x1", 570.0), ("64x16", 612.0))]
+    _write(tmp_path, "serve", "openai-load-fp8", rows, {"medians": openai_load.medians(rows)})
+    _write(tmp_path, "serve", "openaiload", rows, {"medians": openai_load.medians(rows)})
+    text = report.tables(tmp_path / "serve.json")
+    assert "scenario `openai-load-fp8`" in text and "| current | 64x16 | 1 | 900 |" in text
+    assert "Reference checks over the run: 1,182 matched, 2 mismatched, 0 failed, 4 dropped." in text
+    assert "scenario `openaiload`" not in text
