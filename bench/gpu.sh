@@ -27,6 +27,8 @@
 #                                                              -> serve.json, kernels.json
 #   nsight    Nsight Compute on one launch per fused row-wise op and provider (python -m bench.nsight)
 #                                                                        -> bench/results/<gpu>/kernels.json (nsight)
+#   nsight-fp8  the same for PRECISION=fp8's quantizing kernels, each after its fp16 op (python -m bench.nsight --fp8;
+#             Triton only: no CUDA build)                           -> bench/results/<gpu>/kernels.json (nsight-fp8)
 #   compare   before/after in one session, the older tree (.gpu-assets/baseline) against this one: serving, python -m
 #             bench serve openai-load --baseline (each tree's server started 3 times, alternating; medians side by
 #             side) -> serve.json (scenario openai-load); then the encoder rows as compare-encoder does, in the time
@@ -52,7 +54,7 @@
 # rather than prepending it. $OUT comes back: the suite's log and, for a benchmark suite, its updated results file
 # (copy it over bench/results/<gpu>/ and commit it).
 set -uo pipefail
-suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|devices|profile|fp8|fp8-serve|nsight|compare|compare-encoder"
+suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|devices|profile|fp8|fp8-serve|nsight|nsight-fp8|compare|compare-encoder"
 suite=${1:?usage: bash bench/gpu.sh $suites [ARGS: compare: openai-load options; compare-encoder: encoder ones; qwen-encoder: its cases]}
 shift
 extra=("$@")  # more arguments of the compare suites' harness commands (e.g. --starts 1; encoder case names)
@@ -219,6 +221,14 @@ case "$suite" in
       2> "$OUT/nsight.log"
     echo "ncu: exit $?"
     python3 -m bench.nsight --save "$OUT/ncu.csv" --calls "$OUT/calls.json" && results kernels
+    ;;
+  nsight-fp8)
+    read -ra ncu_args <<< "$(python3 -m bench.nsight --ncu-args)"
+    timeout 300 ncu "${ncu_args[@]}" python3 -m bench.nsight --fp8 --calls "$OUT/calls.json" > "$OUT/ncu.csv" \
+      2> "$OUT/nsight.log"
+    echo "ncu: exit $?"
+    grep -E "^profiled|Error|error" "$OUT/nsight.log" | tail -8
+    python3 -m bench.nsight --fp8 --save "$OUT/ncu.csv" --calls "$OUT/calls.json" && results kernels
     ;;
   profile)
     build

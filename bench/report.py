@@ -130,10 +130,12 @@ def nsight_table(block: dict) -> str:
     from bench.nsight import kernel_name
 
     rows = []
+    shape = block["settings"].get("shape")
     for r in block["results"]:
         kernel = f"`{kernel_name(r['kernel'])}`" + (f" ({r['config']})" if r.get("config") else "")
+        op = r["op"] + (f" ({r['shape']})" if r.get("shape") not in (None, shape) else "")
         occupancy = f"{_f(r['occupancy_pct'], 0, '%')} of {_f(r['theoretical_occupancy_pct'], 0, '%')}"
-        rows.append([r["op"], r["provider"], kernel, _f(r["us"]), _f(r["dram_pct"], 0, "%"),
+        rows.append([op, r["provider"], kernel, _f(r["us"]), _f(r["dram_pct"], 0, "%"),
                      _f(r["issue_busy_pct"], 0, "%"), occupancy, _f(r["registers"], 0), _f(r["cycles_per_issue"]),
                      _f(r["long_scoreboard_cycles"])])
     return _table(["op", "provider", "kernel", "us", "DRAM throughput", "issue slots busy",
