@@ -418,9 +418,22 @@ def category(kernel_name: str) -> str:
     return next((c for c, pattern in CATEGORIES if re.search(pattern, lowered)), "other")
 
 
+def runtime_calls_us(events, iters: int, top: int = 10) -> dict[str, float]:
+    """Host time per forward in each CUDA runtime or driver call of a torch.profiler trace (CPU-side events named
+    cuda* / cu*, as CUPTI records them), the largest `top` first: where a forward's host time goes beyond Python.
+    Waits (`*Synchronize`) are left out: they are the device's time, not the host's work."""
+    totals: dict[str, float] = {}
+    for event in events:
+        name = event.name
+        if event.device_type == torch.autograd.DeviceType.CPU and name.startswith("cu") and "Synchronize" not in name:
+            totals[name] = totals.get(name, 0.0) + event.cpu_time_total / iters
+    return {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def breakdown(fn: Callable[[], object], iters: int = 20) -> dict:
-    """Kernel time per forward by category, the GPU's idle time between kernels, the kernel count and the top
-    kernels, from a torch.profiler trace of `iters` forwards."""
+    """Kernel time per forward by category, the GPU's idle time between kernels, the kernel count, the top
+    kernels and the CUDA runtime calls' host time (runtime_calls_us; under the profiler, which lengthens each
+    call), from a torch.profiler trace of `iters` forwards."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(5):
@@ -445,7 +458,8 @@ def breakdown(fn: Callable[[], object], iters: int = 20) -> dict:
     busy = sum(totals.values())
     return {"wall_us": wall_us, "kernels_per_forward": seen / iters, "gpu_idle_us": max(wall_us - busy, 0.0),
             "kernel_us": {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
-            "top_kernels_us": {k[:120]: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]}}
+            "top_kernels_us": {k[:120]: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]},
+            "runtime_calls_us": runtime_calls_us(prof.events(), iters)}
 
 
 def host_and_replay_us(ours, rows: Rows, iters: int = 50) -> dict:
@@ -505,7 +519,8 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
             print(f"{name} {backend} {mode} {precision}: {result['wall_us']:.0f} us/forward, "
                   f"{result['kernels_per_forward']:.0f} kernels, GPU idle {result['gpu_idle_us']:.0f} us, "
                   f"host {result.get('host_us', '-')} us, replay {result.get('replay_us', '-')} us: "
-                  f"{result['kernel_us']}; top {result['top_kernels_us']}", file=sys.stderr, flush=True)
+                  f"{result['kernel_us']}; top {result['top_kernels_us']}; host in CUDA calls "
+                  f"{result['runtime_calls_us']}", file=sys.stderr, flush=True)
             save(out, False)
             ours = None
             _release()

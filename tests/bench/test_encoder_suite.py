@@ -99,3 +99,21 @@ def test_the_report_labels_fp8_rows_and_renders_the_accuracy_block():
         {"precision": "fp8", "min_cosine": 0.99456, "p01_cosine": 0.99645, "mean_cosine": 0.997652,
          "top10_overlap": 0.9435}]})
     assert "| fp8 | 0.99456 | 0.99645 | 0.997652 | 0.9435 |" in table
+
+
+def test_runtime_calls_are_summed_per_forward_by_name_without_the_waits():
+    """The profile's host time in CUDA calls: CPU-side cuda*/cu* events per forward, largest first; the waits and
+    the device's own events are not host work."""
+    from types import SimpleNamespace
+
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name, us, device=cpu):
+        return SimpleNamespace(name=name, cpu_time_total=us, device_type=device)
+
+    events = [event("cudaGraphLaunch", 30.0), event("cudaGraphLaunch", 34.0), event("cudaMemcpyAsync", 6.0),
+              event("cudaMemcpyAsync", 4.0), event("cuLaunchKernel", 2.0), event("cudaEventSynchronize", 900.0),
+              event("aten::copy_", 50.0), event("cudaGraphLaunch", 77.0, gpu)]
+    assert suite.runtime_calls_us(events, iters=2) == {"cudaGraphLaunch": 32.0, "cudaMemcpyAsync": 5.0,
+                                                        "cuLaunchKernel": 1.0}
+    assert list(suite.runtime_calls_us(events, iters=2, top=1)) == ["cudaGraphLaunch"]
