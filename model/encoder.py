@@ -60,41 +60,49 @@ class Packed:
                      out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """The packed batch as two CPU tensors: [6, tokens] int64 (one row per Packed.FIELDS; filler tokens point
         at the scratch row and scratch sequence) and [batch] lengths (filler sequences: 1), written into `out`
-        when given (the CUDA graphs' pinned buffers). numpy, not torch: this runs on the host for every batch,
-        and a few dozen small torch ops cost more than a small model's whole graph replay; the ids arrive as one
-        array (model.api.Rows) and are copied once.
+        when given (Packed.fill says how)."""
+        flat_t, length_t = out if out is not None else (torch.empty((len(Packed.FIELDS), tokens), dtype=torch.long),
+                                                         torch.empty(batch, dtype=torch.long))
+        if flat_t.shape != (len(Packed.FIELDS), tokens) or length_t.shape != (batch,):
+            raise ValueError(f"buffers {tuple(flat_t.shape)}, {tuple(length_t.shape)} are not a ({tokens}, {batch}) "
+                             "bucket's")
+        Packed.fill(rows, flat_t.numpy(), length_t.numpy(), seq, pad_token_id, position_offset=position_offset,
+                    pair_types=pair_types)
+        return flat_t, length_t
+
+    @staticmethod
+    def fill(rows: Rows | list[list[int]], flat: np.ndarray, lengths: np.ndarray, seq: int, pad_token_id: int = 0, *,
+             position_offset: int = 0, pair_types: bool = False, cu_seqlens: np.ndarray | None = None) -> None:
+        """Write the packed batch into host arrays: flat [6, tokens] int64 (Packed.FIELDS), lengths [batch] int64
+        and, where given, cu_seqlens [batch + 1] int32 (host_cu_seqlens'). numpy, not torch: this runs on the host
+        for every batch, and a few dozen small torch ops cost more than a small model's whole graph replay; the ids
+        arrive as one array (model.api.Rows) and are copied once. Everything but the ids and token types follows
+        from the rows' lengths, and for batches of up to LAYOUT_CACHE_TOKENS tokens it comes from a cache keyed by
+        them (small batches of the same lengths recur; at that size the packing costs more than the copy).
         position_offset: added to each token's position (RoBERTa's start past the padding index). pair_types: a
         text pair's row gets token type 1 from its second text on (Rows.second), as the tokenizer's pair encoding
         says (a cross-encoder with token types); every other token's type is 0."""
         rows = rows if isinstance(rows, Rows) else Rows.of(rows)
-        n, lengths = len(rows), rows.lengths
-        real, longest = rows.tokens, rows.longest
-        if tokens < real or batch < n or seq < longest:
+        n, real, tokens, batch = len(rows), rows.tokens, flat.shape[1], len(lengths)
+        if tokens < real or batch < n or seq < rows.longest:
             raise ValueError(f"bucket ({tokens}, {batch}, {seq}) too small for {real} tokens in {n} rows")
-        flat_t, length_t = out if out is not None else (torch.empty((len(Packed.FIELDS), tokens), dtype=torch.long),
-                                                         torch.empty(batch, dtype=torch.long))
-        ids, positions, types, pad_index, gather_index, seq_index = flat_t.numpy()
+        ids = flat[0]
         ids[:real] = rows.ids
         ids[real:] = pad_token_id
-        row_of_token = np.repeat(np.arange(n, dtype=np.int64), lengths)
-        np.subtract(np.arange(real, dtype=np.int64), np.repeat(np.cumsum(lengths) - lengths, lengths),
-                    out=positions[:real])
-        positions[real:] = 0
-        types[:] = 0
-        np.multiply(row_of_token, seq, out=pad_index[:real])
-        pad_index[:real] += positions[:real]
+        row_lengths = np.ascontiguousarray(rows.lengths, dtype=np.int64)
+        if tokens <= LAYOUT_CACHE_TOKENS:
+            index, full_lengths, cu = _cached_layout(row_lengths.tobytes(), tokens, batch, seq, position_offset)
+            flat[1:] = index
+            lengths[:] = full_lengths
+            if cu_seqlens is not None:
+                cu_seqlens[:] = cu
+        else:
+            _write_layout(row_lengths, flat[1:], lengths, cu_seqlens, seq, position_offset)
         if pair_types and rows.second is not None:
-            np.greater_equal(positions[:real], rows.second[row_of_token], out=types[:real], casting="unsafe")
-        if position_offset:
-            positions += position_offset
-        pad_index[real:] = batch * seq
-        np.minimum(pad_index, batch * seq - 1, out=gather_index)
-        seq_index[:real] = row_of_token
-        seq_index[real:] = batch
-        length = length_t.numpy()
-        length[:n] = lengths
-        length[n:] = 1
-        return flat_t, length_t
+            positions, types, seq_index = (flat[Packed.FIELDS.index(f)] for f in
+                                           ("position_ids", "token_type_ids", "seq_index"))
+            np.greater_equal(positions[:real] - position_offset, rows.second[seq_index[:real]], out=types[:real],
+                             casting="unsafe")
 
     @classmethod
     def from_buffers(cls, flat: Tensor, lengths: Tensor, seq: int, *, dense: bool = False,
@@ -105,14 +113,13 @@ class Packed:
 
     @staticmethod
     def host_cu_seqlens(lengths, batch: int, *, out: Tensor | None = None) -> Tensor:
-        """[batch + 1] int32 sequence offsets for varlen attention from the real sequences' lengths (what
-        host_buffers wrote first into its lengths), then zero-length filler sequences (filler tokens belong to
-        none: attention leaves their rows alone)."""
+        """[batch + 1] int32 sequence offsets for varlen attention from the real sequences' lengths, then
+        zero-length filler sequences (filler tokens belong to none: attention leaves their rows alone)."""
         cu_t = out if out is not None else torch.empty(batch + 1, dtype=torch.int32)
-        cu, n = cu_t.numpy(), len(lengths)
+        cu, lengths = cu_t.numpy(), np.asarray(lengths, dtype=np.int64)
         cu[0] = 0
-        np.cumsum(lengths, dtype=np.int32, out=cu[1: n + 1])
-        cu[n + 1:] = cu[n]
+        np.cumsum(lengths, out=cu[1: len(lengths) + 1], dtype=np.int32)
+        cu[len(lengths) + 1:] = cu[len(lengths)]
         return cu_t
 
     @classmethod
@@ -128,6 +135,54 @@ class Packed:
         cu_seqlens = cls.host_cu_seqlens(lengths[: len(rows)].numpy(), batch)
         return cls.from_buffers(flat.to(device), lengths.to(device), seq, dense=tokens == real == batch * seq,
                                 cu_seqlens=cu_seqlens.to(device))
+
+
+# Batches of up to this many tokens take everything but their ids from _cached_layout (Packed.fill): at these sizes
+# the packing is a few dozen numpy calls on tiny arrays, about as long as a small model's graph replay, and single
+# requests of the same length recur. 256 entries of at most 5 x 512 int64 each: about 5 MiB.
+LAYOUT_CACHE_TOKENS = 512
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_layout(lengths: bytes, tokens: int, batch: int, seq: int,
+                   position_offset: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """_write_layout's arrays for rows of these lengths (int64 bytes) in this bucket, read-only."""
+    index = np.empty((len(Packed.FIELDS) - 1, tokens), dtype=np.int64)
+    full_lengths, cu = np.empty(batch, dtype=np.int64), np.empty(batch + 1, dtype=np.int32)
+    _write_layout(np.frombuffer(lengths, dtype=np.int64), index, full_lengths, cu, seq, position_offset)
+    for array in (index, full_lengths, cu):
+        array.flags.writeable = False
+    return index, full_lengths, cu
+
+
+def _write_layout(lengths: np.ndarray, index: np.ndarray, full_lengths: np.ndarray, cu: np.ndarray | None, seq: int,
+                  position_offset: int) -> None:
+    """A packed batch's arrays that follow from its rows' lengths: index [5, tokens] (Packed.FIELDS after the ids:
+    positions, token types 0, pad_index, gather_index, seq_index; filler tokens at the scratch row and scratch
+    sequence), full_lengths [batch] (filler sequences 1) and, where given, cu [batch + 1] int32 (filler sequences of
+    zero length)."""
+    n, batch = len(lengths), len(full_lengths)
+    ends = np.cumsum(lengths)
+    real = int(ends[-1]) if n else 0
+    positions, types, pad_index, gather_index, seq_index = index
+    row_of_token = np.repeat(np.arange(n, dtype=np.int64), lengths)
+    np.subtract(np.arange(real, dtype=np.int64), np.repeat(ends - lengths, lengths), out=positions[:real])
+    positions[real:] = 0
+    types[:] = 0
+    np.multiply(row_of_token, seq, out=pad_index[:real])
+    pad_index[:real] += positions[:real]
+    if position_offset:
+        positions += position_offset
+    pad_index[real:] = batch * seq
+    np.minimum(pad_index, batch * seq - 1, out=gather_index)
+    seq_index[:real] = row_of_token
+    seq_index[real:] = batch
+    full_lengths[:n] = lengths
+    full_lengths[n:] = 1
+    if cu is not None:
+        cu[0] = 0
+        cu[1: n + 1] = ends
+        cu[n + 1:] = real
 
 
 @functools.cache

@@ -30,6 +30,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,19 +70,26 @@ def _ceil_pow2(n: int) -> int:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    host: Tensor      # pinned [6 * tokens + batch] int64: Packed.host_buffers' two tensors, one H2D copy
+    host: Tensor      # pinned int64, a batch's whole input (_views): one H2D copy a batch
     device: Tensor    # the same on the device (the graph's static input)
-    cu_host: Tensor   # pinned [batch + 1] int32 sequence offsets (varlen attention)
-    cu_device: Tensor
-    packed: Packed    # views of `device` and `cu_device`: every tensor the graph reads outlives it here
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray]  # numpy views of `host` (_views), what Packed.fill writes
+    packed: Packed    # views of `device`: every tensor the graph reads outlives it here
     pooled: Tensor    # [batch, hidden] float32, the graph's static output
     copied: torch.cuda.Event  # the last H2D copy out of `host`: it must finish before `host` is refilled
 
 
-def _split(buffer: Tensor, tokens: int) -> tuple[Tensor, Tensor]:
-    """[6 * tokens + batch] -> the [6, tokens] and [batch] views of Packed.host_buffers' layout."""
+def _buffer_size(tokens: int, batch: int) -> int:
+    """int64 elements of a bucket's input buffer (_views): the fields, the lengths, then batch + 1 int32."""
+    return len(Packed.FIELDS) * tokens + batch + (batch + 2) // 2
+
+
+def _views(buffer: Tensor, tokens: int, batch: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A bucket's one input buffer as Packed.host_buffers' [6, tokens] fields and [batch] lengths, then the
+    [batch + 1] int32 cu_seqlens in its tail: made once per graph, so a batch is one fill and one copy."""
     rows = len(Packed.FIELDS)
-    return buffer[: rows * tokens].view(rows, tokens), buffer[rows * tokens:]
+    flat = buffer[: rows * tokens].view(rows, tokens)
+    lengths = buffer[rows * tokens: rows * tokens + batch]
+    return flat, lengths, buffer[rows * tokens + batch:].view(torch.int32)[: batch + 1]
 
 
 def _ceil_pow4(n: int) -> int:
@@ -202,12 +210,10 @@ class CudaGraphs:
         self.graphs.move_to_end(key)
         tokens, batch, seq, _ = key
         entry.copied.synchronize()  # a caller that did not wait for the last result must not race its copy
-        _, lengths = Packed.host_buffers(rows, tokens, batch, seq, self.pad_token_id,
-                                         position_offset=self.position_offset, pair_types=self.pair_types,
-                                         out=_split(entry.host, tokens))
-        Packed.host_cu_seqlens(lengths[: len(rows)].numpy(), batch, out=entry.cu_host)
+        flat, lengths, cu_seqlens = entry.arrays
+        Packed.fill(rows, flat, lengths, seq, self.pad_token_id, position_offset=self.position_offset,
+                    pair_types=self.pair_types, cu_seqlens=cu_seqlens)
         entry.device.copy_(entry.host, non_blocking=True)
-        entry.cu_device.copy_(entry.cu_host, non_blocking=True)
         entry.copied.record()
         entry.graph.replay()
         self.replays += 1
@@ -243,13 +249,14 @@ class CudaGraphs:
         if self.pool is None:  # the first capture, or none held since the last drop: a pool no graph lives in
             self.pool = torch.cuda.graph_pool_handle()
         reserved = torch.cuda.memory_reserved(self.device)
-        host = torch.empty(len(Packed.FIELDS) * tokens + batch, dtype=torch.long, pin_memory=True)
+        host = torch.empty(_buffer_size(tokens, batch), dtype=torch.long, pin_memory=True)
+        arrays = tuple(view.numpy() for view in _views(host, tokens, batch))
         # until the first real fill: one filler token (valid indices, lengths >= 1)
-        Packed.host_buffers(Rows.of([[self.pad_token_id]]), tokens, batch, seq, position_offset=self.position_offset,
-                            out=_split(host, tokens))
-        cu_host = Packed.host_cu_seqlens([1], batch, out=torch.empty(batch + 1, dtype=torch.int32, pin_memory=True))
-        dev, cu_dev = host.to(self.device), cu_host.to(self.device)
-        packed = Packed.from_buffers(*_split(dev, tokens), seq, dense=dense, cu_seqlens=cu_dev)
+        Packed.fill(Rows.of([[self.pad_token_id]]), arrays[0], arrays[1], seq, self.pad_token_id,
+                    position_offset=self.position_offset, cu_seqlens=arrays[2])
+        dev = host.to(self.device)
+        flat, lengths, cu_seqlens = _views(dev, tokens, batch)
+        packed = Packed.from_buffers(flat, lengths, seq, dense=dense, cu_seqlens=cu_seqlens)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -261,7 +268,7 @@ class CudaGraphs:
         # invalidates the capture nor fails on it
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), torch.inference_mode():
             pooled = self.head(self.encoder.forward_packed(packed, self.attention), packed)
-        entry = _Graph(graph, host, dev, cu_host, cu_dev, packed, pooled, torch.cuda.Event())
+        entry = _Graph(graph, host, dev, arrays, packed, pooled, torch.cuda.Event())
         self.graphs[key] = entry
         self.captures += 1
         self.capture_seconds += time.perf_counter() - started

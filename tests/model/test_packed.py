@@ -6,9 +6,13 @@ from __future__ import annotations
 import itertools
 import time
 
+import numpy as np
 import pytest
 import torch
 
+from fusedserve.model import encoder as encoder_module
+from fusedserve.model import graphs as graphs_module
+from fusedserve.model.api import Rows
 from fusedserve.model.config import EncoderConfig
 from fusedserve.model.bert import Encoder
 from fusedserve.model.encoder import Packed, mean_pool, packed_mean_pool, resolve_attention, varlen_runs
@@ -100,7 +104,6 @@ def test_sdpa_runs_off_cudnn_under_the_flags_lock(encoder, monkeypatch):
     """Every SDPA call of the encoder (the padded path and the dense packed one) runs with cuDNN's attention off and
     the module's lock held: torch's backend flags are process-wide, and another thread leaving its own pinned block
     must not switch cuDNN back on under this one (decision 0014). The flags are restored afterwards."""
-    import fusedserve.model.encoder as encoder_module
 
     before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
     seen = []
@@ -249,6 +252,71 @@ def test_host_buffers_overwrite_every_element_of_reused_buffers():
     with torch.inference_mode():  # the graphs fill them under inference mode
         Packed.host_buffers(rows, 8, 4, 4, out=(flat, lengths))
     assert torch.equal(flat, fresh)
+
+
+def _fill_by_hand(rows: list[list[int]], tokens: int, batch: int, seq: int, pad: int, offset: int,
+                  second: list[int] | None) -> tuple[list[list[int]], list[int], list[int]]:
+    """Packed.fill's arrays written out token by token: the fields, the lengths, cu_seqlens."""
+    fields = [[pad] * tokens, [offset] * tokens, [0] * tokens, [batch * seq] * tokens, [batch * seq - 1] * tokens,
+              [batch] * tokens]
+    t = 0
+    for r, ids in enumerate(rows):
+        for i, token in enumerate(ids):
+            fields[0][t], fields[1][t], fields[3][t], fields[4][t], fields[5][t] = token, i + offset, r * seq + i, \
+                r * seq + i, r
+            fields[2][t] = int(second is not None and i >= second[r])
+            t += 1
+    lengths = [len(ids) for ids in rows] + [1] * (batch - len(rows))
+    cu = [0]
+    for ids in rows:
+        cu.append(cu[-1] + len(ids))
+    return fields, lengths, cu + [cu[-1]] * (batch - len(rows))
+
+
+@pytest.mark.parametrize("tokens", [48, 600])  # from the layout cache, and computed in place past its limit
+def test_fill_writes_every_field_as_by_hand_into_poisoned_buffers(tokens):
+    """Random rows of random lengths, position offsets and text pairs, refilled into the same poisoned buffers (the
+    graphs' reuse): every element as the token-by-token fill says, the cached layout untouched by the writes."""
+    gen = np.random.default_rng(7)
+    flat, lengths, cu = (np.full(shape, -7, dtype=dt) for shape, dt in
+                         (((6, tokens), np.int64), ((8,), np.int64), ((9,), np.int32)))
+    for trial in range(12):
+        n = int(gen.integers(1, 9))
+        seq = int(gen.integers(1, tokens // 8 + 1))
+        rows = [gen.integers(5, 30000, int(gen.integers(1, seq + 1))).tolist() for _ in range(n)]
+        offset, pad = int(gen.choice([0, 2])), int(gen.choice([0, 1]))
+        second = [int(gen.integers(1, len(r) + 1)) for r in rows] if trial % 3 == 0 else None
+        batch_rows = Rows.of(rows)
+        if second is not None:
+            batch_rows = Rows(batch_rows.ids, batch_rows.lengths, np.array(second, dtype=np.int64))
+        Packed.fill(batch_rows, flat, lengths, seq, pad, position_offset=offset, pair_types=True, cu_seqlens=cu)
+        want_fields, want_lengths, want_cu = _fill_by_hand(rows, tokens, 8, seq, pad, offset, second)
+        assert flat.tolist() == want_fields and lengths.tolist() == want_lengths and cu.tolist() == want_cu
+        flat[:], lengths[:], cu[:] = -7, -7, -7  # the cache's arrays are not these: poisoning them leaves it whole
+        Packed.fill(batch_rows, flat, lengths, seq, pad, position_offset=offset, pair_types=True, cu_seqlens=cu)
+        assert flat.tolist() == want_fields and cu.tolist() == want_cu
+    index, *_ = encoder_module._cached_layout(np.array([3], dtype=np.int64).tobytes(), 16, 1, 4, 0)
+    with pytest.raises(ValueError, match="read-only"):
+        index[0, 0] = 1
+
+
+def test_graph_input_buffer_is_one_copy_of_fields_lengths_and_offsets():
+    """A graph's whole input is one int64 buffer (one host-to-device copy a batch): its views fill as Packed.fill
+    writes, a copy of it reads back as the batch Packed.from_rows makes, and cu_seqlens is int32 in its tail."""
+    rows = [[5, 6, 7], [8, 9], [4]]
+    tokens, batch, seq = 16, 4, 8
+    host = torch.full((graphs_module._buffer_size(tokens, batch),), -7, dtype=torch.long)
+    flat, lengths, cu = graphs_module._views(host, tokens, batch)
+    assert cu.dtype == torch.int32 and cu.is_contiguous() and cu.shape == (batch + 1,)
+    for view in (flat, lengths, cu):
+        assert view.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
+    Packed.fill(rows, flat.numpy(), lengths.numpy(), seq, cu_seqlens=cu.numpy())
+    device = host.clone()  # what the graph reads after the copy
+    got = Packed.from_buffers(*graphs_module._views(device, tokens, batch)[:2], seq,
+                              cu_seqlens=graphs_module._views(device, tokens, batch)[2])
+    want = Packed.from_rows(rows, "cpu", tokens=tokens, batch=batch, seq=seq)
+    for name in (*Packed.FIELDS, "lengths", "cu_seqlens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 def test_token_buckets_bound_the_filler():
