@@ -27,6 +27,9 @@
 #                                                              -> serve.json, kernels.json
 #   nsight    Nsight Compute on one launch per fused row-wise op and provider (python -m bench.nsight)
 #                                                                        -> bench/results/<gpu>/kernels.json (nsight)
+#   floor     the encoder issue's rows in one call: MiniLM b1 s16 / b32 s128 and BERT-base b32 s128 / b128 varlen
+#             beside torch.compile + CUDA graphs (fp16 and FP8), the profile of the four (host and replay time, CUDA
+#             runtime calls), then nsight-fp8             -> bench/results/<gpu>/encoder.json, kernels.json
 #   nsight-fp8  the same for PRECISION=fp8's quantizing kernels, each after its fp16 op (python -m bench.nsight --fp8;
 #             Triton only: no CUDA build)                           -> bench/results/<gpu>/kernels.json (nsight-fp8)
 #   compare   before/after in one session, the older tree (.gpu-assets/baseline) against this one: serving, python -m
@@ -54,7 +57,7 @@
 # rather than prepending it. $OUT comes back: the suite's log and, for a benchmark suite, its updated results file
 # (copy it over bench/results/<gpu>/ and commit it).
 set -uo pipefail
-suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|devices|profile|fp8|fp8-serve|nsight|nsight-fp8|compare|compare-encoder"
+suites="tests|sanitize|kernels|gemm|decoder|encoder|qwen-encoder|serve|startup|retune|peer|qwen-peer|devices|profile|fp8|fp8-serve|nsight|nsight-fp8|floor|compare|compare-encoder"
 suite=${1:?usage: bash bench/gpu.sh $suites [ARGS: compare: openai-load options; compare-encoder: encoder ones; qwen-encoder: its cases]}
 shift
 extra=("$@")  # more arguments of the compare suites' harness commands (e.g. --starts 1; encoder case names)
@@ -221,6 +224,15 @@ case "$suite" in
       2> "$OUT/nsight.log"
     echo "ncu: exit $?"
     python3 -m bench.nsight --save "$OUT/ncu.csv" --calls "$OUT/calls.json" && results kernels
+    ;;
+  floor)
+    build
+    timeout 240 python3 -m bench encoder minilm-b1-s16 minilm-b32-s128 bert-base-b32-s128 bert-base-b128-varlen \
+      --providers "torch.compile + CUDA graphs" ours --backends auto 2>&1 | tee "$OUT/floor.log" | grep -E "^  "
+    timeout 180 python3 -m bench encoder profile --profile-cases bert-base-b128-varlen bert-base-b32-s128 \
+      minilm-b32-s128 minilm-b1-s16 --backends auto 2>&1 | tee -a "$OUT/floor.log" | grep "us/forward" | cut -c1-400
+    results encoder
+    OUT=$OUT/nsight bash "$0" nsight-fp8
     ;;
   nsight-fp8)
     read -ra ncu_args <<< "$(python3 -m bench.nsight --ncu-args)"
