@@ -3,6 +3,7 @@ CUDA-graph-style buckets (filler tokens and filler sequences), and the bucket ar
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -317,6 +318,65 @@ def test_graph_input_buffer_is_one_copy_of_fields_lengths_and_offsets():
     want = Packed.from_rows(rows, "cpu", tokens=tokens, batch=batch, seq=seq)
     for name in (*Packed.FIELDS, "lengths", "cu_seqlens"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch, encoder):
+    """CudaGraphs on the CPU with torch.cuda's calls faked: a "graph" whose replay runs the captured forward again on
+    the graph's static buffers, which is what a real replay does. Run, fill, buffers and capture are the real code."""
+    class Event:
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def replay(self):
+            self.rerun()
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs))
+    for name, fake in (("Event", Event), ("Stream", Stream), ("CUDAGraph", Graph),
+                       ("stream", lambda stream: contextlib.nullcontext()),
+                       ("current_stream", lambda device=None: Stream()),
+                       ("graph", lambda *args, **kwargs: contextlib.nullcontext()),
+                       ("graph_pool_handle", object), ("memory_reserved", lambda device=None: 0)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    graphs = CudaGraphs(encoder, torch.device("cpu"), max_tokens=64, max_batch=4, attention="varlen")
+    capture = graphs._capture
+
+    def capture_with_rerun(key):
+        entry = capture(key)
+
+        def rerun():
+            with torch.inference_mode():
+                entry.pooled.copy_(graphs.head(encoder.forward_packed(entry.packed, "varlen"), entry.packed))
+
+        entry.graph.rerun = rerun
+        return entry
+
+    monkeypatch.setattr(graphs, "_capture", capture_with_rerun)
+    return graphs
+
+
+def test_graph_replays_read_each_batch_from_the_one_buffer_they_fill(encoder, cpu_graphs):
+    """Batch after batch through the same buckets (fewer rows than the bucket, different lengths, one row again):
+    each replay answers its own batch, as the eager padded forward does, through the fill of the graph's one input
+    buffer (ids, indices, lengths and the int32 offsets the varlen attention reads)."""
+    batches = [_rows([7]), _rows([5, 9, 3], seed=1), _rows([12, 4], seed=2), _rows([9], seed=3), _rows([7], seed=4)]
+    with torch.inference_mode():
+        for rows in batches:
+            got = cpu_graphs.run(Rows.of(rows)).clone()
+            assert_embeddings_close(got, _padded(encoder, rows))
+    assert cpu_graphs.replays == len(batches) and cpu_graphs.captures == len(cpu_graphs.graphs) < len(batches)
 
 
 def test_token_buckets_bound_the_filler():
