@@ -74,7 +74,8 @@ class Packed:
     def fill(rows: Rows | list[list[int]], flat: np.ndarray, lengths: np.ndarray, seq: int, pad_token_id: int = 0, *,
              position_offset: int = 0, pair_types: bool = False, cu_seqlens: np.ndarray | None = None) -> None:
         """Write the packed batch into host arrays: flat [6, tokens] int64 (Packed.FIELDS), lengths [batch] int64
-        and, where given, cu_seqlens [batch + 1] int32 (host_cu_seqlens'). numpy, not torch: this runs on the host
+        and, where given, cu_seqlens [batch + 1] int32 (varlen attention's sequence offsets; filler sequences are
+        zero-length, so attention leaves their rows alone). numpy, not torch: this runs on the host
         for every batch, and a few dozen small torch ops cost more than a small model's whole graph replay; the ids
         arrive as one array (model.api.Rows) and are copied once. Everything but the ids and token types follows
         from the rows' lengths, and for batches of up to LAYOUT_CACHE_TOKENS tokens it comes from a cache keyed by
@@ -111,17 +112,6 @@ class Packed:
         reads only the static buffers its owner keeps (on any device)."""
         return cls(*flat, lengths, lengths.shape[0], seq, cu_seqlens, dense)
 
-    @staticmethod
-    def host_cu_seqlens(lengths, batch: int, *, out: Tensor | None = None) -> Tensor:
-        """[batch + 1] int32 sequence offsets for varlen attention from the real sequences' lengths, then
-        zero-length filler sequences (filler tokens belong to none: attention leaves their rows alone)."""
-        cu_t = out if out is not None else torch.empty(batch + 1, dtype=torch.int32)
-        cu, lengths = cu_t.numpy(), np.asarray(lengths, dtype=np.int64)
-        cu[0] = 0
-        np.cumsum(lengths, out=cu[1: len(lengths) + 1], dtype=np.int32)
-        cu[len(lengths) + 1:] = cu[len(lengths)]
-        return cu_t
-
     @classmethod
     def from_rows(cls, rows: Rows | list[list[int]], device: torch.device | str, *, tokens: int | None = None,
                   batch: int | None = None, seq: int | None = None, pad_token_id: int = 0, position_offset: int = 0,
@@ -130,9 +120,10 @@ class Packed:
         rows = rows if isinstance(rows, Rows) else Rows.of(rows)
         real = rows.tokens
         tokens, batch, seq = tokens or real, batch or len(rows), seq or rows.longest
-        flat, lengths = cls.host_buffers(rows, tokens, batch, seq, pad_token_id, position_offset=position_offset,
-                                         pair_types=pair_types)
-        cu_seqlens = cls.host_cu_seqlens(lengths[: len(rows)].numpy(), batch)
+        flat, lengths = torch.empty((len(cls.FIELDS), tokens), dtype=torch.long), torch.empty(batch, dtype=torch.long)
+        cu_seqlens = torch.empty(batch + 1, dtype=torch.int32)
+        cls.fill(rows, flat.numpy(), lengths.numpy(), seq, pad_token_id, position_offset=position_offset,
+                 pair_types=pair_types, cu_seqlens=cu_seqlens.numpy())
         return cls.from_buffers(flat.to(device), lengths.to(device), seq, dense=tokens == real == batch * seq,
                                 cu_seqlens=cu_seqlens.to(device))
 

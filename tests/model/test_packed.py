@@ -242,13 +242,12 @@ def test_host_buffers_overwrite_every_element_of_reused_buffers():
     previous batch (or of uninitialised memory) behind."""
     rows = [[5, 6, 7], [8, 9]]
     fresh, fresh_lengths = Packed.host_buffers(rows, 8, 4, 4)
-    fresh_cu = Packed.host_cu_seqlens([3, 2], 4)
     flat, lengths, cu = torch.full((6, 8), -7), torch.full((4,), -7), torch.full((5,), -7, dtype=torch.int32)
     Packed.host_buffers([[1] * 4, [2] * 4], 8, 4, 4, out=(flat, lengths))  # a previous, longer batch
     for _ in range(2):
         Packed.host_buffers(rows, 8, 4, 4, out=(flat, lengths))
-        Packed.host_cu_seqlens([3, 2], 4, out=cu)
-        assert torch.equal(flat, fresh) and torch.equal(lengths, fresh_lengths) and torch.equal(cu, fresh_cu)
+        Packed.fill(rows, flat.numpy(), lengths.numpy(), 4, cu_seqlens=cu.numpy())
+        assert torch.equal(flat, fresh) and torch.equal(lengths, fresh_lengths) and cu.tolist() == [0, 3, 5, 5, 5]
         flat.fill_(-7), lengths.fill_(-7), cu.fill_(-7)
     with torch.inference_mode():  # the graphs fill them under inference mode
         Packed.host_buffers(rows, 8, 4, 4, out=(flat, lengths))
