@@ -26,10 +26,14 @@ def _inputs(rows: int, cols: int, dtype, device, seed: int):
             randn(cols, scale=0.5, shift=1.0), randn(cols, scale=0.5))
 
 
-def _same_codes(q: torch.Tensor, reference: torch.Tensor) -> float:
-    """The share of E4M3 values equal to the reference's (a value whose fp32 quotient sits within an ulp of a
-    rounding tie may land on the other side: the GPU's division is not the CPU's)."""
-    return float((q.float() == reference.float()).double().mean())
+def assert_codes_agree(q: torch.Tensor, reference: torch.Tensor) -> None:
+    """The E4M3 codes equal the reference's but for a value whose fp32 quotient (or GELU) sits within an ulp of a
+    rounding tie, which may land on the other side (the GPU's division and the kernel's GELU are not the CPU's): such
+    a code is the neighbouring one, and at most one in a thousand (at least one allowed) is."""
+    a, b = q.view(torch.uint8).int().cpu(), reference.view(torch.uint8).int().cpu()
+    differ = a != b
+    assert int(differ.sum()) <= max(1, a.numel() // 1000), f"{int(differ.sum())} of {a.numel()} codes differ"
+    assert ((a - b).abs()[differ] == 1).all(), "a code differs by more than one E4M3 step"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -40,11 +44,11 @@ def test_quantizing_ops_match_float64(device, cols, dtype):
     q, s = triton_fp8.quantize_rows(x)
     assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and s.shape == (rows, 1) and s.dtype == torch.float32
     assert fp8.quantization_error(q, s, x) <= 1.01
-    assert _same_codes(q, fp8.quantize_rows_reference(x)[0]) >= 0.999
+    assert_codes_agree(q, fp8.quantize_rows_reference(x)[0])
 
     q, s = triton_fp8.bias_gelu_quantize(x, bias)
     assert fp8.quantization_error(q, s, F.gelu(x.double() + bias.double())) <= 1.01
-    assert _same_codes(q, fp8.bias_gelu_quantize_reference(x, bias)[0]) >= 0.999
+    assert_codes_agree(q, fp8.bias_gelu_quantize_reference(x, bias)[0])
 
     y, q, s = triton_fp8.add_layer_norm_quantize(x, residual, bias, weight, ln_bias, 1e-12)
     want = F.layer_norm(x.double() + residual.double() + bias.double(), (cols,), weight.double(), ln_bias.double(),
@@ -52,7 +56,7 @@ def test_quantizing_ops_match_float64(device, cols, dtype):
     atol = {torch.float16: 8e-3, torch.bfloat16: 6e-2, torch.float32: 1e-4}[dtype]
     assert y.dtype == dtype and (y.double() - want).abs().max() <= atol
     assert fp8.quantization_error(q, s, y) <= 1.01
-    assert _same_codes(q, fp8.quantize_rows_reference(y)[0]) >= 0.999  # its own output's codes (y may differ by an ulp)
+    assert_codes_agree(q, fp8.quantize_rows_reference(y)[0])  # its own output's codes (y may differ by an ulp)
 
 
 def test_rounding_is_to_nearest_even_and_saturates(device):
