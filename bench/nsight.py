@@ -7,8 +7,9 @@ kernels, and torch.compile's), each warmed up (compiled, autotuned, launch-tuned
 `bash bench/gpu.sh nsight` runs both on the GPU machine; `python -m bench report` renders the scenario as the table
 docs/kernels.md shows. With `--fp8` (scenario `nsight-fp8`, fp16 at BERT-base b128's 8990 tokens by default) the
 calls are PRECISION=fp8's quantizing kernels, each after the fp16 Triton kernel of the same row-wise op: the before
-and after of the FP8 path's norm and GELU epilogues. Only the region between cudaProfilerStart and cudaProfilerStop is profiled: one call per
-(op, provider) that could run, in the order the profiled run writes to `--calls` (with the Triton configs it ran).
+and after of the FP8 path's norm and GELU epilogues. Only the region between cudaProfilerStart and cudaProfilerStop
+is profiled: one call per (op, provider) that could run, in the order the profiled run writes to `--calls` (with the
+Triton configs it ran).
 Each row is one launch: a single sample, at the clocks the GPU ran (ncu does not lock them here), with the caches
 flushed before it. ncu follows the benchmark process only: torch.compile's worker processes crashed under it.
 """

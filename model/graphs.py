@@ -80,7 +80,13 @@ class _Graph:
 
 def _buffer_size(tokens: int, batch: int) -> int:
     """int64 elements of a bucket's input buffer (_views): the fields, the lengths, then batch + 1 int32."""
-    return len(Packed.FIELDS) * tokens + batch + (batch + 2) // 2
+    return _offsets_at(tokens, batch) + (batch + 2) // 2
+
+
+def _offsets_at(tokens: int, batch: int) -> int:
+    # cu_seqlens starts 16-byte aligned, as a tensor of its own would: Triton specializes a kernel on its pointer
+    # arguments' 16-byte alignment, and the eager forwards (and the shape sweep) pass offsets allocated apart
+    return len(Packed.FIELDS) * tokens + batch + batch % 2
 
 
 def _views(buffer: Tensor, tokens: int, batch: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -89,7 +95,7 @@ def _views(buffer: Tensor, tokens: int, batch: int) -> tuple[Tensor, Tensor, Ten
     rows = len(Packed.FIELDS)
     flat = buffer[: rows * tokens].view(rows, tokens)
     lengths = buffer[rows * tokens: rows * tokens + batch]
-    return flat, lengths, buffer[rows * tokens + batch:].view(torch.int32)[: batch + 1]
+    return flat, lengths, buffer[_offsets_at(tokens, batch):].view(torch.int32)[: batch + 1]
 
 
 def _ceil_pow4(n: int) -> int:

@@ -308,6 +308,12 @@ def test_graph_input_buffer_is_one_copy_of_fields_lengths_and_offsets():
     host = torch.full((graphs_module._buffer_size(tokens, batch),), -7, dtype=torch.long)
     flat, lengths, cu = graphs_module._views(host, tokens, batch)
     assert cu.dtype == torch.int32 and cu.is_contiguous() and cu.shape == (batch + 1,)
+    for b in (1, 4, 5):  # 16-byte aligned, as the eager path's offsets are (Triton specializes on it)
+        buffer = torch.empty(graphs_module._buffer_size(tokens, b), dtype=torch.long)
+        views = graphs_module._views(buffer, tokens, b)
+        assert all((v.data_ptr() - buffer.data_ptr()) % 16 == 0 for v in views), b
+        end = buffer.data_ptr() + 8 * buffer.numel()
+        assert views[2].shape == (b + 1,) and views[2].data_ptr() + 4 * (b + 1) <= end
     for view in (flat, lengths, cu):
         assert view.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
     Packed.fill(rows, flat.numpy(), lengths.numpy(), seq, cu_seqlens=cu.numpy())
