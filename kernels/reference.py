@@ -204,8 +204,9 @@ def splade_pool(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tens
     rows = torch.arange(t, device=x.device)
     segment = torch.searchsorted(cu[1:], rows, right=True)  # cu[b] <= row < cu[b + 1]; past the end: segments
     segment = torch.where(rows < cu[0], segments, segment)
-    # rows outside every segment enter the GEMM as zeros: whatever they hold cannot reach a segment's logits (torch
-    # 2.14's CPU bfloat16 GEMM turns the row before a NaN or Inf row non-finite as well)
+    # rows outside every segment enter the GEMM as zeros: whatever they hold cannot reach a segment's logits (oneDNN's
+    # AMX bfloat16 matmul in torch 2.14.1's CPU build leaks a NaN row into another where K is not a multiple of 32,
+    # uxlfoundation/oneDNN#5717)
     x = torch.where((segment < segments)[:, None], x, x.new_zeros(()))
     logits = torch.nn.functional.linear(x, weight, bias)  # [T, V] in x's dtype
     # max into zeros (include_self): max(0, max of the logits), the relu of the max; a NaN logit propagates
