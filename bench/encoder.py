@@ -450,7 +450,8 @@ def breakdown(fn: Callable[[], object], iters: int = 20) -> dict:
     totals: dict[str, float] = {}
     by_kernel: dict[str, float] = {}
     seen = 0
-    for event in prof.events():
+    events = prof.events()  # built from the trace on each call
+    for event in events:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             seen += 1
             totals[category(event.name)] = totals.get(category(event.name), 0.0) + event.device_time / iters
@@ -459,7 +460,7 @@ def breakdown(fn: Callable[[], object], iters: int = 20) -> dict:
     return {"wall_us": wall_us, "kernels_per_forward": seen / iters, "gpu_idle_us": max(wall_us - busy, 0.0),
             "kernel_us": {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
             "top_kernels_us": {k[:120]: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]},
-            "runtime_calls_us": runtime_calls_us(prof.events(), iters)}
+            "runtime_calls_us": runtime_calls_us(events, iters)}
 
 
 def host_and_replay_us(ours, rows: Rows, iters: int = 50) -> dict:

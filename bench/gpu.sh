@@ -107,6 +107,10 @@ encoder_compare() {  # the encoder suite's "ours" rows of the older tree, then o
     | tee "$OUT/encoder-compare.md"
 }
 
+floor_profile() {  # the profile of the encoder issue's four rows within $1 seconds, appended to log $2
+  timeout "$1" python3 -m bench encoder profile --profile-cases bert-base-b128-varlen bert-base-b32-s128 \
+    minilm-b32-s128 minilm-b1-s16 --backends auto 2>&1 | tee -a "$2" | grep "us/forward" | cut -c1-400
+}
 build() {  # the CUDA extension, into the cache every process here shares
   python3 -m fusedserve.kernels.cuda.build 2>&1 | tail -1
 }
@@ -203,8 +207,7 @@ case "$suite" in
     timeout 90 python3 -m bench encoder fp8-accuracy --model "$MODEL" 2>&1 | tee "$OUT/fp8.log" | grep held-out
     timeout 150 python3 -m bench encoder bert-base-b128-varlen bert-base-b32-s128 --providers \
       "torch.compile + CUDA graphs" ours --backends auto 2>&1 | tee -a "$OUT/fp8.log" | grep -E "^  "
-    timeout 150 python3 -m bench encoder profile --profile-cases bert-base-b128-varlen bert-base-b32-s128 \
-      minilm-b32-s128 minilm-b1-s16 --backends auto 2>&1 | tee -a "$OUT/fp8.log" | grep "us/forward" | cut -c1-240
+    floor_profile 150 "$OUT/fp8.log"
     results encoder
     ;;
   fp8-serve)
@@ -229,8 +232,7 @@ case "$suite" in
     build
     timeout 240 python3 -m bench encoder minilm-b1-s16 minilm-b32-s128 bert-base-b32-s128 bert-base-b128-varlen \
       --providers "torch.compile + CUDA graphs" ours --backends auto 2>&1 | tee "$OUT/floor.log" | grep -E "^  "
-    timeout 180 python3 -m bench encoder profile --profile-cases bert-base-b128-varlen bert-base-b32-s128 \
-      minilm-b32-s128 minilm-b1-s16 --backends auto 2>&1 | tee -a "$OUT/floor.log" | grep "us/forward" | cut -c1-400
+    floor_profile 180 "$OUT/floor.log"
     results encoder
     OUT=$OUT/nsight bash "$0" nsight-fp8
     ;;

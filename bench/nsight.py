@@ -65,7 +65,8 @@ FP8_PROVIDER = "triton fp8"
 
 
 def fp8_calls(rows: int, hidden: int, device: str = "cuda") -> tuple[list[tuple], dict[str, str], dict[str, str]]:
-    """The --fp8 calls (op, provider, fn, inputs) in fp16, with the configs they ran and each op's shape."""
+    """The --fp8 calls (op, provider, fn, inputs) in fp16, with the quantizing kernels' launch configs and each op's
+    shape."""
     from fusedserve.kernels.triton import LAUNCHERS
     from fusedserve.kernels.triton import fp8
 
@@ -82,32 +83,24 @@ def fp8_calls(rows: int, hidden: int, device: str = "cuda") -> tuple[list[tuple]
         shapes[op] = f"{rows}x{cols}"
         _, n_rows, warps = fp8.launch_config(cols)
         configs[op] = f"ROWS {n_rows}, {warps} warps"
-    for op, _, fn, inputs in calls:
-        for _ in range(3):  # compile and autotune outside the profiled region
-            fn(*inputs)
-        if op in ("add_layer_norm", "bias_gelu"):
-            configs[op] = _triton_config(op)
     return calls, configs, shapes
 
 
 def run(ops: list[str], dtype: torch.dtype, rows: int, cols: int, names: list[str], calls_file: Path | None,
         fp8: bool = False) -> None:
-    calls = []
-    configs: dict[str, str | None] = {}
-    shapes: dict[str, str] = {}
     if fp8:
         calls, configs, shapes = fp8_calls(rows, cols)
     else:
+        calls, configs, shapes = [], {}, {}
         provs, _ = providers(names)  # the unavailable ones are reported there and not called
         for i, op in enumerate(ops):
             inputs = rowwise_inputs(op, rows, cols, dtype, "cuda", seed=i)
-            for name, get in provs.items():
-                fn = get(op)
-                for _ in range(3):  # compile, autotune and launch-tune outside the profiled region
-                    fn(*inputs)
-                if name == "triton":
-                    configs[op] = _triton_config(op)
-                calls.append((op, name, fn, inputs))
+            calls += [(op, name, get(op), inputs) for name, get in provs.items()]
+    for op, name, fn, inputs in calls:
+        for _ in range(3):  # compile, autotune and launch-tune outside the profiled region
+            fn(*inputs)
+        if name == "triton":
+            configs[op] = _triton_config(op)
     if calls_file is not None:
         calls_file.write_text(json.dumps({"calls": [[op, name] for op, name, _, _ in calls], "configs": configs,
                                           "shapes": shapes}))

@@ -56,19 +56,15 @@ class Packed:
 
     @staticmethod
     def host_buffers(rows: Rows | list[list[int]], tokens: int, batch: int, seq: int, pad_token_id: int = 0, *,
-                     position_offset: int = 0, pair_types: bool = False,
-                     out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """The packed batch as two CPU tensors: [6, tokens] int64 (one row per Packed.FIELDS; filler tokens point
-        at the scratch row and scratch sequence) and [batch] lengths (filler sequences: 1), written into `out`
-        when given (Packed.fill says how)."""
-        flat_t, length_t = out if out is not None else (torch.empty((len(Packed.FIELDS), tokens), dtype=torch.long),
-                                                         torch.empty(batch, dtype=torch.long))
-        if flat_t.shape != (len(Packed.FIELDS), tokens) or length_t.shape != (batch,):
-            raise ValueError(f"buffers {tuple(flat_t.shape)}, {tuple(length_t.shape)} are not a ({tokens}, {batch}) "
-                             "bucket's")
-        Packed.fill(rows, flat_t.numpy(), length_t.numpy(), seq, pad_token_id, position_offset=position_offset,
-                    pair_types=pair_types)
-        return flat_t, length_t
+                     position_offset: int = 0, pair_types: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """The packed batch as CPU tensors, Packed.fill's layout: [6, tokens] int64 (one row per Packed.FIELDS;
+        filler tokens point at the scratch row and scratch sequence), [batch] lengths (filler sequences: 1) and
+        [batch + 1] int32 cu_seqlens."""
+        flat = torch.empty((len(Packed.FIELDS), tokens), dtype=torch.long)
+        lengths, cu_seqlens = torch.empty(batch, dtype=torch.long), torch.empty(batch + 1, dtype=torch.int32)
+        Packed.fill(rows, flat.numpy(), lengths.numpy(), seq, pad_token_id, position_offset=position_offset,
+                    pair_types=pair_types, cu_seqlens=cu_seqlens.numpy())
+        return flat, lengths, cu_seqlens
 
     @staticmethod
     def fill(rows: Rows | list[list[int]], flat: np.ndarray, lengths: np.ndarray, seq: int, pad_token_id: int = 0, *,
@@ -120,10 +116,8 @@ class Packed:
         rows = rows if isinstance(rows, Rows) else Rows.of(rows)
         real = rows.tokens
         tokens, batch, seq = tokens or real, batch or len(rows), seq or rows.longest
-        flat, lengths = torch.empty((len(cls.FIELDS), tokens), dtype=torch.long), torch.empty(batch, dtype=torch.long)
-        cu_seqlens = torch.empty(batch + 1, dtype=torch.int32)
-        cls.fill(rows, flat.numpy(), lengths.numpy(), seq, pad_token_id, position_offset=position_offset,
-                 pair_types=pair_types, cu_seqlens=cu_seqlens.numpy())
+        flat, lengths, cu_seqlens = cls.host_buffers(rows, tokens, batch, seq, pad_token_id,
+                                                     position_offset=position_offset, pair_types=pair_types)
         return cls.from_buffers(flat.to(device), lengths.to(device), seq, dense=tokens == real == batch * seq,
                                 cu_seqlens=cu_seqlens.to(device))
 

@@ -90,7 +90,7 @@ def _offsets_at(tokens: int, batch: int) -> int:
 
 
 def _views(buffer: Tensor, tokens: int, batch: int) -> tuple[Tensor, Tensor, Tensor]:
-    """A bucket's one input buffer as Packed.host_buffers' [6, tokens] fields and [batch] lengths, then the
+    """A bucket's one input buffer as Packed.fill's [6, tokens] fields and [batch] lengths, then the
     [batch + 1] int32 cu_seqlens in its tail: made once per graph, so a batch is one fill and one copy."""
     rows = len(Packed.FIELDS)
     flat = buffer[: rows * tokens].view(rows, tokens)

@@ -609,7 +609,7 @@ class Embedder:
             mask[row, : len(ids)] = True
         types = None
         if self.pair_types:  # the packed layout's token types, padded
-            flat, _ = Packed.host_buffers(rows, rows.tokens, len(rows), seq, **self._token_layout())
+            flat, _, _ = Packed.host_buffers(rows, rows.tokens, len(rows), seq, **self._token_layout())
             types = torch.zeros_like(input_ids)
             types[mask] = flat[Packed.FIELDS.index("token_type_ids")]
             types = types.to(self.device)

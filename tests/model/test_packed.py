@@ -229,7 +229,7 @@ def test_packed_from_buffers_only_views_its_buffers():
     """A CUDA graph captured on a Packed reads its tensors on every replay: all of them must be views of the two
     static buffers the graph keeps. (A token-type tensor allocated on the side was freed after the capture and
     the replays read whatever reused that memory: an illegal address on the H200.)"""
-    flat, lengths = Packed.host_buffers([[5, 6, 7], [8, 9]], 8, 4, 4)
+    flat, lengths, _ = Packed.host_buffers([[5, 6, 7], [8, 9]], 8, 4, 4)
     assert flat.shape == (len(Packed.FIELDS), 8) and flat[Packed.FIELDS.index("token_type_ids")].eq(0).all()
     p = Packed.from_buffers(flat, lengths, 4)
     for name in Packed.FIELDS:
@@ -241,16 +241,20 @@ def test_host_buffers_overwrite_every_element_of_reused_buffers():
     """The CUDA graphs refill the same pinned buffers batch after batch: a fill must not leave anything of the
     previous batch (or of uninitialised memory) behind."""
     rows = [[5, 6, 7], [8, 9]]
-    fresh, fresh_lengths = Packed.host_buffers(rows, 8, 4, 4)
+    fresh, fresh_lengths, fresh_cu = Packed.host_buffers(rows, 8, 4, 4)
+    assert fresh_cu.tolist() == [0, 3, 5, 5, 5]
     flat, lengths, cu = torch.full((6, 8), -7), torch.full((4,), -7), torch.full((5,), -7, dtype=torch.int32)
-    Packed.host_buffers([[1] * 4, [2] * 4], 8, 4, 4, out=(flat, lengths))  # a previous, longer batch
+
+    def fill(batch):
+        Packed.fill(batch, flat.numpy(), lengths.numpy(), 4, cu_seqlens=cu.numpy())
+
+    fill([[1] * 4, [2] * 4])  # a previous, longer batch
     for _ in range(2):
-        Packed.host_buffers(rows, 8, 4, 4, out=(flat, lengths))
-        Packed.fill(rows, flat.numpy(), lengths.numpy(), 4, cu_seqlens=cu.numpy())
-        assert torch.equal(flat, fresh) and torch.equal(lengths, fresh_lengths) and cu.tolist() == [0, 3, 5, 5, 5]
+        fill(rows)
+        assert torch.equal(flat, fresh) and torch.equal(lengths, fresh_lengths) and torch.equal(cu, fresh_cu)
         flat.fill_(-7), lengths.fill_(-7), cu.fill_(-7)
     with torch.inference_mode():  # the graphs fill them under inference mode
-        Packed.host_buffers(rows, 8, 4, 4, out=(flat, lengths))
+        fill(rows)
     assert torch.equal(flat, fresh)
 
 
