@@ -26,11 +26,20 @@ def _inputs(rows: int, cols: int, dtype, device, seed: int):
             randn(cols, scale=0.5, shift=1.0), randn(cols, scale=0.5))
 
 
+def _steps(q: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes as signed steps from zero: the magnitude bits, negated where the sign bit is set."""
+    code = q.view(torch.uint8).int().cpu()
+    magnitude = code & 0x7F
+    return torch.where(code >= 0x80, -magnitude, magnitude)
+
+
 def assert_codes_agree(q: torch.Tensor, reference: torch.Tensor) -> None:
     """The E4M3 codes equal the reference's but for a value whose fp32 quotient (or GELU) sits within an ulp of a
     rounding tie, which may land on the other side (the GPU's division and the kernel's GELU are not the CPU's): such
-    a code is the neighbouring one, and at most one in a thousand (at least one allowed) is."""
-    a, b = q.view(torch.uint8).int().cpu(), reference.view(torch.uint8).int().cpu()
+    a code is the neighbouring one, and at most one in a thousand (at least one allowed) is. Codes are compared as
+    steps on the number line (sign and magnitude -> a signed integer), so -0 equals +0: the GPU's GELU of a large
+    negative input is -0, the CPU's +0."""
+    a, b = _steps(q), _steps(reference)
     differ = a != b
     assert int(differ.sum()) <= max(1, a.numel() // 1000), f"{int(differ.sum())} of {a.numel()} codes differ"
     assert ((a - b).abs()[differ] == 1).all(), "a code differs by more than one E4M3 step"
