@@ -111,6 +111,17 @@ floor_profile() {  # the profile of the encoder issue's four rows within $1 seco
   timeout "$1" python3 -m bench encoder profile --profile-cases bert-base-b128-varlen bert-base-b32-s128 \
     minilm-b32-s128 minilm-b1-s16 --backends auto 2>&1 | tee -a "$2" | grep "us/forward" | cut -c1-400
 }
+nsight_suite() {  # ncu over python -m bench.nsight within $1 seconds (more arguments: its options, e.g. --fp8), then
+  # the profile stored into kernels.json and copied to $OUT
+  local limit=$1 ncu_args
+  shift
+  read -ra ncu_args <<< "$(python3 -m bench.nsight --ncu-args)"
+  timeout "$limit" ncu "${ncu_args[@]}" python3 -m bench.nsight "$@" --calls "$OUT/calls.json" > "$OUT/ncu.csv" \
+    2> "$OUT/nsight.log"
+  echo "ncu: exit $?"
+  grep -E "^profiled|Error|error" "$OUT/nsight.log" | tail -8
+  python3 -m bench.nsight "$@" --save "$OUT/ncu.csv" --calls "$OUT/calls.json" && results kernels
+}
 build() {  # the CUDA extension, into the cache every process here shares
   python3 -m fusedserve.kernels.cuda.build 2>&1 | tail -1
 }
@@ -222,11 +233,7 @@ case "$suite" in
     ;;
   nsight)
     build
-    read -ra ncu_args <<< "$(python3 -m bench.nsight --ncu-args)"
-    timeout 400 ncu "${ncu_args[@]}" python3 -m bench.nsight --calls "$OUT/calls.json" > "$OUT/ncu.csv" \
-      2> "$OUT/nsight.log"
-    echo "ncu: exit $?"
-    python3 -m bench.nsight --save "$OUT/ncu.csv" --calls "$OUT/calls.json" && results kernels
+    nsight_suite 400
     ;;
   floor)
     build
@@ -237,12 +244,7 @@ case "$suite" in
     OUT=$OUT/nsight bash "$0" nsight-fp8
     ;;
   nsight-fp8)
-    read -ra ncu_args <<< "$(python3 -m bench.nsight --ncu-args)"
-    timeout 300 ncu "${ncu_args[@]}" python3 -m bench.nsight --fp8 --calls "$OUT/calls.json" > "$OUT/ncu.csv" \
-      2> "$OUT/nsight.log"
-    echo "ncu: exit $?"
-    grep -E "^profiled|Error|error" "$OUT/nsight.log" | tail -8
-    python3 -m bench.nsight --fp8 --save "$OUT/ncu.csv" --calls "$OUT/calls.json" && results kernels
+    nsight_suite 300 --fp8
     ;;
   profile)
     build

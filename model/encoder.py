@@ -62,16 +62,16 @@ class Packed:
         [batch + 1] int32 cu_seqlens."""
         flat = torch.empty((len(Packed.FIELDS), tokens), dtype=torch.long)
         lengths, cu_seqlens = torch.empty(batch, dtype=torch.long), torch.empty(batch + 1, dtype=torch.int32)
-        Packed.fill(rows, flat.numpy(), lengths.numpy(), seq, pad_token_id, position_offset=position_offset,
-                    pair_types=pair_types, cu_seqlens=cu_seqlens.numpy())
+        Packed.fill(rows, flat.numpy(), lengths.numpy(), seq, pad_token_id, cu_seqlens=cu_seqlens.numpy(),
+                    position_offset=position_offset, pair_types=pair_types)
         return flat, lengths, cu_seqlens
 
     @staticmethod
     def fill(rows: Rows | list[list[int]], flat: np.ndarray, lengths: np.ndarray, seq: int, pad_token_id: int = 0, *,
-             position_offset: int = 0, pair_types: bool = False, cu_seqlens: np.ndarray | None = None) -> None:
+             cu_seqlens: np.ndarray, position_offset: int = 0, pair_types: bool = False) -> None:
         """Write the packed batch into host arrays: flat [6, tokens] int64 (Packed.FIELDS), lengths [batch] int64
-        and, where given, cu_seqlens [batch + 1] int32 (varlen attention's sequence offsets; filler sequences are
-        zero-length, so attention leaves their rows alone). numpy, not torch: this runs on the host
+        and cu_seqlens [batch + 1] int32 (varlen attention's sequence offsets; filler sequences are zero-length, so
+        attention leaves their rows alone). numpy, not torch: this runs on the host
         for every batch, and a few dozen small torch ops cost more than a small model's whole graph replay; the ids
         arrive as one array (model.api.Rows) and are copied once. Everything but the ids and token types follows
         from the rows' lengths, and for batches of up to LAYOUT_CACHE_TOKENS tokens it comes from a cache keyed by
@@ -91,8 +91,7 @@ class Packed:
             index, full_lengths, cu = _cached_layout(row_lengths.tobytes(), tokens, batch, seq, position_offset)
             flat[1:] = index
             lengths[:] = full_lengths
-            if cu_seqlens is not None:
-                cu_seqlens[:] = cu
+            cu_seqlens[:] = cu
         else:
             _write_layout(row_lengths, flat[1:], lengths, cu_seqlens, seq, position_offset)
         if pair_types and rows.second is not None:
@@ -140,12 +139,12 @@ def _cached_layout(lengths: bytes, tokens: int, batch: int, seq: int,
     return index, full_lengths, cu
 
 
-def _write_layout(lengths: np.ndarray, index: np.ndarray, full_lengths: np.ndarray, cu: np.ndarray | None, seq: int,
+def _write_layout(lengths: np.ndarray, index: np.ndarray, full_lengths: np.ndarray, cu: np.ndarray, seq: int,
                   position_offset: int) -> None:
     """A packed batch's arrays that follow from its rows' lengths: index [5, tokens] (Packed.FIELDS after the ids:
     positions, token types 0, pad_index, gather_index, seq_index; filler tokens at the scratch row and scratch
-    sequence), full_lengths [batch] (filler sequences 1) and, where given, cu [batch + 1] int32 (filler sequences of
-    zero length)."""
+    sequence), full_lengths [batch] (filler sequences 1) and cu [batch + 1] int32 (filler sequences of zero
+    length)."""
     n, batch = len(lengths), len(full_lengths)
     ends = np.cumsum(lengths)
     real = int(ends[-1]) if n else 0
@@ -164,10 +163,9 @@ def _write_layout(lengths: np.ndarray, index: np.ndarray, full_lengths: np.ndarr
     seq_index[real:] = batch
     full_lengths[:n] = lengths
     full_lengths[n:] = 1
-    if cu is not None:
-        cu[0] = 0
-        cu[1: n + 1] = ends
-        cu[n + 1:] = real
+    cu[0] = 0
+    cu[1: n + 1] = ends
+    cu[n + 1:] = real
 
 
 @functools.cache

@@ -217,8 +217,8 @@ class CudaGraphs:
         tokens, batch, seq, _ = key
         entry.copied.synchronize()  # a caller that did not wait for the last result must not race its copy
         flat, lengths, cu_seqlens = entry.arrays
-        Packed.fill(rows, flat, lengths, seq, self.pad_token_id, position_offset=self.position_offset,
-                    pair_types=self.pair_types, cu_seqlens=cu_seqlens)
+        Packed.fill(rows, flat, lengths, seq, self.pad_token_id, cu_seqlens=cu_seqlens,
+                    position_offset=self.position_offset, pair_types=self.pair_types)
         entry.device.copy_(entry.host, non_blocking=True)
         entry.copied.record()
         entry.graph.replay()
@@ -259,7 +259,7 @@ class CudaGraphs:
         arrays = tuple(view.numpy() for view in _views(host, tokens, batch))
         # until the first real fill: one filler token (valid indices, lengths >= 1)
         Packed.fill(Rows.of([[self.pad_token_id]]), arrays[0], arrays[1], seq, self.pad_token_id,
-                    position_offset=self.position_offset, cu_seqlens=arrays[2])
+                    cu_seqlens=arrays[2], position_offset=self.position_offset)
         dev = host.to(self.device)
         flat, lengths, cu_seqlens = _views(dev, tokens, batch)
         packed = Packed.from_buffers(flat, lengths, seq, dense=dense, cu_seqlens=cu_seqlens)

@@ -322,8 +322,8 @@ def test_graph_input_buffer_is_one_copy_of_fields_lengths_and_offsets():
         assert view.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
     Packed.fill(rows, flat.numpy(), lengths.numpy(), seq, cu_seqlens=cu.numpy())
     device = host.clone()  # what the graph reads after the copy
-    got = Packed.from_buffers(*graphs_module._views(device, tokens, batch)[:2], seq,
-                              cu_seqlens=graphs_module._views(device, tokens, batch)[2])
+    got_flat, got_lengths, got_cu = graphs_module._views(device, tokens, batch)
+    got = Packed.from_buffers(got_flat, got_lengths, seq, cu_seqlens=got_cu)
     want = Packed.from_rows(rows, "cpu", tokens=tokens, batch=batch, seq=seq)
     for name in (*Packed.FIELDS, "lengths", "cu_seqlens"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
