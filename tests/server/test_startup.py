@@ -5,6 +5,8 @@ in the log."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import signal
 import subprocess
@@ -25,6 +27,35 @@ def launch(tmp_path, **settings) -> tuple[subprocess.Popen, str, str]:
     process = subprocess.Popen([sys.executable, "-m", "fusedserve", "serve", "--port", str(port), "--log-level", "warning"],
                                stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
     return process, f"http://127.0.0.1:{port}", log_path
+
+
+def _children(pid: int) -> list[int]:
+    """The process's children and theirs (a WORKERS > 1 parent's workers sit in process groups of their own)."""
+    found = []
+    for task in (glob.glob(f"/proc/{pid}/task/*/children")):
+        try:
+            kids = [int(k) for k in open(task).read().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            found += [kid, *_children(kid)]
+    return found
+
+
+def stop(process: subprocess.Popen, log_path: str, timeout_s: float = 60) -> int:
+    """SIGTERM the server and wait for its exit code. A server that outlives the timeout is killed with every process
+    under it (none left holding the port or the CPUs for the tests after), and the test fails with its log."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        left = _children(process.pid)
+        for pid in [process.pid, *left]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()
+        raise AssertionError(f"the server and {len(left)} processes under it were still running {timeout_s:.0f} s "
+                             f"after SIGTERM:\n{open(log_path).read()}") from None
 
 
 def first_answer(process, url: str, timeout_s: float = 120) -> httpx.Response:
@@ -68,8 +99,7 @@ def test_readyz_says_what_is_loading_then_ready(tmp_path):
         assert phases == sorted(phases, key=order.index), phases  # phases only move forward
         assert httpx.post(url + "/infer", json={"inputs": "now"}, timeout=60).status_code == 200
     finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) in (0, -signal.SIGTERM), open(log_path).read()  # uvicorn re-raises it
+        assert stop(process, log_path) in (0, -signal.SIGTERM), open(log_path).read()  # uvicorn re-raises it
 
 
 def test_sigterm_during_the_load_stops_the_process(tmp_path):

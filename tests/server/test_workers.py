@@ -6,14 +6,13 @@ cleanly."""
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import time
 
 import httpx
 import numpy as np
 
-from tests.server.test_startup import launch
+from tests.server.test_startup import launch, stop
 from tests.tolerances import assert_same_rows
 
 TEXTS = [f"sentence number {i} about workers sharing one port" for i in range(24)]
@@ -74,8 +73,7 @@ def test_two_workers_share_the_port_the_readiness_and_the_metrics(tmp_path):
                 seen[info["worker"]["pid"]] = info["fused"]
             assert set(seen.values()) == {enabled}, seen
     finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0, open(log_path).read()
+        assert stop(process, log_path) == 0, open(log_path).read()
 
 
 def _answered(metrics: str) -> float:
@@ -153,5 +151,4 @@ def test_keep_alive_connections_spread_over_four_workers(tmp_path):
     finally:
         for sock in sockets:
             sock.close()
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0, open(log_path).read()
+        assert stop(process, log_path) == 0, open(log_path).read()
