@@ -13,13 +13,16 @@ reported once and rebuilt.
 Shipped tuning: `kernels/tuning/<gpu>.json` holds the same tables for a GPU model, exported from a tuned start on
 that GPU (`python -m fusedserve.kernels.tuning export`). A start whose own table is missing begins from the shipped
 one, so a fresh machine compiles only the chosen configurations and races nothing it shipped with. It is used only
-when it was made from these kernel sources with these switches; its Triton configs only on the same Triton minor
-release (a config that fits one release's shared memory may not fit another's), and only those that are still
-candidates. The self-tests still run on fresh inputs at every start.
+with the switches it was made with, and entry by entry only where the source files the entry was measured on (its
+kernel's module and what that imports, the shared row buckets, op specs and race) are unchanged: the file records the
+hash of each, so a kernel added or edited since the export leaves the other kernels' entries in use. Its Triton
+configs only on the same Triton minor release (a config that fits one release's shared memory may not fit
+another's), and only those that are still candidates. The self-tests still run on fresh inputs at every start.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import hashlib
@@ -85,6 +88,13 @@ def switches() -> dict[str, bool]:
 # races' inputs), the race and its timer. Not the dispatch layer, this cache or the references: editing those keeps
 # every tuned choice (and the shipped tuning) valid.
 _TUNED_SOURCES = ("triton", "cuda", "_layout.py", "spec.py", "registry.py", "timing.py")
+# Of those, what every tuned choice depends on; each also depends on its own kernels (_depends_on).
+_SHARED_SOURCES = ("_layout.py", "spec.py", "registry.py", "timing.py")
+
+
+def _tuned_files(package: Path) -> list[Path]:
+    return sorted(p for name in _TUNED_SOURCES for p in [package / name, *(package / name).rglob("*")]
+                  if p.is_file() and p.suffix in _SOURCES)
 
 
 @functools.cache
@@ -92,11 +102,85 @@ def sources_hash() -> str:
     """A short hash of the kernel sources a tuned choice depends on (_TUNED_SOURCES: their .py/.cu/.cuh/.h/.cpp)."""
     digest = hashlib.sha256()
     package = Path(__file__).parent
-    for path in sorted(p for name in _TUNED_SOURCES for p in [package / name, *(package / name).rglob("*")]
-                       if p.is_file() and p.suffix in _SOURCES):
+    for path in _tuned_files(package):
         digest.update(path.relative_to(package).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+@functools.cache
+def source_hashes(package: Path = Path(__file__).parent) -> dict[str, str]:
+    """{path under the kernels package: short hash of its bytes} for each file sources_hash covers. A shipped file
+    records them, so that an edit voids only the shipped entries that depend on the edited files."""
+    return {path.relative_to(package).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+            for path in _tuned_files(package)}
+
+
+@functools.cache
+def _imports(source: str) -> frozenset[str]:
+    """The tuned source files `source` (a path under the kernels package) needs, itself included, following its
+    imports of fusedserve.kernels modules."""
+    package = Path(__file__).parent
+    files = set(source_hashes())
+    needed, todo = set(), [source]
+    while todo:
+        name = todo.pop()
+        if name in needed or name not in files or not name.endswith(".py"):
+            continue
+        needed.add(name)
+        for node in ast.walk(ast.parse((package / name).read_text())):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            for module in modules:
+                if module.startswith("fusedserve.kernels."):
+                    parts = module.removeprefix("fusedserve.kernels.").replace(".", "/")
+                    todo += [f"{parts}.py", f"{parts}/__init__.py"]
+    return frozenset(needed)
+
+
+@functools.cache
+def _kernel_sources() -> dict[str, str]:
+    """{Triton kernel function name: the file defining it} (the Triton table's keys are kernel names)."""
+    package = Path(__file__).parent
+    defined = {}
+    for name in source_hashes():
+        if name.startswith("triton/") and name.endswith(".py"):
+            for node in ast.parse((package / name).read_text()).body:
+                if isinstance(node, ast.FunctionDef):
+                    defined.setdefault(node.name, name)
+    return defined
+
+
+def _depends_on(prefix: str, key: str) -> frozenset[str] | None:
+    """The tuned source files the shipped entry `key` of table `prefix` was measured on; None where that is not
+    known (an entry of another layout, which is then not taken)."""
+    from fusedserve.kernels.spec import launcher_modules
+
+    cuda = frozenset(name for name in source_hashes() if name.startswith("cuda/"))
+    if prefix == "tuning":  # the CUDA launch configurations: the whole extension
+        files = cuda
+    elif prefix == "triton":
+        if key not in _kernel_sources():
+            return None
+        files = _imports(_kernel_sources()[key])
+    elif prefix == "races":  # op|dtype|rows|cols|backends|timing: the launchers of the op in each raced backend
+        parts = key.split("|")
+        if len(parts) != 6:
+            return None
+        files = frozenset()
+        for backend in parts[4].split(","):
+            if backend == "cuda":
+                files |= cuda
+            elif backend == "triton" and (module := launcher_modules("triton").get(parts[0])):
+                files |= _imports(f"triton/{module}.py")
+            else:
+                return None
+    else:
+        return None
+    return files | frozenset(_SHARED_SOURCES)
 
 
 @functools.cache
@@ -124,7 +208,7 @@ def gpu_file(prefix: str, device: torch.device | None = None) -> Path:
     return root() / f"{prefix}-{gpu_slug(device)}-{fingerprint()}.json"
 
 
-_shipped_said: set[str] = set()
+_shipped_said: set[str | tuple[Path, tuple[int, int]]] = set()  # what shipped() said already
 
 
 @functools.cache
@@ -133,20 +217,41 @@ def _read_shipped(path: Path, stamp: tuple[int, int]) -> dict:
     return read_table(path, lambda t: isinstance(t, dict) and isinstance(t.get("tables"), dict), "shipped tuning")
 
 
+def _changed_sources(table: dict) -> set[str] | None:
+    """The tuned source files that differ from those the shipped `table` was made from (edited, added or removed);
+    None when the table does not say file by file."""
+    if table.get("sources") == sources_hash():
+        return set()
+    made_from = table.get("source_files")
+    if not isinstance(made_from, dict):
+        return None
+    now = source_hashes()
+    return {name for name in {*made_from, *now} if made_from.get(name) != now.get(name)}
+
+
+def _unchanged(prefix: str, entries: dict, changed: set[str]) -> dict:
+    """The entries of shipped table `prefix` measured on none of the `changed` files."""
+    return {key: entry for key, entry in entries.items()
+            if (files := _depends_on(prefix, key)) is not None and not files & changed}
+
+
 def shipped(prefix: str, device: torch.device | None = None) -> dict:
-    """The shipped table `prefix` (one of TABLES) for this GPU model: empty when none ships for it, or when it was
-    made from other kernel sources or switches (said once); the Triton table also only on the Triton minor release
-    that chose it (a config that fits one release's shared-memory layout may not fit another's)."""
+    """The shipped table `prefix` (one of TABLES) for this GPU model: empty when none ships for it or it was made with
+    other switches; of a file made from other kernel sources, the entries that do not depend on the changed files
+    (what was left out is said once); the Triton table also only on the Triton minor release that chose it (a config
+    that fits one release's shared-memory layout may not fit another's)."""
     gpu = gpu_slug(device)
     path = SHIPPED / f"{gpu}.json"
     try:
         stat = path.stat()
     except FileNotFoundError:
         return {}
-    table = _read_shipped(path, (stat.st_mtime_ns, stat.st_size))
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    table = _read_shipped(path, stamp)
     if not table:
         return {}
-    if table.get("sources") != sources_hash() or table.get("switches") != switches():
+    changed = _changed_sources(table)
+    if table.get("switches") != switches() or changed is None:
         if gpu not in _shipped_said:
             _shipped_said.add(gpu)
             log.warning("shipped tuning %s was made from other kernel sources or switches; this start tunes "
@@ -155,8 +260,17 @@ def shipped(prefix: str, device: torch.device | None = None) -> dict:
     made_with = table.get("made_with") if isinstance(table.get("made_with"), dict) else {}
     if prefix == "triton" and _minor(_triton_version()) != _minor(str(made_with.get("triton", ""))):
         return {}
-    entries = table["tables"].get(prefix, {})
-    return entries if isinstance(entries, dict) else {}
+    tables = {name: entries for name, entries in table["tables"].items() if isinstance(entries, dict)}
+    if changed:
+        kept = {name: _unchanged(name, entries, changed) for name, entries in tables.items()}
+        dropped = {name: len(tables[name]) - len(entries) for name, entries in kept.items()}
+        if sum(dropped.values()) and (path, stamp) not in _shipped_said:
+            _shipped_said.add((path, stamp))
+            log.warning("shipped tuning %s was made before edits to %s: this start tunes and races again the entries "
+                        "measured on them (%s); it takes the rest", path, ", ".join(sorted(changed)),
+                        ", ".join(f"{n} of {len(tables[name])} {name}" for name, n in dropped.items() if n))
+        tables = kept
+    return tables.get(prefix, {})
 
 
 def export(device: torch.device | None = None) -> Path:
@@ -168,7 +282,8 @@ def export(device: torch.device | None = None) -> Path:
         raise SystemExit(f"nothing to export: no {'/'.join(TABLES)} table for {gpu_slug(device)} and fingerprint "
                          f"{fingerprint()} in {root()} (start a server with this cache directory first)")
     path = SHIPPED / f"{gpu_slug(device)}.json"
-    shipped_table = {"gpu": gpu_name(device), "sources": sources_hash(), "switches": switches(),
+    shipped_table = {"gpu": gpu_name(device), "sources": sources_hash(), "source_files": source_hashes(),
+                     "switches": switches(),
                      "made_with": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": _triton_version()},
                      "tables": tables}
     error = write_table(path, shipped_table)

@@ -97,6 +97,47 @@ def test_the_shipped_table_is_taken_for_its_sources_and_switches_only(dirs, monk
     assert cache.shipped("races") == {}  # unreadable: reported, ignored
 
 
+def _edited(*names: str, added: str = "") -> dict[str, str]:
+    """The file hashes of a tree where `names` differed from this one and `added` did not exist yet."""
+    files = {name: ("0" * 16 if name in names else digest) for name, digest in cache.source_hashes().items()}
+    files.pop(added, None)
+    return files
+
+
+def test_a_shipped_file_made_before_an_edit_keeps_the_entries_the_edit_does_not_touch(dirs, caplog):
+    """Each entry depends on the files it was measured on: a Triton config on its kernel's module and what that
+    imports, a CUDA launch config on the extension, a race on each raced backend's launcher of the op, and all of
+    them on the shared row buckets, op specs and race. A kernel added or edited since the export voids only the
+    entries measured on it, and the start says which files changed."""
+    races = {"linear_bias_gelu|float16|4096|1536|triton,cuda|device": {"us": {"triton": 20.0, "cuda": 22.0},
+                                                                         "how": "device"},
+             "segment_mean|float16|4096|384|triton,cuda|device": {"us": {"triton": 3.0, "cuda": 4.0}, "how": "device"},
+             "layer_norm|float16|384|256": {"us": {"triton": 3.5}, "how": "device"}}  # another layout: never taken
+    triton_table = {name: {"[384]": {"kwargs": {"BLOCK_M": 4}, "num_warps": 4, "num_stages": 3}}
+                    for name in ("_norm_kernel", "_linear_gelu_kernel", "_gone_kernel")}
+    tables = {"races": races, "tuning": CUDA_TUNING, "triton": triton_table}
+    made_with = {"triton": cache._triton_version()}
+
+    def shipped_after(files: dict[str, str]) -> dict[str, set[str]]:
+        _ship(dirs, tables, sources="0" * 16, source_files=files, made_with=made_with)
+        return {name: set(cache.shipped(name)) for name in cache.TABLES}
+
+    with caplog.at_level(logging.WARNING, logger="fusedserve.kernels"):
+        # a new kernel file and an offline tool edited: nothing shipped was measured on either
+        assert shipped_after(_edited("triton/compile_check.py", added="triton/fp8.py")) == {
+            "races": set(races) - {"layer_norm|float16|384|256"}, "tuning": set(CUDA_TUNING),
+            "triton": {"_norm_kernel", "_linear_gelu_kernel"}}
+        assert shipped_after(_edited("triton/linear_gelu.py")) == {
+            "races": {"segment_mean|float16|4096|384|triton,cuda|device"}, "tuning": set(CUDA_TUNING),
+            "triton": {"_norm_kernel"}}
+        assert "made before edits to triton/linear_gelu.py" in caplog.text
+        assert shipped_after(_edited("triton/_common.py")) == {"races": set(), "tuning": set(CUDA_TUNING),
+                                                               "triton": set()}
+        assert shipped_after(_edited("cuda/csrc/norm.cu")) == {
+            "races": set(), "tuning": set(), "triton": {"_norm_kernel", "_linear_gelu_kernel"}}
+        assert shipped_after(_edited("spec.py")) == {name: set() for name in cache.TABLES}
+
+
 def test_a_start_without_its_own_tables_begins_from_the_shipped_ones(dirs, monkeypatch):
     local_race = {"bias_gelu|float16|1536|256": {"us": {"triton": 2.0, "cuda": 2.5}, "how": "device"}}
     _ship(dirs, {"races": {**RACES, "bias_gelu|float16|1536|256": {"us": {"triton": 9.0}, "how": "device"}},
@@ -122,6 +163,7 @@ def test_export_writes_the_cache_directory_tables_for_this_gpu(dirs):
     assert path == dirs / "shipped" / f"{GPU}.json"
     body = json.loads(path.read_text())
     assert body["sources"] == cache.sources_hash() and body["switches"] == cache.switches()
+    assert body["source_files"] == cache.source_hashes()
     assert body["made_with"]["torch"] == torch.__version__
     assert {name: cache.shipped(name) for name in cache.TABLES} == {
         "races": RACES, "tuning": CUDA_TUNING, "triton": triton_table}
@@ -165,6 +207,9 @@ def test_each_shipped_file_is_a_whole_table_for_these_kernels(path):
     body = json.loads(path.read_text())
     assert path.stem == re.sub(r"[^A-Za-z0-9]+", "-", body["gpu"]).strip("-").lower()
     assert set(body["switches"]) == set(cache.SWITCHES) and len(body["sources"]) == 16
+    # file by file, so that a later kernel edit voids only the entries measured on it
+    assert body["source_files"] and all(len(digest) == 16 for digest in body["source_files"].values())
+    assert {"spec.py", "triton/_norm.py", "cuda/csrc/norm.cu"} <= set(body["source_files"])
     tables = body["tables"]
     assert tables["races"] and registry._valid_races(tables["races"])
     assert tables["tuning"] and tuning._valid_table(tables["tuning"])
