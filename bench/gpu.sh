@@ -15,7 +15,7 @@
 #   encoder   python -m bench encoder (the four batch shapes)  -> bench/results/<gpu>/encoder.json
 #   serve     python -m bench serve closed-loop single, then workers under CUDA MPS -> bench/results/<gpu>/serve.json
 #   startup   python -m bench serve startup (cold and warm time to ready, first requests) -> serve.json
-#   retune    the shipped tuning re-exported for this checkout's kernel sources (a start that tunes everything, then
+#   retune    the shipped tuning re-exported for this checkout's kernel sources (a start that tunes what changed, then
 #             python -m fusedserve.kernels.tuning export), then the startup suite with it -> kernels/tuning/<gpu>.json,
 #             serve.json
 #   peer      python -m bench serve peer (Infinity beside our server; carry .whl-infinity too) -> serve.json
@@ -285,8 +285,9 @@ case "$suite" in
     ;;
   retune)
     build
-    # after a change to the kernel sources the shipped file no longer applies: this start tunes, races and compiles
-    # everything into its own cache directory, which the export reads (the start-up report in $OUT/untuned)
+    # after a change to the kernel sources the shipped entries measured on the changed files no longer apply: this
+    # start tunes and races those into its own cache directory, and the export writes them over the shipped entries
+    # that still apply (the start-up report in $OUT/untuned)
     mkdir -p "$OUT/untuned"
     startup_suite "$OUT/untuned" 300
     FUSEDSERVE_CACHE_DIR=$(ls -td /tmp/fusedserve-cache-* | head -1) python3 -m fusedserve.kernels.tuning export || exit

@@ -275,10 +275,11 @@ def shipped(prefix: str, device: torch.device | None = None) -> dict:
 
 def export(device: torch.device | None = None) -> Path:
     """Write SHIPPED/<gpu>.json from this cache directory's tables for the current GPU model, versions and
-    sources (what a tuned start left there)."""
-    tables = {prefix: read_table(gpu_file(prefix, device), lambda t: isinstance(t, dict), prefix)
-              for prefix in TABLES}
-    if not any(tables.values()):
+    sources (what a tuned start left there), over the entries of the shipped file that still apply (a start saves
+    only what it tuned itself: what it took from the shipped file stays in the shipped file)."""
+    local = {prefix: read_table(gpu_file(prefix, device), lambda t: isinstance(t, dict), prefix) for prefix in TABLES}
+    tables = {prefix: {**shipped(prefix, device), **local[prefix]} for prefix in TABLES}
+    if not any(local.values()):
         raise SystemExit(f"nothing to export: no {'/'.join(TABLES)} table for {gpu_slug(device)} and fingerprint "
                          f"{fingerprint()} in {root()} (start a server with this cache directory first)")
     path = SHIPPED / f"{gpu_slug(device)}.json"

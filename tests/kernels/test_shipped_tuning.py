@@ -168,6 +168,12 @@ def test_export_writes_the_cache_directory_tables_for_this_gpu(dirs):
     assert {name: cache.shipped(name) for name in cache.TABLES} == {
         "races": RACES, "tuning": CUDA_TUNING, "triton": triton_table}
 
+    # a start that took part of the shipped file tuned and saved only the rest: the export keeps both
+    kept = {"segment_mean|float16|4096|384|triton,cuda|device": {"us": {"triton": 3.0, "cuda": 4.0}, "how": "device"}}
+    _ship(dirs, {"races": kept}, sources="0" * 16, source_files=_edited("triton/fp8.py"))
+    body = json.loads(cache.export().read_text())
+    assert body["tables"]["races"] == {**kept, **RACES} and body["source_files"] == cache.source_hashes()
+
 
 def test_triton_choices_are_saved_and_seeded_back_without_benchmarking(monkeypatch):
     from fusedserve.kernels.triton import LAUNCHERS, _common
