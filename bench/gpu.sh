@@ -107,6 +107,10 @@ encoder_compare() {  # the encoder suite's "ours" rows of the older tree, then o
     | tee "$OUT/encoder-compare.md"
 }
 
+until_s() {  # seconds from now until second $1 of this call, at least 1 (`timeout 0` would mean no limit)
+  local left=$(( $1 - SECONDS ))
+  echo $(( left > 1 ? left : 1 ))
+}
 floor_profile() {  # the profile of the encoder issue's four rows within $1 seconds, appended to log $2
   timeout "$1" python3 -m bench encoder profile --profile-cases bert-base-b128-varlen bert-base-b32-s128 \
     minilm-b32-s128 minilm-b1-s16 --backends auto 2>&1 | tee -a "$2" | grep "us/forward" | cut -c1-400
@@ -239,12 +243,13 @@ case "$suite" in
     build
     timeout 240 python3 -m bench encoder minilm-b1-s16 minilm-b32-s128 bert-base-b32-s128 bert-base-b128-varlen \
       --providers "torch.compile + CUDA graphs" ours --backends auto 2>&1 | tee "$OUT/floor.log" | grep -E "^  "
-    floor_profile 180 "$OUT/floor.log"
+    results encoder  # the rows back even if a later step runs out of the call's time
+    floor_profile "$(until_s 420)" "$OUT/floor.log"
     results encoder
-    OUT=$OUT/nsight bash "$0" nsight-fp8
+    [ "$(until_s 570)" -gt 60 ] && OUT=$OUT/nsight NSIGHT_LIMIT_S=$(until_s 570) bash "$0" nsight-fp8
     ;;
   nsight-fp8)
-    nsight_suite 300 --fp8
+    nsight_suite "${NSIGHT_LIMIT_S:-300}" --fp8
     ;;
   profile)
     build
