@@ -92,28 +92,30 @@ _TUNED_SOURCES = ("triton", "cuda", "_layout.py", "spec.py", "registry.py", "tim
 _SHARED_SOURCES = ("_layout.py", "spec.py", "registry.py", "timing.py")
 
 
-def _tuned_files(package: Path) -> list[Path]:
-    return sorted(p for name in _TUNED_SOURCES for p in [package / name, *(package / name).rglob("*")]
-                  if p.is_file() and p.suffix in _SOURCES)
-
-
 @functools.cache
-def sources_hash() -> str:
-    """A short hash of the kernel sources a tuned choice depends on (_TUNED_SOURCES: their .py/.cu/.cuh/.h/.cpp)."""
-    digest = hashlib.sha256()
+def _hashed_sources() -> tuple[str, dict[str, str]]:
+    """One read of the tuned sources (_TUNED_SOURCES: their .py/.cu/.cuh/.h/.cpp): a short hash of them all, and one
+    of each file by its path under the kernels package."""
     package = Path(__file__).parent
-    for path in _tuned_files(package):
-        digest.update(path.relative_to(package).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    digest, files = hashlib.sha256(), {}
+    for path in sorted(p for name in _TUNED_SOURCES for p in [package / name, *(package / name).rglob("*")]
+                       if p.is_file() and p.suffix in _SOURCES):
+        name, data = path.relative_to(package).as_posix(), path.read_bytes()
+        digest.update(name.encode())
+        digest.update(data)
+        files[name] = hashlib.sha256(data).hexdigest()[:16]
+    return digest.hexdigest()[:16], files
 
 
-@functools.cache
-def source_hashes(package: Path = Path(__file__).parent) -> dict[str, str]:
+def sources_hash() -> str:
+    """A short hash of the kernel sources a tuned choice depends on: what names the cache files (fingerprint())."""
+    return _hashed_sources()[0]
+
+
+def source_hashes() -> dict[str, str]:
     """{path under the kernels package: short hash of its bytes} for each file sources_hash covers. A shipped file
     records them, so that an edit voids only the shipped entries that depend on the edited files."""
-    return {path.relative_to(package).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-            for path in _tuned_files(package)}
+    return _hashed_sources()[1]
 
 
 @functools.cache

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -32,9 +33,9 @@ def launch(tmp_path, **settings) -> tuple[subprocess.Popen, str, str]:
 def _children(pid: int) -> list[int]:
     """The process's children and theirs (a WORKERS > 1 parent's workers sit in process groups of their own)."""
     found = []
-    for task in (glob.glob(f"/proc/{pid}/task/*/children")):
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
         try:
-            kids = [int(k) for k in open(task).read().split()]
+            kids = [int(k) for k in Path(task).read_text().split()]
         except OSError:
             continue
         for kid in kids:
