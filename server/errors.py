@@ -6,8 +6,8 @@ of the route, so each family's own clients can read them:
 - OpenAI (`/v1/*`): `{"error": {"message", "type", "param", "code"}}`, `type` one of OpenAI's
   (`invalid_request_error`, `authentication_error`, ...), `code` our type (or `model_not_found`)
 - KServe v2 / Open Inference Protocol (`/v2`, `/v2/*`): `{"error": "<message>"}`
-- text-embeddings-inference (`/`, `/embed`, `/embed_all`, `/similarity`, `/tokenize`, `/decode`, `/health`,
-  `/rerank`, `/predict`):
+- text-embeddings-inference (`/`, `/embed`, `/embed_all`, `/embed_sparse`, `/similarity`, `/tokenize`, `/decode`,
+  `/health`, `/rerank`, `/predict`):
   `{"error": "<message>", "error_type": "validation" | "overloaded" | "unhealthy" | "backend" | "unauthorized"}`
 """
 
@@ -28,6 +28,12 @@ def quoted(value: str, limit: int = 100) -> str:
     """A client's value as an error message repeats it: quoted, and cut at `limit` characters (a message never
     echoes a whole oversized field back)."""
     return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def clipped(text: str, limit: int = 100) -> str:
+    """Text built from a client's value (a shape, a number) as an error message repeats it: unquoted, and cut at
+    `limit` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class ServiceError(Exception):
@@ -85,8 +91,8 @@ def error_body(type_: str, message: str) -> dict:
     return {"error": {"type": type_, "message": message}}
 
 
-TEI_PATHS = frozenset({"/", "/embed", "/embed_all", "/similarity", "/tokenize", "/decode", "/health", "/rerank",
-                       "/predict"})
+TEI_PATHS = frozenset({"/", "/embed", "/embed_all", "/embed_sparse", "/similarity", "/tokenize", "/decode",
+                       "/health", "/rerank", "/predict"})
 
 
 def protocol(path: str) -> str:

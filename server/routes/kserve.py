@@ -6,13 +6,22 @@ The binary tensor data extension works both ways: a request whose `Inference-Hea
 where its JSON ends carries each binary input's bytes after it (`parameters.binary_data_size`; BYTES elements as a
 4-byte little-endian length and the bytes), and an output asked for with `parameters.binary_data: true` (or the
 request's `binary_data_output`) comes back as raw little-endian float32 after the JSON, with the same header.
-Request bodies may be gzip or deflate compressed (`Content-Encoding`). Errors are `{"error": "<message>"}`."""
+Request bodies may be gzip or deflate compressed (`Content-Encoding`). Errors are `{"error": "<message>"}`.
+
+The JSON is read as Triton's parser (RapidJSON) and serde_json read it: integers are int64 (dims, as Triton reads
+them), NaN and Infinity are not JSON, and no object names a key twice; each of these is a 400. A shape's element
+count is checked against max_client_batch before any tensor data is read."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
+import re
 import struct
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +33,7 @@ from pydantic import BaseModel, StrictInt, ValidationError
 
 from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import ServiceDep
-from fusedserve.server.errors import BadRequest, PayloadTooLarge, Unprocessable, ascii_int, quoted
+from fusedserve.server.errors import BadRequest, PayloadTooLarge, Unprocessable, ascii_int, clipped, quoted
 from fusedserve.server.responses import EmbeddingResponse, OrjsonRoute
 from fusedserve.server.service import VERSION
 
@@ -33,6 +42,10 @@ router = APIRouter(prefix="/v2", tags=["kserve-v2"], route_class=OrjsonRoute)
 INPUT_NAME, OUTPUT_NAME = "text", "embedding"
 HEADER_LENGTH = "inference-header-content-length"
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# A body past this size is read on a worker thread: the JSON hooks below run Python code per number and per object,
+# so a megabytes-long body costs a fraction of a second; off the event loop it holds no other request meanwhile.
+OFF_LOOP_BYTES = 64 * 1024
 
 
 class TensorInput(BaseModel):
@@ -143,10 +156,21 @@ async def model_stats(name: str, service: ServiceDep) -> dict:
         "batch_stats": []}]}
 
 
-def _flatten(data: list[Any]) -> list[Any]:
+def _flatten(data: list[Any], limit: int) -> list[Any]:
+    """The elements of nested lists in order, stopping once there are more than `limit` (the shape's count: the
+    rest cannot match it). Iterative: the nesting may be as deep as the JSON parser allows."""
     out: list[Any] = []
-    for x in data:
-        out.extend(_flatten(x) if isinstance(x, list) else [x])
+    stack = [iter(data)]
+    while stack:
+        for x in stack[-1]:
+            if isinstance(x, list):
+                stack.append(iter(x))
+                break
+            out.append(x)
+            if len(out) > limit:
+                return out
+        else:
+            stack.pop()
     return out
 
 
@@ -169,10 +193,11 @@ def _inlined_schema(model: type[BaseModel]) -> dict:
 
 
 def _decompress(raw: bytes, encoding: str | None, limit: int) -> bytes:
+    encoding = (encoding or "").strip().lower()  # content codings are case-insensitive (RFC 9110, 8.4.1)
     if not encoding or encoding == "identity":
         return raw
     if encoding not in ("gzip", "deflate"):
-        raise BadRequest(f"unsupported Content-Encoding {encoding!r} (gzip, deflate)")
+        raise BadRequest(f"unsupported Content-Encoding {quoted(encoding)} (gzip, deflate)")
     inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
     try:
         out = inflater.decompress(raw, limit + 1)
@@ -185,10 +210,50 @@ def _decompress(raw: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
-def deserialize_bytes(buffer: bytes) -> list[bytes]:
-    """BYTES tensor data in the binary extension: each element a 4-byte little-endian length and that many bytes."""
-    out, offset = [], 0
+def shape_text(shape: Sequence[int]) -> str:
+    """A client's shape as an error message repeats it, cut at 100 characters. Only the dims that reach the cut are
+    written out (a shape may have millions), and none past int64 (converting a long integer to text costs time that
+    grows with its square)."""
+    parts: list[str] = []
+    length = 0
+    for d in shape:
+        if length > 100:  # past the cut: the rest is not written out
+            return f"[{', '.join(parts)}"[:100] + f"... ({len(shape)} dims)"
+        parts.append(str(d) if INT64_MIN <= d <= INT64_MAX else "(past int64)")
+        length += len(parts[-1]) + 2
+    return clipped("[" + ", ".join(parts) + "]")
+
+
+def element_count(name: str, shape: Sequence[int]) -> int:
+    """The number of elements a tensor of this shape holds, counted in int64 as Triton counts it: a 400 for a
+    negative dim or a count past int64. The product is taken a few dims at a time and stops once past int64, so no
+    product grows past a few thousand bits; a zero dim means no elements, whatever the others."""
+    if not shape:
+        return 1
+    if min(shape) < 0:
+        raise BadRequest(f"input {quoted(name)} has a negative dim in shape {shape_text(shape)}")
+    if max(shape) > INT64_MAX:
+        raise BadRequest(f"input {quoted(name)} has a dim past int64 in shape {shape_text(shape)}")
+    if 0 in shape:
+        return 0
+    count = 1
+    for start in range(0, len(shape), 64):
+        count *= math.prod(shape[start: start + 64])
+        if count > INT64_MAX:
+            raise BadRequest(f"input {quoted(name)} of shape {shape_text(shape)} holds more elements than int64 counts")
+    return count
+
+
+def deserialize_bytes(buffer: bytes, max_items: int) -> list[bytes]:
+    """BYTES tensor data in the binary extension: each element a 4-byte little-endian length and that many bytes.
+    A 413 once the buffer holds more than `max_items` elements (max_client_batch), read no further: four bytes make
+    an empty element, so a few megabytes can hold a million."""
+    out: list[bytes] = []
+    offset = 0
     while offset < len(buffer):
+        if len(out) == max_items:
+            raise PayloadTooLarge(f"binary BYTES data holds more than {max_items} elements; the limit is {max_items} "
+                                  f"(max_client_batch)")
         if offset + 4 > len(buffer):
             raise BadRequest("binary BYTES data ends inside an element's length")
         (length,) = struct.unpack_from("<I", buffer, offset)
@@ -200,8 +265,74 @@ def deserialize_bytes(buffer: bytes) -> list[bytes]:
     return out
 
 
-def _parse(raw: bytes, header_length: str | None) -> tuple[InferenceRequest, list[str]]:
-    """The request and its texts, from JSON or JSON + binary tensor data."""
+def _int64(literal: str) -> int:
+    """An integer literal, refused past int64 from its digits alone: the integer is never built (the time to convert
+    a long literal and to multiply by it grows with the square of its length)."""
+    if len(literal) > 20 or not INT64_MIN <= (value := int(literal)) <= INT64_MAX:  # 20: a sign and 19 digits
+        raise BadRequest(f"integer {clipped(literal)} is past int64")
+    return value
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise BadRequest(f"number {clipped(literal)} is past float64")
+    return value
+
+
+def _constant(name: str) -> Any:
+    raise BadRequest(f"{name} is not a JSON number")
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise BadRequest(f"key {quoted(key)} appears twice in one JSON object")
+            seen.add(key)
+    return out
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def load_json(raw: bytes) -> Any:
+    """A request's JSON as Triton's RapidJSON reads it: an integer past int64, NaN or Infinity, a number past float64
+    or a key twice in one object is a 400; text that is not JSON (or not UTF-8) a 422, as a schema problem is."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise Unprocessable(f"the JSON is not UTF-8 text (byte {exc.start})") from None
+    try:
+        value = json.loads(text, parse_int=_int64, parse_float=_finite, parse_constant=_constant,
+                           object_pairs_hook=_object)
+    except json.JSONDecodeError as exc:
+        raise Unprocessable(f"invalid JSON: {exc.msg} at character {exc.pos}") from None
+    except RecursionError:
+        raise Unprocessable("invalid JSON: nested too deeply") from None
+    # json keeps a lone surrogate escape as a str that cannot be encoded again; orjson refuses one, and is asked
+    # only where such an escape may be
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise Unprocessable(f"invalid JSON: {exc}") from None
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A JSON value as an error message repeats it: a string or number cut at 100 characters, a list or object
+    named only."""
+    if isinstance(value, (list, dict)):
+        return "a list" if isinstance(value, list) else "an object"
+    return quoted(value) if isinstance(value, str) else clipped(repr(value))
+
+
+def parse_infer(raw: bytes, header_length: str | None, max_items: int) -> tuple[InferenceRequest, list[str]]:
+    """The request and its texts, from JSON or JSON + binary tensor data; a 413 for a shape of more than
+    `max_items` elements (max_client_batch), before any of its data is read."""
     binary = b""
     if header_length is not None:
         if not ascii_int(header_length) or int(header_length) > len(raw):
@@ -209,39 +340,46 @@ def _parse(raw: bytes, header_length: str | None) -> tuple[InferenceRequest, lis
                              f"{len(raw)}-byte body")
         raw, binary = raw[: int(header_length)], raw[int(header_length):]
     try:
-        body = InferenceRequest.model_validate_json(raw)
+        body = InferenceRequest.model_validate(load_json(raw))
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])
-        raise Unprocessable(problems) from None
+        raise Unprocessable(clipped(problems, limit=300)) from None
     if len(body.inputs) != 1 or body.inputs[0].name != INPUT_NAME or body.inputs[0].datatype != "BYTES":
         raise BadRequest(f"expected exactly one BYTES input named {INPUT_NAME!r}")
     tensor = body.inputs[0]
+    count = element_count(tensor.name, tensor.shape)
+    if count > max_items:
+        raise PayloadTooLarge(f"shape {shape_text(tensor.shape)} holds {count} inputs; the limit is {max_items} "
+                              f"(max_client_batch)")
     size = (tensor.parameters or {}).get("binary_data_size")
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > len(binary):
-            raise BadRequest(f"binary_data_size {size!r} does not fit the {len(binary)} bytes after the JSON")
+            raise BadRequest(f"binary_data_size {_shown(size)} does not fit the {len(binary)} bytes after the JSON")
         try:
-            texts = [t.decode("utf-8") for t in deserialize_bytes(binary[:size])]
+            texts = [t.decode("utf-8") for t in deserialize_bytes(binary[:size], max_items)]
         except UnicodeDecodeError:
             raise BadRequest("BYTES input data must be UTF-8 text") from None
     elif tensor.data is not None:
-        texts = _flatten(tensor.data)
+        texts = _flatten(tensor.data, count)
         if not all(isinstance(t, str) for t in texts):
             raise BadRequest("BYTES input data must be strings")
     else:
         raise BadRequest(f"input {INPUT_NAME!r} has neither data nor binary_data_size")
-    count = 1
-    for d in tensor.shape:
-        count *= d
     if count != len(texts):
-        raise BadRequest(f"shape {tensor.shape} does not match {len(texts)} data elements")
+        found = f"more than {count}" if len(texts) > count else str(len(texts))
+        raise BadRequest(f"shape {shape_text(tensor.shape)} does not match {found} data elements")
     return body, texts
+
+
+def _read(raw: bytes, encoding: str | None, header_length: str | None, max_bytes: int,
+          max_items: int) -> tuple[InferenceRequest, list[str]]:
+    return parse_infer(_decompress(raw, encoding, max_bytes), header_length, max_items)
 
 
 def _flag(parameters: dict[str, Any] | None, name: str, default: bool) -> bool:
     value = (parameters or {}).get(name, default)
     if not isinstance(value, bool):
-        raise BadRequest(f"parameter {name!r} must be a boolean, not {value!r}")
+        raise BadRequest(f"parameter {name!r} must be a boolean, not {_shown(value)}")
     return value
 
 
@@ -255,9 +393,12 @@ async def infer(name: str, service: ServiceDep, request: Request) -> Response:
     model = service.model(name, "embedding")
     stats = _stats(model)
     try:
-        raw = _decompress(await request.body(), request.headers.get("content-encoding"),
-                          service.settings.max_body_bytes)
-        body, texts = _parse(raw, request.headers.get(HEADER_LENGTH))
+        raw, s = await request.body(), service.settings
+        args = (raw, request.headers.get("content-encoding"), request.headers.get(HEADER_LENGTH), s.max_body_bytes,
+                s.max_client_batch)
+        # a compressed body may inflate to max_body_bytes, so it is read off the loop whatever its size
+        off_loop = len(raw) > OFF_LOOP_BYTES or "content-encoding" in request.headers
+        body, texts = await asyncio.to_thread(_read, *args) if off_loop else _read(*args)
         if body.outputs and any(o.name != OUTPUT_NAME for o in body.outputs):
             raise BadRequest(f"the only output is {OUTPUT_NAME!r}")
         normalize = _flag(body.parameters, "normalize", True)

@@ -151,6 +151,14 @@ def test_tei_errors_and_strict_flags(server):
     assert httpx.get(server.url + "/embed").json()["error_type"] == "validation"  # 405, TEI's shape
 
 
+def test_embed_sparse_errors_are_in_tei_shape(server):
+    """/embed_sparse is TEI's route: its errors read as TEI's do, `{"error", "error_type"}`."""
+    for body in ({"inputs": ["a"]}, {"inputs": 5}, {"inputs": "a", "truncate": 1}):
+        r = post(server, "/embed_sparse", body)
+        assert r.status_code == 422 and set(r.json()) == {"error", "error_type"}, r.text
+        assert isinstance(r.json()["error"], str) and r.json()["error_type"] == "validation", r.text
+
+
 def test_a_dense_model_refuses_embed_sparse(server):
     """/embed_sparse serves sparse (SPLADE) models only, and OpenAI's sparse encoding_format likewise: the dense
     default model refuses both, naming the way (a SPLADE model's answers: tests/server/test_sparse_http.py)."""
