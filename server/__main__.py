@@ -55,6 +55,25 @@ def _open_files_to_the_hard_limit() -> None:
             log.warning("open files limit stays %d (could not raise it to %d)", soft, wanted)
 
 
+# descriptors a server holds beside its connections: listeners, logs, pipes, the model's files, the metrics' files
+FD_RESERVE = 256
+
+
+def _connections_fit_open_files(settings) -> str | None:
+    """Why the open-files limit cannot hold both ports' connection caps (None when it can). gRPC's core accepts its
+    connections outside Python, where no handler can answer 503 once descriptors run short: a flood of gRPC
+    connections would starve the HTTP port, probes included, unless both caps fit the limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ports = {"HTTP": settings.max_connections, **({"gRPC": settings.max_connections} if settings.grpc_port else {})}
+    need = sum(ports.values()) + FD_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return None
+    caps = " + ".join(f"{n} {port}" for port, n in ports.items())
+    return (f"the open files limit ({soft}) is below what max_connections needs: {caps} connections and {FD_RESERVE} "
+            f"in reserve ({need}); lower FUSEDSERVE_MAX_CONNECTIONS or raise the limit (ulimit -n, the container's "
+            "nofile)")
+
+
 def main(argv: list[str] | None = None, app_factory=None, sockets: list | None = None) -> int:
     """app_factory: Settings -> app (default server.app.create_app; the tests mount their hooks through it).
     sockets: a worker of WORKERS > 1 (server.workers) serves on its parent's listening socket."""
@@ -83,6 +102,9 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
         return 2
     configure_logging(args.log_level, settings.log_format)
     _open_files_to_the_hard_limit()
+    if (short := _connections_fit_open_files(settings)) is not None:
+        print(f"invalid configuration:\n{short}", file=sys.stderr)
+        return 2
     if sockets is None:  # not a worker: one process, or a parent placing workers on the devices
         try:
             placements = devices.place(settings.device, settings.workers, _model_bytes(settings))
@@ -105,6 +127,7 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
                             timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
+                            timeout_keep_alive=settings.idle_timeout_s,
                             http=guarded(settings.header_timeout_s, settings.max_connections))
     service = app.state.service
     DrainingServer(config, service, settings.drain_delay_s).run(sockets=sockets)

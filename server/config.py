@@ -148,13 +148,21 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(10.0, gt=0, description="seconds a connection may take to send a request's headers "
                                     "(from connecting, or from the request's first byte); a connection still sending "
                                     "them is closed")
-    max_connections: int = Field(4096, ge=1, description="open connections a worker serves requests on; past it the "
-                                 "probes and /metrics are still answered, any other request gets a 503 (with "
-                                 "Retry-After) and its connection closed, and a new connection has 1 s for its headers")
+    idle_timeout_s: float = Field(5.0, gt=0, description="seconds a connection with nothing in flight is kept open "
+                                  "(HTTP keep-alive between requests; gRPC: a connection without a call, which its "
+                                  "client opens again on its next call)")
+    max_connections: int = Field(4096, ge=1, description="open connections a worker serves requests on, on each port: "
+                                 "past it on HTTP the probes and /metrics are still answered, any other request gets a "
+                                 "503 (with Retry-After) and its connection closed, and a new connection has 1 s for "
+                                 "its headers; on gRPC a new connection is refused, and calls in flight past it get "
+                                 "RESOURCE_EXHAUSTED. Both ports' caps must fit the open files limit (checked at "
+                                 "start)")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit in bytes (413 beyond)")
     grpc_port: int = Field(0, ge=0, le=65535, description="port of the KServe v2 gRPC service (`tritonclient.grpc`; "
                            "texts or token ids in, embeddings out), on the HTTP server's host, under the same keys, "
-                           "limits and metrics (a message over max_body_bytes is refused); 0: no gRPC")
+                           "limits and metrics: max_connections, header_timeout_s for the HTTP/2 handshake, "
+                           "idle_timeout_s, request_timeout_s from a call's start (its message's first byte), "
+                           "max_body_bytes per message; 0: no gRPC")
     warmup: bool = Field(True, description="before ready: run the model once at every launch shape a batch can meet "
                          "(so no request pays a kernel compile or autotune), capture the first CUDA graphs, "
                          "calibrate the int8 outputs", json_schema_extra={"advanced": True})

@@ -40,6 +40,17 @@ def request_id(given: str | None) -> str:
     return given if given and _REQUEST_ID.match(given) else f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
+# what a request whose client went away before its answer is counted under: nginx's "client closed request" (gRPC
+# counts its cancelled calls the same)
+CLIENT_GONE_STATUS = 499
+
+
+class ClientGone(Exception):
+    """The request's client went away (its connection closed) before its answer. Not an error of the server: the
+    app's RequestObserver counts it under CLIENT_GONE_STATUS, logs one INFO line, and answers nothing (there is
+    nobody to read it). Raised where the service notices the disconnect; its inputs not run yet are dropped."""
+
+
 @dataclass
 class RequestRecord:
     id: str

@@ -14,7 +14,15 @@ contents field or raw. The answer is `embedding`, FP32 [n, dim], raw little-endi
 parameter `normalize` (bool, default true) as on the HTTP KServe route.
 
 The messages are built from predict_v2.proto's descriptor in a pool of their own, so this module never clashes
-with another copy of the protocol (tritonclient's) imported into the same process."""
+with another copy of the protocol (tritonclient's) imported into the same process.
+
+The port has HTTP's limits, from the same settings (`server_options`). gRPC's core accepts connections and buffers
+messages outside Python, so each limit is one its core enforces, or one that stops the core from buffering: every
+method is served as stream-unary, so the handler runs when the call's headers arrive, checks the key at once and only
+then asks for the message, under the request's deadline counted from the call's start; a unary handler would get
+control only once the whole message had arrived, however long the client took to send it, key or not. A call waiting
+to receive its message holds one of a few receive slots, so the messages buffered at once stay within
+RECEIVE_BUDGET_BYTES; a stream nobody reads from is held to HTTP/2's initial flow-control window."""
 
 from __future__ import annotations
 
@@ -27,13 +35,16 @@ from collections.abc import Awaitable, Callable
 import grpc
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 
 from fusedserve.model.api import TextOptions
 from fusedserve.server.deps import key_matches
-from fusedserve.server.errors import BadRequest, NotFound, ServiceError, Unauthorized, Unavailable, quoted
+from fusedserve.server.config import Settings
+from fusedserve.server.errors import BadRequest, NotFound, ServiceError, Unauthorized, Unavailable, clipped, quoted
+from fusedserve.server.heap import LARGE_BODY_BYTES, HeapTrimmer
 from fusedserve.server.kserve_grpc.descriptor import SERIALIZED
-from fusedserve.server.observability import CURRENT, RequestRecord, request_id
-from fusedserve.server.routes.kserve import deserialize_bytes
+from fusedserve.server.observability import CLIENT_GONE_STATUS, CURRENT, RequestRecord, request_id
+from fusedserve.server.routes.kserve import deserialize_bytes, element_count, shape_text
 from fusedserve.server.service import VERSION, Service
 
 log = logging.getLogger("fusedserve")
@@ -65,6 +76,45 @@ CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTIC
 # element sizes of the datatypes ModelInfer reads raw
 _RAW = {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4")}
 
+# HTTP/2 streams open at once on one connection (nginx allows 128, Go's HTTP/2 server 250; gRPC's core no limit)
+STREAMS_PER_CONNECTION = 100
+# a connection is closed after this long, its calls in flight given request_timeout_s to finish: clients spread
+# over the replicas again, and no connection lives forever
+MAX_CONNECTION_AGE_S = 1800
+# keepalive pings a client may send: no more often than this while no data flows, at most PING_STRIKES too early
+# before the connection is closed (gRPC's core answers every ping otherwise)
+MIN_PING_INTERVAL_S = 10
+PING_STRIKES = 2
+# messages being received at once hold at most about this many bytes: max_body_bytes each, so
+# RECEIVE_BUDGET_BYTES // max_body_bytes calls receive at a time and the others wait (under their deadline)
+RECEIVE_BUDGET_BYTES = 64 * 1024 * 1024
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """gRPC core's channel arguments for the port: HTTP's limits from the same settings."""
+    s = settings
+    return [
+        ("grpc.max_receive_message_length", s.max_body_bytes),  # refused by the core, naming both sizes
+        ("grpc.max_send_message_length", -1),
+        ("grpc.so_reuseport", 1),
+        ("grpc.max_allowed_incoming_connections", s.max_connections),
+        ("grpc.server_handshake_timeout_ms", int(s.header_timeout_s * 1000)),
+        ("grpc.max_connection_idle_ms", int(s.idle_timeout_s * 1000)),
+        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_S * 1000),
+        ("grpc.max_connection_age_grace_ms", int(s.request_timeout_s * 1000) + 1000),
+        ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+        # flow-control windows stay at HTTP/2's initial 64 KiB unless a message is being read (then the core opens
+        # the stream's window to the message's size): BDP probing grows every stream's window, read or not, and let
+        # a client park megabytes on each stream that no handler had asked for
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_S * 1000),
+        ("grpc.http2.max_ping_strikes", PING_STRIKES),
+    ]
+
+
+class _NotReceived(ServiceError):
+    status, type = 408, "request_timeout"
+
 
 class KServeGrpc:
     """The gRPC server: start() binds `host:grpc_port` in the running event loop, stop() lets calls in flight
@@ -75,12 +125,16 @@ class KServeGrpc:
         s = service.settings
         self.keys = [k.encode() for k in s.api_keys]
         self.open_probes = not s.auth_probes
-        # a message over the HTTP body limit is refused by gRPC itself (RESOURCE_EXHAUSTED, naming both sizes)
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", s.max_body_bytes),
-                                               ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 1)])
-        handlers = {name: grpc.unary_unary_rpc_method_handler(
-            self._observed(name, getattr(self, f"_{name}"), probe),
-            request_deserializer=request.FromString, response_serializer=response.SerializeToString)
+        self.timeout_s = s.request_timeout_s
+        self.receiving = asyncio.Semaphore(max(1, RECEIVE_BUDGET_BYTES // s.max_body_bytes))
+        self.heap = HeapTrimmer()
+        # calls past max_connections at once are refused by the core (RESOURCE_EXHAUSTED), as HTTP's connections past
+        # it are answered 503: one HTTP/1.1 connection carries one request at a time
+        self.server = grpc.aio.server(options=server_options(s), maximum_concurrent_rpcs=s.max_connections)
+        # stream-unary, the message read by the handler itself (raw bytes, parsed there): see the module's docstring
+        handlers = {name: grpc.stream_unary_rpc_method_handler(
+            self._observed(name, getattr(self, f"_{name}"), request, probe),
+            request_deserializer=None, response_serializer=response.SerializeToString)
             for name, request, response, probe in METHODS}
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
@@ -95,19 +149,28 @@ class KServeGrpc:
     async def stop(self, grace_s: float) -> None:
         await self.server.stop(grace_s)
 
-    # ---- one call: its record, its key, its metrics, its error as a gRPC status --------------------------------
-    def _observed(self, method: str, handler: Callable[..., Awaitable], probe: bool):
+    # ---- one call: its record, its key, its message, its metrics, its error as a gRPC status -----------------------
+    def _observed(self, method: str, handler: Callable[..., Awaitable], request_type, probe: bool):
         metrics, route = self.service.metrics, f"/{SERVICE}/{method}"
 
-        async def call(request, context: grpc.aio.ServicerContext):
+        async def call(messages, context: grpc.aio.ServicerContext):
             started = time.monotonic()
-            given = dict(context.invocation_metadata() or ())
+            metadata = context.invocation_metadata() or ()
+            given = dict(metadata)
             record = RequestRecord(request_id(given.get("x-request-id")), started)
             token = CURRENT.set(record)
-            status = 500
+            status, size = 500, 0
             try:
+                if sum(key == "authorization" for key, _ in metadata) > 1:  # HTTP refuses two Authorization headers
+                    raise BadRequest("more than one authorization metadata entry")
                 if self.keys and not (probe and self.open_probes):
                     self._authorize(given.get("authorization", ""))
+                raw = await self._receive(messages, started)
+                size = len(raw)
+                try:
+                    request = request_type.FromString(raw)
+                except DecodeError:
+                    raise BadRequest(f"the message is not a valid {request_type.DESCRIPTOR.name}") from None
                 response = await handler(request)
                 status = 200
                 return response
@@ -115,7 +178,9 @@ class KServeGrpc:
                 status = exc.status
                 await context.abort(CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
             except asyncio.CancelledError:  # the client went away or its deadline passed: its inputs were dropped
-                status = 499
+                status = CLIENT_GONE_STATUS
+                log.info("client went away: gRPC %s after %.2fs, request id %s", method, time.monotonic() - started,
+                         record.id)
                 raise
             except Exception:  # a bug: logged here, never a traceback to the client
                 log.exception("unhandled error in gRPC %s", method)
@@ -124,7 +189,20 @@ class KServeGrpc:
                 CURRENT.reset(token)
                 metrics.requests.labels(record.model, route, str(status)).inc()
                 metrics.request_duration.labels(record.model, route).observe(time.monotonic() - started)
+                if size >= LARGE_BODY_BYTES:  # as after a large HTTP body: the freed heap back to the OS
+                    self.heap.after_large_request()
         return call
+
+    async def _receive(self, messages, started: float) -> bytes:
+        """The call's one message, read once a receive slot is free, within request_timeout_s of the call's start."""
+        try:
+            async with asyncio.timeout(started + self.timeout_s - time.monotonic()):
+                async with self.receiving:
+                    return await anext(messages)
+        except TimeoutError:
+            raise _NotReceived(f"message not received within {self.timeout_s:g}s (request_timeout_s)") from None
+        except StopAsyncIteration:
+            raise BadRequest("the call carried no message") from None
 
     def _authorize(self, header: str) -> None:
         scheme, _, given = header.partition(" ")
@@ -176,11 +254,11 @@ class KServeGrpc:
         if TEXT in inputs:
             if set(inputs) != {TEXT}:
                 raise BadRequest(f"input {TEXT!r} comes alone (texts, or {IDS!r} with {MASK!r})")
-            rows = _texts(*inputs[TEXT])
+            rows = _texts(model, *inputs[TEXT])
         elif IDS in inputs:
             if set(inputs) - {IDS, MASK}:
                 raise BadRequest(f"inputs are {TEXT!r}, or {IDS!r} with an optional {MASK!r}")
-            rows = _id_rows(inputs[IDS], inputs.get(MASK))
+            rows = _id_rows(model, inputs[IDS], inputs.get(MASK))
         else:
             raise BadRequest(f"expected an input named {TEXT!r} (BYTES) or {IDS!r} (INT64)")
         embeddings = (await model.embed(rows, TextOptions(), None, normalize=normalize)).rows
@@ -212,49 +290,58 @@ def _inputs(request) -> dict[str, tuple]:
     out: dict[str, tuple] = {}
     for i, tensor in enumerate(request.inputs):
         if tensor.name in out:
-            raise BadRequest(f"input {tensor.name!r} given twice")
-        if any(d < 0 for d in tensor.shape):
-            raise BadRequest(f"input {tensor.name!r} has a negative dimension in shape {list(tensor.shape)}")
+            raise BadRequest(f"input {quoted(tensor.name)} given twice")
+        if raw and tensor.HasField("contents"):  # Triton refuses both too: which would it mean?
+            raise BadRequest(f"input {quoted(tensor.name)} has both contents and raw_input_contents; send one")
         out[tensor.name] = (tensor, raw[i] if raw else None)
     return out
 
 
-def _texts(tensor, raw: bytes | None) -> list[str]:
+def _texts(model, tensor, raw: bytes | None) -> list[str]:
     if tensor.datatype != "BYTES" or len(tensor.shape) != 1:
-        raise BadRequest(f"input {TEXT!r} is BYTES of shape [n], not {tensor.datatype} {list(tensor.shape)}")
-    items = deserialize_bytes(raw) if raw is not None else list(tensor.contents.bytes_contents)
-    if len(items) != math.prod(tensor.shape):
-        raise BadRequest(f"shape {list(tensor.shape)} does not match {len(items)} BYTES elements")
+        raise BadRequest(f"input {TEXT!r} is BYTES of shape [n], not {clipped(tensor.datatype)} "
+                         f"{shape_text(tensor.shape)}")
+    count = element_count(TEXT, tensor.shape)
+    model.check_count(count)  # before a million elements are read
+    limit = model.settings.max_client_batch
+    items = deserialize_bytes(raw, limit) if raw is not None else tensor.contents.bytes_contents
+    if len(items) != count:
+        raise BadRequest(f"shape {shape_text(tensor.shape)} does not match {len(items)} BYTES elements")
     try:
         return [b.decode("utf-8") for b in items]
     except UnicodeDecodeError:
         raise BadRequest("BYTES input data must be UTF-8 text") from None
 
 
-def _integers(name: str, tensor, raw: bytes | None) -> np.ndarray:
+def _integers(model, name: str, tensor, raw: bytes | None) -> np.ndarray:
     """An INT64 / INT32 input as an int64 array of its shape ([L] is one row)."""
     if tensor.datatype not in _RAW or len(tensor.shape) not in (1, 2):
-        raise BadRequest(f"input {name!r} is INT64 or INT32 of shape [n, L], not {tensor.datatype} "
-                         f"{list(tensor.shape)}")
+        raise BadRequest(f"input {name!r} is INT64 or INT32 of shape [n, L], not {clipped(tensor.datatype)} "
+                         f"{shape_text(tensor.shape)}")
+    count = element_count(name, tensor.shape)
+    if count == 0:
+        raise BadRequest(f"input {name!r} of shape {shape_text(tensor.shape)} holds no token ids")
+    model.check_count(1 if len(tensor.shape) == 1 else tensor.shape[0])
     if raw is not None:
         dtype = _RAW[tensor.datatype]
-        if len(raw) != math.prod(tensor.shape) * dtype.itemsize:
-            raise BadRequest(f"input {name!r}: {len(raw)} raw bytes for shape {list(tensor.shape)} of "
+        if len(raw) != count * dtype.itemsize:
+            raise BadRequest(f"input {name!r}: {len(raw)} raw bytes for shape {shape_text(tensor.shape)} of "
                              f"{tensor.datatype}")
         values = np.frombuffer(raw, dtype=dtype)
     else:
         c = tensor.contents
-        values = np.asarray(c.int64_contents if tensor.datatype == "INT64" else c.int_contents, dtype=np.int64)
-        if values.size != math.prod(tensor.shape):
-            raise BadRequest(f"input {name!r}: {values.size} values for shape {list(tensor.shape)}")
+        typed = c.int64_contents if tensor.datatype == "INT64" else c.int_contents
+        if len(typed) != count:
+            raise BadRequest(f"input {name!r}: {len(typed)} values for shape {shape_text(tensor.shape)}")
+        values = np.asarray(typed, dtype=np.int64)
     return values.astype(np.int64, copy=False).reshape(-1, tensor.shape[-1])
 
 
-def _id_rows(ids: tuple, mask: tuple | None) -> list[list[int]]:
-    block = _integers(IDS, *ids)
+def _id_rows(model, ids: tuple, mask: tuple | None) -> list[list[int]]:
+    block = _integers(model, IDS, *ids)
     if mask is None:
         return block.tolist()
-    m = _integers(MASK, *mask)
+    m = _integers(model, MASK, *mask)
     if m.shape != block.shape:
         raise BadRequest(f"{MASK!r} has shape {list(m.shape)}, {IDS!r} {list(block.shape)}")
     if not np.isin(m, (0, 1)).all():

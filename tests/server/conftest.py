@@ -34,8 +34,10 @@ class Server:
         return self.process.wait(timeout=timeout)
 
 
-def start_server(tmp_path, ready_timeout_s: float = 180, *, faults: bool = False, **settings) -> Server:
-    """faults=True: the test-only app with fault hooks under /admin/faults (tests.support.server)."""
+def start_server(tmp_path, ready_timeout_s: float = 180, *, faults: bool = False, preexec_fn=None,
+                 **settings) -> Server:
+    """faults=True: the test-only app with fault hooks under /admin/faults (tests.support.server). preexec_fn: run in
+    the server's process before it starts (e.g. to lower its resource limits)."""
     port = free_port()
     # the server's settings come only from here; the CUDA extension's build cache is not a setting and is kept
     env = {k: v for k, v in os.environ.items()
@@ -51,7 +53,7 @@ def start_server(tmp_path, ready_timeout_s: float = 180, *, faults: bool = False
     command = ["-m", "tests.support.server"] if faults else ["-m", "fusedserve", "serve"]
     # info: the start-up report is an info line
     process = subprocess.Popen([sys.executable, *command, "--port", str(port), "--log-level", "info"],
-                               stdout=log, stderr=subprocess.STDOUT, env=env)
+                               stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn)
     server = Server(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
