@@ -15,7 +15,7 @@ Scenarios (one batch shape each, plus a profile):
   gte-base-b32-s128, gte-base-b128-varlen
                          gte-multilingual-base's shape (rotary positions, gated GELU), beside transformers' GteModel,
                          or where the installed transformers lacks it, the family's own padded forward in plain
-                         torch (model/gte.py Encoder.forward: the same math, SDPA attention)
+                         torch (model/layers.py GluPostNormEncoder.forward: the same math, SDPA attention)
   nomic-bert-base-b32-s128, nomic-bert-base-b128-varlen
                          nomic-embed-text-v1.5's shape (rotary positions, SwiGLU, no biases), beside transformers'
                          NomicBertModel

@@ -1,7 +1,8 @@
 """The models the server serves, known to it only through fusedserve.model.api (the seam) and `load`.
 
-Each architecture family builds its layers from fusedserve.kernels' ops (encoder.py: the BERT family); runner.py runs
-a model on a device (packing, CUDA graphs, the kernel selection); served.py puts a runner behind the seam.
+Each architecture family is one file (bert.py, gte.py, ...) composing the blocks of layers.py on fusedserve.kernels'
+ops, listed in families.py; packing.py holds the packed batch, attention modes and pooling; runner.py runs a model on a
+device (CUDA graphs, the kernel selection); served.py puts a runner behind the seam.
 """
 
 if __name__ != "fusedserve.model":  # one module, one name in a process (docs/decisions/0015)

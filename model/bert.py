@@ -1,25 +1,23 @@
 """The BERT family: post-LN encoders with learned absolute positions and bidirectional attention. BERT, RoBERTa /
 XLM-RoBERTa (positions counted from the padding index + 1, one token type) and DistilBERT (no token types, its own
 weight names). This file is the family's room: its config.json reading, weight names, classification heads, layers
-and the kernels they call (model/family.py says what a family declares).
+(composed from model/layers.py: the embeddings, the post-norm layer and encoder it shares with MPNet) and the kernels
+they call (model/family.py says what a family declares).
 
 Token-wise work runs on flattened [tokens, hidden] tensors through the fused `kernels.*` ops; GEMMs are plain torch
 matmuls with their bias folded into the following fused op where one exists."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from fusedserve import kernels
-from fusedserve.kernels import fp8
-from fusedserve.model import encoder as packing
+from fusedserve.model import layers, packing
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
-from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, OFFSET_ATTENTIONS, Packed, check_offsets
 from fusedserve.model.family import ClassifierHead, Family, MaskedLMHead, WeightLayout
+from fusedserve.model.packing import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Packed
 
 
 # ---- config.json -------------------------------------------------------------------------------------------------
@@ -103,50 +101,23 @@ _DISTILBERT_WEIGHTS = WeightLayout({k: v for k, v in _EMBEDDINGS.items() if "tok
 
 # ---- layers ------------------------------------------------------------------------------------------------------
 
-class Embeddings(nn.Module):
-    def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.word_embeddings = nn.Parameter(torch.empty(config.vocab_size, h))
-        self.position_embeddings = nn.Parameter(torch.empty(config.max_position_embeddings, h))
-        self.token_type_embeddings = nn.Parameter(torch.empty(config.type_vocab_size, h))
-        self.ln_weight = nn.Parameter(torch.ones(h))
-        self.ln_bias = nn.Parameter(torch.zeros(h))
-        self.eps = config.layer_norm_eps
-
-    def forward(self, input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor) -> Tensor:
-        # ids: [tokens] -> [tokens, hidden]
-        return kernels.embedding_layer_norm(
-            input_ids, position_ids, token_type_ids, self.word_embeddings, self.position_embeddings,
-            self.token_type_embeddings, self.ln_weight, self.ln_bias, self.eps,
-        )
-
-
 def ffn_splits(inner: int, chunk: int = 64) -> int:
     """How many chunks the few-token layer splits its FFN into: the most that divide the intermediate width evenly
     without going under `chunk` columns (24 for MiniLM's 1536, 48 for BERT-base's 3072): one SM each."""
     return max(s for s in range(1, max(inner // chunk, 1) + 1) if inner % s == 0)
 
 
-class Layer(nn.Module):
+class Layer(layers.PostNormLayer):
+    """The post-norm layer with SDPA / varlen attention, and the few-token layer for small batches."""
+
     def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.num_heads, self.eps = config.num_heads, config.layer_norm_eps
-        self.qkv = nn.Linear(h, 3 * h)  # query, key, value stacked: one GEMM
-        self.attn_out = nn.Linear(h, h)
-        self.attn_ln_weight = nn.Parameter(torch.ones(h))
-        self.attn_ln_bias = nn.Parameter(torch.zeros(h))
-        self.ffn_in = nn.Linear(h, i)
-        self.ffn_out = nn.Linear(i, h)
-        self.ffn_ln_weight = nn.Parameter(torch.ones(h))
-        self.ffn_ln_bias = nn.Parameter(torch.zeros(h))
-        self.ffn_splits = ffn_splits(i)
+        super().__init__(config)
+        self.ffn_splits = ffn_splits(config.intermediate_size)
 
     def forward(self, x: Tensor, batch: int, seq: int, attn_mask: Tensor) -> Tensor:
         # x: [batch * seq, hidden]; attn_mask: [batch, 1, 1, seq] bool, True = attend
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
-        return self._residual_blocks(x, packing.padded_attention(qkv, batch, seq, self.num_heads, attn_mask))
+        return self.residual_blocks(x, packing.padded_attention(qkv, batch, seq, self.num_heads, attn_mask))
 
     def forward_packed(self, x: Tensor, p: Packed, attention: str = "pad") -> Tensor:
         """One layer on a packed batch: x [T, hidden] (real and filler tokens, no padding) -> [T, hidden]; attention
@@ -157,12 +128,12 @@ class Layer(nn.Module):
                 return self._few_token_layer(x, p)
             if not packing.varlen_runs(x.device, x.dtype):
                 ctx = kernels.qkv_attention(x, self.qkv.weight, self.qkv.bias, p.cu_seqlens, p.seq, self.num_heads)
-                return self._residual_blocks(x, ctx)
+                return self.residual_blocks(x, ctx)
             # larger batches where varlen runs: cuBLAS QKV + varlen flash attention (qkv_attention re-projects a
             # longer sequence's keys per query block, slower at 128-token sequences)
             attention = "varlen"
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias)
-        return self._residual_blocks(x, packing.packed_attention(qkv, p, self.num_heads, attention))
+        return self.residual_blocks(x, packing.packed_attention(qkv, p, self.num_heads, attention))
 
     def _few_token_layer(self, x: Tensor, p: Packed) -> Tensor:
         # four kernels where the blocks above take eight: attention with each head's share of the output projection,
@@ -176,73 +147,15 @@ class Layer(nn.Module):
         return kernels.partial_add_layer_norm(parts, self.ffn_out.bias, x, self.ffn_ln_weight, self.ffn_ln_bias,
                                               self.eps)
 
-    FP8_GEMMS = ("qkv", "attn_out", "ffn_in", "ffn_out")
-
-    def forward_fp8(self, x: Tensor, xq: Tensor, xs: Tensor, p: Packed, context,
-                    w: dict[str, fp8.QuantizedWeight]) -> tuple[Tensor, Tensor, Tensor]:
-        """One layer with its four GEMMs in FP8 (PRECISION=fp8): x [T, hidden] and its row-quantized copy (xq,
-        xs) in, the same three out. Biases before a LayerNorm or GELU go to that kernel; the QKV bias to the GEMM.
-        Attention itself (_attend, with the encoder's layer_context) stays in x's dtype."""
-        dtype = x.dtype
-        qkv = fp8.linear(xq, xs, w["qkv"], self.qkv.bias, dtype)
-        ctx = self._attend(qkv, p, context)
-        y = fp8.linear(*fp8.quantize_rows(ctx), w["attn_out"], None, dtype)
-        x, xq, xs = fp8.add_layer_norm_quantize(y, x, self.attn_out.bias, self.attn_ln_weight, self.attn_ln_bias,
-                                                self.eps)
-        h = fp8.linear(xq, xs, w["ffn_in"], None, dtype)
-        y = fp8.linear(*fp8.bias_gelu_quantize(h, self.ffn_in.bias), w["ffn_out"], None, dtype)
-        return fp8.add_layer_norm_quantize(y, x, self.ffn_out.bias, self.ffn_ln_weight, self.ffn_ln_bias, self.eps)
-
-    def _attend(self, qkv: Tensor, p: Packed, attention: str) -> Tensor:
-        """The attention of a packed batch from its stacked q, k, v [T, 3 hidden] -> [T, hidden] (the FP8 layer's;
-        attention: "pad" or "varlen")."""
+    def attend(self, qkv: Tensor, p: Packed, attention: str) -> Tensor:
+        """The FP8 layer's attention ("pad" or "varlen")."""
         return packing.packed_attention(qkv, p, self.num_heads, attention)
 
-    def _residual_blocks(self, x: Tensor, ctx: Tensor) -> Tensor:
-        # post-LN residual blocks: x = LN(x + dense(ctx) + b); x = LN(x + W2 gelu(W1 x + b1) + b2). Each GEMM +
-        # bias + residual + LayerNorm is one op (cuBLAS + the chosen backend's add_layer_norm kernel; a split GEMM +
-        # LayerNorm kernel lost to that: docs/decisions/0001-split-gemm-layer-norm.md)
-        x = kernels.linear_add_layer_norm(ctx, self.attn_out.weight, self.attn_out.bias, x, self.attn_ln_weight,
-                                          self.attn_ln_bias, self.eps)
-        # GELU(x W1^T + b1): one Triton GEMM with the bias + GELU epilogue, or cuBLAS + the bias_gelu kernel, as
-        # the registry chose (self-test, then a race at [4096, 4 x hidden])
-        h = kernels.linear_bias_gelu(x, self.ffn_in.weight, self.ffn_in.bias)
-        return kernels.linear_add_layer_norm(h, self.ffn_out.weight, self.ffn_out.bias, x, self.ffn_ln_weight,
-                                             self.ffn_ln_bias, self.eps)
 
-
-class Encoder(nn.Module):
+class Encoder(layers.PostNormEncoder):
     def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embeddings = Embeddings(config)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
+        super().__init__(config, layers.Embeddings(config), (Layer(config) for _ in range(config.num_layers)))
         self.reset_parameters()
-
-    # PRECISION=fp8: each layer's GEMM weights in E4M3 (quantize_fp8), kept beside the fp16 ones (the fp16 path is
-    # the fallback tier); not parameters or buffers, so .to(), .float() and the reference copy leave them out. Class
-    # defaults: the families whose encoders derive from this one (and have no FP8 path) never set them
-    fp8_weights: list[dict[str, fp8.QuantizedWeight]] | None = None
-    precision = "native"  # "fp8": packed forwards under a fused selection run forward_fp8 (packed_steps)
-
-    def quantize_fp8(self) -> int:
-        """Quantize every layer's GEMM weights for the fp8 precision (once, on the device); returns their bytes."""
-        if self.fp8_weights is None:
-            self.fp8_weights = [{name: fp8.quantize_weight(getattr(layer, name).weight) for name in Layer.FP8_GEMMS}
-                                for layer in self.layers]
-        return sum(w.nbytes for layer in self.fp8_weights for w in layer.values())
-
-    @torch.no_grad()
-    def reset_parameters(self, seed: int = 0) -> None:
-        """BERT's initialisation (normal(0, 0.02) matrices, zero biases, unit LayerNorm) from a fixed seed."""
-        gen = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
-            if "ln_weight" in name:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
         # input_ids, attention_mask, token_type_ids: [batch, seq] -> hidden states [batch, seq, hidden]
@@ -255,54 +168,6 @@ class Encoder(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, seq, attn_mask)
         return x.view(batch, seq, -1)
-
-    def forward_packed(self, p: Packed, attention: str = "pad") -> Tensor:
-        """Hidden states [T, hidden] of a packed batch (filler tokens' rows are garbage, never read)."""
-        for x in self.packed_steps(p, attention):
-            pass
-        return x
-
-    def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
-        """forward_packed one block at a time: the embeddings' output, then each layer's (the last is the hidden
-        states), for a caller that does other work between blocks."""
-        if attention in OFFSET_ATTENTIONS or self.attends_by_offsets:
-            check_offsets(p, attention, self.embeddings.word_embeddings.dtype, f"{attention} attention")
-        x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
-        yield x
-        fp8_attention = self._fp8_attention(x, attention)
-        if fp8_attention is not None:
-            context = self.layer_context(fp8_attention)
-            xq, xs = fp8.quantize_rows(x)
-            for layer, weights in zip(self.layers, self.fp8_weights):
-                x, xq, xs = layer.forward_fp8(x, xq, xs, p, context, weights)
-                yield x
-            return
-        context = self.layer_context(attention)
-        for layer in self.layers:
-            x = layer.forward_packed(x, p, context)
-            yield x
-
-    def _fp8_attention(self, x: Tensor, attention: str) -> str | None:
-        """The attention mode of this forward's FP8 layers, or None where it runs in x's dtype: the fp8 precision
-        off, the fused path off (the reference path, the verifier's copy: FP8 is part of the fused path) or a batch
-        for the few-token layer (at <= FUSED_LAYER_TOKENS tokens its fp16 launches cost less than FP8 GEMMs, which
-        lose to fp16 ones at such sizes: bench kernels gemm-fp8)."""
-        if self.precision != "fp8" or not kernels.current().any_fused:
-            return None
-        if attention == "fused":
-            if x.shape[0] <= FUSED_LAYER_TOKENS:
-                return None
-            return "varlen" if packing.varlen_runs(x.device, x.dtype) else "pad"
-        return attention
-
-    # an encoder whose layers attend over cu_seqlens whatever the mode (MPNet's and GTE's fused attention ops; the
-    # modes then differ only in how the runner buckets graphs)
-    attends_by_offsets = False
-
-    def layer_context(self, attention: str):
-        """What each layer's forward_packed takes besides x and the batch, computed once per forward: here the
-        attention mode; a family whose layers need a per-forward table (MPNet's relative bias) returns that."""
-        return attention
 
 
 def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:

@@ -121,7 +121,7 @@ class Family:
     pooling: tuple[str, ...] = ("mean",)  # a plain Hugging Face directory's pooling (no modules.json)
     attention: str = "bidirectional"
     positions: str = "learned absolute"
-    # the few-token layer (model.encoder.FEW_TOKEN_OPS) exists in its layers: auto attention may pick "fused"
+    # the few-token layer (model.packing.FEW_TOKEN_OPS) exists in its layers: auto attention may pick "fused"
     few_token_layer: bool = True
     masked_lm: MaskedLMHead | None = None  # None: its SPLADE (sparse) models are refused by name
     reranker: YesNoReranker | None = None  # None: its *ForCausalLM directories are refused by name

@@ -2,7 +2,7 @@
 instead of ~10 kernel launches per layer from Python.
 
 A bucket is (tokens, batch, seq, dense): the packed token count rounded up to token_buckets() (quarter-power-of-two
-steps, eighth steps above 1024 tokens); filler tokens and sequences go to scratch rows (see model.encoder.Packed).
+steps, eighth steps above 1024 tokens); filler tokens and sequences go to scratch rows (see model.packing.Packed).
 With varlen attention (fp16/bf16 on CUDA, the default; "fused" attention buckets the same way) the row count is
 rounded up to a power of 4 and seq is min(model's longest, tokens): the longest row only bounds the attention grid,
 so a bucket is really (tokens, batch) and every reachable one can be captured ahead of traffic (`capture_all` for
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from fusedserve.model.api import Rows
-from fusedserve.model.encoder import OFFSET_ATTENTIONS, Packed, packed_mean_pool
+from fusedserve.model.packing import OFFSET_ATTENTIONS, Packed, packed_mean_pool
 
 log = logging.getLogger("fusedserve.model")
 

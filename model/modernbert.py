@@ -9,15 +9,13 @@ and another for the sliding-window ones, a GeGLU feed-forward and a final norm.
 
 Every third layer (config.json's layer_types, else global_attn_every_n_layers) attends globally; the others attend
 only to keys at most local_attention / 2 positions away (transformers' sliding_window), both through
-kernels.rotary_attention, its window argument set for the local layers. Pre-norm means each block's output joins
-the residual stream and the next block reads the norm of the sum: kernels.add_layer_norm does both in one pass
+kernels.rotary_attention, its window argument set for the local layers. Pre-norm means each block's output joins the
+residual stream and the next block reads the norm of the sum: kernels.add_layer_norm does both in one pass
 (return_sum), with the next block's norm weights: the next layer's attention norm, the feed-forward norm, the final
-norm after the last layer. Wi's rows are the activated half then the gate (transformers chunks "input, gate"), the
-order kernels.linear_glu takes."""
+norm after the last layer (the pre-norm chain of model/layers.py's PreNormEncoder, which Qwen's encoder shares). Wi's
+rows are the activated half then the gate (transformers chunks "input, gate"), the order kernels.linear_glu takes."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +23,10 @@ from torch import Tensor, nn
 
 from fusedserve import kernels
 from fusedserve.kernels import reference
-from fusedserve.model import gte
+from fusedserve.model import layers
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
-from fusedserve.model.encoder import Packed, check_offsets
 from fusedserve.model.family import ClassifierHead, Family, WeightLayout
+from fusedserve.model.packing import Packed
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _THETA = {"full_attention": ("global_rope_theta", 160_000.0), "sliding_attention": ("local_rope_theta", 10_000.0)}
@@ -105,23 +103,6 @@ _MODERNBERT_WEIGHTS = WeightLayout(
 )
 
 
-def _layer_norm(module: nn.Module, name: str, width: int, bias: bool) -> None:
-    """A LayerNorm's weight `{name}_weight` and bias `{name}_bias`: a zero buffer where the model has none, so that
-    the kernels take one signature."""
-    module.register_parameter(f"{name}_weight", nn.Parameter(torch.ones(width)))
-    if bias:
-        module.register_parameter(f"{name}_bias", nn.Parameter(torch.zeros(width)))
-    else:
-        module.register_buffer(f"{name}_bias", torch.zeros(width), persistent=False)
-
-
-class Embeddings(gte.Embeddings):
-    def __init__(self, config: EncoderConfig) -> None:
-        super().__init__(config)
-        del self.ln_weight, self.ln_bias
-        _layer_norm(self, "ln", config.hidden_size, config.norm_bias)
-
-
 class Layer(nn.Module):
     def __init__(self, config: EncoderConfig, index: int) -> None:
         super().__init__()
@@ -130,10 +111,10 @@ class Layer(nn.Module):
         self.window = config.sliding_window if index in config.sliding_layers else 0
         self.first = index == 0
         if not self.first:  # the embeddings' norm stands for the first layer's
-            _layer_norm(self, "attn_ln", h, config.norm_bias)
+            layers.layer_norm_parameters(self, "attn_ln", h, config.norm_bias)
         self.qkv = nn.Linear(h, 3 * h, bias=bias)
         self.attn_out = nn.Linear(h, h, bias=bias)
-        _layer_norm(self, "ffn_ln", h, config.norm_bias)
+        layers.layer_norm_parameters(self, "ffn_ln", h, config.norm_bias)
         self.ffn_in = nn.Linear(h, 2 * i, bias=bias)  # activated rows, then gate rows
         self.ffn_out = nn.Linear(i, h, bias=bias)
 
@@ -162,22 +143,18 @@ class Layer(nn.Module):
                                       self.eps, return_sum=True)
 
 
-class Encoder(gte.Encoder):
+class Encoder(layers.PreNormEncoder):
     FLOAT32_BUFFERS = ("inv_freq", "local_inv_freq")
 
     def __init__(self, config: EncoderConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.embeddings = Embeddings(config)
-        self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_layers))
-        _layer_norm(self, "final_ln", config.hidden_size, config.norm_bias)
-        self.register_buffer("inv_freq", gte.inverse_frequencies(config.rope_theta, config.head_dim),
-                             persistent=False)
+        super().__init__(config, layers.TokenTypeEmbeddings(config, norm_bias=config.norm_bias),
+                         (Layer(config, i) for i in range(config.num_layers)))
+        layers.layer_norm_parameters(self, "final_ln", config.hidden_size, config.norm_bias)
         local = config.local_rope_theta or config.rope_theta
-        self.register_buffer("local_inv_freq", gte.inverse_frequencies(local, config.head_dim), persistent=False)
+        self.register_buffer("local_inv_freq", layers.inverse_frequencies(local, config.head_dim), persistent=False)
         self.reset_parameters()
 
-    def _frequencies(self, layer: Layer) -> Tensor:
+    def frequencies(self, layer: Layer) -> Tensor:
         return self.local_inv_freq if layer.window else self.inv_freq
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
@@ -191,22 +168,16 @@ class Encoder(gte.Encoder):
         keep = attention_mask.bool()[:, None, None, :] | itself
         near = keep & ((positions[None, :] - positions[:, None]).abs() <= self.config.sliding_window)[None, None]
         for layer in self.layers:
-            x = layer(x, batch, seq, near if layer.window else keep, self._frequencies(layer))
+            x = layer(x, batch, seq, near if layer.window else keep, self.frequencies(layer))
         x = F.layer_norm(x, x.shape[-1:], self.final_ln_weight, self.final_ln_bias, self.config.layer_norm_eps)
         return x.view(batch, seq, -1)
 
-    def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
-        """The embeddings' output, then each layer's output normed by the next block's norm (the last: the final
-        norm, the hidden states)."""
-        check_offsets(p, attention, self.embeddings.word_embeddings.dtype, "ModernBERT's attention")
-        x = self.embeddings(p.input_ids, p.position_ids, p.token_type_ids)
-        yield x
-        h = x
+    def first_norm(self, x: Tensor) -> Tensor:
+        return x  # the embeddings' norm stands for the first layer's attention norm
+
+    def next_norms(self) -> list[tuple[Tensor, ...]]:
         norms = [(layer.attn_ln_weight, layer.attn_ln_bias) for layer in self.layers[1:]]
-        norms.append((self.final_ln_weight, self.final_ln_bias))
-        for layer, (weight, bias) in zip(self.layers, norms):
-            h, x = layer.forward_packed(h, x, p, self._frequencies(layer), weight, bias)
-            yield h
+        return norms + [(self.final_ln_weight, self.final_ln_bias)]
 
 
 def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:

@@ -382,7 +382,7 @@ class EmbeddingHead(nn.Module):
         self.dim = width
 
     def forward(self, hidden: Tensor, p) -> Tensor:
-        # hidden [T, H] packed (model.encoder.Packed p) -> [batch, dim] float32
+        # hidden [T, H] packed (model.packing.Packed p) -> [batch, dim] float32
         pooled = []
         for mode in self.modes:
             if mode == "cls":

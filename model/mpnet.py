@@ -7,7 +7,8 @@ The bias depends only on the head and the distance j - i between key and query: 
 (32 buckets, log-spaced past 8, saturating at 128) and looks each bucket up in an [buckets, heads] embedding. Here
 the bucket of every distance a sequence can have is computed once, with transformers' own formula, and each forward
 gathers the [heads, 2R - 1] table of biases by distance from the current weights: the fused attention
-(kernels.relative_attention) reads it per tile, so no [heads, T, T] bias is ever built on the packed path."""
+(kernels.relative_attention) reads it per tile, so no [heads, T, T] bias is ever built on the packed path. The rest of
+the layer, its FP8 step and the embeddings are the post-norm blocks it shares with BERT (model/layers.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fusedserve import kernels
-from fusedserve.model import bert
+from fusedserve.model import layers
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
-from fusedserve.model.encoder import Packed
 from fusedserve.model.family import ClassifierHead, Family, WeightLayout
+from fusedserve.model.packing import Packed
 
 # transformers' MPNetEncoder.compute_position_bias buckets with these whatever the config's bucket count says (the
 # count only sizes the embedding)
@@ -54,8 +55,13 @@ _MPNET_WEIGHTS = WeightLayout(
         "encoder.relative_attention_bias.weight": "relative_attention_bias",
     },
     "encoder.layer.",
-    {  # BERT's feed-forward names; its own attention output's
-        **{k: v for k, v in bert.BERT.weights.layer.items() if not k.startswith("attention.")},
+    {
+        "intermediate.dense.weight": "ffn_in.weight",
+        "intermediate.dense.bias": "ffn_in.bias",
+        "output.dense.weight": "ffn_out.weight",
+        "output.dense.bias": "ffn_out.bias",
+        "output.LayerNorm.weight": "ffn_ln_weight",
+        "output.LayerNorm.bias": "ffn_ln_bias",
         "attention.attn.o.weight": "attn_out.weight",
         "attention.attn.o.bias": "attn_out.bias",
         "attention.LayerNorm.weight": "attn_ln_weight",
@@ -77,8 +83,8 @@ def relative_buckets(distance: Tensor) -> Tensor:
     return bucket + torch.where(n < exact, n, large.clamp(max=half - 1))
 
 
-class Layer(bert.Layer):
-    """BERT's layer; its attention adds the relative position bias table (kernels.relative_attention)."""
+class Layer(layers.PostNormLayer):
+    """The post-norm layer; its attention adds the relative position bias table (kernels.relative_attention)."""
 
     def forward(self, x: Tensor, batch: int, seq: int, attn_mask: Tensor, bias: Tensor) -> Tensor:
         # the padded layout (a test oracle): bias [heads, seq, seq] plus the key mask as SDPA's float mask
@@ -86,21 +92,19 @@ class Layer(bert.Layer):
         q, k, v = qkv.view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         mask = bias.to(q.dtype)[None].masked_fill(~attn_mask, float("-inf"))
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(batch * seq, -1)
-        return self._residual_blocks(x, ctx)
+        return self.residual_blocks(x, ctx)
 
     def forward_packed(self, x: Tensor, p: Packed, table: Tensor) -> Tensor:
-        return self._residual_blocks(x, self._attend(F.linear(x, self.qkv.weight, self.qkv.bias), p, table))
+        return self.residual_blocks(x, self.attend(F.linear(x, self.qkv.weight, self.qkv.bias), p, table))
 
-    def _attend(self, qkv: Tensor, p: Packed, table: Tensor) -> Tensor:
+    def attend(self, qkv: Tensor, p: Packed, table: Tensor) -> Tensor:
         return kernels.relative_attention(qkv, p.cu_seqlens, p.seq, self.num_heads, table)
 
 
-class Encoder(bert.Encoder):
+class Encoder(layers.PostNormEncoder):
     def __init__(self, config: EncoderConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.embeddings = bert.Embeddings(config)  # one all-zero token type (model.weights)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
+        # one all-zero token type (model.weights)
+        super().__init__(config, layers.Embeddings(config), (Layer(config) for _ in range(config.num_layers)))
         self.relative_attention_bias = nn.Parameter(torch.empty(config.relative_attention_buckets,
                                                                 config.num_heads))
         # the bucket of each distance -(R - 1) .. R - 1 a sequence of the model can have, R its positions

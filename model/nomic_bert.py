@@ -5,20 +5,20 @@ released, with Nomic's custom code): GTE's layers with a SiLU gate (SwiGLU) and 
     x = LN(x + o_proj(attention(rotary(q), rotary(k), v)))
     x = LN(x + down_proj(silu(x Wgate^T) * (x Wup^T)))
 
-The layers are model/gte.py's (rotary attention and the gated feed-forward on kernels.rotary_attention and
-kernels.linear_glu); this file reads the two config.json and checkpoint layouts. The released checkpoints' config is
-Nomic's GPT-2 style one (n_embd, n_layer, activation_function "swiglu", rotary_emb_*; auto_map to its code) and their
-tensors are named as that code names them (encoder.layers.{i}.attn.Wqkv, mlp.fc11 / fc12 / fc2, norm1 / norm2,
-emb_ln); transformers 5.24 renames both at load, and so does this file. Switches of the custom code that change the
-math (pre-norm, partial or interleaved or scaled rotary embeddings, biases, causal attention, RMSNorm) are refused by
-name."""
+The layers are GTE's, model/layers.py's GluPostNormEncoder (rotary attention and the gated feed-forward on
+kernels.rotary_attention and kernels.linear_glu); this file reads the two config.json and checkpoint layouts. The
+released checkpoints' config is Nomic's GPT-2 style one (n_embd, n_layer, activation_function "swiglu", rotary_emb_*;
+auto_map to its code) and their tensors are named as that code names them (encoder.layers.{i}.attn.Wqkv, mlp.fc11 /
+fc12 / fc2, norm1 / norm2, emb_ln); transformers 5.24 renames both at load, and so does this file. Switches of the
+custom code that change the math (pre-norm, partial or interleaved or scaled rotary embeddings, biases, causal
+attention, RMSNorm) are refused by name."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from fusedserve.model import gte
+from fusedserve.model import layers
 from fusedserve.model.config import UnsupportedModel
 from fusedserve.model.family import ClassifierHead, Family, WeightLayout, released_layer_names
 
@@ -83,12 +83,25 @@ def _from_hub_layout(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return released_layer_names(renamed, "encoder.layers.", "attn.Wqkv.", _HUB_NAMES)
 
 
+# transformers' NomicBertModel names (GteModel's, without the projections' biases)
 _NOMIC_WEIGHTS = WeightLayout(
-    gte.GTE.weights.embeddings,
+    {
+        "embeddings.word_embeddings.weight": "embeddings.word_embeddings",
+        "embeddings.token_type_embeddings.weight": "embeddings.token_type_embeddings",
+        "embeddings.LayerNorm.weight": "embeddings.ln_weight",
+        "embeddings.LayerNorm.bias": "embeddings.ln_bias",
+    },
     "layers.",
-    {k: v for k, v in gte.GTE.weights.layer.items() if not k.endswith(".bias") or "layernorm" in k},
+    {
+        "self_attn.o_proj.weight": "attn_out.weight",
+        "post_attention_layernorm.weight": "attn_ln_weight",
+        "post_attention_layernorm.bias": "attn_ln_bias",
+        "mlp.down_proj.weight": "ffn_out.weight",
+        "post_mlp_layernorm.weight": "ffn_ln_weight",
+        "post_mlp_layernorm.bias": "ffn_ln_bias",
+    },
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    stacked=gte.GTE.weights.stacked,
+    stacked={"ffn_in.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
     rename=_from_hub_layout,
 )
 
@@ -101,6 +114,6 @@ def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.d
 
 
 NOMIC_BERT = Family("nomic_bert", ("nomic_bert",), "NomicBERT", _read_nomic_bert, _NOMIC_WEIGHTS,
-                    ClassifierHead("pooler.dense", "tanh", "classifier"), encoder=gte.Encoder, kernel_ops=kernel_ops,
-                    positions="rotary", few_token_layer=False, gated_ffn=True)
+                    ClassifierHead("pooler.dense", "tanh", "classifier"), encoder=layers.GluPostNormEncoder,
+                    kernel_ops=kernel_ops, positions="rotary", few_token_layer=False, gated_ffn=True)
 FAMILIES = (NOMIC_BERT,)

@@ -7,21 +7,19 @@ attention with grouped-query heads, rotary positions, RMSNorm before each block 
     x = x + Wdown(silu(x Wgate^T) * (x Wup^T))                       of RMS_post(x)
     hidden = RMS_final(x)
 
-Qwen3 RMS-norms each head of q and k before the rotation (q_norm, k_norm); Qwen2 has neither, and biases on its
-query, key and value projections. Pre-norm as ModernBERT: each block's output joins the residual stream and the next
-block reads the RMSNorm of the sum, so kernels.add_rms_norm does both in one pass (return_sum), with the next
-block's weights (the post-attention norm, the next layer's input norm, the final norm after the last layer);
-kernels.rotary_attention norms, rotates and attends; kernels.linear_glu multiplies silu(gate) into up in the GEMM's
-epilogue (gate rows first, as GTE's). The sentence embedding is the last token's hidden state (sentence-transformers'
-`lasttoken` pooling). Sliding-window layers, attention biases on the output projection, scaled rotary embeddings and
-custom code (`auto_map`: gte-Qwen2's makes the attention bidirectional) are refused by name.
+Qwen3 RMS-norms each head of q and k before the rotation (q_norm, k_norm); Qwen2 has neither, and biases on its query,
+key and value projections. Pre-norm as ModernBERT (model/layers.py's PreNormEncoder): each block's output joins the
+residual stream and the next block reads the RMSNorm of the sum, so kernels.add_rms_norm does both in one pass
+(return_sum), with the next block's weights (the post-attention norm, the next layer's input norm, the final norm
+after the last layer); kernels.rotary_attention norms, rotates and attends; kernels.linear_glu multiplies silu(gate)
+into up in the GEMM's epilogue (gate rows first, as GTE's). The sentence embedding is the last token's hidden state
+(sentence-transformers' `lasttoken` pooling). Sliding-window layers, attention biases on the output projection, scaled
+rotary embeddings and custom code (`auto_map`: gte-Qwen2's makes the attention bidirectional) are refused by name.
 
 Qwen3-Reranker (a Qwen3ForCausalLM directory) is served as the family's YesNoReranker (model/family.py): its model
 card's prompt template, the score from the "yes" and "no" rows of the LM head at the last token (model/modules.py)."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +27,10 @@ from torch import Tensor, nn
 
 from fusedserve import kernels
 from fusedserve.kernels import reference
-from fusedserve.model import gte
+from fusedserve.model import layers
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
-from fusedserve.model.encoder import Packed, check_offsets
 from fusedserve.model.family import Family, WeightLayout, YesNoReranker
+from fusedserve.model.packing import Packed
 
 
 def _read(hf: dict, *, qwen3: bool) -> dict:
@@ -52,7 +50,7 @@ def _read(hf: dict, *, qwen3: bool) -> dict:
                                f"supported ({label} with full attention in every layer only)")
     if qwen3 and hf.get("attention_bias", False):
         raise UnsupportedModel("attention_bias true is not supported (Qwen3 without attention biases only)")
-    rope = gte.default_rope(hf)
+    rope = layers.default_rope(hf)
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     head_size = hf.get("head_dim") or hidden // heads
     positions = hf.get("max_position_embeddings", 32768)
@@ -84,17 +82,6 @@ _WEIGHTS = WeightLayout(
     optional=frozenset({"self_attn.q_norm.weight", "self_attn.k_norm.weight"}),
     token_types=False,
 )
-
-
-class Embeddings(nn.Module):
-    """The token table alone: no positions (rotary), no token types, no norm."""
-
-    def __init__(self, config: EncoderConfig) -> None:
-        super().__init__()
-        self.word_embeddings = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None, token_type_ids: Tensor | None) -> Tensor:
-        return F.embedding(input_ids, self.word_embeddings)
 
 
 class Layer(nn.Module):
@@ -145,15 +132,10 @@ class Layer(nn.Module):
         return kernels.add_rms_norm(F.linear(h, self.ffn_out.weight), x, next_weight, self.eps, return_sum=True)
 
 
-class Encoder(gte.Encoder):
+class Encoder(layers.PreNormEncoder):
     def __init__(self, config: EncoderConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.embeddings = Embeddings(config)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
+        super().__init__(config, layers.TokenEmbeddings(config), (Layer(config) for _ in range(config.num_layers)))
         self.final_ln_weight = nn.Parameter(torch.ones(config.hidden_size))
-        self.register_buffer("inv_freq", gte.inverse_frequencies(config.rope_theta, config.head_dim),
-                             persistent=False)
         self.reset_parameters()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
@@ -167,17 +149,11 @@ class Encoder(gte.Encoder):
             x = layer(x, batch, seq, mask, self.inv_freq)
         return reference.rms_norm(x, self.final_ln_weight, self.config.layer_norm_eps).view(batch, seq, -1)
 
-    def packed_steps(self, p: Packed, attention: str = "pad") -> Iterator[Tensor]:
-        """The embeddings' output, then each layer's output normed by the next block's norm (the last: the final
-        norm, the hidden states)."""
-        check_offsets(p, attention, self.embeddings.word_embeddings.dtype, "Qwen's attention")
-        x = self.embeddings(p.input_ids, None, None)
-        yield x
-        h = kernels.rms_norm(x, self.layers[0].in_ln_weight, self.config.layer_norm_eps)
-        norms = [layer.in_ln_weight for layer in self.layers[1:]] + [self.final_ln_weight]
-        for layer, weight in zip(self.layers, norms):
-            h, x = layer.forward_packed(h, x, p, self.inv_freq, weight)
-            yield h
+    def first_norm(self, x: Tensor) -> Tensor:
+        return kernels.rms_norm(x, self.layers[0].in_ln_weight, self.config.layer_norm_eps)
+
+    def next_norms(self) -> list[tuple[Tensor, ...]]:
+        return [(layer.in_ln_weight,) for layer in self.layers[1:]] + [(self.final_ln_weight,)]
 
 
 def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:

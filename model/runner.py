@@ -3,7 +3,7 @@ Device, dtype, layout, CUDA graphs and the kernel selection are decided here, at
 kernel Selection and is the only way anything outside changes the path (set_fused, fall_back, use), always
 between forwards.
 
-Layouts: "packed" (serving) runs the real tokens of the batch back to back, no padding (model.encoder.Packed);
+Layouts: "packed" (serving) runs the real tokens of the batch back to back, no padding (model.packing.Packed);
 "padded" pads every row to the longest, the classic layout, kept as the tests' oracle. On a CUDA device the packed
 forward is replayed from CUDA graphs per shape bucket (model.graphs) unless graphs are off; batches outside the
 buckets, reference re-runs and timed batches run eagerly."""
@@ -30,7 +30,7 @@ from fusedserve.kernels.registry import REFERENCE_BACKEND
 from fusedserve.kernels.timing import OpTimer
 from fusedserve.model.api import Rows, TextOptions, l2_normalize, name_of
 from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
-from fusedserve.model.encoder import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Packed, resolve_attention
+from fusedserve.model.packing import FEW_TOKEN_OPS, FUSED_LAYER_TOKENS, Packed, resolve_attention
 from fusedserve.model.families import family
 from fusedserve.model.modules import (Classifier, EmbeddingHead, Pipeline, SparseHead, classification_head,
                                      masked_lm_tensors, read_classifier, read_pipeline)
@@ -344,7 +344,7 @@ class Embedder:
 
     def _attention_for(self, selection: kernels.Selection | None) -> tuple[str, str]:
         """The attention mode and why: the one place it is decided. From the requested mode, the device and dtype
-        (model.encoder.resolve_attention) and, given the ops' selection, auto's few-token layer only while its ops
+        (model.packing.resolve_attention) and, given the ops' selection, auto's few-token layer only while its ops
         are on a fused backend (on the reference they are slower than varlen); None: before any selection."""
         attention = resolve_attention(self.requested_attention, self.device, self.dtype)
         if self.requested_attention != "auto":

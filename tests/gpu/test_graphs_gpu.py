@@ -131,7 +131,7 @@ def test_outside_buckets_runs_eagerly():
 
 
 def testvarlen_attention_matches_pad_attention():
-    from fusedserve.model.encoder import Packed, packed_mean_pool
+    from fusedserve.model.packing import Packed, packed_mean_pool
 
     e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="cuda")
     packed = Packed.from_rows(e.tokenizer.encode(SENTENCES[:16]), "cuda")

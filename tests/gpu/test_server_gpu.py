@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from fusedserve.model.encoder import varlen_attention
+from fusedserve.model.packing import varlen_attention
 from tests.gpu.test_minilm_gpu import _model_dir
 from tests.model.sentences import SENTENCES
 from tests.server.conftest import start_server

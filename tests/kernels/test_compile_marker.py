@@ -23,7 +23,7 @@ def test_the_mark_is_the_decorators():
 
 
 def test_importing_the_kernels_leaves_dynamo_unimported():
-    code = "import sys, fusedserve.kernels, fusedserve.model.encoder; print('torch._dynamo' in sys.modules)"
+    code = "import sys, fusedserve.kernels, fusedserve.model.packing; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -120,7 +120,7 @@ def test_replays_in_a_cuda_graph_with_new_inputs():
 
 
 def _few_token_layer(x, w, b, cu, heads, wo, bo, w1, b1, w2, b2, ln, splits):
-    """One encoder layer through the three few-token Triton ops (as model.encoder.Layer._few_token_layer)."""
+    """One encoder layer through the three few-token Triton ops (as model.bert.Layer._few_token_layer)."""
     g1, be1, g2, be2 = ln
     y = LAUNCHERS["partial_add_layer_norm"](LAUNCHERS["attention_partials"](x, w, b, cu, 64, heads, wo), bo, x, g1,
                                             be1, 1e-12)

@@ -88,7 +88,7 @@ def test_packed_pooling_through_segment_mean_equals_the_torch_path():
     import dataclasses
 
     from fusedserve import kernels
-    from fusedserve.model.encoder import Packed, packed_mean_pool
+    from fusedserve.model.packing import Packed, packed_mean_pool
 
     rows = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
     p = Packed.from_rows(rows, "cpu", tokens=12, batch=5, seq=6)
@@ -119,7 +119,7 @@ def test_reference_path_forward_and_pooling_never_read_device_values_on_the_host
 
     from fusedserve.model.config import EncoderConfig
     from fusedserve.model.bert import Encoder
-    from fusedserve.model.encoder import Packed, packed_mean_pool
+    from fusedserve.model.packing import Packed, packed_mean_pool
 
     encoder = Encoder(dataclasses.replace(EncoderConfig.from_name("tiny"), num_layers=1)).eval()
     p = Packed.from_rows([[101, 5, 6, 102], [101, 7, 102]], "cpu", tokens=12, batch=4, seq=8)

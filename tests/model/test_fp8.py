@@ -98,7 +98,8 @@ def test_the_reference_copy_leaves_the_fp8_weights_behind(fp8_here):
 
 
 def test_mpnet_runs_its_relative_attention_between_fp8_gemms(fp8_here, monkeypatch):
-    # MPNet's layers are BERT's but for the attention (its relative bias table, model/mpnet.py _attend)
+    # MPNet's layers are BERT's (model/layers.py PostNormLayer) but for the attention (its relative bias table,
+    # model/mpnet.py attend)
     embedder, _ = Embedder.load("mpnet-base", device="cpu", dtype="float32", precision="fp8")
     calls = []
     linear = fp8.linear

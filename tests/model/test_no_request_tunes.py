@@ -19,7 +19,7 @@ from triton.runtime.jit import JITFunction
 
 from fusedserve.model.config import EncoderConfig
 from fusedserve.model.bert import Encoder
-from fusedserve.model.encoder import FUSED_LAYER_TOKENS
+from fusedserve.model.packing import FUSED_LAYER_TOKENS
 from fusedserve.model.runner import Embedder
 from fusedserve.model.tokenizer import TextTokenizer
 from tests.model.checkpoints import source_dir
@@ -134,7 +134,7 @@ def test_a_batch_of_equal_rows_at_a_new_length_builds_no_cudnn_attention_plan(mo
     requests waited (docs/decisions/0014-sdpa-without-cudnn-attention.md). The encoder keeps SDPA on backends without
     per-shape plans. First the control: with cuDNN allowed again, the same kind of batch does reach cuDNN here (else
     the check proves nothing on this GPU and torch, and the test skips saying so)."""
-    import fusedserve.model.encoder as encoder_module
+    import fusedserve.model.packing as packing_module
 
     config = EncoderConfig.from_name("minilm-l6")  # MiniLM's 32-wide heads, where the plans were seen
     e = Embedder(Encoder(config), None, "minilm", torch.device("cuda"), torch.float16, attention="pad",
@@ -150,7 +150,7 @@ def test_a_batch_of_equal_rows_at_a_new_length_builds_no_cudnn_attention_plan(mo
         return {n for n in names if "attention" in n}
 
     with monkeypatch.context() as patch:
-        patch.setattr(encoder_module, "SDPA_BACKENDS", [SDPBackend.CUDNN_ATTENTION, *encoder_module.SDPA_BACKENDS])
+        patch.setattr(packing_module, "SDPA_BACKENDS", [SDPBackend.CUDNN_ATTENTION, *packing_module.SDPA_BACKENDS])
         lifted = attention_ops(29)
     if not any("cudnn_attention" in n for n in lifted):
         pytest.skip(f"torch does not choose cuDNN attention for these rows on this GPU ({sorted(lifted)})")

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from fusedserve.model import encoder as encoder_module
+from fusedserve.model import packing as packing_module
 from fusedserve.model import graphs as graphs_module
 from fusedserve.model.api import Rows
 from fusedserve.model.config import EncoderConfig
 from fusedserve.model.bert import Encoder
-from fusedserve.model.encoder import Packed, mean_pool, packed_mean_pool, resolve_attention, varlen_runs
+from fusedserve.model.packing import Packed, mean_pool, packed_mean_pool, resolve_attention, varlen_runs
 from fusedserve.model.graphs import SEQ_BUCKETS, CudaGraphs, token_buckets
 from tests.tolerances import assert_embeddings_close
 
@@ -66,7 +66,7 @@ def test_the_cpus_varlen_attends_within_each_sequence_only():
     sequences, filler rows past the last sequence poisoned with NaN (never read; their context is zeros), under the
     SDPA flags lock like every other SDPA call of the encoder."""
     from fusedserve.kernels.testing import compare
-    from fusedserve.model.encoder import sequence_attention
+    from fusedserve.model.packing import sequence_attention
 
     heads, d = 3, 16
     for lengths in ([1], [7, 0, 300, 1, 33], [769, 4]):
@@ -111,7 +111,7 @@ def test_sdpa_runs_off_cudnn_under_the_flags_lock(encoder, monkeypatch):
     real = torch.nn.functional.scaled_dot_product_attention
 
     def spy(*args, **kwargs):
-        seen.append((encoder_module._SDPA_FLAGS.locked(), torch.backends.cuda.cudnn_sdp_enabled(),
+        seen.append((packing_module._SDPA_FLAGS.locked(), torch.backends.cuda.cudnn_sdp_enabled(),
                      torch.backends.cuda.flash_sdp_enabled()))
         return real(*args, **kwargs)
 
@@ -122,7 +122,7 @@ def test_sdpa_runs_off_cudnn_under_the_flags_lock(encoder, monkeypatch):
     assert len(seen) == 4 * len(encoder.layers), seen
     assert all(locked and not cudnn and flash for locked, cudnn, flash in seen), seen
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
-    assert not encoder_module._SDPA_FLAGS.locked()
+    assert not packing_module._SDPA_FLAGS.locked()
 
 
 @torch.no_grad()
@@ -145,7 +145,7 @@ def test_fused_attention_equals_padded(encoder, backend):
     with filler tokens and filler sequences: above FUSED_LAYER_TOKENS (qkv_attention + the usual blocks) and below it
     (the four-kernel few-token layer), and on a dense batch of 64 tokens."""
     from fusedserve import kernels
-    from fusedserve.model.encoder import FUSED_LAYER_TOKENS
+    from fusedserve.model.packing import FUSED_LAYER_TOKENS
 
     with kernels.use(kernels.select("cpu", (torch.float32,), backend=backend)):
         for lengths, tokens in (([7, 40, 3, 33, 2], 128), ([7, 20, 3, 2], 48)):
@@ -299,7 +299,7 @@ def test_fill_writes_every_field_as_by_hand_into_poisoned_buffers(tokens):
         flat[:], lengths[:], cu[:] = -7, -7, -7  # the cache's arrays are not these: poisoning them leaves it whole
         Packed.fill(batch_rows, flat, lengths, seq, pad, position_offset=offset, pair_types=True, cu_seqlens=cu)
         assert flat.tolist() == want_fields and cu.tolist() == want_cu
-    index, *_ = encoder_module._cached_layout(np.array([3], dtype=np.int64).tobytes(), 16, 1, 4, 0)
+    index, *_ = packing_module._cached_layout(np.array([3], dtype=np.int64).tobytes(), 16, 1, 4, 0)
     with pytest.raises(ValueError, match="read-only"):
         index[0, 0] = 1
 

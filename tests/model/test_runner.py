@@ -54,11 +54,11 @@ def test_auto_attention_takes_the_few_token_layer_only_while_its_ops_are_fused(m
     the selection puts the few-token ops on a fused backend, and varlen, saying why, when any is on the reference:
     after the fused switch, a fallback of one of them, or an override. The CPU stands in for a GPU here (varlen
     declared runnable; no forward runs): only the decision is tested."""
-    import fusedserve.model.encoder as encoder_module
+    import fusedserve.model.packing as packing_module
     from fusedserve.model.bert import kernel_ops
-    from fusedserve.model.encoder import FEW_TOKEN_OPS
+    from fusedserve.model.packing import FEW_TOKEN_OPS
 
-    monkeypatch.setattr(encoder_module, "varlen_runs", lambda device, dtype: True)
+    monkeypatch.setattr(packing_module, "varlen_runs", lambda device, dtype: True)
     e, report = Embedder.load("tiny", device="cpu", backend="triton")
     assert e.attention == "fused" and "few-token layer" in e.attention_reason, e.attention_reason
     assert all(report.kernels.backend_of(op) == "triton" for op in FEW_TOKEN_OPS)

@@ -119,10 +119,10 @@ def test_a_verify_fallback_takes_auto_attention_off_the_few_token_layer(monkeypa
     """Regression: the fused switch moved auto attention to varlen when the few-token ops landed on the reference,
     but the verifier's fallback bypassed it, so every batch of <= 64 tokens ran attention_partials, ffn_partials
     and partial_add_layer_norm on their slow torch references. The CPU stands in for a GPU where varlen runs."""
-    import fusedserve.model.encoder as encoder_module
+    import fusedserve.model.packing as packing_module
 
-    monkeypatch.setattr(encoder_module, "varlen_runs", lambda device, dtype: True)
-    monkeypatch.setattr(encoder_module, "varlen_attention", lambda: _cpu_varlen)
+    monkeypatch.setattr(packing_module, "varlen_runs", lambda device, dtype: True)
+    monkeypatch.setattr(packing_module, "varlen_attention", lambda: _cpu_varlen)
     service = _serve(Settings(model="tiny", device="cpu", backend="triton", warmup=False, kernel_timing_sample_rate=1,
                               verify_sample_rate=1, verify_action="fallback", verify_tolerance=1e-4))
     try:

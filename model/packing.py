@@ -1,5 +1,6 @@
-"""What every family's encoder shares: the packed batch, the attention modes and pooling. A family's layers
-(model/bert.py) run token-wise work on flattened [tokens, hidden] tensors through the fused `kernels.*` ops.
+"""The packed batch, the attention modes and pooling: how every family's encoder is fed and read. A family's layers
+(model/bert.py, composed from model/layers.py) run token-wise work on flattened [tokens, hidden] tensors through the
+fused `kernels.*` ops.
 
 Two layouts: an encoder's `forward` takes a padded [batch, seq] batch; `forward_packed` takes a `Packed` batch, the
 real tokens of every sequence back to back ([tokens, hidden], no padding), so GEMMs and the fused ops touch real
@@ -190,8 +191,8 @@ def varlen_attention():
 
 ATTENTIONS = ("auto", "pad", "varlen", "fused")
 # With attention="fused", batches of at most this many tokens (the serving buckets of a single short request or a
-# few) run each layer as four kernels (Layer._few_token_layer); larger ones run the varlen path where it runs (faster
-# than qkv_attention at 128-token sequences), else qkv_attention + the usual blocks.
+# few) run each layer as four kernels (model/bert.py, Layer._few_token_layer); larger ones run the varlen path where it
+# runs (faster than qkv_attention at 128-token sequences), else qkv_attention + the usual blocks.
 FUSED_LAYER_TOKENS = 64
 # the few-token layer's ops (FUSED_LAYER_TOKENS): auto attention keeps "fused" only where all run on a fused backend
 FEW_TOKEN_OPS = ("attention_partials", "ffn_partials", "partial_add_layer_norm")
