@@ -4,6 +4,7 @@ architecture family (model/families.py); `architecture` names the family."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 
@@ -51,6 +52,10 @@ class EncoderConfig:
     head_size: int = 0
     qkv_bias: bool = False
     qk_norm: bool = False
+    # what one family alone reads (DeBERTa's disentangled attention): a frozen dataclass its file declares and its
+    # config reading fills, so that a new family's hyper-parameters stay in its room instead of growing this class;
+    # None where the family has none
+    section: Hashable | None = None
 
     def __post_init__(self) -> None:
         if not self.head_size and self.hidden_size % self.num_heads:
