@@ -6,15 +6,21 @@ text pairs for cross-encoders, token ids given by the client (checked, cut), and
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 
 from fusedserve.model.api import InputTooLong as _InputTooLong
 from fusedserve.model.api import InvalidInput, Rows, TextOptions, Token
+from fusedserve.model.config import UnsupportedModel
+
+# the SentencePiece model files checkpoints ship beside (or instead of) tokenizer.json: DeBERTa-v3's spm.model,
+# XLM-RoBERTa's sentencepiece.bpe.model, Llama's and T5's tokenizer.model
+SENTENCEPIECE_FILES = ("spm.model", "sentencepiece.bpe.model", "tokenizer.model")
 
 
 class InputTooLong(_InputTooLong):
@@ -42,21 +48,80 @@ class PairTemplate(Protocol):
     instruction: str
 
 
+def tokenizer_file(directory: str | Path) -> Path:
+    """A model directory's tokenizer.json, the one tokenizer format served (HF `tokenizers`). A directory that ships
+    only a SentencePiece model is refused by name: turning one into tokenizer.json is transformers' slow-to-fast
+    conversion, which needs the sentencepiece package (not a dependency here), and a tokenizer rebuilt by hand would
+    be one transformers does not check."""
+    directory = Path(directory)
+    path = directory / "tokenizer.json"
+    if path.is_file():
+        return path
+    spm = next((name for name in SENTENCEPIECE_FILES if (directory / name).is_file()), None)
+    if spm is not None:
+        raise UnsupportedModel(
+            f"{spm} without tokenizer.json: {directory} ships its tokenizer as a SentencePiece model only, and this "
+            "server reads tokenizer.json (converting needs transformers with sentencepiece and protobuf); write one "
+            "beside it, e.g. AutoTokenizer.from_pretrained(dir).save_pretrained(dir), and load again")
+    raise UnsupportedModel(f"{directory} has no tokenizer.json")
+
+
+def eos_template(config_path: Path, tokenizer: Tokenizer) -> processors.TemplateProcessing | None:
+    """The post-processor tokenizer_config.json asks for with add_eos_token: true, as transformers' LlamaTokenizerFast
+    builds it from the config's flags: `<s> $A </s>` (a pair: `<s> $A </s> <s> $B </s>`), the BOS where add_bos_token
+    is true or unset (that tokenizer's default). None where the config does not set add_eos_token: the tokenizer.json's
+    own post-processor stands.
+
+    The decoder embedders that pool the last token (e5-mistral, Linq-Embed-Mistral) pool that appended EOS, and their
+    tokenizer.json's post-processor adds only the BOS: transformers 5 takes tokenizer.json as it is and drops the
+    config's flags, which would pool the last word instead (a silently different embedding); the config is what the
+    models were trained and evaluated with."""
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("add_eos_token") is not True:
+        return None
+    specials = config_path.parent / "special_tokens_map.json"
+    named = json.loads(specials.read_text(encoding="utf-8")) if specials.is_file() else {}
+
+    def token(key: str) -> tuple[str, int] | None:
+        value = config.get(key) or named.get(key)
+        content = value.get("content") if isinstance(value, dict) else value
+        index = tokenizer.token_to_id(content) if isinstance(content, str) else None
+        return None if index is None else (content, index)
+
+    eos, bos = token("eos_token"), token("bos_token")
+    if eos is None:
+        raise UnsupportedModel(f"{config_path}: add_eos_token is true but eos_token names no token of the "
+                               f"vocabulary ({config.get('eos_token')!r})")
+    if config.get("add_bos_token", True) is not True or bos is None:
+        bos = None  # transformers adds no BOS where the config names none
+    first, second = (f"{bos[0]}:0 ", f" {bos[0]}:1") if bos else ("", "")
+    single = f"{first}$A:0 {eos[0]}:0"
+    return processors.TemplateProcessing(single=single, pair=f"{single}{second} $B:1 {eos[0]}:1",
+                                         special_tokens=list(dict.fromkeys(t for t in (bos, eos) if t)))
+
+
 class TextTokenizer:
     def __init__(self, path: str | Path, max_length: int) -> None:
         path = Path(path)
         if path.is_dir():
-            path = path / "tokenizer.json"
+            path = tokenizer_file(path)
         self.max_length = max_length
-        self._truncating = Tokenizer.from_file(str(path))
+        loaded = Tokenizer.from_file(str(path))
+        template = eos_template(path.parent / "tokenizer_config.json", loaded)
+        if template is not None:
+            loaded.post_processor = template
+        saved = loaded.to_str()
+        self._truncating = Tokenizer.from_str(saved)
         self._truncating.no_padding()  # the MiniLM tokenizer.json pads every input to 128
         self._truncating.enable_truncation(max_length=max_length)
         # the tokenizer cuts the text, not its special tokens, wherever its template puts them ([CLS] ... [SEP], a
-        # decoder's trailing <|endoftext|>)
-        self._left_truncating = Tokenizer.from_file(str(path))
+        # decoder's trailing <|endoftext|> or </s>)
+        self._left_truncating = Tokenizer.from_str(saved)
         self._left_truncating.no_padding()
         self._left_truncating.enable_truncation(max_length=max_length, direction="left")
-        self._full = Tokenizer.from_file(str(path))
+        self._full = Tokenizer.from_str(saved)
         self._full.no_padding()
         self._full.no_truncation()
         self._template_truncating: tuple[int, Tokenizer] | None = None  # encode_between's (budget, tokenizer)

@@ -562,3 +562,36 @@ def qwen3_reranker(dest: Path, shape: str = "tiny", *, tied: bool = True) -> Pat
     model.save_pretrained(dest, safe_serialization=True)
     bpe_tokenizer(dest, append_eos=False)
     return dest
+
+
+# ---- decoder embedders (Llama / Mistral) ----------------------------------------------------------------------------
+LLAMA_SPECIALS = ("<unk>", "<s>", "</s>")
+
+
+def llama_tokenizer(dest: Path, vocab_size: int = 448, **flags) -> None:
+    """A tokenizer as Mistral's and Llama 2's tokenizer.json are built: BPE over SentencePiece's "▁" word marks
+    (tokenizers' Metaspace, prepend_scheme first), byte fallback (<0x00>..<0xFF> in the vocabulary), <unk> <s> </s>,
+    a post-processor that adds only <s>; trained here on a few sentences. tokenizer_config.json names LlamaTokenizer
+    and carries `flags` (add_bos_token / add_eos_token: e5-mistral's says both true, its tokenizer.json adds only
+    <s>), padding with </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    # words apart while training (no merge across a "▁"), the whole text one piece when encoding, as Llama's is
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=True)
+    tokenizer.train_from_iterator(_BPE_CORPUS, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[*LLAMA_SPECIALS, *byte_tokens], show_progress=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
+    saved = json.loads(tokenizer.to_str())
+    # the byte tokens are vocabulary entries, not added tokens (the trainer put them first as special tokens)
+    saved["added_tokens"] = [t for t in saved["added_tokens"] if t["content"] in LLAMA_SPECIALS]
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "tokenizer.json").write_text(json.dumps(saved, ensure_ascii=False))
+    (dest / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "pad_token": "</s>", "model_max_length": 32768, "legacy": False, **flags}))
