@@ -1,9 +1,10 @@
 """The blocks no family owns, which the family files (model/bert.py, mpnet.py, gte.py, nomic_bert.py, modernbert.py,
 qwen3.py) compose: LayerNorm parameters, embeddings, rotary frequencies, the gated feed-forward's pieces, the post-norm
-layer of BERT and MPNet (its residual blocks and its FP8 step), the rotary gated layer of GTE and NomicBERT, and the
-encoder bases: the packed forward every family runs, the FP8 precision, the float32 rotary tables and the pre-norm
-chain. A family file imports no other family's: what two of them share is here, where changing it visibly changes
-both. Parameter names here are the families' state_dict keys (their WeightLayouts map checkpoints onto them)."""
+layer of BERT and MPNet (its residual blocks and its FP8 step), the rotary gated layer of GTE and NomicBERT, the
+encoder bases (the packed forward every family runs, the FP8 precision, the float32 rotary tables and the pre-norm
+chain), and the decoder embedders' layer, stack and weight names. A family file imports no other family's: what two
+of them share is here, where changing it visibly changes both. Parameter names here are the families' state_dict keys
+(their WeightLayouts map checkpoints onto them)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fusedserve import kernels
 from fusedserve.kernels import fp8, reference
 from fusedserve.model import packing
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
+from fusedserve.model.family import WeightLayout
 from fusedserve.model.packing import FUSED_LAYER_TOKENS, OFFSET_ATTENTIONS, Packed, check_offsets
 
 
@@ -381,3 +383,121 @@ class PreNormEncoder(RotaryEncoder):
         for layer, norm in zip(self.layers, self.next_norms()):
             h, x = layer.forward_packed(h, x, p, self.frequencies(layer), *norm)
             yield h
+
+
+# ---- decoder layers ----------------------------------------------------------------------------------------------
+
+class DecoderLayer(nn.Module):
+    """The decoder embedders' layer (transformers' LlamaDecoderLayer and those that keep its shape: Qwen2's, Qwen3's,
+    Mistral's), read once over each input: causal attention with grouped-query heads and rotary positions, RMSNorm
+    before each block, a SwiGLU feed-forward.
+
+        x = x + Wo(attention(rotary(norm_q(q)), rotary(norm_k(k)), v))   q, k, v = Wqkv(RMS_in(x)), causal, GQA
+        x = x + Wdown(silu(x Wgate^T) * (x Wup^T))                       of RMS_post(x)
+
+    Biases on the query, key and value projections alone where config.qkv_bias (Qwen2's); each head's q and k
+    RMS-normed before the rotation where config.qk_norm (Qwen3's q_norm / k_norm). Its packed forward: one GEMM for q,
+    k and v; kernels.rotary_attention norms, rotates and attends; kernels.add_rms_norm adds each block's output to the
+    stream and norms the sum with the next block's weights; kernels.linear_glu multiplies silu(gate) into up in the
+    GEMM's epilogue (gate rows first)."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+        self.num_heads, self.kv_heads, self.head_dim = config.num_heads, config.kv_heads, d
+        self.eps = config.layer_norm_eps
+        self.in_ln_weight = nn.Parameter(torch.ones(h))
+        self.qkv = nn.Linear(h, (self.num_heads + 2 * self.kv_heads) * d, bias=config.qkv_bias)
+        if config.qk_norm:
+            self.q_ln_weight = nn.Parameter(torch.ones(d))
+            self.k_ln_weight = nn.Parameter(torch.ones(d))
+        else:
+            self.q_ln_weight = self.k_ln_weight = None
+        self.attn_out = nn.Linear(self.num_heads * d, h, bias=False)
+        self.post_ln_weight = nn.Parameter(torch.ones(h))
+        self.ffn_in = nn.Linear(h, 2 * i, bias=False)  # gate rows, then up rows
+        self.ffn_out = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: Tensor, batch: int, seq: int, attn_mask: Tensor, inv_freq: Tensor) -> Tensor:
+        # the padded layout in plain torch (a test oracle, independent of the fused ops): x [batch * seq, hidden]
+        rms = reference.rms_norm
+        qkv = F.linear(rms(x, self.in_ln_weight, self.eps), self.qkv.weight, self.qkv.bias).view(batch, seq, -1,
+                                                                                               self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.kv_heads, self.kv_heads], dim=2)
+        if self.q_ln_weight is not None:
+            q, k = rms(q, self.q_ln_weight, self.eps), rms(k, self.k_ln_weight, self.eps)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        positions = torch.arange(seq, device=x.device)
+        q, k = reference.rotate_half(q, positions, inv_freq), reference.rotate_half(k, positions, inv_freq)
+        group = self.num_heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).transpose(1, 2).reshape(batch * seq, -1)
+        x = x + F.linear(ctx, self.attn_out.weight)
+        gate, up = F.linear(rms(x, self.post_ln_weight, self.eps), self.ffn_in.weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.ffn_out.weight)
+
+    def forward_packed(self, h: Tensor, x: Tensor, p: Packed, inv_freq: Tensor, next_weight: Tensor
+                       ) -> tuple[Tensor, Tensor]:
+        """h = this layer's normed input, x the residual stream -> (the next block's normed input, the stream)."""
+        qkv = F.linear(h, self.qkv.weight, self.qkv.bias)
+        ctx = kernels.rotary_attention(qkv, p.cu_seqlens, p.seq, self.num_heads, inv_freq, 0, self.kv_heads, True,
+                                       self.q_ln_weight, self.k_ln_weight, self.eps)
+        h, x = kernels.add_rms_norm(F.linear(ctx, self.attn_out.weight), x, self.post_ln_weight, self.eps,
+                                    return_sum=True)
+        h = kernels.linear_glu(h, self.ffn_in.weight, None, "silu")
+        return kernels.add_rms_norm(F.linear(h, self.ffn_out.weight), x, next_weight, self.eps, return_sum=True)
+
+
+class DecoderEncoder(PreNormEncoder):
+    """The decoder embedders' stack: the token table alone, DecoderLayers, a final RMSNorm (the hidden states). The
+    sentence embedding is a token's hidden state (lasttoken pooling), so each input is read once, causally."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__(config, TokenEmbeddings(config), (DecoderLayer(config) for _ in range(config.num_layers)))
+        self.final_ln_weight = nn.Parameter(torch.ones(config.hidden_size))
+        self.reset_parameters()
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        batch, seq = input_ids.shape
+        x = self.embeddings(input_ids.reshape(-1), None, None)
+        positions = torch.arange(seq, device=input_ids.device)
+        causal = (positions[None, :] <= positions[:, None])[None, None]
+        # right padding: a padding query still sees its sequence's real keys before it (no empty softmax row)
+        mask = causal & attention_mask.bool()[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, batch, seq, mask, self.inv_freq)
+        return reference.rms_norm(x, self.final_ln_weight, self.config.layer_norm_eps).view(batch, seq, -1)
+
+    def first_norm(self, x: Tensor) -> Tensor:
+        return kernels.rms_norm(x, self.layers[0].in_ln_weight, self.config.layer_norm_eps)
+
+    def next_norms(self) -> list[tuple[Tensor, ...]]:
+        return [(layer.in_ln_weight,) for layer in self.layers[1:]] + [(self.final_ln_weight,)]
+
+
+def decoder_kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels.* ops DecoderEncoder's packed forward calls (the padded layout is plain torch)."""
+    if layout != "packed":
+        return ()
+    return ("rms_norm", "rotary_attention", "add_rms_norm", "linear_glu")
+
+
+# transformers' LlamaModel names, which Qwen2Model, Qwen3Model and MistralModel keep (a *ForCausalLM checkpoint's
+# "model." prefix is stripped on load) -> DecoderLayer's; q/k norms only where the config has them (the encoder's
+# state decides)
+DECODER_WEIGHTS = WeightLayout(
+    {"embed_tokens.weight": "embeddings.word_embeddings", "norm.weight": "final_ln_weight"},
+    "layers.",
+    {
+        "input_layernorm.weight": "in_ln_weight",
+        "self_attn.q_norm.weight": "q_ln_weight",
+        "self_attn.k_norm.weight": "k_ln_weight",
+        "self_attn.o_proj.weight": "attn_out.weight",
+        "post_attention_layernorm.weight": "post_ln_weight",
+        "mlp.down_proj.weight": "ffn_out.weight",
+    },
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    stacked={"ffn_in.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
+    optional=frozenset({"self_attn.q_norm.weight", "self_attn.k_norm.weight"}),
+    token_types=False,
+)
