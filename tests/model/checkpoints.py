@@ -595,3 +595,82 @@ def llama_tokenizer(dest: Path, vocab_size: int = 448, **flags) -> None:
     (dest / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
          "pad_token": "</s>", "model_max_length": 32768, "legacy": False, **flags}))
+
+
+# ---- DeBERTa-v2 / v3 ----------------------------------------------------------------------------------------------
+# DeBERTa-v3's switches: transformers' DebertaV2Config defaults are not v3's (no relative attention, absolute
+# positions), so every v3 checkpoint's config.json sets them
+DEBERTA_V3 = dict(relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=256, share_att_key=True,
+                  norm_rel_ebd="layer_norm", position_biased_input=False, max_relative_positions=-1, type_vocab_size=0)
+DEBERTA_SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                 max_position_embeddings=512),
+    "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                 max_position_embeddings=512),  # deberta-v3-base's (its 128k vocabulary cut to the tokenizer's)
+}
+_UNIGRAM_CORPUS = _BPE_CORPUS + ["Disentangled attention adds content-to-position and position-to-content terms.",
+                                 "A cross-encoder reads the query and the passage together; NLI: entailment."]
+
+
+def unigram_tokenizer(dest: Path) -> int:
+    """A SentencePiece-style Unigram tokenizer as DeBERTa-v3's is ([PAD] [CLS] [SEP] [UNK] first, ▁ word starts,
+    [CLS] a [SEP] b [SEP] pairs), its pieces trained here on a few sentences and saved by transformers'
+    DebertaV2Tokenizer (tokenizer.json and tokenizer_config.json, as transformers writes a v3 directory). Returns the
+    vocabulary size, [MASK] included."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import DebertaV2Tokenizer
+
+    trainer = Tokenizer(models.Unigram())
+    trainer.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer.train_from_iterator(_UNIGRAM_CORPUS, trainers.UnigramTrainer(
+        vocab_size=400, special_tokens=["[PAD]", "[CLS]", "[SEP]", "[UNK]"], unk_token="[UNK]", show_progress=False))
+    pieces = [tuple(p) for p in json.loads(trainer.to_str())["model"]["vocab"]]
+    tokenizer = DebertaV2Tokenizer(vocab=pieces, unk_id=3)
+    tokenizer.save_pretrained(str(dest))
+    return len(tokenizer)
+
+
+def _deberta_draw(model: torch.nn.Module) -> None:
+    """Query, key and position projections at 1/sqrt(width) and the relative table at order 1 (under the 0.02 init
+    the position terms are next to nothing against the content scores: a wrong bucket, sign or gather would not
+    show), norm weights around 1 and biases of order 0.1 (a norm or bias applied in the wrong place shows)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and any(f"{n}." in name for n in ("query_proj", "key_proj")):
+                p.normal_(0, p.shape[1] ** -0.5)
+            elif "rel_embeddings" in name:
+                p.normal_(0, 1.0)
+            elif "LayerNorm.weight" in name:
+                p.normal_(1.0, 0.1)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+
+
+def deberta_v2(dest: Path, pooling: list[str] = ("mean",), num_labels: int | None = None, shape: str = "tiny",
+               **switches) -> Path:
+    """A random DeBERTa-v3 (DEBERTA_V3's switches, `switches` over them): transformers' DebertaV2Model with
+    sentence-transformers modules, or with num_labels a DebertaV2ForSequenceClassification (a cross-encoder: 1 label,
+    or 3 as the NLI models' contradiction / entailment / neutral), both with unigram_tokenizer's tokenizer."""
+    import transformers
+
+    dest.mkdir(parents=True, exist_ok=True)
+    vocab = unigram_tokenizer(dest)
+    torch.manual_seed(13 + (num_labels or 0))
+    dims = dict(vocab_size=vocab, pad_token_id=0, layer_norm_eps=1e-7, **DEBERTA_SHAPES[shape],
+                **{**DEBERTA_V3, **switches})
+    if num_labels is None:
+        model = transformers.DebertaV2Model(transformers.DebertaV2Config(**dims))
+    else:
+        labels = {1: ["score"], 3: ["contradiction", "entailment", "neutral"]}.get(
+            num_labels, [f"LABEL_{i}" for i in range(num_labels)])
+        model = transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
+            num_labels=num_labels, id2label=dict(enumerate(labels)), **dims))
+    _deberta_draw(model)
+    with torch.no_grad():  # logits of order 1, so sigmoid/softmax are not flat
+        for name, p in model.named_parameters():
+            if ("classifier" in name or "pooler" in name) and p.dim() == 2:
+                p.normal_(0, 1.5 * p.shape[1] ** -0.5)
+    model.save_pretrained(dest, safe_serialization=True)
+    if num_labels is None:
+        _st_files(dest, list(pooling), max_seq_length=dims["max_position_embeddings"])
+    return dest

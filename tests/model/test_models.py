@@ -279,11 +279,11 @@ def test_what_cannot_be_served_exactly_is_refused_naming_it(tmp_path):
     (path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(UnsupportedModel, match="module 'sentence_transformers.models.LayerNorm' is not supported"):
         Embedder.load(str(path), device="cpu")
-    path = checkpoints.minilm(tmp_path / "deberta", ["mean"])
+    path = checkpoints.minilm(tmp_path / "electra", ["mean"])
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "deberta-v2",
-                                                  "architectures": ["DebertaV2Model"]}))
-    with pytest.raises(CheckpointError, match="model_type 'deberta-v2' \\(DebertaV2Model\\) is not supported; "
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "electra",
+                                                  "architectures": ["ElectraModel"]}))
+    with pytest.raises(CheckpointError, match="model_type 'electra' \\(ElectraModel\\) is not supported; "
                                               "supported model types: bert, roberta, xlm-roberta, distilbert, mpnet, gte, new, "
                                               "nomic_bert, modernbert, qwen3, qwen2"):
         Embedder.load(str(path), device="cpu")
