@@ -19,14 +19,16 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fusedserve.server import workers
 from fusedserve.server.config import Settings
 from fusedserve.server.deps import key_matches
-from fusedserve.server.heap import LARGE_BODY_BYTES, HeapTrimmer
+from fusedserve.server.heap import LARGE_ANSWER_BYTES, LARGE_BODY_BYTES, HeapTrimmer, fix_malloc_thresholds
 from fusedserve.server.errors import ServiceError, ascii_int, error_response, service_error_response
-from fusedserve.server.observability import CURRENT, TIMING_HEADERS, RequestRecord, request_id
+from fusedserve.server.observability import (CLIENT_GONE_STATUS, CURRENT, TIMING_HEADERS, ClientGone, RequestRecord,
+                                             request_id)
 from fusedserve.server.protocol import OVER_CAPACITY
 from fusedserve.server.responses import LeanRoute
 from fusedserve.server.routes import admin, health, infer, kserve, openai, rerank, tei
@@ -80,11 +82,12 @@ class BodyLimit:
     """Pure ASGI middleware after the API-key check: the body, declared or streamed (chunked too), read here up to
     max_body_bytes (413 beyond) and handed on whole, so no route's body parser turns an over-long body into another
     status (a chunked one used to get FastAPI's 400 on the routes that parse their body as a model). A body not
-    received within timeout_s (request_timeout_s) is a 408."""
+    received within timeout_s (request_timeout_s) is a 408. A large body's memory is given back once it is answered
+    (heap: the app's one HeapTrimmer, which large answers use too)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, heap: HeapTrimmer | None = None) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
-        self.heap = HeapTrimmer()
+        self.heap = heap or HeapTrimmer()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -132,10 +135,17 @@ class RequestObserver:
     """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the handlers), around every
     request: its RequestRecord (server.observability) for the service to fill in; the response headers x-request-id
     and the timings; fusedserve_requests_total{model,route,status} and fusedserve_request_duration_seconds{model,route}
-    (model: the one the request was routed to, "" for none); and, with tracing on, the request's server span."""
+    (model: the one the request was routed to, "" for none); with tracing on, the request's server span; and, after
+    an answer of LARGE_ANSWER_BYTES or more (/tokenize's and /embed_all's grow with every token of a small body), the
+    heap given back (server.heap).
 
-    def __init__(self, app: ASGIApp, service: Service) -> None:
+    A request whose client went away before its answer (ClientGone or starlette's ClientDisconnect raised where it
+    was noticed, or an answer made after the connection closed) is counted under status 499 and logged in one INFO
+    line, and nothing is sent for it: an escaping exception would be a 500 and a traceback per disconnect."""
+
+    def __init__(self, app: ASGIApp, service: Service, heap: HeapTrimmer | None = None) -> None:
         self.app, self.metrics, self.tracing = app, service.metrics, service.tracing
+        self.heap = heap or HeapTrimmer()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -148,25 +158,45 @@ class RequestObserver:
             record.tracing = self.tracing
             record.span = self.tracing.start_request(scope["method"], scope["path"], headers, started)
         token = CURRENT.set(record)
-        status = 500
+        status, answered, gone = 500, 0, False
+        # uvicorn's request cycle (receive is its bound method): its `disconnected` flag is how an answer made after
+        # the client left is told apart (uvicorn drops it unsent); elsewhere only a raised disconnect counts
+        cycle = getattr(receive, "__self__", None)
 
         async def observing_send(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answered, gone
+            if message["type"] == "http.response.body":  # made, sent or not: its memory is what counts
+                answered += len(message.get("body", b""))
+            if gone:
+                return
             if message["type"] == "http.response.start":
+                if getattr(cycle, "disconnected", False):
+                    gone = True
+                    return
                 status = message["status"]
                 message["headers"] = [*message.get("headers", ()), *record.headers(time.monotonic())]
             await send(message)
 
         try:
             await self.app(scope, receive, observing_send)
+        except (ClientGone, ClientDisconnect):
+            gone = True
         finally:
             CURRENT.reset(token)
+            elapsed = time.monotonic() - started
+            if gone:
+                status = CLIENT_GONE_STATUS
             route = getattr(scope.get("route"), "path", "unmatched")
             if route != "/metrics":
                 self.metrics.requests.labels(record.model, route, str(status)).inc()
-                self.metrics.request_duration.labels(record.model, route).observe(time.monotonic() - started)
+                self.metrics.request_duration.labels(record.model, route).observe(elapsed)
             if record.span is not None:
                 self.tracing.end_request(record.span, route, status, record.id, record.model)
+            if answered >= LARGE_ANSWER_BYTES:  # its memory is free now: give it back to the OS
+                self.heap.after_large_request()
+            if gone:
+                log.info("client disconnected: %s %s after %.2fs, request id %s", scope["method"], scope["path"],
+                         elapsed, record.id)
 
 
 class HotRoutes:
@@ -302,6 +332,7 @@ def _first_param(errors: list[dict]) -> str | None:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
+    fix_malloc_thresholds()  # before the model and the tokenizer allocate: freed heap goes back (server.heap)
     service = Service(settings)
 
     @asynccontextmanager
@@ -355,6 +386,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's 400 for a body whose client went away
+            raise ClientGone("client disconnected while sending the body") from None
         kind = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(request.scope["path"], exc.status_code, kind, str(exc.detail),
                               headers=getattr(exc, "headers", None))
@@ -370,11 +403,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # routes' shortcut -> the routes
     app.add_middleware(HotRoutes, routes=[route for module in ROUTERS for route in module.router.routes],
                        exception_handlers=app.exception_handlers)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.request_timeout_s)
+    heap = HeapTrimmer()  # one for large bodies and large answers: a burst of either is trimmed once
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.request_timeout_s, heap=heap)
     if settings.api_keys:
         app.add_middleware(ApiKeys, keys=settings.api_keys, probes=settings.auth_probes)
     app.add_middleware(HeaderLimits, max_bytes=settings.max_body_bytes)
-    app.add_middleware(RequestObserver, service=service)
+    app.add_middleware(RequestObserver, service=service, heap=heap)
     if settings.cors_allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=list(TIMING_HEADERS), max_age=600)

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from fusedserve.server.deps import get_service
-from fusedserve.server.errors import BadRequest
+from fusedserve.server.observability import ClientGone
 
 
 class EmbeddingResponse(JSONResponse):
@@ -76,7 +76,8 @@ class LeanRoute(APIRoute):
     content type is application/json or application/*+json (else, a missing type included, the raw bytes, which
     then fail validation), a malformed body is a json_invalid error, an empty one a missing body, and pydantic's
     errors are reported under "body" like FastAPI's (the app turns them into 400 / 422); a client that goes away
-    mid-body gets the 400 FastAPI gives (an over-long body never gets here: BodyLimit answers 413)."""
+    mid-body is ClientGone (server.observability: a 499, answered with nothing), where FastAPI would answer a 400 to
+    nobody (an over-long body never gets here: BodyLimit answers 413)."""
 
     def get_route_handler(self):
         params = list(inspect.signature(self.endpoint).parameters)
@@ -89,7 +90,7 @@ class LeanRoute(APIRoute):
             try:
                 raw = await request.body()
             except ClientDisconnect:
-                raise BadRequest("the client went away while sending the body") from None
+                raise ClientGone("client disconnected while sending the body") from None
             if not raw:
                 raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required",
                                                "input": None}])

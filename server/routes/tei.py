@@ -164,7 +164,7 @@ async def embed_all(body: EmbedAllRequest, service: ServiceDep, request: Request
     model = service.model(None, "embedding")
     rows = await model.prepare(_items(body.inputs), _options(body.truncate, body.truncation_direction,
                                                              body.prompt_name))
-    block = await model.token_rows(rows)
+    block = await model.token_rows(rows, request)
     return await off_the_loop(lambda: block)
 
 
