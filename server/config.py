@@ -144,7 +144,8 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take from its arrival (its body's "
                                      "read, tokenizing and the queue count): a body not received by then is a 408; "
                                      "inputs still waiting are answered 504 and never run (a batch already running "
-                                     "gets 1 s of grace)")
+                                     "gets 1 s of grace); with warm-up on, a request whose forward the warm-up's cost "
+                                     "model predicts to outlast it is refused 413 before it runs")
     header_timeout_s: float = Field(10.0, gt=0, description="seconds a connection may take to send a request's headers "
                                     "(from connecting, or from the request's first byte); a connection still sending "
                                     "them is closed")

@@ -250,7 +250,7 @@ class ModelMetrics:
         self._backends: list[tuple[str, str]] = []
         for result in ("match", "mismatch", "error", "dropped"):
             self.reference_checks.labels(result)
-        for reason in ("queue_full", "timeout", "cancelled", "draining"):
+        for reason in ("queue_full", "timeout", "cancelled", "draining", "predicted_timeout"):
             self.rejected.labels(reason)
         # every known fallback series exists from the start, so dashboards and alerts see 0, not nothing
         self.fallbacks.labels("all", "exception")

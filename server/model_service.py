@@ -21,9 +21,10 @@ from fusedserve.model.api import (Description, InputError, InputTooLong, LoadOpt
                                   TextOptions, name_of)
 from fusedserve.server.batcher import Batcher
 from fusedserve.server.config import ModelSpec, Settings
+from fusedserve.server.cost import CostModel, cost_model
 from fusedserve.server.errors import BadRequest, PayloadTooLarge, ServiceError, Timeout, Unavailable, Unprocessable
 from fusedserve.server.metrics import Metrics, ModelMetrics
-from fusedserve.server.observability import CURRENT
+from fusedserve.server.observability import CURRENT, ClientGone
 from fusedserve.server.quantize import CALIBRATION_TEXTS, QUANTIZED, encode, ranges_of, shape
 from fusedserve.server.verify import Verifier
 
@@ -132,10 +133,6 @@ class Result:
     tokens: int
 
 
-class _ClientGone(Exception):
-    pass
-
-
 class _Expired(Exception):
     pass
 
@@ -180,6 +177,7 @@ class ModelService:
         self._calibrating: asyncio.Lock | None = None
         self._preparer = TickPreparer(lambda inputs, options: self.model.prepare(inputs, options))
         self._serving = 0  # requests of this model submitted to the batcher and not answered yet (the event loop's)
+        self.cost_model: CostModel | None = None  # fit by warm_up: without warm-up no request is refused by cost
 
     @property
     def kind(self) -> str | None:
@@ -222,10 +220,20 @@ class ModelService:
 
     def warm_up(self) -> None:
         """Before ready, each phase logged with its time: the model's own warm-up (compiles, the shape sweep, the
-        first CUDA graphs) on the batcher's thread, then the calibration of the int8/uint8 output types."""
+        first CUDA graphs) on the batcher's thread, then the fit of the cost model that admission predicts a request's
+        run time with (server.cost) and the calibration of the int8/uint8 output types."""
         started = time.perf_counter()
         self.warmup_seconds.update(self.model.warm_up(self.batcher, self._enter))
         self._enter("calibration")
+        # timed after the model's own warm-up: no compile or first-shape cost in the fit (server.cost)
+        phase = time.perf_counter()
+        s = self.settings
+        self.cost_model = self.batcher.between_batches(
+            lambda: cost_model(self.model, s.max_batch_tokens, s.max_batch_requests)).result()
+        self.warmup_seconds["cost model"] = time.perf_counter() - phase
+        log.info("cost model of %s: %s (fit in %.1fs); a request predicted to run past its deadline "
+                 "(request_timeout_s=%g) is refused", self.name, self.cost_model,
+                 self.warmup_seconds["cost model"], s.request_timeout_s)
         phase = time.perf_counter()
         self._calibration = self.batcher.between_batches(self._embed_calibration).result()
         self.warmup_seconds["calibration"] = time.perf_counter() - phase
@@ -342,6 +350,7 @@ class ModelService:
         future is the one thing awaited: the client's disconnect (the next ASGI message) and the deadline settle it
         too, so nothing polls. Without an HTTP request (gRPC) the caller's task is cancelled when its client goes."""
         left = self._left()
+        self._admit(rows, left)
         job = self.batcher.submit(rows, left, normalize=normalize, dimensions=dimensions)
         loop = asyncio.get_running_loop()
         watcher = loop.create_task(_watch(request, job.future)) if request is not None else None
@@ -349,9 +358,9 @@ class ModelService:
         self._serving += 1
         try:
             block = await job.future
-        except _ClientGone:
+        except ClientGone:
             self.batcher.cancel(job)
-            raise asyncio.CancelledError("client disconnected") from None
+            raise
         except _Expired:
             self.batcher.cancel(job, "timeout")
             raise self._timeout() from None
@@ -368,31 +377,62 @@ class ModelService:
             record.served(job.enqueued, job.started, job.done, len(rows), rows.tokens)
         return Result(block, rows.tokens)
 
+    def _admit(self, rows: Rows, left: float) -> None:
+        """A forward cannot be stopped once it runs: one predicted to outlast the `left` seconds of its deadline is
+        refused (413) before it holds the worker (server.cost)."""
+        if self.cost_model is None:
+            return
+        try:
+            self.cost_model.admit(rows, left, self.settings.request_timeout_s)
+        except PayloadTooLarge:
+            self.metrics.rejected.labels("predicted_timeout").inc()
+            raise
+
     async def embed(self, inputs: Sequence, options: TextOptions, request: Request | None, *, normalize: bool = False,
                     dimensions: int | None = None) -> Result:
         """prepare, then run."""
         return await self.run(await self.prepare(inputs, options), request, normalize=normalize,
                               dimensions=dimensions)
 
-    async def token_rows(self, rows: Rows) -> list[np.ndarray]:
+    async def token_rows(self, rows: Rows, request: Request | None = None) -> list[np.ndarray]:
         """Per-token hidden states ([tokens, dim] float32 per input, special tokens included), as one forward on
-        the batcher's thread between batches."""
+        the batcher's thread between batches. A client that disconnects while the forward waits (ClientGone), or a
+        deadline that passes (504), has it skipped."""
         self.check_token_output(rows.tokens)
         stamps: dict[str, float] = {}
+        abandoned = False
 
-        def run() -> np.ndarray:
+        def run() -> np.ndarray | None:
+            if abandoned:  # nobody waits for it any more
+                return None
             stamps["started"] = time.monotonic()
             try:
                 return self.model.launch(rows, output="tokens").rows()
             finally:
                 stamps["done"] = time.monotonic()
 
+        left = self._left()
+        self._admit(rows, left)
         enqueued = time.monotonic()
+        loop = asyncio.get_running_loop()
+        # asyncio.wait, not wait_for: it never cancels the work's future, and a cancelled concurrent future is one
+        # the batcher's thread cannot settle when it gets to the work
+        work = asyncio.wrap_future(self.batcher.between_batches(run))
+        gone = loop.create_future()
+        watcher = loop.create_task(_watch(request, gone)) if request is not None else None
         try:
-            block = await asyncio.wait_for(asyncio.wrap_future(self.batcher.between_batches(run)),
-                                           timeout=self._left())
-        except asyncio.TimeoutError:
-            raise self._timeout() from None
+            await asyncio.wait((work, gone), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            if gone.done():
+                gone.exception()  # read: the disconnect is reported below, not as a never-retrieved exception
+            if not work.done():
+                abandoned = True
+                work.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if not work.done():
+            raise ClientGone("client disconnected") if gone.done() else self._timeout()
+        block = work.result()
         record = CURRENT.get()
         if record is not None:
             record.served(enqueued, stamps["started"], stamps["done"], len(rows), rows.tokens)
@@ -523,8 +563,8 @@ def _settle(future: asyncio.Future, error: Exception) -> None:
 
 
 async def _watch(request: Request, future: asyncio.Future) -> None:
-    """Settles `future` with _ClientGone when the client has gone: the request's body is read, so the next ASGI
+    """Settles `future` with ClientGone when the client has gone: the request's body is read, so the next ASGI
     message is the disconnect."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    _settle(future, _ClientGone())
+    _settle(future, ClientGone("client disconnected"))
