@@ -256,6 +256,10 @@ class Batcher:
                 self._finish(inflight)
                 inflight = None
             for fn, future in control:
+                # a future its caller cancelled (a request gone, a deadline passed) is skipped: settling a cancelled
+                # future raises, and on this thread that would end the worker
+                if not future.set_running_or_notify_cancel():
+                    continue
                 started = time.perf_counter()
                 try:
                     future.set_result(fn())

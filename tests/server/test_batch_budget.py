@@ -105,3 +105,20 @@ def test_a_newcomer_does_not_wait_for_every_batch_of_a_large_request(model, loop
         assert batcher._next_batch() == [third]  # a newcomer again
         oldest = batcher._pending[0]
         assert oldest in batcher._next_batch()  # and the oldest again
+
+
+def test_work_between_batches_whose_caller_gave_up_is_skipped_and_the_worker_lives_on(model):
+    """A between-batches future cancelled before the worker reaches it (its request gone, its deadline passed) is
+    skipped: settling it would raise on the worker's thread and end the worker."""
+    batcher = _batcher(model, 2048)
+    ran = []
+    with batcher._cond:  # queued before the worker starts: it meets the cancelled future first
+        given_up = batcher.between_batches(lambda: ran.append("given up"))
+        assert given_up.cancel()
+        later = batcher.between_batches(lambda: ran.append("later") or "done")
+    batcher.start()
+    try:
+        assert later.result(timeout=30) == "done" and ran == ["later"]
+        assert batcher.between_batches(lambda: "still serving").result(timeout=30) == "still serving"
+    finally:
+        batcher.drain(timeout_s=10)
