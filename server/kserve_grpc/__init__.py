@@ -179,7 +179,7 @@ class KServeGrpc:
                 await context.abort(CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
             except asyncio.CancelledError:  # the client went away or its deadline passed: its inputs were dropped
                 status = CLIENT_GONE_STATUS
-                log.info("client went away: gRPC %s after %.2fs, request id %s", method, time.monotonic() - started,
+                log.info("client disconnected: gRPC %s after %.2fs, request id %s", method, time.monotonic() - started,
                          record.id)
                 raise
             except Exception:  # a bug: logged here, never a traceback to the client

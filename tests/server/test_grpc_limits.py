@@ -318,6 +318,35 @@ def test_a_call_whose_client_goes_away_is_a_499_in_one_line_and_never_runs(tmp_p
                                      status="499") == 1, 10)
         assert metric(srv, INPUTS_STARTED) == 1  # the occupying input only: the cancelled one never ran
         log = srv.log()
-        assert log.count("client went away: gRPC ModelInfer") == 1 and "Traceback" not in log, log[-2000:]
+        assert log.count("client disconnected: gRPC ModelInfer") == 1 and "Traceback" not in log, log[-2000:]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_idle_memory_returns_within_ten_percent_after_bursts_of_the_largest_grpc_calls(tmp_path):
+    """As over HTTP (tests/server/test_hardening.py): after bursts of the largest calls the limits allow
+    (max_client_batch texts of max_request_chars in all, four at once), the idle RSS is back within 10%."""
+    port = free_port()
+    srv = start_server(tmp_path, model=MODEL, warmup=False, grpc_port=port, request_timeout_s=120)
+    srv.grpc = f"127.0.0.1:{port}"
+    pid = srv.process.pid
+    words = "alpha beta gamma delta kernel fused batch token layer norm vector serve encoder".split()
+
+    def largest(seed: int) -> bytes:
+        rng = np.random.default_rng(seed)
+        texts = [" ".join(rng.choice(words, 400))[:2048].encode() for _ in range(256)]  # 512 Ki characters
+        return _request(("text", "BYTES", [len(texts)]),
+                        raw=[b"".join(len(t).to_bytes(4, "little") + t for t in texts)])
+
+    try:
+        _call(srv, largest(0), timeout=120)
+        time.sleep(1.0)
+        before = _rss_mib(pid)
+        for burst in range(3):
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda i: _call(srv, largest(10 * burst + i), timeout=120), range(4)))
+            assert all(a.outputs[0].shape[0] == 256 for a in answers)
+        assert _until(lambda: _rss_mib(pid) <= 1.10 * before, 5), (before, _rss_mib(pid))
     finally:
         srv.stop()
