@@ -674,3 +674,59 @@ def deberta_v2(dest: Path, pooling: list[str] = ("mean",), num_labels: int | Non
     if num_labels is None:
         _st_files(dest, list(pooling), max_seq_length=dims["max_position_embeddings"])
     return dest
+
+
+# the tiny shapes: grouped-query heads (4 query heads over 2 key/value heads); Mistral's with a head width of its own
+# (32, not 64 / 4, as Mistral-Nemo's 128 is not 5120 / 32). "7b-2l": Mistral-7B's widths (32 query heads of 128 over
+# 8 key/value heads, a 14336-wide feed-forward, its 32000-token table) at two layers, for the GPU's kernels
+LLAMA_SHAPES = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024),
+    "7b-2l": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768),
+}
+# e5-mistral-7b-instruct's prompts (config_sentence_transformers.json), two of them
+E5_MISTRAL_PROMPTS = {
+    "web_search_query": "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: ",
+    "sts_query": "Instruct: Retrieve semantically similar text.\nQuery: ",
+}
+TOKEN_FLAGS = {"add_bos_token": True, "add_eos_token": True}  # e5-mistral's tokenizer_config.json
+
+
+def llama(dest: Path, shape: str = "tiny", *, mistral: bool = False, sliding_window: int | None = None,
+          max_seq_length: int = 256, prompts: dict | None = None, token_flags: dict | None = None,
+          prefix: str = "") -> Path:
+    """A random Llama (or Mistral) embedder as e5-mistral-7b-instruct ships: transformers' LlamaModel / MistralModel
+    saved with save_pretrained, sentence-transformers modules (lasttoken pooling, Normalize, the instruction prompts,
+    max_seq_length), and a Llama tokenizer (llama_tokenizer) whose config asks for the EOS (token_flags). Llama's
+    rotary base in transformers 5's rope_parameters; Mistral's config.json written as e5-mistral's is (transformers
+    4's: a top-level rope_theta, sliding_window; `sliding_window` None leaves MistralConfig's default, 4096). prefix
+    "model.": the tensors under a *ForCausalLM's prefix, with its LM head."""
+    from transformers import LlamaConfig, LlamaModel, MistralConfig, MistralModel
+
+    torch.manual_seed(14 if mistral else 13)
+    dims = dict(LLAMA_SHAPES[shape], pad_token_id=2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    if mistral:
+        window = {} if sliding_window is None else {"sliding_window": sliding_window}
+        config = MistralConfig(rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+                               **({"head_dim": 32} if shape == "tiny" else {}), **window, **dims)
+        model = MistralModel(config)
+    else:
+        config = LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 500_000.0}, **dims)
+        model = LlamaModel(config)
+    _qwen_draw(model)
+    model.save_pretrained(dest, safe_serialization=True)
+    if mistral:  # e5-mistral's config.json, written by transformers 4
+        saved = json.loads((dest / "config.json").read_text())
+        theta = saved.pop("rope_parameters")["rope_theta"]
+        saved.pop("rope_theta", None)
+        (dest / "config.json").write_text(json.dumps({**saved, "rope_theta": theta,
+                                                      "sliding_window": config.sliding_window}))
+    if prefix:
+        state = {prefix + k: v.contiguous() for k, v in model.state_dict().items()}
+        state["lm_head.weight"] = torch.randn(config.vocab_size, config.hidden_size) * 0.02
+        save_file(state, dest / "model.safetensors")
+    llama_tokenizer(dest, **(TOKEN_FLAGS if token_flags is None else token_flags))
+    _st_files(dest, ["lasttoken"], max_seq_length=max_seq_length,
+              prompts=E5_MISTRAL_PROMPTS if prompts is None else prompts)
+    return dest
