@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fusedserve.model import bert, deberta_v2, gte, llama, modernbert, mpnet, nomic_bert, qwen3
+from fusedserve.model import bert, deberta_v2, gemma3, gte, llama, modernbert, mpnet, nomic_bert, qwen3
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.family import Family
 
 FAMILIES: tuple[Family, ...] = (bert.FAMILIES + mpnet.FAMILIES + gte.FAMILIES + nomic_bert.FAMILIES
                                  + modernbert.FAMILIES + qwen3.FAMILIES + deberta_v2.FAMILIES
-                                 + llama.FAMILIES)
+                                 + llama.FAMILIES + gemma3.FAMILIES)
 _BY_NAME = {f.name: f for f in FAMILIES}
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 SUPPORTED = ", ".join(_BY_MODEL_TYPE)  # config.json model_type values

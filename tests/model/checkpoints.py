@@ -730,3 +730,66 @@ def llama(dest: Path, shape: str = "tiny", *, mistral: bool = False, sliding_win
     _st_files(dest, ["lasttoken"], max_seq_length=max_seq_length,
               prompts=E5_MISTRAL_PROMPTS if prompts is None else prompts)
     return dest
+
+
+# ---- EmbeddingGemma (Gemma3 read both ways) ------------------------------------------------------------------------
+# a tiny Gemma3TextModel: grouped-query heads (4 over 2) of a width of their own (32, not 64 / 4), a score scale apart
+# from the head width (query_pre_attn_scalar 24), sliding-window and global layers with their own rotary bases, and a
+# window of 8 (keys at most 4 positions away, either side), so that short inputs cross it
+GEMMA3_SHAPES = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, max_position_embeddings=1024,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
+    # embeddinggemma-300m's widths (3 query heads of 256 over 1 key/value head, a 1152-wide feed-forward) at two
+    # layers, a sliding one and a global one, its vocabulary cut to 32000 rows, for the GPU's kernels
+    "300m-2l": dict(vocab_size=32000, hidden_size=768, intermediate_size=1152, num_hidden_layers=2,
+                    num_attention_heads=3, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                    max_position_embeddings=2048, layer_types=["sliding_attention", "full_attention"]),
+}
+# embeddinggemma-300m's prompts (config_sentence_transformers.json), two of them
+EMBEDDINGGEMMA_PROMPTS = {"query": "task: search result | query: ", "document": "title: none | text: "}
+
+
+def gemma3(dest: Path, shape: str = "tiny", *, sliding_window: int = 8, max_seq_length: int = 256,
+           dense: tuple[int, int] = (128, 48)) -> Path:
+    """A random EmbeddingGemma as google/embeddinggemma-300m ships: transformers' Gemma3TextModel with
+    use_bidirectional_attention saved with save_pretrained (its rotary bases in transformers 5's per-layer-type
+    rope_parameters), sentence-transformers modules (mean pooling, two Dense modules without bias and with the
+    identity activation, hidden -> dense[0] -> dense[1], Normalize, the query / document prompts) and a tokenizer
+    whose post-processor adds <s> before and </s> after each text. Norm weights are drawn around 0 (Gemma's norms
+    scale by 1 + w: a norm read as x * w, or applied to the wrong block, shows)."""
+    from safetensors.torch import load_file
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    torch.manual_seed(15)
+    config = Gemma3TextConfig(**GEMMA3_SHAPES[shape], sliding_window=sliding_window, use_bidirectional_attention=True,
+                              hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, pad_token_id=2,
+                              bos_token_id=1, eos_token_id=2,
+                              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    model = Gemma3TextModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.2)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    model.save_pretrained(dest, safe_serialization=True)
+    llama_tokenizer(dest)
+    saved = json.loads((dest / "tokenizer.json").read_text())
+    saved["post_processor"]["single"] = [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                         {"Sequence": {"id": "A", "type_id": 0}},
+                                         {"SpecialToken": {"id": "</s>", "type_id": 0}}]
+    saved["post_processor"]["special_tokens"]["</s>"] = {"id": "</s>", "ids": [2], "tokens": ["</s>"]}
+    (dest / "tokenizer.json").write_text(json.dumps(saved, ensure_ascii=False))
+    hidden = config.hidden_size
+    _st_files(dest, ["mean"], dense=[(hidden, dense[0], "identity"), (dense[0], dense[1], "identity")],
+              max_seq_length=max_seq_length, prompts=EMBEDDINGGEMMA_PROMPTS, seed=15)
+    for path in sorted(dest.glob("*_Dense")):  # embeddinggemma's Dense modules have no bias
+        dense_config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**dense_config, "bias": False}))
+        save_file({"linear.weight": load_file(path / "model.safetensors")["linear.weight"]},
+                  path / "model.safetensors")
+    return dest

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _HF = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
        "intermediate_size": 64, "max_position_embeddings": 66, "pad_token_id": 1,
-       "dim": 32, "n_layers": 3, "n_heads": 4, "hidden_dim": 64}
+       "dim": 32, "n_layers": 3, "n_heads": 4, "hidden_dim": 64,
+       "use_bidirectional_attention": True}  # Gemma3 is served as EmbeddingGemma only (its default is causal)
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f.name)
