@@ -95,7 +95,7 @@ def _supported(config: str) -> str | None:
     if config == "bfloat16":
         import torch
 
-        from fusedserve.model.runner import CPU_HALF_FLAGS, cpu_half_isa
+        from fusedserve.model.loading import CPU_HALF_FLAGS, cpu_half_isa
 
         if not cpu_half_isa(torch.bfloat16):
             return f"this CPU has none of {', '.join(CPU_HALF_FLAGS[torch.bfloat16])}"

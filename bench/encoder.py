@@ -269,7 +269,7 @@ def embedder(encoder, device: str, dtype: torch.dtype, *, backend: str, graphs: 
     e = Embedder(encoder, None, "bench", torch.device(device), dtype, pipeline=pipeline, classifier=classifier,
                  backend=backend, cuda_graphs=graphs, max_batch_tokens=max_tokens, max_batch=max_batch,
                  precision=precision)
-    e.set_fused(True)
+    e.kernel_path.set_fused(True)
     return e
 
 
@@ -400,7 +400,8 @@ def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Ca
             # the Embedders stay alive to be timed side by side: each one's peak counts from what was held
             # before it was built (the shared weights, the Embedders built before it)
             peak = (torch.cuda.max_memory_allocated() - held) / 2**20 if cuda else None
-            built[label] = ({**extra, "attention": ours.attention, "kernels": dict(ours.selection.used)},
+            path = ours.kernel_path
+            built[label] = ({**extra, "attention": path.attention, "kernels": dict(path.selection.used)},
                             lambda e=ours: e.launch_ids(batch_rows), peak)
             ours = None
         with torch.inference_mode():
@@ -515,7 +516,7 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
                     result.update(host_and_replay_us(ours, rows))
             out.append({"provider": "ours", "case": name, "dtype": str(dtype).removeprefix("torch."), "mode": mode,
                         "backend": backend, **({"precision": precision} if precision != "native" else {}),
-                        "attention": ours.attention, "kernels": dict(ours.selection.used),
+                        "attention": ours.kernel_path.attention, "kernels": dict(ours.kernel_path.selection.used),
                         "ms": result["wall_us"] / 1e3, **result})
             print(f"{name} {backend} {mode} {precision}: {result['wall_us']:.0f} us/forward, "
                   f"{result['kernels_per_forward']:.0f} kernels, GPU idle {result['gpu_idle_us']:.0f} us, "
@@ -581,7 +582,7 @@ def fp8_accuracy(args: argparse.Namespace, save: Callable[[list[dict], bool], No
         worst = int(cos.argmin())
         # ms: a batch of the corpus, texts to embeddings (tokenizing included), for scale only
         rows.append({"provider": "ours", "precision": precision, "dtype": "float16", "ms": ms,
-                     "active_precision": ours.active_precision, "heldout_texts": len(held),
+                     "active_precision": ours.kernel_path.active_precision, "heldout_texts": len(held),
                      "min_cosine": float(cos.min()), "p01_cosine": float(cos.quantile(0.01)),
                      "mean_cosine": float(cos.mean()), "worst_text_words": len(held[worst].split()),
                      "corpus_texts": len(corpus), "top10_overlap": overlap})

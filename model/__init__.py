@@ -1,8 +1,9 @@
 """The models the server serves, known to it only through fusedserve.model.api (the seam) and `load`.
 
 Each architecture family is one file (bert.py, gte.py, ...) composing the blocks of layers.py on fusedserve.kernels'
-ops, listed in families.py; packing.py holds the packed batch, attention modes and pooling; runner.py runs a model on a
-device (CUDA graphs, the kernel selection); served.py puts a runner behind the seam.
+ops, listed in families.py; packing.py holds the packed batch, attention modes and pooling; runner.py's Embedder is a
+model on a device, made of loading.py (reading it), kernel_path.py (the kernel selection), forwards.py (eager and CUDA
+graph forwards), warmup.py (the start-up's batches) and describing.py; served.py puts an Embedder behind the seam.
 """
 
 if __name__ != "fusedserve.model":  # one module, one name in a process (docs/decisions/0015)

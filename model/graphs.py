@@ -16,9 +16,10 @@ recently used evicted). All graphs share one memory pool: they never run concurr
 graph's only live outputs are its static buffers, so the pool costs about as much as the largest graph's
 activations; `stats()` reports it.
 
-The kernels a graph replays are the ones of the selection it was captured under: the owner (model.runner.Embedder)
-sets the fingerprint (selection version, attention) whenever it installs a selection, and a new one drops every
-graph. Kernel-timed batches never reach here: they run eagerly (Embedder.timed).
+The kernels a graph replays are the ones of the selection it was captured under: the kernel path
+(model.kernel_path.KernelPath) sets the fingerprint (selection version, attention, precision) whenever it installs a
+selection, and a new one drops every graph. Kernel-timed batches never reach here: they run eagerly
+(model.forwards.Forwards.timed).
 """
 
 from __future__ import annotations

@@ -271,9 +271,9 @@ def resolve_attention(attention: str, device: torch.device, dtype: torch.dtype) 
     """The attention mode to start from. auto -> "fused" where torch's variable-length flash attention runs (fp16/bf16
     on CUDA, a torch built with it): the few-token layer for batches of at most FUSED_LAYER_TOKENS tokens, the
     varlen path above them (faster than varlen alone for a single short request: docs/performance.md, encoder suite);
-    "varlen" on the CPU (sequence_attention: no padded block); "pad" elsewhere. The runner takes auto's "fused" back
-    to "varlen" when the few-token ops did not land on a fused backend (FEW_TOKEN_OPS;
-    model.runner.Embedder._attention_for), since their reference path is slower than varlen. "varlen" (no padded
+    "varlen" on the CPU (sequence_attention: no padded block); "pad" elsewhere. The kernel path takes auto's "fused"
+    back to "varlen" when the few-token ops did not land on a fused backend (FEW_TOKEN_OPS;
+    model.kernel_path.KernelPath.attention_for), since their reference path is slower than varlen. "varlen" (no padded
     block, no mask) and "fused" (the QKV projection and attention of each sequence as one op, `kernels.qkv_attention`,
     where varlen does not run) are taken as asked."""
     usable = varlen_runs(device, dtype)

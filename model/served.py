@@ -16,8 +16,11 @@ import numpy as np
 import torch
 
 from fusedserve import kernels
+from fusedserve.model import describing
 from fusedserve.model.api import Description, LoadOptions, Rows, TextOptions, Worker, name_of
-from fusedserve.model.runner import Embedder, LoadReport, Pending, cpu_isa
+from fusedserve.model.forwards import Pending
+from fusedserve.model.loading import LoadReport, cpu_isa
+from fusedserve.model.runner import Embedder
 
 log = logging.getLogger("fusedserve.model")
 
@@ -84,8 +87,8 @@ class Served:
         self.kind = e.kind
         self._limit = e.config.max_seq_length
         self._memory = {"parameters_bytes": _bytes_of(e.encoder, e.head)}
-        if e.fp8_bytes:
-            self._memory["fp8_weights_bytes"] = e.fp8_bytes
+        if e.kernel_path.fp8_bytes:
+            self._memory["fp8_weights_bytes"] = e.kernel_path.fp8_bytes
         self._background: threading.Thread | None = None
         self._stopping = threading.Event()
         self._watching = False
@@ -94,7 +97,7 @@ class Served:
 
     # ---- what it is -------------------------------------------------------------------------------------------
     def describe(self) -> Description:
-        e = self.embedder
+        e, path = self.embedder, self.embedder.kernel_path
         state = e.describe()
         graphs = e.graphs.stats() if e.graphs is not None else {}
         memory = dict(self._memory)
@@ -105,18 +108,18 @@ class Served:
             name=self.name, kind=self.kind, dim=e.dim, max_length=self._limit, device=str(e.device),
             labels=tuple(classifier.labels) if classifier is not None else (),
             activation=classifier.activation if classifier is not None else "identity",
-            fused=e.fused, path=e.path, precision=e.active_precision, kernels=dict(e.selection.used), graphs=graphs,
-            memory=memory,
+            fused=path.fused, path=path.label, precision=path.active_precision, kernels=dict(path.selection.used),
+            graphs=graphs, memory=memory,
             info={"max_seq_length": self._limit, "device": str(e.device),
                   "dtype": str(e.dtype).removeprefix("torch."), "cpu_isa": cpu_isa(e.device, e.dtype), **state},
             report=self._report())
 
     def _report(self) -> str:
         e = self.embedder
-        lines = [str(self._load) if self._load is not None else f"model {self.name}", e.report()]
+        lines = [str(self._load) if self._load is not None else f"model {self.name}", describing.path_line(e)]
         if self.graph_warmup is not None:
-            lines.append(f"CUDA graphs: {self.graph_warmup[0]} buckets captured before ready, {e.graphs_pending} "
-                         "more to capture while idle")
+            lines.append(f"CUDA graphs: {self.graph_warmup[0]} buckets captured before ready, "
+                         f"{e.forwards.graphs_pending} more to capture while idle")
         memory = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {v / 2**20:.1f} MiB"
                            for k, v in self._memory.items())
         lines.append(f"memory on {e.device}: {memory}")
@@ -133,29 +136,29 @@ class Served:
     def launch(self, rows: Rows, *, output: Literal["pooled", "tokens"] = "pooled", reference: bool = False) -> _Block:
         e = self.embedder
         if output == "tokens":
-            return _Block(Pending(e.embed_tokens(rows)), e.path)
+            return _Block(Pending(e.forwards.embed_tokens(rows)), e.kernel_path.label)
         if reference:
             return _Block(Pending(e.embed_ids(rows, normalize=False, reference=True)), "reference")
-        return _Block(e.launch_ids(rows), e.path)
+        return _Block(e.launch_ids(rows), e.kernel_path.label)
 
     def time_ops(self, rows: Rows, callback: Callable[[str, str, float], None]) -> Iterator[None]:
         return self.embedder.timed_steps(rows, callback)
 
     # ---- switches (the worker's thread, between batches) ------------------------------------------------------
     def set_fused(self, enabled: bool) -> Description:
-        self.embedder.set_fused(enabled)
+        self.embedder.kernel_path.set_fused(enabled)
         return self.describe()
 
     def fall_back(self, reason: str) -> tuple[str, ...]:
-        e = self.embedder
-        if e.fallback:
+        path = self.embedder.kernel_path
+        if path.fallback:
             return ()
-        ops = tuple(e.selection.used)
-        e.fall_back("all", reason)
+        ops = tuple(path.selection.used)
+        path.fall_back("all", reason)
         return ops
 
     def fall_back_precision(self, reason: str) -> bool:
-        return self.embedder.fall_back_precision(reason)
+        return self.embedder.kernel_path.fall_back_precision(reason)
 
     def reference_copy(self) -> Served:
         copy = Served(self.embedder.reference_copy(), None, self.options)
@@ -164,17 +167,17 @@ class Served:
 
     # ---- start-up and background work -------------------------------------------------------------------------
     def warm_up(self, worker: Worker, progress: Callable[[str, float | None], None]) -> dict[str, float]:
-        """On a GPU: the sweep's Triton kernels compiled side by side (Embedder.compile_ahead), then the shape sweep
-        (an eager forward at every launch shape a batch can meet, Embedder.shape_sweep: what is compiled and tuned
-        then, no request pays for later), then the first `graphs_before_ready` CUDA graphs in order of need. On the
-        CPU nothing is compiled or tuned per shape: the largest batch and a short one warm the allocator."""
+        """On a GPU: the sweep's Triton kernels compiled side by side (Forwards.compile_ahead), then the shape sweep
+        (an eager forward at every launch shape a batch can meet, WarmupPlanner.shape_sweep: what is compiled and
+        tuned then, no request pays for later), then the first `graphs_before_ready` CUDA graphs in order of need. On
+        the CPU nothing is compiled or tuned per shape: the largest batch and a short one warm the allocator."""
         e, seconds = self.embedder, {}
         started = time.perf_counter()
-        sweep = e.shape_sweep() if e.device.type == "cuda" else e.warmup_batches()
-        if e.device.type == "cuda" and "triton" in e.selection.used.values():
+        sweep = e.warmup.shape_sweep() if e.device.type == "cuda" else e.warmup.warmup_batches()
+        if e.device.type == "cuda" and "triton" in e.kernel_path.selection.used.values():
             progress("warmup", None)  # the compiles run side by side and end together: no fraction to report
             try:
-                worker.between_batches(lambda: e.compile_ahead(sweep)).result()
+                worker.between_batches(lambda: e.forwards.compile_ahead(sweep)).result()
             except Exception as exc:  # only a head start: the sweep below compiles whatever this did not
                 log.warning("warm-up of %s: compiling ahead failed (%s: %s); the shape sweep compiles its kernels "
                             "one by one", self.name, type(exc).__name__, exc)
@@ -186,7 +189,7 @@ class Served:
         for i, batch in enumerate(sweep):
             progress("warmup", i / len(sweep))
             worker.between_batches(lambda batch=batch: e.embed_ids(batch, graphs=False)).result()
-        e.save_tuning()
+        kernels.save_tuning(e.device)  # every launch shape met: what the kernels tuned, kept for the next start
         seconds["shape sweep"] = time.perf_counter() - phase
         log.info("warm-up of %s: %d launch shapes run in %.1fs", self.name, len(sweep), seconds["shape sweep"])
         limit = self.options.graphs_before_ready
@@ -201,7 +204,7 @@ class Served:
                     log.info("capturing CUDA graphs of %s: %d/%d (%.1fs)", self.name, done, todo,
                              time.perf_counter() - phase)
 
-            count = worker.between_batches(lambda: e.capture_graphs(captured, limit)).result()
+            count = worker.between_batches(lambda: e.forwards.capture_graphs(captured, limit)).result()
             seconds["cuda graphs"] = time.perf_counter() - phase
             self.graph_warmup = (count, seconds["cuda graphs"])
         return seconds
@@ -216,7 +219,7 @@ class Served:
         def run() -> None:
             started, count = time.perf_counter(), 0
             try:
-                while not self._stopping.is_set() and worker.when_idle(e.capture_next_graph).result():
+                while not self._stopping.is_set() and worker.when_idle(e.forwards.capture_next_graph).result():
                     count += 1
             except Exception as exc:
                 if self._stopping.is_set():  # shutting down: the worker refused the rest

@@ -99,9 +99,9 @@ def test_the_cpu_scenario_against_sentence_transformers(tmp_path):
 
 
 def test_the_cpu_scenario_skips_bfloat16_saying_why_on_a_cpu_without_it(monkeypatch):
-    import fusedserve.model.runner as runner
+    from fusedserve.model import loading
     from bench import cpu_peers
 
-    monkeypatch.setattr(runner, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset({"avx2"}))
     assert "amx_bf16, avx512_bf16" in cpu_peers._supported("bfloat16")
     assert cpu_peers._supported("fp32") is cpu_peers._supported("workers-2") is None

@@ -39,7 +39,7 @@ def reference() -> torch.Tensor:
 @needs_fp8
 def test_minilm_in_fp8_against_sentence_transformers(reference, record_property):
     embedder, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", precision="fp8")
-    assert embedder.active_precision == "fp8" and embedder.graphs is not None
+    assert embedder.kernel_path.active_precision == "fp8" and embedder.graphs is not None
     ours = torch.cat([embedder.embed(SENTENCES[i: i + 32]) for i in range(0, len(SENTENCES), 32)])
     cosine, max_abs = assert_embeddings_close(ours, reference, torch.float8_e4m3fn, what="fp8, batches of 32")
     record_property("min_cosine", cosine)
@@ -49,10 +49,10 @@ def test_minilm_in_fp8_against_sentence_transformers(reference, record_property)
     assert cosine < embedding_errors(fp16, reference)[0]  # the batches did run in FP8
 
     # the tier: graphs re-captured on the fp16 path, answers as the fp16 model's
-    assert embedder.fall_back_precision("fp8_mismatch")
+    assert embedder.kernel_path.fall_back_precision("fp8_mismatch")
     again = torch.cat([embedder.embed(SENTENCES[i: i + 32]) for i in range(0, len(SENTENCES), 32)])
     assert_embeddings_close(again, fp16, "float16", what="after the fallback tier")
-    embedder.set_fused(True)
+    embedder.kernel_path.set_fused(True)
     back = torch.cat([embedder.embed(SENTENCES[i: i + 32]) for i in range(0, len(SENTENCES), 32)])
     assert_embeddings_close(back, ours, "float16", what="fp8 again after the fused switch")
 
@@ -65,8 +65,8 @@ def test_mpnet_in_fp8_on_the_gpu(monkeypatch):
     config = EncoderConfig.from_name("mpnet-base")
     embedder = Embedder(family(config).encoder(config), None, "mpnet-base", device=torch.device("cuda"),
                         dtype=torch.float16, precision="fp8")
-    embedder.set_fused(True)  # the kernel selection (Embedder.load makes it)
-    assert embedder.active_precision == "fp8" and embedder.graphs is not None
+    embedder.kernel_path.set_fused(True)  # the kernel selection (Embedder.load makes it)
+    assert embedder.kernel_path.active_precision == "fp8" and embedder.graphs is not None
     calls = []
     linear = fp8.linear
     monkeypatch.setattr(fp8, "linear", lambda *args: calls.append(args[2]) or linear(*args))
@@ -75,7 +75,7 @@ def test_mpnet_in_fp8_on_the_gpu(monkeypatch):
     ours = embedder.embed_ids(rows)  # captured on first use: the FP8 GEMMs run while Python looks, then replayed
     assert len(calls) >= 4 * config.num_layers
     assert embedder.graphs.stats()["replays"] >= 1
-    assert embedder.fall_back_precision("test")
+    assert embedder.kernel_path.fall_back_precision("test")
     fp16 = embedder.embed_ids(rows)
     assert_embeddings_close(ours, fp16, torch.float8_e4m3fn, what="MPNet, random weights, against its fp16 path")
     assert embedding_errors(ours, fp16)[0] < tolerance(torch.float16).min_cosine  # the batch did run in FP8

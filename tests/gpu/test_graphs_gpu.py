@@ -80,26 +80,26 @@ def test_selection_change_drops_graphs_and_reference_path_skips_them():
     assert e.graphs.stats()["captures"] == 1
     ref = e.embed_ids(ids, reference=True)
     assert e.graphs.stats()["replays"] == 1  # the reference re-run ran eagerly
-    version = e.selection.version
-    e.set_fused(False)
-    assert e.selection.version > version
+    version = e.kernel_path.selection.version
+    e.kernel_path.set_fused(False)
+    assert e.kernel_path.selection.version > version
     gc.collect()  # nothing but the holder keeps a dropped graph alive, so its pool's use count reaches 0
     off = e.embed_ids(ids)  # new fingerprint: the fused graph must not be replayed (and capture needs a fresh pool)
     assert e.graphs.stats()["captures"] == 2 and e.graphs.stats()["graphs"] == 1
     for _ in range(3):  # toggled back and forth: every drop is followed by a capture into a new pool
-        e.set_fused(True)
+        e.kernel_path.set_fused(True)
         gc.collect()
         again = e.embed_ids(ids)
-        e.set_fused(False)
+        e.kernel_path.set_fused(False)
         gc.collect()
         assert_embeddings_close(e.embed_ids(ids), off, "float16")
     assert e.graphs.stats()["captures"] == 8
-    e.set_fused(True)
+    e.kernel_path.set_fused(True)
     e.embed_ids(ids)
-    e.fall_back("all", "test")  # a fallback drops them too
+    e.kernel_path.fall_back("all", "test")  # a fallback drops them too
     gc.collect()
     fallen = e.embed_ids(ids)
-    assert e.graphs.stats()["captures"] == 10 and e.path == "reference"
+    assert e.graphs.stats()["captures"] == 10 and e.kernel_path.label == "reference"
     assert_embeddings_close(fallen, off, "float16")
     assert_embeddings_close(again, fused, "float16")
     assert_embeddings_close(off, ref, "float16")
@@ -148,7 +148,7 @@ def test_fused_attention_graphs_match_the_padded_path(dtype):
     e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype=dtype, backend="triton", attention="fused",
                          max_batch_tokens=4096, max_batch=128)
     padded, _ = Embedder.load(str(_model_dir()), device="cuda", dtype=dtype, backend="triton", layout="padded")
-    assert e.attention == "fused"
+    assert e.kernel_path.attention == "fused"
     for texts in (SENTENCES[:1], SENTENCES[1:4], SENTENCES):
         ids = e.tokenizer.encode(texts)
         a, c = e.embed_ids(ids), padded.embed_ids(ids)
@@ -177,8 +177,9 @@ def test_capture_all_covers_the_traffic():
     a single new capture and equal the eager path."""
     e, _ = Embedder.load(str(_model_dir()), device="cuda", dtype="float16", backend="cuda", max_batch_tokens=1024,
                          max_batch=16)
-    assert e.attention == "varlen", e.attention_reason  # auto without the few-token ops (no CUDA kernels for them)
-    assert "would run on the reference" in e.attention_reason
+    # auto without the few-token ops (no CUDA kernels for them)
+    assert e.kernel_path.attention == "varlen", e.kernel_path.attention_reason
+    assert "would run on the reference" in e.kernel_path.attention_reason
     captured = e.graphs.capture_all()
     assert captured == len(e.graphs.reachable_keys()) == e.graphs.stats()["captures"] > 0
     for ids in _random_batches(e.tokenizer, seed=3, count=12):
@@ -226,8 +227,8 @@ def test_auto_attention_follows_the_fused_switch():
     batches = [e.tokenizer.encode(texts) for texts in (SENTENCES[:1], SENTENCES[1:4], SENTENCES[:16])]
     expected = [padded.embed_ids(ids) for ids in batches]
     for fused, attention in ((True, "fused"), (False, "varlen"), (True, "fused")):
-        e.set_fused(fused)
-        assert e.attention == e.graphs.attention == attention, e.attention_reason
+        e.kernel_path.set_fused(fused)
+        assert e.kernel_path.attention == e.graphs.attention == attention, e.kernel_path.attention_reason
         for ids, want in zip(batches, expected):
             got = e.embed_ids(ids)
             assert torch.isfinite(got).all()

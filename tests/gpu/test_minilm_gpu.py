@@ -37,7 +37,7 @@ def test_fused_encoder_matches_sentence_transformers(dtype, backend, reference, 
     embedder, report = Embedder.load(str(_model_dir()), device="cuda", dtype=dtype, backend=backend)
     assert {c.backend for c in report.kernels.choices.values() if c.used} == {backend}
     if backend == "triton" and dtype != "float32":  # auto: the few-token layer for batches of <= 64 tokens
-        assert embedder.attention == "fused", embedder.attention_reason
+        assert embedder.kernel_path.attention == "fused", embedder.kernel_path.attention_reason
     # one sentence at a time as well (a single request: with the few-token layer where it is on), then batches of 16
     alone = torch.cat([embedder.embed([text]) for text in SENTENCES[:16]])
     assert_embeddings_close(alone, reference[:16], dtype, what="one sentence at a time")

@@ -46,7 +46,7 @@ def _builds(tmp_path):
 def test_embedding_models_on_the_fused_kernels(tmp_path, model, dtype):
     path = _builds(tmp_path)[model]()
     ours, _ = Embedder.load(str(path), device="cuda", dtype=dtype, max_batch_tokens=2048, max_batch=16)
-    assert ours.path == "fused"
+    assert ours.kernel_path.label == "fused"
     reference = SentenceTransformer(str(path), device="cuda").float()
     expected = reference.encode(TEXTS, convert_to_tensor=True).float().cpu()
     for rows in (TEXTS[:1], TEXTS):  # one short input (the few-token layer where it runs) and a mixed batch
@@ -75,7 +75,8 @@ def test_gte_on_the_fused_kernels(tmp_path, shape, dtype):
         assert checkpoints.weights_digest(path) == carried["shapes"][shape]["digest"], "seeded weights differ"
         expected = torch.tensor(carried["shapes"][shape]["embeddings"])
     ours, _ = Embedder.load(str(path), device="cuda", dtype=dtype, max_batch_tokens=2048, max_batch=16)
-    assert ours.path == "fused" and {"rotary_attention", "linear_glu"} <= set(ours.selection.used)
+    path = ours.kernel_path
+    assert path.label == "fused" and {"rotary_attention", "linear_glu"} <= set(path.selection.used)
     for rows in (texts[:1], texts):
         got = ours.embed(rows)
         cosine = torch.nn.functional.cosine_similarity(got.double(), expected[: len(rows)].double().cpu(), dim=1)

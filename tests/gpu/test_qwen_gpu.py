@@ -36,7 +36,7 @@ def test_qwen_embedders_on_the_fused_kernels(tmp_path, request, model, dtype):
     path = (request.getfixturevalue("qwen3_06b") if model == "qwen3-0.6b" else
             checkpoints.qwen(tmp_path / model, qwen2=model == "qwen2"))
     ours, _ = Embedder.load(str(path), device="cuda", dtype=dtype, max_batch_tokens=2048, max_batch=16)
-    assert ours.path == "fused" and set(ours.selection.used.values()) == {"triton"}
+    assert ours.kernel_path.label == "fused" and set(ours.kernel_path.selection.used.values()) == {"triton"}
     reference = SentenceTransformer(str(path), device="cuda").float()
     for prompt in (None, "query"):
         expected = reference.encode(TEXTS, prompt_name=prompt, convert_to_tensor=True).float().cpu()
@@ -75,5 +75,5 @@ def test_the_reranker_on_the_fused_kernels(tmp_path, dtype):
     path = checkpoints.qwen3_reranker(tmp_path / "reranker")
     rows, log_odds = _reference_scores(path, PAIRS, RERANK_LENGTH)  # fp32, on the CPU
     ours, _ = Embedder.load(str(path), device="cuda", dtype=dtype, max_seq_length=RERANK_LENGTH)
-    assert ours.path == "fused" and ours.tokenize_pairs(PAIRS) == rows
+    assert ours.kernel_path.label == "fused" and ours.tokenize_pairs(PAIRS) == rows
     assert_scores_close(torch.sigmoid(ours.predict(PAIRS)[:, 0]), torch.sigmoid(log_odds), dtype)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fusedserve.kernels import fp8
+from fusedserve.model import describing
 from fusedserve.model.config import UnsupportedModel
 from fusedserve.model.runner import Embedder
 from tests.model.checkpoints import source_dir
@@ -50,13 +51,13 @@ def st_reference() -> torch.Tensor:
 
 def test_minilm_in_fp8_against_sentence_transformers(fp8_here, st_reference):
     embedder, report = Embedder.load(str(source_dir()), device="cpu", dtype="float32", precision="fp8")
-    assert embedder.active_precision == "fp8" and embedder.describe()["precision"] == {
+    assert embedder.kernel_path.active_precision == "fp8" and embedder.describe()["precision"] == {
         "requested": "fp8", "active": "fp8", "fallback": None}
     # one byte a weight, four a channel's scale
     gemms = [getattr(layer, name).weight for layer in embedder.encoder.layers
              for name in ("qkv", "attn_out", "ffn_in", "ffn_out")]
-    assert embedder.fp8_bytes == sum(w.numel() + 4 * w.shape[0] for w in gemms)
-    assert "FP8 GEMMs for every batch" in embedder.report()
+    assert embedder.kernel_path.fp8_bytes == sum(w.numel() + 4 * w.shape[0] for w in gemms)
+    assert "FP8 GEMMs for every batch" in describing.path_line(embedder)
     ours = embedder.embed(TEXTS)
     cosine, _ = assert_embeddings_close(ours, st_reference, torch.float8_e4m3fn, what="fp8")
     # FP8 is the lossy step: it must move the answer past float32's entry of the table (the fp32 path meets that
@@ -71,28 +72,28 @@ def test_fallback_tier_and_switches(fp8_here):
     fp8_out = embedder.embed(texts)
     assert not torch.equal(fp8_out, native.embed(texts))
 
-    assert embedder.fall_back_precision("fp8_mismatch") is True
-    assert embedder.fall_back_precision("fp8_mismatch") is False  # once
+    assert embedder.kernel_path.fall_back_precision("fp8_mismatch") is True
+    assert embedder.kernel_path.fall_back_precision("fp8_mismatch") is False  # once
     assert embedder.describe()["precision"] == {"requested": "fp8", "active": "native", "fallback": "fp8_mismatch"}
-    assert embedder.fused  # the dtype's fused path, not the reference
-    assert "FP8 GEMMs off (fp8_mismatch)" in embedder.report()
+    assert embedder.kernel_path.fused  # the dtype's fused path, not the reference
+    assert "FP8 GEMMs off (fp8_mismatch)" in describing.path_line(embedder)
     assert torch.equal(embedder.embed(texts), native.embed(texts))
 
-    embedder.set_fused(True)  # the admin switch clears the fallback, as it clears fall_back's
-    assert embedder.active_precision == "fp8"
+    embedder.kernel_path.set_fused(True)  # the admin switch clears the fallback, as it clears fall_back's
+    assert embedder.kernel_path.active_precision == "fp8"
     assert torch.equal(embedder.embed(texts), fp8_out)
-    embedder.set_fused(False)  # every op on the reference: no FP8 either
-    assert embedder.active_precision == "native"
-    embedder.set_fused(True)
-    embedder.fall_back("all", "verify_mismatch")
-    assert embedder.active_precision == "native"
+    embedder.kernel_path.set_fused(False)  # every op on the reference: no FP8 either
+    assert embedder.kernel_path.active_precision == "native"
+    embedder.kernel_path.set_fused(True)
+    embedder.kernel_path.fall_back("all", "verify_mismatch")
+    assert embedder.kernel_path.active_precision == "native"
 
 
 def test_the_reference_copy_leaves_the_fp8_weights_behind(fp8_here):
     embedder, _ = Embedder.load(str(source_dir()), device="cpu", dtype="float32", precision="fp8")
     copy = embedder.reference_copy()
-    assert copy.encoder.fp8_weights is None and copy.active_precision == "native"
-    assert embedder.encoder.fp8_weights is not None and embedder.active_precision == "fp8"
+    assert copy.encoder.fp8_weights is None and copy.kernel_path.active_precision == "native"
+    assert embedder.encoder.fp8_weights is not None and embedder.kernel_path.active_precision == "fp8"
     assert_embeddings_close(copy.embed(SENTENCES[:8]),
                             Embedder.load(str(source_dir()), device="cpu", dtype="float32")[0].embed(SENTENCES[:8]))
 
@@ -107,7 +108,7 @@ def test_mpnet_runs_its_relative_attention_between_fp8_gemms(fp8_here, monkeypat
     texts = SENTENCES[:3]
     ours = embedder.embed(texts)
     assert len(calls) == 4 * embedder.config.num_layers  # every GEMM of every layer, once
-    embedder.fall_back_precision("test")  # the same weights on the float32 path
+    embedder.kernel_path.fall_back_precision("test")  # the same weights on the float32 path
     want = embedder.embed(texts)
     assert len(calls) == 4 * embedder.config.num_layers
     assert_embeddings_close(ours, want, torch.float8_e4m3fn, what="MPNet, random weights")

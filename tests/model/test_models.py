@@ -75,7 +75,7 @@ def test_the_fused_kernels_serve_other_architectures(tmp_path, build):
     the Triton kernels (on the interpreter here)."""
     path = build(tmp_path / "m")
     fused, _ = Embedder.load(str(path), device="cpu", backend="triton")
-    assert set(fused.selection.used.values()) == {"triton"}
+    assert set(fused.kernel_path.selection.used.values()) == {"triton"}
     _agree(fused.embed(TEXTS[:3]), _reference(path).encode(TEXTS[:3], convert_to_tensor=True))
 
 

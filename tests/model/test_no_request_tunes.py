@@ -1,7 +1,7 @@
-"""No request pays an autotune or a compile: after the start-up's shape sweep (Embedder.shape_sweep), eager forwards
-of batches of any size (what a kernel-timed sample, a batch outside every CUDA-graph bucket or serving without graphs
-runs) meet only kernels already tuned and compiled for their shape. On a GPU, the sweep itself compiles nothing that
-Embedder.compile_ahead (the start-up's compile pass before it) left out.
+"""No request pays an autotune or a compile: after the start-up's shape sweep (WarmupPlanner.shape_sweep), eager
+forwards of batches of any size (what a kernel-timed sample, a batch outside every CUDA-graph bucket or serving without
+graphs runs) meet only kernels already tuned and compiled for their shape. On a GPU, the sweep itself compiles nothing that
+Forwards.compile_ahead (the start-up's compile pass before it) left out.
 
 The Triton autotuners' caches hold one entry per tuned key; the JIT functions' caches one entry per compiled variant.
 On the CPU the interpreter runs the autotuner (with its CPU benchmark) and compiles nothing; on a GPU both count."""
@@ -67,12 +67,12 @@ def test_after_the_shape_sweep_no_eager_forward_tunes_or_compiles(device):
     config = EncoderConfig.from_name("tiny")
     e = Embedder(Encoder(config), TextTokenizer(source_dir(), config.max_seq_length), "tiny", torch.device(device),
                  dtype, backend="triton", cuda_graphs=False, max_batch_tokens=128, max_batch=8)
-    e.set_fused(True)
-    sweep = e.shape_sweep()
+    e.kernel_path.set_fused(True)
+    sweep = e.warmup.shape_sweep()
     assert {sum(map(len, b)).bit_length() for b in sweep} == set(range(1, e.max_batch_tokens.bit_length() + 1))
     if device == "cuda":  # the server compiles the sweep's kernels side by side first, tuning nothing
         before_tuned, before_compiled = _state()
-        e.compile_ahead(sweep)
+        e.forwards.compile_ahead(sweep)
         ahead_tuned, ahead_compiled = _state()
         assert ahead_tuned == before_tuned, "compile_ahead tuned a key: the sweep's real launches must time them"
         assert ahead_compiled > before_compiled, "compile_ahead compiled nothing"
@@ -83,7 +83,7 @@ def test_after_the_shape_sweep_no_eager_forward_tunes_or_compiles(device):
     if device == "cuda":
         assert compiled == ahead_compiled, f"the sweep compiled {compiled - ahead_compiled} kernels not compiled ahead"
     seen, seed = [], int(torch.randint(1 << 30, ()))
-    with e.timed(lambda op, backend, seconds: seen.append(backend)):
+    with e.forwards.timed(lambda op, backend, seconds: seen.append(backend)):
         for batch in _random_batches(e, 6 if device == "cpu" else 40, seed=seed):
             e.embed_ids(batch, graphs=False)
     assert "triton" in seen
@@ -107,7 +107,7 @@ def test_the_sweep_meets_every_bucket_at_both_token_parities(max_batch_tokens):
     most = min(max_batch_tokens, 64 * e.config.max_seq_length)
     seen: dict[int, set[int]] = {}
     two_rows: dict[int, set[int]] = {}
-    sweep = e.shape_sweep()
+    sweep = e.warmup.shape_sweep()
     for batch in sweep:
         tokens = sum(map(len, batch))
         assert tokens <= most
@@ -139,7 +139,7 @@ def test_a_batch_of_equal_rows_at_a_new_length_builds_no_cudnn_attention_plan(mo
     config = EncoderConfig.from_name("minilm-l6")  # MiniLM's 32-wide heads, where the plans were seen
     e = Embedder(Encoder(config), None, "minilm", torch.device("cuda"), torch.float16, attention="pad",
                  cuda_graphs=False, max_batch_tokens=256, max_batch=8)
-    e.set_fused(True)
+    e.kernel_path.set_fused(True)
     e.embed_ids([[101, 2000, 102]], graphs=False)  # one-time initialisation outside the profiles
 
     def attention_ops(length: int) -> set[str]:

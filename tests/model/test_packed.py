@@ -203,15 +203,15 @@ def test_runner_configures_only_the_ops_it_calls():
 
     embedder, report = Embedder.load("tiny", device="cpu", backend="torch")
     used = {op for op, c in report.kernels.choices.items() if c.used}
-    assert used == set(kernel_ops("packed", embedder.attention, embedder.device, embedder.dtype))
+    assert used == set(kernel_ops("packed", embedder.kernel_path.attention, embedder.device, embedder.dtype))
     assert "qkv_attention" not in used
     assert "not called by this model" in report.kernels.report()
     assert report.kernels.as_dict()["ops"]["ffn_partials"]["used"] is False
     overridden, _ = Embedder.load("tiny", device="cpu", backend="torch", backend_overrides={"ffn_partials": "torch"})
-    assert overridden.selection.choices["ffn_partials"].used  # asked for by name: chosen as asked
+    assert overridden.kernel_path.selection.choices["ffn_partials"].used  # asked for by name: chosen as asked
     fused, _ = Embedder.load("tiny", device="cpu", backend="torch", attention="fused")
-    assert fused.attention == "fused"
-    assert set(fused.selection.used) == set(kernel_ops("packed", "fused", fused.device, fused.dtype))
+    assert fused.kernel_path.attention == "fused"
+    assert set(fused.kernel_path.selection.used) == set(kernel_ops("packed", "fused", fused.device, fused.dtype))
 
 
 def test_packed_indices():

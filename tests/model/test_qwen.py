@@ -64,7 +64,7 @@ def test_the_fused_kernels_serve_qwen(qwen_dir):
     """RMSNorm, add + RMSNorm with the next block's weights, causal GQA rotary attention (Qwen3: q/k norms first),
     SwiGLU in the GEMM's epilogue: the Triton kernels on the interpreter here."""
     fused, _ = Embedder.load(str(qwen_dir), device="cpu", backend="triton")
-    assert fused.selection.used == {op: "triton" for op in ("rms_norm", "rotary_attention", "add_rms_norm",
+    assert fused.kernel_path.selection.used == {op: "triton" for op in ("rms_norm", "rotary_attention", "add_rms_norm",
                                                             "linear_glu")}
     reference = SentenceTransformer(str(qwen_dir), device="cpu")
     _agree(fused.embed(TEXTS[:3]), encode_unpadded(reference, TEXTS[:3]))
@@ -72,7 +72,7 @@ def test_the_fused_kernels_serve_qwen(qwen_dir):
 
 def test_decoder_embedders_default_to_bfloat16_on_a_gpu(qwen_dir):
     from fusedserve.model.families import config_from_dir, family
-    from fusedserve.model.runner import resolve_dtype
+    from fusedserve.model.loading import resolve_dtype
 
     cuda = torch.device("cuda")
     assert resolve_dtype("auto", cuda, family(config_from_dir(qwen_dir)).dtype_on_cuda) == torch.bfloat16

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fusedserve.model import loading
 from fusedserve.model.config import EncoderConfig
-import fusedserve.model.runner as runner_module
-from fusedserve.model.runner import Embedder, resolve_dtype, resolve_device
+from fusedserve.model.loading import resolve_device, resolve_dtype
+from fusedserve.model.runner import Embedder
 from tests.tolerances import assert_embeddings_close
 
 
@@ -43,9 +44,9 @@ def test_fused_triton_on_interpreter_matches_reference_path():
 def test_fused_attention_on_the_interpreter_matches_the_reference_path():
     texts = ["same input", "and a second, longer input", "a third"]
     fused, report = Embedder.load("tiny", device="cpu", backend="triton", attention="fused")
-    assert fused.attention == "fused" and report.kernels.backend_of("qkv_attention") == "triton"
+    assert fused.kernel_path.attention == "fused" and report.kernels.backend_of("qkv_attention") == "triton"
     plain, _ = Embedder.load("tiny", device="cpu", fused=False)
-    assert plain.attention == "varlen"  # the CPU's: one attention per sequence
+    assert plain.kernel_path.attention == "varlen"  # the CPU's: one attention per sequence
     assert_embeddings_close(fused.embed(texts), plain.embed(texts))
 
 
@@ -60,25 +61,27 @@ def test_auto_attention_takes_the_few_token_layer_only_while_its_ops_are_fused(m
 
     monkeypatch.setattr(packing_module, "varlen_runs", lambda device, dtype: True)
     e, report = Embedder.load("tiny", device="cpu", backend="triton")
-    assert e.attention == "fused" and "few-token layer" in e.attention_reason, e.attention_reason
+    path = e.kernel_path
+    assert path.attention == "fused" and "few-token layer" in path.attention_reason, path.attention_reason
     assert all(report.kernels.backend_of(op) == "triton" for op in FEW_TOKEN_OPS)
-    assert set(e.selection.used) == set(kernel_ops("packed", "fused", e.device, e.dtype))
-    selection = e.set_fused(False)
-    assert e.attention == "varlen" and "reference" in e.attention_reason
+    assert set(e.kernel_path.selection.used) == set(kernel_ops("packed", "fused", e.device, e.dtype))
+    selection = e.kernel_path.set_fused(False)
+    assert e.kernel_path.attention == "varlen" and "reference" in e.kernel_path.attention_reason
     assert set(selection.used) == set(kernel_ops("packed", "varlen", e.device, e.dtype))
-    e.set_fused(True)  # fused again: back to the few-token layer
-    assert e.attention == "fused"
-    before = e.selection
-    fallen = e.fall_back("ffn_partials", "verify_mismatch")
-    assert fallen.version > before.version and e.fallback == "verify_mismatch" and not e.fused
-    assert e.attention == "varlen" and "ffn_partials" in e.attention_reason
+    e.kernel_path.set_fused(True)  # fused again: back to the few-token layer
+    assert e.kernel_path.attention == "fused"
+    before = e.kernel_path.selection
+    fallen = e.kernel_path.fall_back("ffn_partials", "verify_mismatch")
+    assert fallen.version > before.version and e.kernel_path.fallback == "verify_mismatch" and not e.kernel_path.fused
+    assert e.kernel_path.attention == "varlen" and "ffn_partials" in e.kernel_path.attention_reason
     assert fallen.choices["ffn_partials"].reason == "fallback: verify_mismatch"
-    e.set_fused(True)
-    assert e.attention == "fused" and e.fallback is None and e.fused
+    e.kernel_path.set_fused(True)
+    assert e.kernel_path.attention == "fused" and e.kernel_path.fallback is None and e.kernel_path.fused
     overridden, _ = Embedder.load("tiny", device="cpu", backend="triton", backend_overrides={"ffn_partials": "torch"})
-    assert overridden.attention == "varlen" and "ffn_partials" in overridden.attention_reason
+    assert overridden.kernel_path.attention == "varlen" and "ffn_partials" in overridden.kernel_path.attention_reason
     asked, _ = Embedder.load("tiny", device="cpu", fused=False, attention="fused")
-    assert asked.attention == "fused" and asked.attention_reason == "as configured"  # asked for: kept
+    assert asked.kernel_path.attention == "fused"
+    assert asked.kernel_path.attention_reason == "as configured"  # asked for: kept
 
 
 def test_the_path_changes_only_between_forwards_through_the_embedder():
@@ -93,21 +96,21 @@ def test_the_path_changes_only_between_forwards_through_the_embedder():
     with kernels.use(kernels.REFERENCE):  # the caller's context does not change the model's path
         assert torch.equal(e.embed(texts), fused)
     seen = []
-    with e.timed(lambda op, backend, seconds: seen.append((op, backend, seconds))):
+    with e.forwards.timed(lambda op, backend, seconds: seen.append((op, backend, seconds))):
         # bitwise: timing only observes the same forward
         torch.testing.assert_close(e.embed(texts), fused, rtol=0, atol=0)
-    assert {(op, backend) for op, backend, _ in seen} == set(e.selection.used.items())
+    assert {(op, backend) for op, backend, _ in seen} == set(e.kernel_path.selection.used.items())
     assert all(seconds > 0 for *_, seconds in seen)
-    e.fall_back("all", "test")
+    e.kernel_path.fall_back("all", "test")
     seen.clear()
-    with e.timed(lambda op, backend, seconds: seen.append((op, backend))):
+    with e.forwards.timed(lambda op, backend, seconds: seen.append((op, backend))):
         on_reference = e.embed(texts)
-    assert {backend for _, backend in seen} == {"torch"} and e.path == "reference"
+    assert {backend for _, backend in seen} == {"torch"} and e.kernel_path.label == "reference"
     assert_embeddings_close(on_reference, fused)
     copy = e.reference_copy()
-    assert copy.dtype == torch.float32 and copy.path == "reference" and copy.encoder is not e.encoder
+    assert copy.dtype == torch.float32 and copy.kernel_path.label == "reference" and copy.encoder is not e.encoder
     assert_embeddings_close(copy.embed(texts), fused)
-    big, small = e.warmup_batches()
+    big, small = e.warmup.warmup_batches()
     assert len(big[0]) == e.config.max_seq_length and len(small) == 1
     assert big[0][0] == small[0][0] == 101 and big[0][-1] == small[0][-1] == 102  # the tokenizer's [CLS], [SEP]
 
@@ -122,7 +125,7 @@ def test_timed_steps_time_the_same_calls_as_timed_one_block_per_step(layout):
     e, _ = Embedder.load("tiny", device="cpu", backend="triton", layout=layout)
     batch = e.tokenizer.encode(["a first input", "and a second, longer input than the first"])
     whole: list = []
-    with e.timed(lambda op, backend, seconds: whole.append((op, backend))):
+    with e.forwards.timed(lambda op, backend, seconds: whole.append((op, backend))):
         e.embed_ids(batch)
     stepped: list = []
     steps = e.timed_steps(batch, lambda op, backend, seconds: stepped.append((op, backend, seconds)))
@@ -130,7 +133,7 @@ def test_timed_steps_time_the_same_calls_as_timed_one_block_per_step(layout):
     for _ in steps:
         yields += 1
         assert not stepped  # reported once, after the last block
-        assert kernels.current() is not e.selection  # nothing held across a yield
+        assert kernels.current() is not e.kernel_path.selection  # nothing held across a yield
     assert yields == (e.config.num_layers + 1 if layout == "packed" else 0)
     assert [(op, backend) for op, backend, _ in stepped] == whole
     assert all(seconds > 0 for *_, seconds in stepped)
@@ -143,11 +146,11 @@ def test_timed_steps_stop_unreported_when_the_selection_changes_between_steps():
     seen: list = []
     steps = e.timed_steps(e.tokenizer.encode(["one input"]), lambda *call: seen.append(call))
     next(steps)
-    e.fall_back("all", "test")
+    e.kernel_path.fall_back("all", "test")
     assert list(steps) == [] and seen == []
 
 
-@pytest.mark.skipif(not runner_module.cpu_half_isa(torch.bfloat16), reason="this CPU has no bfloat16 instructions "
+@pytest.mark.skipif(not loading.cpu_half_isa(torch.bfloat16), reason="this CPU has no bfloat16 instructions "
                     "(amx_bf16, avx512_bf16): the setting is refused here")
 def test_bfloat16_on_cpu_is_close_to_float32():
     f32, _ = Embedder.load("default", device="cpu", dtype="float32", backend="torch")
@@ -159,10 +162,8 @@ def test_bfloat16_on_cpu_is_close_to_float32():
 def test_a_half_type_on_the_cpu_needs_the_instructions_for_it(monkeypatch):
     """bfloat16 / float16 on the CPU is the opt-in lower-precision path: refused, naming the flags, on a CPU that
     would only emulate it; float32 and auto never need a flag."""
-    import fusedserve.model.runner as runner
-
     cpu = torch.device("cpu")
-    monkeypatch.setattr(runner, "cpu_flags", lambda: frozenset({"avx512f", "avx512_vnni"}))
+    monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset({"avx512f", "avx512_vnni"}))
     with pytest.raises(ValueError, match="bfloat16 on the CPU needs a CPU with amx_bf16 or avx512_bf16"):
         resolve_dtype("bfloat16", cpu)
     with pytest.raises(ValueError, match="float16 on the CPU needs a CPU with amx_fp16 or avx512_fp16"):
@@ -170,10 +171,10 @@ def test_a_half_type_on_the_cpu_needs_the_instructions_for_it(monkeypatch):
     with pytest.raises(ValueError, match="bfloat16 on the CPU"):  # before any weight loads
         Embedder.load("tiny", device="cpu", dtype="bfloat16")
     assert resolve_dtype("float32", cpu) == resolve_dtype("auto", cpu) == torch.float32
-    assert runner.cpu_isa(cpu, torch.float32) == torch.backends.cpu.get_cpu_capability()
-    monkeypatch.setattr(runner, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))
-    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16 and runner.cpu_isa(cpu, torch.bfloat16) == "amx_bf16"
-    assert runner.cpu_isa(torch.device("cuda"), torch.bfloat16) is None
+    assert loading.cpu_isa(cpu, torch.float32) == torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16 and loading.cpu_isa(cpu, torch.bfloat16) == "amx_bf16"
+    assert loading.cpu_isa(torch.device("cuda"), torch.bfloat16) is None
 
 
 def test_unnormalized_output_and_empty_batch():

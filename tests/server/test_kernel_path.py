@@ -41,13 +41,14 @@ def _fall_back_by_verifier(service: Service, op: str = "linear_add_layer_norm") 
     wait for the verifier to see the mismatch and fall back."""
     served = service.default
     e = served.model.embedder  # past the seam, as tests.support.server's faults reach it
-    original = e.selection.impls[op]
+    original = e.kernel_path.selection.impls[op]
 
     def drifting(*args, **kwargs):
         out = original(*args, **kwargs)
         return out.add_(torch.linspace(-0.5, 0.5, out.shape[-1], dtype=out.dtype))
 
-    served.batcher.between_batches(lambda: e.use(e.selection.with_impl(op, drifting, "test drift"))).result(10)
+    path = e.kernel_path
+    served.batcher.between_batches(lambda: path.use(path.selection.with_impl(op, drifting, "test drift"))).result(10)
     _embed(served, [[101, 2023, 2003, 102]])
     deadline = time.monotonic() + 60
     while (fallback := service.info()["fallback"]) is None and time.monotonic() < deadline:

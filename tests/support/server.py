@@ -1,5 +1,5 @@
 """`python -m tests.support.server`: the real server with test-only hooks mounted. The product has no fault
-injection; these routes wrap one op of the running model's selection (Embedder.use with Selection.with_impl), on
+injection; these routes wrap one op of the running model's selection (KernelPath.use with Selection.with_impl), on
 the batcher's thread between batches, exactly as the product changes its path.
 
 POST /admin/faults {"op", "mode", "factor", "model"}: make the op of the model (absent: the first) raise, scale its
@@ -67,15 +67,15 @@ def faulty(op: str, mode: str, factor: float, original):
 async def add_fault(body: Fault, service: ServiceDep) -> dict:
     model = service.model(body.model)
     embedder = model.model.embedder  # the test hook reaches past the seam: the product never does
-    if body.op not in embedder.selection.impls:
+    if body.op not in embedder.kernel_path.selection.impls:
         raise Unprocessable(f"unknown op {body.op!r}")
     faults = model.test_faults = getattr(model, "test_faults", {"before": None, "ops": {}})
 
     def apply() -> None:
-        selection = embedder.selection
+        selection = embedder.kernel_path.selection
         faults["before"] = faults["before"] or selection
         wrapped = faulty(body.op, body.mode, body.factor, selection.impls[body.op])
-        embedder.use(selection.with_impl(body.op, wrapped, f"test fault: {body.mode} x{body.factor:g}"))
+        embedder.kernel_path.use(selection.with_impl(body.op, wrapped, f"test fault: {body.mode} x{body.factor:g}"))
         faults["ops"][body.op] = {"mode": body.mode, "factor": body.factor}
 
     await asyncio.to_thread(lambda: model.batcher.between_batches(apply).result(timeout=10))
@@ -87,7 +87,7 @@ async def clear_faults(service: ServiceDep) -> dict:
     for model in service.serving:
         faults = getattr(model, "test_faults", None)
         if faults and faults["before"] is not None:
-            restore = partial(model.model.embedder.use, faults["before"])
+            restore = partial(model.model.embedder.kernel_path.use, faults["before"])
             await asyncio.to_thread(model.batcher.between_batches(restore).result, 10)
             faults["before"], faults["ops"] = None, {}
     return {"faults": {}}
@@ -100,10 +100,10 @@ def create_test_app(settings):
         # a server of one process on one fake GPU (DEVICE=cuda:0 coming to one worker) loads its models through its
         # setting, not a placement: the fake name resolves to the CPU here (in the serving process only: the
         # parent of workers must not import the model package before it starts them)
-        from fusedserve.model import runner
+        from fusedserve.model import loading
 
-        resolve = runner.resolve_device
-        runner.resolve_device = lambda device: resolve("cpu" if device == settings.device else device)
+        resolve = loading.resolve_device
+        loading.resolve_device = lambda device: resolve("cpu" if device == settings.device else device)
     app = create_app(settings)
     app.include_router(router)
     return app
