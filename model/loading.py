@@ -21,7 +21,7 @@ from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
 from fusedserve.model.families import family
 from fusedserve.model.modules import Classifier, Pipeline, masked_lm_tensors, read_classifier, read_pipeline
 from fusedserve.model.tokenizer import TextTokenizer
-from fusedserve.model.weights import CheckpointError, check_encoder_only, default_model_dir, load_checkpoint
+from fusedserve.model.weights import check_encoder_only, default_model_dir, load_checkpoint
 
 if TYPE_CHECKING:
     from fusedserve.model.runner import Embedder
@@ -120,9 +120,11 @@ class ReadModel:
     source: str = ""  # " (random init)" for a preset
 
 
-def read_model(model: str, pooling: str | None = None, name: str | None = None) -> ReadModel:
+def read_model(model: str, pooling: str | None = None, name: str | None = None,
+               max_seq_length: int | None = None) -> ReadModel:
     """model: "default" (the packaged all-MiniLM-L6-v2), a preset name (random init, default tokenizer), or a
-    checkpoint directory; pooling overrides an embedding model's; name: what it is called (default: name_of(model))."""
+    checkpoint directory; pooling overrides an embedding model's; name: what it is called (default: name_of(model));
+    max_seq_length: the served length, where it is set (a checkpoint's encoder is built for it)."""
     name = name or name_of(model)
     if model in PRESETS:
         config = EncoderConfig.from_name(model)
@@ -131,7 +133,7 @@ def read_model(model: str, pooling: str | None = None, name: str | None = None) 
             read.pipeline = Pipeline(read_pipeline(read.tokenizer_dir, pooling).pooling, source="POOLING setting")
         return read
     path = default_model_dir() if model == "default" else Path(model)
-    encoder, rest = load_checkpoint(path)
+    encoder, rest = load_checkpoint(path, max_seq_length=max_seq_length)
     read = ReadModel(encoder, path, name)
     read.classifier = read_classifier(path, encoder.config, rest, encoder.embeddings.word_embeddings)
     if read.classifier is not None:
@@ -154,12 +156,10 @@ def load(make: type[Embedder], model: str = "default", *, device: str = "auto", 
     started = time.perf_counter()
     dev = resolve_device(device)
     resolve_dtype(dtype, dev)  # a wrong name fails before the weights load
-    read = read_model(model, pooling, name)
+    read = read_model(model, pooling, name, max_seq_length)
     encoder = read.encoder
-    if max_seq_length is not None:
+    if max_seq_length is not None:  # a preset's (a checkpoint's encoder was built for it)
         encoder.config = encoder.config.replace(max_seq_length=max_seq_length)
-    if not (read.tokenizer_dir / "tokenizer.json").is_file():
-        raise CheckpointError(f"{read.tokenizer_dir} has no tokenizer.json")
     tokenizer = TextTokenizer(read.tokenizer_dir, encoder.config.max_seq_length)
     dt = resolve_dtype(dtype, dev, family(encoder.config).dtype_on_cuda)
     embedder = make(encoder, tokenizer, read.name, dev, dt, pipeline=read.pipeline, classifier=read.classifier,

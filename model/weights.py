@@ -97,10 +97,11 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig
     return out, {k: v for k, v in src.items() if not _IGNORED.match(k)}
 
 
-def load_checkpoint(path: str | Path | None = None, config: EncoderConfig | None = None
-                    ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def load_checkpoint(path: str | Path | None = None, config: EncoderConfig | None = None,
+                    max_seq_length: int | None = None) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The family's encoder from a checkpoint directory (config.json + model.safetensors), fp32 on the CPU, and the
-    checkpoint's other tensors (a pooler's, a classification head's) by canonical name."""
+    checkpoint's other tensors (a pooler's, a classification head's) by canonical name. max_seq_length: the served
+    length, set before the encoder is built (a family checks its limits against it: Mistral's window)."""
     path = Path(path) if path is not None else default_model_dir()
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -109,6 +110,8 @@ def load_checkpoint(path: str | Path | None = None, config: EncoderConfig | None
         raise CheckpointError(f"{path} has no model.safetensors (only safetensors checkpoints are supported)")
     try:
         config = config or config_from_dir(path)
+        if max_seq_length is not None:
+            config = config.replace(max_seq_length=max_seq_length)
     except UnsupportedModel as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
     except (OSError, ValueError, KeyError) as exc:

@@ -17,6 +17,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from fusedserve.model.modules import activate
 from fusedserve.model.packing import Packed
+from fusedserve.model.config import UnsupportedModel
 from fusedserve.model.runner import Embedder
 from fusedserve.model.weights import CheckpointError, load_encoder
 from tests.model import checkpoints
@@ -198,3 +199,12 @@ def test_served_on_rerank_and_predict(tmp_path):
     for got, want, are_logits in ((predicted.json(), probabilities, False), (raw.json(), logits, True)):
         by_label = [[next(x["score"] for x in row if x["label"] == label) for label in labels] for row in got]
         assert_scores_close(by_label, want, logits=are_logits)
+
+
+def test_a_checkpoint_with_only_spm_model_is_refused_by_name(tmp_path):
+    """Many DeBERTa-v3 checkpoints ship spm.model alone: the load says so and how to write tokenizer.json."""
+    path = checkpoints.deberta_v2(tmp_path / "m")
+    (path / "tokenizer.json").unlink()
+    (path / "spm.model").write_bytes(b"\x0a\x00")
+    with pytest.raises(UnsupportedModel, match="spm.model without tokenizer.json: .*save_pretrained"):
+        Embedder.load(str(path), device="cpu")

@@ -188,3 +188,10 @@ def test_what_llama_cannot_serve_exactly_is_refused_naming_it(llama_dir, tmp_pat
     (path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(CheckpointError, match=named):
         Embedder.load(str(path), device="cpu")
+
+
+def test_a_checkpoint_longer_than_its_window_is_served_at_a_max_seq_length_within_it(tmp_path):
+    """The served length (max_seq_length) is what the window must cover: a directory whose own length passes its
+    window loads once the setting brings the length within it."""
+    path = checkpoints.llama(tmp_path / "m", mistral=True, sliding_window=48, max_seq_length=64)
+    assert Embedder.load(str(path), device="cpu", max_seq_length=48)[0].config.max_seq_length == 48
