@@ -34,7 +34,9 @@ def test_embeddinggemma_in_bfloat16_on_the_gpu(tmp_path, request, model):
     path = (request.getfixturevalue("gemma_300m_widths") if model == "300m-2l" else
             checkpoints.gemma3(tmp_path / model))
     ours, report = Embedder.load(str(path), device="cuda", max_batch_tokens=2048, max_batch=16)
-    assert ours.dtype == torch.bfloat16 and set(report.kernels.used.values()) == {"triton"}
+    # every op the model calls on a fused backend (the race may pick CUDA's norms at these widths)
+    used = set(report.kernels.used.values())
+    assert ours.dtype == torch.bfloat16 and used and used <= {"triton", "cuda"}, used
     reference = SentenceTransformer(str(path), device="cuda").float()
     for prompt in (None, "query", "document"):
         expected = reference.encode(TEXTS, prompt_name=prompt, convert_to_tensor=True).float().cpu()

@@ -23,8 +23,8 @@ TEXTS = ["A man is eating food.", "x", "Sparse lexical vectors expand a query ov
 def test_sparse_models_on_the_fused_head(tmp_path, shape):
     path = checkpoints.splade(tmp_path / "s", shape=shape)
     ours, _ = Embedder.load(str(path), device="cuda", dtype="float16", max_batch_tokens=2048, max_batch=16)
-    path = ours.kernel_path
-    assert path.label == "fused" and path.selection.backend_of("splade_pool") != REFERENCE_BACKEND
+    kernel_path = ours.kernel_path
+    assert kernel_path.label == "fused" and kernel_path.selection.backend_of("splade_pool") != REFERENCE_BACKEND
     expected = SparseEncoder(str(path), device="cuda").float().encode(TEXTS, convert_to_tensor=True).to_dense()
     for rows in (TEXTS[:1], TEXTS):
         got = ours.embed(rows, normalize=False)
