@@ -2,12 +2,12 @@
 and await a future; they never touch tensors. The batcher is also the model's Worker (fusedserve.model.api): the
 model's own device work (warm-up, graph captures, switches) runs on the same thread, between batches or when idle.
 
-A batch closes when its real tokens would pass `max_batch_tokens` (the models run batches packed, so the GEMMs and
-fused ops see no padding), when it holds `max_batch_requests` inputs, or when its oldest input has waited
-`max_wait_ms`. Inputs are grouped by
-length to cut padding: the batch is the window of similar lengths around the oldest waiting input (so
-nothing starves). A request's inputs are separate items: they may land in different batches; each batch's output
-rows come back as one block, and each request's rows are copied into its own block in one step per batch. Expired inputs are answered 504 and cancelled ones dropped before they run.
+Which waiting inputs form the next batch, and when it is due, is server.batch_policy's: a batch closes when its real
+tokens would pass `max_batch_tokens` (the models run batches packed, so the GEMMs and fused ops see no padding), when
+it holds `max_batch_requests` inputs, or when its oldest input has waited `max_wait_ms`; it is the window of similar
+lengths around the oldest waiting input (so nothing starves). A request's inputs are separate items: they may land in
+different batches; each batch's output rows come back as one block (BatchRunner), and each request's rows are copied
+into its own block in one step per batch. Expired inputs are answered 504 and cancelled ones dropped before they run.
 
 With CUDA graphs (overlap_batches) the worker launches a batch and, if another is due, launches that one too
 before it waits for the first: the device is never idle while the worker delivers results or waits for the GIL.
@@ -16,7 +16,6 @@ before it waits for the first: the device is never idle while the worker deliver
 from __future__ import annotations
 
 import asyncio
-import bisect
 import concurrent.futures
 import functools
 import logging
@@ -25,14 +24,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from operator import attrgetter
 
 import numpy as np
 import torch
 
 from fusedserve.model.api import Pending, Rows, ServedModel
+from fusedserve.server import batch_policy
 from fusedserve.server.config import Settings
-from fusedserve.server.errors import Overloaded, ServiceError, Timeout, Unavailable
+from fusedserve.server.deadline import not_served
+from fusedserve.server.errors import Overloaded, ServiceError, Unavailable
 from fusedserve.server.metrics import ModelMetrics
 from fusedserve.server.observability import Throttle
 from fusedserve.server.quantize import shape
@@ -66,6 +66,31 @@ class _Sample:
     def describe(self) -> str:
         """Which block of which batch: the slow-work warning's detail."""
         return f"block {self.blocks} of a sampled batch of {len(self.rows)} inputs, {self.rows.tokens} tokens"
+
+    def due(self, waiting: bool, stepped: bool) -> bool:
+        """Whether its next block runs now, between batches (`waiting`: inputs wait; `stepped`: a block ran since
+        the last batch was taken). A started sample: its next block at once when no input waits, else one between two
+        batches; one not started yet: between two batches once overdue, else at the next idle moment (the batcher's
+        idle work)."""
+        started = self.steps is not None
+        overdue = time.monotonic() - self.taken >= TIMING_OVERDUE_S
+        return (started and not waiting) or (waiting and not stepped and (started or overdue))
+
+    def step(self, model: ServedModel, record: Callable[[str, str, float], None]) -> bool:
+        """Run its next block, every op timed into `record` once the last block has run; True when no block is left.
+        Only instrumentation: a failure is logged and ends the sample, and the answer (already delivered) stands."""
+        try:
+            if self.steps is None:
+                self.steps = model.time_ops(self.rows, record)
+            self.blocks += 1
+            next(self.steps)
+            return False  # more blocks to go
+        except StopIteration:
+            pass
+        except Exception as exc:
+            log.warning("timing the ops of a sampled batch of %d inputs failed (%s: %s)", len(self.rows),
+                        type(exc).__name__, exc)
+        return True
 
 
 @dataclass(eq=False)
@@ -131,6 +156,8 @@ class Job:
 
 @dataclass(eq=False)
 class Item:
+    """One input of a job waiting in the queue (what server.batch_policy chooses among)."""
+
     job: Job
     index: int
     length: int
@@ -138,25 +165,29 @@ class Item:
 
 
 class Batcher:
+    """One model's queue of inputs and the worker thread that serves it: batches (server.batch_policy chooses them,
+    BatchRunner runs them), and the model's own work between batches or when idle."""
+
     def __init__(self, model: ServedModel, settings: Settings, metrics: ModelMetrics,
                  on_batch: Callable[[Rows, np.ndarray], None] | None = None) -> None:
         """metrics: the model's own series (Metrics.for_model); one batcher per model."""
         self.model, self.settings, self.metrics = model, settings, metrics
-        self.on_batch = on_batch  # sampled batches go to the verifier through this
+        self._limits = batch_policy.Limits.of(settings)
+        # sampled batches go to the verifier through on_batch; sampled for op timing, to _sample_timing
+        self._runner = BatchRunner(model, settings, metrics, on_batch, self._sample_timing)
         self._pending: list[Item] = []
         self._cond = threading.Condition()
         self._control: list[tuple[Callable[[], object], concurrent.futures.Future]] = []
         self._idle_work: list[tuple[Callable[[], object], concurrent.futures.Future]] = []  # when_idle
         self._timing: _Sample | None = None
         self._stepped = False  # a block of the sample ran since the last batch was taken
-        self._oldest_next = False  # the last batch was built around a newcomer (_seed)
+        self._oldest_next = False  # the last batch was built around a newcomer (batch_policy.seed)
         self._slow_work = Throttle(SLOW_WORK_LOG_S)  # _note_wait: one warning per kind of work per interval
         self._stopping = False
         self._draining = False
         self._busy = False
         self._last_activity = 0.0  # the latest submit or batch end (when_idle waits for a pause after it)
         self._thread = threading.Thread(target=self._run, name=f"fusedserve-batcher[{metrics.model}]", daemon=True)
-        self.batches = 0
         self.overlapped = 0  # batches launched while the one before was still in flight (overlap_batches)
 
     # ---- called from the event loop ---------------------------------------------------------------
@@ -166,6 +197,11 @@ class Batcher:
     @property
     def queue_depth(self) -> int:
         return len(self._pending)
+
+    @property
+    def batches(self) -> int:
+        """Batches answered so far."""
+        return self._runner.batches
 
     def submit(self, rows: Rows, timeout_s: float, *, normalize: bool = False, dimensions: int | None = None) -> Job:
         """Queue a request's rows; its job's future resolves to their output rows [len(rows), width] float32, in
@@ -182,7 +218,7 @@ class Batcher:
                 self.metrics.rejected.labels("queue_full").inc()
                 raise Overloaded(f"queue full ({len(self._pending)} inputs waiting); retry later",
                                  headers={"Retry-After": "1"})
-            # stamped under the lock: _pending stays in arrival order (the oldest first; _choose relies on it)
+            # stamped under the lock: _pending stays in arrival order (the oldest first; batch_policy relies on it)
             now = job.enqueued = self._last_activity = time.monotonic()
             self._pending.extend(Item(job, i, length, now) for i, length in enumerate(rows.lengths.tolist()))
             self.metrics.queue_depth.set(len(self._pending))
@@ -253,7 +289,7 @@ class Batcher:
                 self._busy = True
                 control, self._control = self._control, []
             if control and inflight is not None:  # control work runs between batches, never beside one
-                self._finish(inflight)
+                self._runner.finish(inflight)
                 inflight = None
             for fn, future in control:
                 # a future its caller cancelled (a request gone, a deadline passed) is skipped: settling a cancelled
@@ -266,11 +302,11 @@ class Batcher:
                 except Exception as exc:  # reported to whoever asked
                     future.set_exception(exc)
                 self._note_wait(fn, time.perf_counter() - started)
-            launched = self._start(batch) if batch else None
+            launched = self._runner.start(batch) if batch else None
             worked = bool(batch) or inflight is not None
             if inflight is not None:
                 self.overlapped += launched is not None
-                self._finish(inflight)
+                self._runner.finish(inflight)
             inflight = launched
             with self._cond:
                 self._busy = inflight is not None
@@ -278,25 +314,20 @@ class Batcher:
                     self._last_activity = time.monotonic()
                 self._cond.notify_all()
         if inflight is not None:
-            self._finish(inflight)
+            self._runner.finish(inflight)
 
     def _next_batch(self, block: bool = True) -> list[Item] | None:
         """Under the lock: block until a batch is due (or control work or stop), then take it. With
-        block=False, return [] at once when nothing is due (a launched batch is waiting to be finished)."""
-        s = self.settings
+        block=False, return [] at once when nothing is due (a launched batch is waiting to be finished). Which inputs
+        form the batch, and when it is due, is server.batch_policy's."""
         while True:
             if self._control:
                 return []
             self._drop_dead()
-            timing = self._timing if not self._draining else None
-            if timing is not None:
-                started = timing.steps is not None
-                overdue = time.monotonic() - timing.taken >= TIMING_OVERDUE_S
-                # a started sample: its next block at once when no input waits, else one between two batches; one
-                # not started yet: between two batches once overdue, else at the next idle moment (below)
-                if (started and not self._pending) or (self._pending and not self._stepped and (started or overdue)):
-                    self._control.append(self._timing_work())
-                    return []
+            if self._timing is not None and not self._draining and self._timing.due(bool(self._pending),
+                                                                                     self._stepped):
+                self._control.append(self._timing_work())
+                return []
             if not self._pending:
                 if self._stopping:
                     return None
@@ -312,25 +343,18 @@ class Batcher:
                     continue
                 self._cond.wait()
                 continue
-            oldest, newcomers = self._seed()
-            waited = time.monotonic() - oldest.enqueued
-            # a newcomer's batch holds newcomers only: filled up with the large request's inputs it would take as
-            # long as that request's own batches (on a CPU a batch's time grows with its tokens)
-            batch = self._choose(oldest, newcomers)
-            longest, total = max(it.length for it in batch), sum(it.length for it in batch)
-            full = len(batch) >= s.max_batch_requests or \
-                total + longest > s.max_batch_tokens or \
-                len(batch) < len(self._pending)
-            if full or waited * 1e3 >= s.max_wait_ms or self._draining:
+            choice = batch_policy.next_batch(self._pending, self._limits, now=time.monotonic(),
+                                             oldest_next=self._oldest_next, draining=self._draining)
+            if choice.due:
                 self._stepped = False  # the next block of a sample may run after this batch
-                self._oldest_next = newcomers  # a newcomer's turn: the oldest's next
-                taken = set(map(id, batch))
+                self._oldest_next = choice.newcomers  # a newcomer's turn: the oldest's next
+                taken = set(map(id, choice.batch))
                 self._pending = [it for it in self._pending if id(it) not in taken]
                 self.metrics.queue_depth.set(len(self._pending))
-                return batch
+                return choice.batch
             if not block:
                 return []
-            self._cond.wait(timeout=s.max_wait_ms / 1e3 - waited)
+            self._cond.wait(timeout=choice.wait_s)
 
     def _timing_work(self) -> tuple[Callable[[], object], concurrent.futures.Future]:
         """Under the lock: the next block of the waiting sample's timing, as control work for the worker (nobody
@@ -341,23 +365,12 @@ class Batcher:
         return work, concurrent.futures.Future()
 
     def _time_step(self, sample: _Sample) -> None:
-        """One block of an answered batch's inputs again, eagerly, every op timed into the kernel-duration histogram
-        once the last block has run. Only instrumentation: a failure is logged, and the answer (already delivered)
-        stands."""
-        try:
-            if sample.steps is None:
-                sample.steps = self.model.time_ops(sample.rows, self._record_kernel)
-            sample.blocks += 1
-            next(sample.steps)
-            return  # more blocks to go
-        except StopIteration:
-            pass
-        except Exception as exc:
-            log.warning("timing the ops of a sampled batch of %d inputs failed (%s: %s)", len(sample.rows),
-                        type(exc).__name__, exc)
-        with self._cond:
-            if self._timing is sample:
-                self._timing = None
+        """One block of an answered batch's inputs again, eagerly, into the kernel-duration histogram; the sample is
+        let go after its last."""
+        if sample.step(self.model, self._record_kernel):
+            with self._cond:
+                if self._timing is sample:
+                    self._timing = None
 
     def _sample_timing(self, rows: Rows) -> None:
         """Keep this batch's inputs to time its ops later (_time_step); one sample waits at a time, later ones are
@@ -382,6 +395,9 @@ class Batcher:
         log.warning("%d inputs of %s were waiting when %s between batches ended; it took %.0f ms",
                     len(self._pending), self.metrics.model, what, seconds * 1e3)
 
+    def _record_kernel(self, op: str, backend: str, seconds: float) -> None:
+        self.metrics.kernel_duration.labels(op, backend).observe(seconds)
+
     def _drop_dead(self) -> None:
         now = time.monotonic()
         alive = []
@@ -390,53 +406,26 @@ class Batcher:
                 continue
             if now >= it.job.deadline:
                 self.metrics.rejected.labels("timeout").inc()
-                it.job.fail(Timeout(f"not served within {self.settings.request_timeout_s:g}s"))
+                it.job.fail(not_served(self.settings.request_timeout_s))
                 continue
             alive.append(it)
         self._pending = alive
 
-    def _seed(self) -> tuple[Item, bool]:
-        """Under the lock: the input the next batch is built around, and whether it is a newcomer's taking its turn
-        ahead of the oldest. The oldest waiting input; but where a request none of whose inputs has run yet is
-        waiting (a newcomer), every other batch is built around its oldest input: otherwise a one-input request that
-        comes after a request of hundreds of long inputs waits for all of that request's batches. Alternating keeps
-        the large request moving while newcomers keep coming."""
-        oldest = self._pending[0]  # arrival order
-        if self._oldest_next or oldest.job.started is None:
-            return oldest, False
-        newcomer = next((it for it in self._pending if it.job.started is None), None)
-        return (oldest, False) if newcomer is None else (newcomer, True)
 
-    def _choose(self, oldest: Item, newcomers: bool = False) -> list[Item]:
-        """The window of similar lengths around the oldest input (of newcomers only: _seed) that fits the token and
-        row budgets."""
-        s = self.settings
-        pool = [it for it in self._pending if it.job.started is None] if newcomers else self._pending
-        # a stable sort of the arrival-ordered queue: by length, then arrival (cheaper than a (length, enqueued) key
-        # at thousands of waiting inputs); the oldest input is the first of its length
-        by_length = sorted(pool, key=attrgetter("length"))
-        lo = hi = bisect.bisect_left([it.length for it in by_length], oldest.length)
-        longest = total = oldest.length
-        while hi - lo + 1 < s.max_batch_requests:
-            left = by_length[lo - 1] if lo > 0 else None
-            right = by_length[hi + 1] if hi + 1 < len(by_length) else None
-            if left is None and right is None:
-                break
-            # take the neighbour closer in length (the shorter one on ties: it adds no padding)
-            if right is None or (left is not None and oldest.length - left.length <= right.length - oldest.length):
-                candidate_longest, step, added = longest, "left", left.length
-            else:
-                candidate_longest, step, added = max(longest, right.length), "right", right.length
-            if total + added > s.max_batch_tokens:
-                break
-            longest, total = candidate_longest, total + added
-            if step == "left":
-                lo -= 1
-            else:
-                hi += 1
-        return by_length[lo : hi + 1]
+class BatchRunner:
+    """A batch's forward and delivery, on the worker thread: launched (overlap_batches) and finished once the next
+    is launched, or run to the end at once; a fused forward that fails re-run on the reference path; a batch out of
+    device memory split in halves; each request's rows copied into its own block."""
 
-    def _start(self, batch: list[Item]) -> InFlight | None:
+    def __init__(self, model: ServedModel, settings: Settings, metrics: ModelMetrics,
+                 on_batch: Callable[[Rows, np.ndarray], None] | None, sample: Callable[[Rows], None]) -> None:
+        """on_batch: a share of the answered batches (verify_sample_rate) go to the verifier; sample: a share of
+        the batches (kernel_timing_sample_rate) go to the kernel timer."""
+        self.model, self.settings, self.metrics = model, settings, metrics
+        self.on_batch, self.sample = on_batch, sample
+        self.batches = 0  # answered
+
+    def start(self, batch: list[Item]) -> InFlight | None:
         """Launch `batch` and return it in flight, or run it to the end here (the kernel timer's sampled batches,
         overlap_batches off, or a launch that raised: the synchronous path retries, falls back, splits)."""
         m = self.metrics
@@ -452,7 +441,7 @@ class Batcher:
         m.batch_padding_ratio.observe(1 - real / (longest * len(batch)))
         m.device_tokens.inc(real)
         if random.random() < self.settings.kernel_timing_sample_rate:
-            self._sample_timing(rows)  # timed after it is answered: the request never waits on the instrumented path
+            self.sample(rows)  # timed after it is answered: the request never waits on the instrumented path
         if self.settings.overlap_batches:
             started = time.perf_counter()
             try:
@@ -464,12 +453,12 @@ class Batcher:
                 inflight = InFlight(batch, rows, pending, started)
                 if not pending.ready():
                     return inflight
-                self._finish(inflight)  # computed already (the eager paths): deliver now, do not hold it
+                self.finish(inflight)  # computed already (the eager paths): deliver now, do not hold it
                 return None
         self._complete(batch, rows, lambda: self._forward(rows))
         return None
 
-    def _finish(self, inflight: InFlight) -> None:
+    def finish(self, inflight: InFlight) -> None:
         self._complete(inflight.batch, inflight.rows, lambda: self._collect(inflight))
 
     def _collect(self, inflight: InFlight) -> np.ndarray:
@@ -562,9 +551,6 @@ class Batcher:
                 raise NonFiniteOutput("reference forward produced NaN/Inf") from exc
         self.metrics.forward_duration.labels(path).observe(time.perf_counter() - started)
         return block
-
-    def _record_kernel(self, op: str, backend: str, seconds: float) -> None:
-        self.metrics.kernel_duration.labels(op, backend).observe(seconds)
 
 
 class NonFiniteOutput(RuntimeError):

@@ -48,10 +48,9 @@ class ModelSpec(BaseModel):
     max_seq_length: int | None = Field(None, ge=1)
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FUSEDSERVE_", extra="forbid", frozen=True)
+class ModelSettings(BaseSettings):
+    """Model and device: which models are served, where, and how their forward runs."""
 
-    # model and device
     model: str = Field("default", description="'default' (packaged all-MiniLM-L6-v2), a preset (tiny, minilm-l6, "
                        "bert-base, xlm-roberta-base, mpnet-base, gte-base, nomic-bert-base, modernbert-base: random "
                        "weights), or a checkpoint dir: a BERT, RoBERTa / XLM-RoBERTa, DistilBERT, MPNet, GTE, "
@@ -124,7 +123,53 @@ class Settings(BaseSettings):
                                "WORKERS > 1, the process's CPUs (affinity, cgroup quota) shared out among the "
                                "workers, unless OMP_NUM_THREADS or MKL_NUM_THREADS is set)")
 
-    # batching and limits
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, value):
+        if isinstance(value, int) and value < 1:
+            raise ValueError("workers must be at least 1, or 'auto'")
+        return value
+
+    @field_validator("backend_overrides", mode="before")
+    @classmethod
+    def _parse_overrides(cls, value):
+        if isinstance(value, str):
+            pairs = [p.strip() for p in value.split(",") if p.strip()]
+            try:
+                value = dict(p.split("=", 1) for p in pairs)
+            except ValueError:
+                raise ValueError("expected op=backend pairs separated by commas") from None
+            value = {k.strip(): v.strip() for k, v in value.items()}
+        return value  # the kernel layer checks the names when the model loads: an unknown op stops the start
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _parse_models(cls, value):
+        """`name=path,name2=path2` (the environment), or a mapping of name to a path or a table (a config file)."""
+        if isinstance(value, str):
+            pairs = [p.strip() for p in value.split(",") if p.strip()]
+            parsed: dict[str, str] = {}
+            for pair in pairs:
+                name, sep, path = pair.partition("=")
+                name, path = name.strip(), path.strip()
+                if not sep or not name or not path:
+                    raise ValueError(f"expected name=path pairs separated by commas, got {pair!r}")
+                if name in parsed:
+                    raise ValueError(f"model name {name!r} given twice")
+                parsed[name] = path
+            value = parsed
+        if isinstance(value, dict):
+            for name in value:
+                if not isinstance(name, str) or not MODEL_NAME.match(name):
+                    raise ValueError(f"model name {name!r}: use letters, digits, '.', '_' and '-' (at most 128, "
+                                     "starting with a letter or digit): it is a URL path segment")
+            value = {name: {"path": spec} if isinstance(spec, str) else spec for name, spec in value.items()}
+        return value
+
+
+class BatchingSettings(BaseSettings):
+    """Batching and limits: how inputs form batches, and what a request, a connection and a queue may hold."""
+
     max_batch_tokens: int = Field(
         16384, ge=1, description="real tokens per batch (the packed layout runs no padding); unset on a CPU device: "
         f"{CPU_BATCH_TOKENS} (a CPU batch's time grows with its tokens, so larger ones gain nothing and only hold the "
@@ -170,7 +215,11 @@ class Settings(BaseSettings):
     drain_delay_s: float = Field(0.0, ge=0, description="after SIGTERM: report not-ready and refuse new work "
                                  "this long before closing the listener (lets load balancers catch up)")
 
-    # verification, timing, admin
+
+class VerificationSettings(BaseSettings):
+    """Verification and admin: checking the fused outputs against the reference, timing the ops, the admin
+    routes."""
+
     verify_sample_rate: float = Field(0.0, ge=0, le=1, description="share of batches recomputed by the verifier "
                                       "thread on its fp32 reference copy")
     verify_action: Literal["log", "fallback"] = Field(
@@ -189,7 +238,10 @@ class Settings(BaseSettings):
                                              "an idle moment or at most 1 s")
     admin_token: str = Field("", description="bearer token of the `/admin/*` routes; empty turns them off (404)")
 
-    # access, browsers, observability
+
+class AccessSettings(BaseSettings):
+    """Access and observability: who may call, from which browsers, and how the server reports itself."""
+
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="bearer tokens, comma-separated: with any set, every route but the docs, "
         "`/admin/*` (its own token) and the probes needs `Authorization: Bearer <one of them>` (401 otherwise)")
@@ -206,6 +258,24 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="`json`: one JSON object per log line, with "
                                                 "the request id where there is one")
 
+    @field_validator("api_keys", "cors_allow_origins", mode="before")
+    @classmethod
+    def _split_list(cls, value):
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",")]
+        if isinstance(value, (list, tuple)):
+            value = [v.strip() if isinstance(v, str) else v for v in value]
+            return [v for v in value if v != ""]
+        return value
+
+
+# Every setting, each in its group above; here what checks several groups together and where the values come from (a
+# comment, not a docstring: the settings' JSON schema would carry it). Pydantic takes a class's fields from its last
+# base first: the groups are listed last to first, so the fields (and docs/configuration.md, generated from them) run
+# model, batching, verification, access.
+class Settings(AccessSettings, VerificationSettings, BatchingSettings, ModelSettings):
+    model_config = SettingsConfigDict(env_prefix="FUSEDSERVE_", extra="forbid", frozen=True)
+
     @model_validator(mode="before")
     @classmethod
     def _drop_removed(cls, data):
@@ -218,59 +288,6 @@ class Settings(BaseSettings):
                     log.warning("setting %s (FUSEDSERVE_%s) was removed and is ignored: %s; it will be an error in "
                                 "the next release", key, key.upper(), why)
         return data
-
-    @field_validator("workers")
-    @classmethod
-    def _workers(cls, value):
-        if isinstance(value, int) and value < 1:
-            raise ValueError("workers must be at least 1, or 'auto'")
-        return value
-
-    @field_validator("api_keys", "cors_allow_origins", mode="before")
-    @classmethod
-    def _split_list(cls, value):
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",")]
-        if isinstance(value, (list, tuple)):
-            value = [v.strip() if isinstance(v, str) else v for v in value]
-            return [v for v in value if v != ""]
-        return value
-
-    @field_validator("backend_overrides", mode="before")
-    @classmethod
-    def _parse_overrides(cls, value):
-        if isinstance(value, str):
-            pairs = [p.strip() for p in value.split(",") if p.strip()]
-            try:
-                value = dict(p.split("=", 1) for p in pairs)
-            except ValueError:
-                raise ValueError("expected op=backend pairs separated by commas") from None
-            value = {k.strip(): v.strip() for k, v in value.items()}
-        return value  # the kernel layer checks the names when the model loads: an unknown op stops the start
-
-    @field_validator("models", mode="before")
-    @classmethod
-    def _parse_models(cls, value):
-        """`name=path,name2=path2` (the environment), or a mapping of name to a path or a table (a config file)."""
-        if isinstance(value, str):
-            pairs = [p.strip() for p in value.split(",") if p.strip()]
-            parsed: dict[str, str] = {}
-            for pair in pairs:
-                name, sep, path = pair.partition("=")
-                name, path = name.strip(), path.strip()
-                if not sep or not name or not path:
-                    raise ValueError(f"expected name=path pairs separated by commas, got {pair!r}")
-                if name in parsed:
-                    raise ValueError(f"model name {name!r} given twice")
-                parsed[name] = path
-            value = parsed
-        if isinstance(value, dict):
-            for name in value:
-                if not isinstance(name, str) or not MODEL_NAME.match(name):
-                    raise ValueError(f"model name {name!r}: use letters, digits, '.', '_' and '-' (at most 128, "
-                                     "starting with a letter or digit): it is a URL path segment")
-            value = {name: {"path": spec} if isinstance(spec, str) else spec for name, spec in value.items()}
-        return value
 
     @model_validator(mode="after")
     def _check(self):

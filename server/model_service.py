@@ -1,13 +1,12 @@
 """One model of the server: its ServedModel (fusedserve.model.api, the only thing the server knows of a model), its
-batcher and verifier, and the path the routes call: prepare (off the event loop when long) -> the batcher -> one
-block of output rows -> the output the request asked for. server.service.Service holds the models, says which one a
+batcher and verifier, and the path the routes call: prepare (Preparer: off the event loop when long) -> the batcher
+-> one block of output rows -> the output the request asked for. server.service.Service holds the models, says which one a
 request means and runs the start-up."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -20,12 +19,15 @@ from fusedserve.model import load
 from fusedserve.model.api import (Description, InputError, InputTooLong, LoadOptions, Rows, ServedModel,
                                   TextOptions, name_of)
 from fusedserve.server.batcher import Batcher
+from fusedserve.server.calibration import Calibration
 from fusedserve.server.config import ModelSpec, Settings
 from fusedserve.server.cost import CostModel, cost_model
-from fusedserve.server.errors import BadRequest, PayloadTooLarge, ServiceError, Timeout, Unavailable, Unprocessable
+from fusedserve.server.deadline import GRACE_S, Deadline, not_served
+from fusedserve.server.errors import BadRequest, PayloadTooLarge, Unprocessable
 from fusedserve.server.metrics import Metrics, ModelMetrics
 from fusedserve.server.observability import CURRENT, ClientGone
-from fusedserve.server.quantize import CALIBRATION_TEXTS, QUANTIZED, encode, ranges_of, shape
+from fusedserve.server.quantize import QUANTIZED, encode
+from fusedserve.server.switches import Switches, state
 from fusedserve.server.verify import Verifier
 
 log = logging.getLogger("fusedserve")
@@ -117,6 +119,45 @@ class TickPreparer:
         return results
 
 
+class Preparer:
+    """A model's request inputs (texts, text pairs or token-id rows) as its Rows: a short request on the event loop
+    while no other request of the model is being served (INLINE_TOKENIZE_CHARS), every other on TickPreparer's
+    threads within the request's deadline. Too much text is a 413 before any is tokenized, an input the model cannot
+    take a 413 (too long) or a 422."""
+
+    def __init__(self, prepare: Callable[[Sequence, TextOptions], Rows], settings: Settings) -> None:
+        self._prepare, self.settings = prepare, settings
+        self._ticks = TickPreparer(prepare)
+
+    async def __call__(self, inputs: Sequence, options: TextOptions, deadline: Deadline | None, *,
+                       alone: bool) -> Rows:
+        """alone: no other request of the model is being served. deadline: the request's (None: from its arrival,
+        server.deadline; made only where a wait needs it)."""
+        started = time.monotonic()
+        chars = sum(len(x) if isinstance(x, str) else sum(map(len, x)) if isinstance(x, tuple) else 0
+                    for x in inputs)
+        if chars > self.settings.max_request_chars:
+            raise PayloadTooLarge(f"{chars} characters of text in one request; the limit is "
+                                  f"{self.settings.max_request_chars} (max_request_chars)")
+        try:
+            if chars <= INLINE_TOKENIZE_CHARS and alone:
+                rows = self._prepare(inputs, options)
+            else:
+                deadline = deadline or Deadline.of_request(self.settings.request_timeout_s)
+                async with asyncio.timeout(deadline.left()):
+                    rows = await self._ticks(inputs, options, chars)
+        except TimeoutError:
+            raise not_served(self.settings.request_timeout_s) from None
+        except InputTooLong as exc:
+            raise PayloadTooLarge(str(exc), param=exc.param) from None
+        except InputError as exc:
+            raise Unprocessable(str(exc), param=exc.param) from None
+        record = CURRENT.get()
+        if record is not None:
+            record.tokenized(started, time.monotonic(), len(inputs))
+        return rows
+
+
 def _settle_prepared(results: list) -> None:
     for future, rows, error in results:
         if future.done():  # its request timed out or went away
@@ -137,16 +178,6 @@ class _Expired(Exception):
     pass
 
 
-def refreeze() -> None:
-    """One full collection, then every surviving object frozen out of the collector's sight: before ready (the
-    start's objects), and after a switch dropped the start's selection and graphs, so cycles among the dropped objects
-    (graphs holding device memory) are freed. After a switch it runs on the worker thread, between batches: the pause
-    delays the next batch once per switch."""
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
-
-
 def _load_options(settings: Settings, spec: ModelSpec) -> LoadOptions:
     s = settings
     return LoadOptions(
@@ -159,23 +190,26 @@ def _load_options(settings: Settings, spec: ModelSpec) -> LoadOptions:
 
 
 class ModelService:
+    """One model: its start-up (load, warm-up) and shutdown, the request path, its /info entry. Where its inputs are
+    prepared (Preparer), its requests' deadlines (server.deadline), its output-type calibration (server.calibration)
+    and its runtime switches (server.switches) are their own objects."""
+
     def __init__(self, settings: Settings, metrics: Metrics, name: str | None, spec: ModelSpec) -> None:
         """name: what clients call it (None: the name its path gives, model.api.name_of)."""
         self.settings, self.server_metrics, self.spec = settings, metrics, spec
         self.name = name or name_of(spec.path)
         self.model: ServedModel | None = None
-        self.description: Description | None = None  # as of the load or the last switch
+        self.description: Description | None = None  # as of the load or the last switch (Switches.publish)
         self.metrics: ModelMetrics | None = None
         self.batcher: Batcher | None = None
         self.verifier: Verifier | None = None
+        self.switches = Switches(self)
+        self.calibration: Calibration | None = None  # the int8/uint8 ranges, once loaded
         self.warmup_seconds: dict[str, float] = {}  # phase -> seconds, for the start-up report
         # start-up as /readyz and /info report it; written by the loading thread only
         self.phase, self.progress = "waiting", None
         self.load_error: str | None = None  # why it failed to load (model_load_failure=skip)
-        self._calibration: np.ndarray | None = None  # raw embeddings of CALIBRATION_TEXTS
-        self._ranges: dict[tuple[bool, int | None], np.ndarray] = {}
-        self._calibrating: asyncio.Lock | None = None
-        self._preparer = TickPreparer(lambda inputs, options: self.model.prepare(inputs, options))
+        self._preparer = Preparer(lambda inputs, options: self.model.prepare(inputs, options), settings)
         self._serving = 0  # requests of this model submitted to the batcher and not answered yet (the event loop's)
         self.cost_model: CostModel | None = None  # fit by warm_up: without warm-up no request is refused by cost
 
@@ -211,11 +245,12 @@ class ModelService:
         self.metrics = self.server_metrics.for_model(self.name, tuple(self.description.kernels))
         self.server_metrics.model_ready.labels(self.name).set(0)
         if s.verify_sample_rate > 0:
-            self.verifier = Verifier(self.model.reference_copy(), s, self.metrics, self._on_mismatch)
+            self.verifier = Verifier(self.model.reference_copy(), s, self.metrics, self.switches.on_mismatch)
             self.verifier.start()
-        self.batcher = Batcher(self.model, s, self.metrics, on_batch=self._check if self.verifier else None)
+        self.batcher = Batcher(self.model, s, self.metrics, on_batch=self.switches.verify if self.verifier else None)
         self.batcher.start()
-        self._publish_backends(self.description)
+        self.calibration = Calibration(self.model, self.batcher, s.max_batch_requests)
+        self.switches.publish(self.description)
         self.server_metrics.watch_device_memory(self.description.device)
 
     def warm_up(self) -> None:
@@ -235,14 +270,9 @@ class ModelService:
                  "(request_timeout_s=%g) is refused", self.name, self.cost_model,
                  self.warmup_seconds["cost model"], s.request_timeout_s)
         phase = time.perf_counter()
-        self._calibration = self.batcher.between_batches(self._embed_calibration).result()
+        self.calibration.compute()
         self.warmup_seconds["calibration"] = time.perf_counter() - phase
         log.info("warm-up of %s done in %.1fs", self.name, time.perf_counter() - started)
-
-    def run_background(self) -> None:
-        """After ready: the model's own background work (the rest of its CUDA graphs, while idle)."""
-        if self.model is not None:
-            self.model.run_background(self.batcher)
 
     def fail(self, exc: BaseException) -> None:
         """model_load_failure=skip: this model failed to load or warm up. Logged once with its traceback, reported
@@ -255,7 +285,7 @@ class ModelService:
         if self.metrics is not None:  # it loaded, then failed: no backend serves its ops any more
             self.metrics.set_backends({}, False)
         self.stop(timeout_s=1.0)
-        self.model = self.batcher = self.verifier = None
+        self.model = self.batcher = self.verifier = self.calibration = None
 
     def stop(self, timeout_s: float) -> bool:
         """Refuse new work, answer every accepted input (within timeout_s), stop the worker, the verifier and the
@@ -267,34 +297,12 @@ class ModelService:
             self.verifier.stop()
         return drained
 
-    def startup_report(self) -> str:
-        if self.load_error is not None:
-            return f"model {self.name} ({self.spec.path}): FAILED to load, skipped: {self.load_error}"
-        description = self.model.describe()
-        named = f"serving as {self.name}: " if self.name != description.name else ""
-        phases = ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in self.warmup_seconds.items())
-        return f"{named}{description.report}" + (f"\nwarm-up: {phases}" if phases else "")
-
     # ---- the request path (the event loop) ----------------------------------------------------------
     def check_count(self, n: int) -> None:
         if n == 0:
             raise BadRequest("no inputs given")
         if n > self.settings.max_client_batch:
             raise PayloadTooLarge(f"{n} inputs in one request; the limit is {self.settings.max_client_batch}")
-
-    def _left(self) -> float:
-        """Seconds left of the request's deadline: request_timeout_s from its arrival (the body's read, tokenizing
-        and waiting for the batcher all count), a 504 once none is left."""
-        record = CURRENT.get()
-        if record is None:  # a call from outside a request (warm-up, tests)
-            return self.settings.request_timeout_s
-        left = record.started + self.settings.request_timeout_s - time.monotonic()
-        if left <= 0:
-            raise self._timeout()
-        return left
-
-    def _timeout(self) -> Timeout:
-        return Timeout(f"not served within {self.settings.request_timeout_s:g}s")
 
     def check_token_output(self, tokens: int) -> None:
         """A per-token answer (/tokenize, /decode, /embed_all) covers at most max_batch_tokens tokens: its size
@@ -307,32 +315,13 @@ class ModelService:
         if dimensions is not None and not 1 <= dimensions <= self.dim:
             raise BadRequest(f"dimensions must be between 1 and {self.dim}", param="dimensions")
 
-    async def prepare(self, inputs: Sequence, options: TextOptions = TextOptions()) -> Rows:
-        """The request's inputs (texts, text pairs or token-id rows) as the model's Rows: short requests on the event
-        loop, long ones on a thread. An input the model cannot take is a 413 (too long) or a 422."""
+    async def prepare(self, inputs: Sequence, options: TextOptions = TextOptions(), *,
+                      deadline: Deadline | None = None) -> Rows:
+        """The request's inputs (texts, text pairs or token-id rows) as the model's Rows (Preparer: short requests on
+        the event loop, long ones on a thread; a 413 or 422 for what the model cannot take). deadline: the request's
+        (default: from its arrival, server.deadline)."""
         self.check_count(len(inputs))
-        started = time.monotonic()
-        chars = sum(len(x) if isinstance(x, str) else sum(map(len, x)) if isinstance(x, tuple) else 0
-                    for x in inputs)
-        if chars > self.settings.max_request_chars:
-            raise PayloadTooLarge(f"{chars} characters of text in one request; the limit is "
-                                  f"{self.settings.max_request_chars} (max_request_chars)")
-        try:
-            if chars <= INLINE_TOKENIZE_CHARS and not self._serving:
-                rows = self.model.prepare(inputs, options)
-            else:
-                async with asyncio.timeout(self._left()):
-                    rows = await self._preparer(inputs, options, chars)
-        except TimeoutError:
-            raise self._timeout() from None
-        except InputTooLong as exc:
-            raise PayloadTooLarge(str(exc), param=exc.param) from None
-        except InputError as exc:
-            raise Unprocessable(str(exc), param=exc.param) from None
-        record = CURRENT.get()
-        if record is not None:
-            record.tokenized(started, time.monotonic(), len(inputs))
-        return rows
+        return await self._preparer(inputs, options, deadline, alone=not self._serving)
 
     def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:
         self.check_count(len(rows))
@@ -343,18 +332,20 @@ class ModelService:
             raise Unprocessable(str(exc), param=exc.param) from None
 
     async def run(self, rows: Rows, request: Request | None, *, normalize: bool = False,
-                  dimensions: int | None = None) -> Result:
+                  dimensions: int | None = None, deadline: Deadline | None = None) -> Result:
         """The model's output rows for `rows` through the batcher, as one block: the first `dimensions` of each,
         L2-normalized where asked (quantize.shape, run by the batcher once per batch), else raw. A client that
-        disconnects meanwhile cancels its inputs that have not run; past request_timeout_s it is a 504. The job's
-        future is the one thing awaited: the client's disconnect (the next ASGI message) and the deadline settle it
-        too, so nothing polls. Without an HTTP request (gRPC) the caller's task is cancelled when its client goes."""
-        left = self._left()
-        self._admit(rows, left)
+        disconnects meanwhile cancels its inputs that have not run; past its deadline (default: request_timeout_s
+        from its arrival) it is a 504, GRACE_S later where a batch holding its inputs is running. The job's future is
+        the one thing awaited: the client's disconnect (the next ASGI message) and the deadline settle it too, so
+        nothing polls. Without an HTTP request (gRPC) the caller's task is cancelled when its client goes."""
+        deadline = deadline or Deadline.of_request(self.settings.request_timeout_s)
+        left = deadline.left()
+        _admit(self, rows, left)
         job = self.batcher.submit(rows, left, normalize=normalize, dimensions=dimensions)
         loop = asyncio.get_running_loop()
         watcher = loop.create_task(_watch(request, job.future)) if request is not None else None
-        deadline = loop.call_later(left + 1.0, _settle, job.future, _Expired())
+        expiry = loop.call_later(left + GRACE_S, _settle, job.future, _Expired())
         self._serving += 1
         try:
             block = await job.future
@@ -363,7 +354,7 @@ class ModelService:
             raise
         except _Expired:
             self.batcher.cancel(job, "timeout")
-            raise self._timeout() from None
+            raise deadline.expired() from None
         except asyncio.CancelledError:
             self.batcher.cancel(job)
             raise
@@ -371,161 +362,47 @@ class ModelService:
             self._serving -= 1
             if watcher is not None:
                 watcher.cancel()
-            deadline.cancel()
+            expiry.cancel()
         record = CURRENT.get()
         if record is not None and job.started is not None and job.done is not None:
             record.served(job.enqueued, job.started, job.done, len(rows), rows.tokens)
         return Result(block, rows.tokens)
 
-    def _admit(self, rows: Rows, left: float) -> None:
-        """A forward cannot be stopped once it runs: one predicted to outlast the `left` seconds of its deadline is
-        refused (413) before it holds the worker (server.cost)."""
-        if self.cost_model is None:
-            return
-        try:
-            self.cost_model.admit(rows, left, self.settings.request_timeout_s)
-        except PayloadTooLarge:
-            self.metrics.rejected.labels("predicted_timeout").inc()
-            raise
-
     async def embed(self, inputs: Sequence, options: TextOptions, request: Request | None, *, normalize: bool = False,
                     dimensions: int | None = None) -> Result:
-        """prepare, then run."""
-        return await self.run(await self.prepare(inputs, options), request, normalize=normalize,
-                              dimensions=dimensions)
+        """prepare, then run, under one deadline."""
+        deadline = Deadline.of_request(self.settings.request_timeout_s)
+        return await self.run(await self.prepare(inputs, options, deadline=deadline), request, normalize=normalize,
+                              dimensions=dimensions, deadline=deadline)
 
     async def token_rows(self, rows: Rows, request: Request | None = None) -> list[np.ndarray]:
         """Per-token hidden states ([tokens, dim] float32 per input, special tokens included), as one forward on
         the batcher's thread between batches. A client that disconnects while the forward waits (ClientGone), or a
         deadline that passes (504), has it skipped."""
         self.check_token_output(rows.tokens)
-        stamps: dict[str, float] = {}
-        abandoned = False
-
-        def run() -> np.ndarray | None:
-            if abandoned:  # nobody waits for it any more
-                return None
-            stamps["started"] = time.monotonic()
-            try:
-                return self.model.launch(rows, output="tokens").rows()
-            finally:
-                stamps["done"] = time.monotonic()
-
-        left = self._left()
-        self._admit(rows, left)
-        enqueued = time.monotonic()
-        loop = asyncio.get_running_loop()
-        # asyncio.wait, not wait_for: it never cancels the work's future, and a cancelled concurrent future is one
-        # the batcher's thread cannot settle when it gets to the work
-        work = asyncio.wrap_future(self.batcher.between_batches(run))
-        gone = loop.create_future()
-        watcher = loop.create_task(_watch(request, gone)) if request is not None else None
-        try:
-            await asyncio.wait((work, gone), timeout=left, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-            if gone.done():
-                gone.exception()  # read: the disconnect is reported below, not as a never-retrieved exception
-            if not work.done():
-                abandoned = True
-                work.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if not work.done():
-            raise ClientGone("client disconnected") if gone.done() else self._timeout()
-        block = work.result()
+        deadline = Deadline.of_request(self.settings.request_timeout_s)
+        _admit(self, rows, deadline.left())
+        block, stamps = await _between_batches(self.batcher, lambda: self.model.launch(rows, output="tokens").rows(),
+                                               request, deadline)
         record = CURRENT.get()
         if record is not None:
-            record.served(enqueued, stamps["started"], stamps["done"], len(rows), rows.tokens)
+            record.served(*stamps, len(rows), rows.tokens)
         return np.split(block, np.cumsum(rows.lengths)[:-1])
-
-    # ---- output types -----------------------------------------------------------------------------
-    def _embed_calibration(self) -> np.ndarray:
-        """Raw embeddings of CALIBRATION_TEXTS, on the worker (in batches the limits allow)."""
-        rows, step = self.model.prepare(list(CALIBRATION_TEXTS), TextOptions()), min(self.settings.max_batch_requests,
-                                                                                    32)
-        return np.concatenate([self.model.launch(rows.slice(i, min(i + step, len(rows)))).rows()
-                               for i in range(0, len(rows), step)]).astype(np.float32)
-
-    async def _quantization_ranges(self, normalize: bool, dimensions: int | None) -> np.ndarray:
-        """[2, width] per-dimension min and max of the calibration embeddings, shaped as the request's own are."""
-        if self._calibration is None:
-            self._calibrating = self._calibrating or asyncio.Lock()
-            async with self._calibrating:
-                if self._calibration is None:
-                    future = self.batcher.between_batches(self._embed_calibration)
-                    self._calibration = await asyncio.wrap_future(future)
-        key = (normalize, dimensions)
-        if key not in self._ranges:
-            self._ranges[key] = ranges_of(shape(self._calibration, normalize=normalize, dimensions=dimensions))
-        return self._ranges[key]
 
     async def output(self, rows: np.ndarray, encoding: str, *, normalize: bool, dimensions: int | None = None):
         """Embeddings shaped as the request asked (run's normalize and dimensions) in the output type it asked
         for (server.quantize); the int8/uint8 ranges are calibrated on embeddings shaped the same way."""
-        ranges = await self._quantization_ranges(normalize, dimensions) if encoding in QUANTIZED else None
+        ranges = await self.calibration.ranges(normalize, dimensions) if encoding in QUANTIZED else None
         return encode(rows, encoding, ranges)
 
-    # ---- runtime switches (run on the batcher thread, between batches) ---------------------------
-    def _publish_backends(self, description: Description) -> None:
-        # ops the model does not call are left out: a dashboard row saying "torch" for them would read as a fallback
-        self.description = description
-        self.metrics.set_backends(dict(description.kernels), description.fused)
-        self.metrics.fp8_enabled.set(1 if description.precision == "fp8" else 0)
-
-    def _check(self, rows, block) -> None:
-        # the batcher's thread, after a batch: the precision it ran at is the one published (switches run between
-        # batches on that thread)
-        self.verifier.submit(rows, block, self.description.precision)
-
-    def _on_mismatch(self, reason: str) -> None:
-        """The verifier saw fused outputs differ from the reference. "fp8_mismatch" (sustained, on FP8 batches): the
-        GEMMs go back to the model's dtype, on its fused path. "verify_mismatch" (verify_action=fallback): every op
-        the model calls falls back to the reference, as the fused switch would."""
-        if reason == "fp8_mismatch":
-            self.batcher.between_batches(lambda: self._leave_fp8(reason))
-            return
-
-        def apply() -> None:
-            ops = self.model.fall_back(reason)
-            if not ops:
-                return
-            refreeze()
-            for op in ops:
-                self.metrics.fallbacks.labels(op, reason).inc()
-            self._publish_backends(self.model.describe())
-            log.error("fallback: every op of %s now runs on the reference path (%s)", self.name, reason)
-
-        self.batcher.between_batches(apply)
-
-    def _leave_fp8(self, reason: str) -> None:
-        if not self.model.fall_back_precision(reason):
-            return
-        # counted at once: /info reports the move from here on, and a scrape that sees it there sees the count
-        self.metrics.precision_fallbacks.labels(reason).inc()
-        self._publish_backends(self.model.describe())
-        refreeze()
-        log.error("precision fallback: the GEMMs of %s run in %s again, on its fused path (%s: FP8 outputs kept "
-                  "missing the reference beyond verify_tolerance_fp8)", self.name, self.description.info.get("dtype"),
-                  reason)
-
-    def set_fused(self, enabled: bool) -> dict:
-        """The admin switch: select again with the fused path on or off (clears a fallback). A selection that cannot
-        be made (a forced backend failing its self-test) leaves the path as it was and answers 503 saying why."""
-        def apply() -> dict:
-            description = self.model.set_fused(enabled)
-            refreeze()
-            self._publish_backends(description)
-            return _state(description)
-
-        future = self.batcher.between_batches(apply)
-        try:
-            return future.result(timeout=120)
-        except concurrent.futures.TimeoutError:
-            raise Timeout("the switch did not finish within 120 s; it still applies between batches") from None
-        except ServiceError:
-            raise
-        except Exception as exc:  # the model kept its previous selection
-            raise Unavailable(f"the kernel path of {self.name} was not changed: {type(exc).__name__}: {exc}") from exc
+    # ---- reports ----------------------------------------------------------------------------------
+    def startup_report(self) -> str:
+        if self.load_error is not None:
+            return f"model {self.name} ({self.spec.path}): FAILED to load, skipped: {self.load_error}"
+        description = self.model.describe()
+        named = f"serving as {self.name}: " if self.name != description.name else ""
+        phases = ", ".join(f"{phase} {seconds:.1f}s" for phase, seconds in self.warmup_seconds.items())
+        return f"{named}{description.report}" + (f"\nwarm-up: {phases}" if phases else "")
 
     def info(self) -> dict:
         """The model's entry of /info: what it is, where it runs, the memory it holds, its kernel path."""
@@ -540,21 +417,63 @@ class ModelService:
             memory["reference_copy_bytes"] = self.verifier.reference_bytes
         return {
             **entry,
-            **_state(description),
+            **state(description),
             "memory": memory,
             "batches": self.batcher.batches if self.batcher else 0,
             "overlapped": self.batcher.overlapped if self.batcher else 0,
             # int8/uint8 calibration (server.quantize): per-dimension [min, max] of normalized embeddings
-            "quantization": None if self._calibration is None else {
-                "calibration_texts": len(CALIBRATION_TEXTS),
-                "ranges": ranges_of(shape(self._calibration, normalize=True, dimensions=None)).tolist()},
+            "quantization": self.calibration.info(),
         }
 
 
-def _state(description: Description) -> dict:
-    """What /info and the fused switch's answer say of a model: kind, dim, head, labels or prompts, fused,
-    fallback, kernels, attention, CUDA graphs."""
-    return {"kind": description.kind, "dim": description.dim, **description.info}
+def _admit(served: ModelService, rows: Rows, left: float) -> None:
+    """A forward cannot be stopped once it runs: one predicted to outlast the `left` seconds of its deadline is
+    refused (413) before it holds the worker (server.cost)."""
+    if served.cost_model is None:
+        return
+    try:
+        served.cost_model.admit(rows, left, served.settings.request_timeout_s)
+    except PayloadTooLarge:
+        served.metrics.rejected.labels("predicted_timeout").inc()
+        raise
+
+
+async def _between_batches(batcher: Batcher, forward: Callable[[], np.ndarray], request: Request | None,
+                           deadline: Deadline) -> tuple[np.ndarray, tuple[float, float, float]]:
+    """A request's `forward` on the batcher's thread between two batches, and its stamps (submitted, started, done:
+    time.monotonic()). A client that disconnects while it waits (ClientGone), or a deadline that passes (504), has it
+    skipped."""
+    left, stamps = deadline.left(), [time.monotonic()]
+    abandoned = False
+
+    def run() -> np.ndarray | None:
+        if abandoned:  # nobody waits for it any more
+            return None
+        stamps.append(time.monotonic())
+        try:
+            return forward()
+        finally:
+            stamps.append(time.monotonic())
+
+    loop = asyncio.get_running_loop()
+    # asyncio.wait, not wait_for: it never cancels the work's future, and a cancelled concurrent future is one the
+    # batcher's thread cannot settle when it gets to the work
+    work = asyncio.wrap_future(batcher.between_batches(run))
+    gone = loop.create_future()
+    watcher = loop.create_task(_watch(request, gone)) if request is not None else None
+    try:
+        await asyncio.wait((work, gone), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        if gone.done():
+            gone.exception()  # read: the disconnect is reported below, not as a never-retrieved exception
+        if not work.done():
+            abandoned = True
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())
+    if not work.done():
+        raise ClientGone("client disconnected") if gone.done() else deadline.expired()
+    return work.result(), tuple(stamps)
 
 
 def _settle(future: asyncio.Future, error: Exception) -> None:

@@ -19,8 +19,9 @@ from fusedserve.server import devices, workers
 from fusedserve.server.config import Settings
 from fusedserve.server.errors import NotFound, Unavailable, Unprocessable, quoted
 from fusedserve.server.metrics import Metrics
-from fusedserve.server.model_service import ModelService, refreeze
+from fusedserve.server.model_service import ModelService
 from fusedserve.server.observability import CURRENT
+from fusedserve.server.switches import refreeze
 
 log = logging.getLogger("fusedserve")
 
@@ -61,7 +62,8 @@ class Service:
             from fusedserve.server.tracing import Tracing
 
             self.tracing = Tracing(settings.otlp_endpoint, settings.otel_service_name, VERSION)
-        self.metrics.watch_cuda_graphs(self._graph_stats)
+        self.metrics.watch_cuda_graphs(
+            lambda: [(m.name, dict(m.model.describe().graphs)) for m in self.models if m.model is not None])
         self.applied_switch = 0  # WORKERS > 1: the latest generation of the admin switch this worker applied
 
     async def apply_switch(self, switch: dict) -> list[tuple[ModelService, dict]]:
@@ -86,9 +88,6 @@ class Service:
                 continue
             log.warning("admin switch from another worker applied: fused %s (%s)", switch["enabled"],
                         switch["model"] or "every model")
-
-    def _graph_stats(self) -> list[tuple[str, dict]]:
-        return [(m.name, dict(m.model.describe().graphs)) for m in self.models if m.model is not None]
 
     # ---- which model a request means ------------------------------------------------------------
     @property
@@ -186,49 +185,9 @@ class Service:
         it, and on_fatal (set by `fusedserve serve`) stops the process; with model_load_failure=skip a model's
         failure is reported and the others serve. A daemon thread: a SIGTERM during the load ends the process
         without waiting for it."""
-        thread = threading.Thread(target=self._start_up, name="fusedserve-load", daemon=True)
+        thread = threading.Thread(target=StartUp(self).run, name="fusedserve-load", daemon=True)
         thread.start()
         return thread
-
-    def _start_up(self) -> None:
-        try:
-            threads = self.settings.torch_threads or workers.threads_per_worker(self.settings.workers)
-            if threads:
-                torch.set_num_threads(threads)
-                # the tokenizer's thread pool (rayon's, sized at its first parallel batch, after this) gets the same
-                # share: a pool per worker as wide as the machine spins the other workers' cores for small batches
-                os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
-            if self.settings.device != "cpu" and torch.cuda.is_available():
-                workers.wait_for_the_first()  # on the CPU nothing is compiled or raced: the workers load together
-            self.phase = "loading"
-            self.load()
-            if not self.draining:
-                # What the start made (modules, weights' Python objects, compiled kernels, graphs) lives as long as
-                # the process: frozen out of the collector's sight, a later full collection walks only what requests
-                # leave behind instead of pausing a request to walk the start's objects too
-                refreeze()
-                # the report is written before readiness flips, so whoever sees the server ready finds it in the log
-                elapsed, age = time.monotonic() - self._started, _process_age_s()
-                before = f" ({age - elapsed:.1f}s earlier the process started: interpreter, imports, settings)" \
-                    if age is not None else ""
-                try:
-                    log.info("ready in %.1fs%s\n%s", elapsed, before, self.startup_report())
-                except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
-                    log.exception("ready in %.1fs; the start-up report failed", elapsed)
-                self.mark_ready()
-                for m in self.serving:
-                    m.run_background()
-        except BaseException as exc:
-            failing = self.loading
-            named = f"model {failing.name!r} ({failing.spec.path}): " if failing is not None else ""
-            self.load_error = f"{named}{type(exc).__name__}: {exc}"
-            log.critical("start-up failed while %s; stopping", f"{failing.phase} {failing.name}" if failing else
-                         self.phase, exc_info=True)
-            self.phase = "failed"
-            if failing is not None:
-                failing.phase = "failed"
-            if self.on_fatal is not None:
-                self.on_fatal()
 
     def load(self) -> None:
         """Each model in turn: load, warm up (with `warmup`), ready. The models share the device, and one load at a
@@ -266,15 +225,6 @@ class Service:
                 **({"model": m.name} if m is not None else {}),
                 "elapsed_s": round(time.monotonic() - self._started, 1)}
 
-    def startup_report(self) -> str:
-        s = self.settings
-        models = "\n".join(m.startup_report() for m in self.models)
-        return (f"{models}\n"
-                f"batching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
-                f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}; "
-                f"verify_sample_rate {s.verify_sample_rate:g} ({s.verify_action}), "
-                f"kernel_timing_sample_rate {s.kernel_timing_sample_rate:g}")
-
     def shutdown(self) -> None:
         """Refuse new work, answer what every model accepted (within request_timeout_s in all), stop."""
         self.start_draining()
@@ -292,7 +242,7 @@ class Service:
         every model in the process."""
         self.check_ready()
         targets = [self.model(name)] if name else self.serving
-        states = [await asyncio.to_thread(m.set_fused, enabled) for m in targets]
+        states = [await asyncio.to_thread(m.switches.set_fused, enabled) for m in targets]
         return list(zip(targets, states))
 
     def info(self) -> dict:
@@ -323,3 +273,63 @@ class Service:
                        "tokenizer_threads": int(os.environ.get("RAYON_NUM_THREADS", "0")) or None},
             "models": entries,
         }
+
+
+class StartUp:
+    """The start-up's thread (Service.start): the threads' share of the CPUs, then every model loaded and warmed up
+    (Service.load), the start's objects frozen, the start-up report logged and the server ready. A failure is
+    recorded for /readyz and stops the process (Service.on_fatal)."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def run(self) -> None:
+        service = self.service
+        try:
+            threads = service.settings.torch_threads or workers.threads_per_worker(service.settings.workers)
+            if threads:
+                torch.set_num_threads(threads)
+                # the tokenizer's thread pool (rayon's, sized at its first parallel batch, after this) gets the same
+                # share: a pool per worker as wide as the machine spins the other workers' cores for small batches
+                os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+            if service.settings.device != "cpu" and torch.cuda.is_available():
+                workers.wait_for_the_first()  # on the CPU nothing is compiled or raced: the workers load together
+            service.phase = "loading"
+            service.load()
+            if not service.draining:
+                # What the start made (modules, weights' Python objects, compiled kernels, graphs) lives as long as
+                # the process: frozen out of the collector's sight, a later full collection walks only what requests
+                # leave behind instead of pausing a request to walk the start's objects too
+                refreeze()
+                # the report is written before readiness flips, so whoever sees the server ready finds it in the log
+                elapsed, age = time.monotonic() - service._started, _process_age_s()
+                before = f" ({age - elapsed:.1f}s earlier the process started: interpreter, imports, settings)" \
+                    if age is not None else ""
+                try:
+                    log.info("ready in %.1fs%s\n%s", elapsed, before, self.report())
+                except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
+                    log.exception("ready in %.1fs; the start-up report failed", elapsed)
+                service.mark_ready()
+                for m in service.serving:  # the models' own background work (the rest of their CUDA graphs)
+                    if m.model is not None:
+                        m.model.run_background(m.batcher)
+        except BaseException as exc:
+            failing = service.loading
+            named = f"model {failing.name!r} ({failing.spec.path}): " if failing is not None else ""
+            service.load_error = f"{named}{type(exc).__name__}: {exc}"
+            log.critical("start-up failed while %s; stopping", f"{failing.phase} {failing.name}" if failing else
+                         service.phase, exc_info=True)
+            service.phase = "failed"
+            if failing is not None:
+                failing.phase = "failed"
+            if service.on_fatal is not None:
+                service.on_fatal()
+
+    def report(self) -> str:
+        s = self.service.settings
+        models = "\n".join(m.startup_report() for m in self.service.models)
+        return (f"{models}\n"
+                f"batching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
+                f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}; "
+                f"verify_sample_rate {s.verify_sample_rate:g} ({s.verify_action}), "
+                f"kernel_timing_sample_rate {s.kernel_timing_sample_rate:g}")

@@ -10,6 +10,7 @@ import pytest
 
 from fusedserve.model import load
 from fusedserve.model.api import LoadOptions, Rows
+from fusedserve.server.batch_policy import Limits, window
 from fusedserve.server.batcher import Batcher, Item, Job
 from fusedserve.server.config import Settings
 from fusedserve.server.metrics import Metrics
@@ -44,14 +45,14 @@ def test_budget_counts_real_tokens(model, loop):
     # (padded, two rows would already cost 2 x 100)
     batcher = _batcher(model, 130)
     items = _queue(batcher, loop, [100, 10, 10, 10, 10])
-    batch = batcher._choose(items[0])
+    batch = window(batcher._pending, items[0], Limits.of(batcher.settings))
     assert items[0] in batch and len(batch) == 4
 
 
 def test_similar_lengths_first(model, loop):
     batcher = _batcher(model, 60)
     items = _queue(batcher, loop, [20, 5, 19, 21, 40])
-    assert sorted(it.length for it in batcher._choose(items[0])) == [19, 20, 21]
+    assert sorted(it.length for it in window(batcher._pending, items[0], Limits.of(batcher.settings))) == [19, 20, 21]
 
 
 def test_each_batch_holds_the_oldest_input_and_a_window_of_similar_lengths(model, loop):

@@ -36,7 +36,7 @@ def test_the_start_is_frozen_before_ready():
 def test_a_switch_frees_what_the_start_froze():
     """The admin switch and the verifier's fallback drop the start's selection and graphs: refreeze lets one full
     collection free the dropped cycles, then freezes the survivors again."""
-    from fusedserve.server.model_service import refreeze
+    from fusedserve.server.switches import refreeze
 
     class Cycle:
         pass
