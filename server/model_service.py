@@ -444,11 +444,8 @@ async def _between_batches(batcher: Batcher, forward: Callable[[], np.ndarray], 
     time.monotonic()). A client that disconnects while it waits (ClientGone), or a deadline that passes (504), has it
     skipped."""
     left, stamps = deadline.left(), [time.monotonic()]
-    abandoned = False
 
-    def run() -> np.ndarray | None:
-        if abandoned:  # nobody waits for it any more
-            return None
+    def run() -> np.ndarray:
         stamps.append(time.monotonic())
         try:
             return forward()
@@ -456,8 +453,7 @@ async def _between_batches(batcher: Batcher, forward: Callable[[], np.ndarray], 
             stamps.append(time.monotonic())
 
     loop = asyncio.get_running_loop()
-    # asyncio.wait, not wait_for: it never cancels the work's future, and a cancelled concurrent future is one the
-    # batcher's thread cannot settle when it gets to the work
+    # cancelling the work's future where nobody waits for it any more cancels the batcher's, which then skips it
     work = asyncio.wrap_future(batcher.between_batches(run))
     gone = loop.create_future()
     watcher = loop.create_task(_watch(request, gone)) if request is not None else None
@@ -469,9 +465,8 @@ async def _between_batches(batcher: Batcher, forward: Callable[[], np.ndarray], 
         if gone.done():
             gone.exception()  # read: the disconnect is reported below, not as a never-retrieved exception
         if not work.done():
-            abandoned = True
-            work.add_done_callback(lambda f: f.cancelled() or f.exception())
-    if not work.done():
+            work.cancel()
+    if work.cancelled():
         raise ClientGone("client disconnected") if gone.done() else deadline.expired()
     return work.result(), tuple(stamps)
 
