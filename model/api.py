@@ -22,6 +22,27 @@ import numpy as np
 
 KINDS = ("embedding", "classifier", "sparse")
 
+# The names the load options take, for the server's settings to offer the same choices. BACKENDS are the kernel
+# layer's (fusedserve.kernels.registry; tests/model/test_families.py holds them equal); POOLING_MODES are
+# sentence-transformers' pooling modes the model's pooling implements (model/modules.py).
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+BACKENDS = ("auto", "triton", "cuda", "cpu", "torch")
+ATTENTION_MODES = ("auto", "pad", "varlen", "fused")
+PRECISIONS = ("native", "fp8")
+POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken")
+
+# The batch limits' defaults, for the server's settings and for a model loaded without them: one source, so CUDA
+# graphs are sized for the batches the server forms. A CPU batch's time grows with its tokens, so larger batches
+# gain nothing there and only hold the next request longer.
+GPU_BATCH_TOKENS = 16384
+CPU_BATCH_TOKENS = 2048
+BATCH_INPUTS = 64
+
+
+def batch_tokens(on_gpu: bool) -> int:
+    """The default of the batch's token limit on a GPU or on the CPU."""
+    return GPU_BATCH_TOKENS if on_gpu else CPU_BATCH_TOKENS
+
 
 class InputError(ValueError):
     """An input the model cannot take as it is; `param` names the request field where known."""
@@ -143,6 +164,11 @@ class Rows:
         return cls(np.concatenate(pieces) if pieces else np.empty(0, np.int64), lengths, second)
 
 
+class OutOfDeviceMemory(RuntimeError):
+    """A forward ran out of device memory (launch or Pending.rows raise it, the model's cached blocks released
+    first): a smaller batch may fit where this one did not."""
+
+
 class Pending(Protocol):
     """A launched forward. ready(): its result is on the host. rows(): waits for it, then all output rows as one
     block, float32 [n, width] (pooled embeddings or a classifier's logits; per-token rows for output="tokens": [tokens,
@@ -251,8 +277,8 @@ class LoadOptions:
     pooling: str | None = None
     attention: str = "auto"
     cuda_graphs: bool = True
-    max_batch_tokens: int = 16384
-    max_batch: int = 256
+    max_batch_tokens: int | None = None  # None: batch_tokens() of the device the model loads on
+    max_batch: int = BATCH_INPUTS
     max_graphs: int = 256
     graphs_before_ready: int | None = None
     cache_dir: str | None = None

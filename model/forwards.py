@@ -42,8 +42,8 @@ class Forwards:
     from CUDA graphs. pair_types: text pairs carry token types (the second text's: 1)."""
 
     def __init__(self, encoder: torch.nn.Module, head: torch.nn.Module, kernel_path: KernelPath, *,
-                 pair_types: bool = False, cuda_graphs: bool = True, max_batch_tokens: int = 8192,
-                 max_batch: int = 256, max_graphs: int = 256) -> None:
+                 pair_types: bool = False, cuda_graphs: bool = True, max_batch_tokens: int,
+                 max_batch: int, max_graphs: int = 256) -> None:
         self.encoder, self.head, self.kernel_path = encoder, head, kernel_path
         self.config, self.dim = encoder.config, head.dim
         self.device, self.layout = kernel_path.device, kernel_path.layout

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fusedserve import kernels
-from fusedserve.model import describing
+from fusedserve.model import describing, host
 from fusedserve.model.api import name_of
 from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
 from fusedserve.model.families import family
@@ -30,12 +30,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available here")
-    return resolved
+    return torch.device(host.place(device))
 
 
 # The CPU instructions that compute each half type natively (Linux /proc/cpuinfo flag names). Without them oneDNN

@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fusedserve import kernels
+from fusedserve.model.api import POOLING_MODES
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.families import family
 from fusedserve.model.family import ClassifierHead, YesNoReranker
 from fusedserve.model.weights import MASKED_LM
 
-POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken")
 _LEGACY_POOLING = {  # sentence-transformers' pooling_mode_* flags, in its order of concatenation
     "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
     "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens": "weightedmean",

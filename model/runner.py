@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from fusedserve.model import describing, loading
-from fusedserve.model.api import Rows, TextOptions, l2_normalize
+from fusedserve.model.api import BATCH_INPUTS, Rows, TextOptions, batch_tokens, l2_normalize
 from fusedserve.model.families import family
 from fusedserve.model.forwards import Forwards, Pending
 from fusedserve.model.kernel_path import KernelPath
@@ -35,11 +35,13 @@ class Embedder:
     def __init__(self, encoder: torch.nn.Module, tokenizer: TextTokenizer | None, name: str,
                  device: torch.device, dtype: torch.dtype, *, pipeline: Pipeline | None = None,
                  classifier: Classifier | None = None, layout: str = "packed", attention: str = "auto",
-                 cuda_graphs: bool = True, max_batch_tokens: int = 8192, max_batch: int = 256,
+                 cuda_graphs: bool = True, max_batch_tokens: int | None = None, max_batch: int = BATCH_INPUTS,
                  max_graphs: int = 256, backend: str = "auto", backend_overrides: dict[str, str] | None = None,
                  precision: str = "native") -> None:
         if layout not in ("packed", "padded"):
             raise ValueError(f"layout must be packed or padded, got {layout!r}")
+        if max_batch_tokens is None:
+            max_batch_tokens = batch_tokens(device.type == "cuda")
         self.encoder = encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.config = encoder.config
         self.family = family(self.config)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -17,7 +18,7 @@ import torch
 
 from fusedserve import kernels
 from fusedserve.model import describing
-from fusedserve.model.api import Description, LoadOptions, Rows, TextOptions, Worker, name_of
+from fusedserve.model.api import Description, LoadOptions, OutOfDeviceMemory, Rows, TextOptions, Worker, name_of
 from fusedserve.model.forwards import Pending
 from fusedserve.model.loading import LoadReport, cpu_isa
 from fusedserve.model.runner import Embedder
@@ -27,6 +28,18 @@ log = logging.getLogger("fusedserve.model")
 # after ready, the longest that batches without their CUDA graph run eagerly while the rest are captured when idle;
 # under traffic that never leaves the model idle, a bucket still missing then is captured when its batch comes
 CAPTURE_AHEAD_S = 120.0
+
+
+@contextlib.contextmanager
+def _device_memory_errors() -> Iterator[None]:
+    """torch's out-of-memory as the seam's OutOfDeviceMemory, after giving the allocator's cached blocks back (the
+    server retries a smaller batch, which may then fit where fragments of this one's did not)."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        raise OutOfDeviceMemory(str(exc)) from exc
 
 
 class _Block:
@@ -41,7 +54,8 @@ class _Block:
         return self._pending.ready()
 
     def rows(self) -> np.ndarray:
-        return self._pending.wait().numpy()
+        with _device_memory_errors():
+            return self._pending.wait().numpy()
 
 
 def _bytes_of(*modules: torch.nn.Module) -> int:
@@ -135,11 +149,12 @@ class Served:
     # ---- forwards (the worker's thread) -----------------------------------------------------------------------
     def launch(self, rows: Rows, *, output: Literal["pooled", "tokens"] = "pooled", reference: bool = False) -> _Block:
         e = self.embedder
-        if output == "tokens":
-            return _Block(Pending(e.forwards.embed_tokens(rows)), e.kernel_path.label)
-        if reference:
-            return _Block(Pending(e.embed_ids(rows, normalize=False, reference=True)), "reference")
-        return _Block(e.launch_ids(rows), e.kernel_path.label)
+        with _device_memory_errors():
+            if output == "tokens":
+                return _Block(Pending(e.forwards.embed_tokens(rows)), e.kernel_path.label)
+            if reference:
+                return _Block(Pending(e.embed_ids(rows, normalize=False, reference=True)), "reference")
+            return _Block(e.launch_ids(rows), e.kernel_path.label)
 
     def time_ops(self, rows: Rows, callback: Callable[[str, str, float], None]) -> Iterator[None]:
         return self.embedder.timed_steps(rows, callback)

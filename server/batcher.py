@@ -26,9 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from fusedserve.model.api import Pending, Rows, ServedModel
+from fusedserve.model.api import OutOfDeviceMemory, Pending, Rows, ServedModel
 from fusedserve.server import batch_policy
 from fusedserve.server.config import Settings
 from fusedserve.server.deadline import not_served
@@ -39,7 +38,6 @@ from fusedserve.server.quantize import shape
 
 log = logging.getLogger("fusedserve.batcher")
 
-OutOfMemory = torch.cuda.OutOfMemoryError  # a batch that hits it is split in halves, not re-run on the reference
 
 # when_idle's pause: longer than a client's turnaround between back-to-back requests (a loopback round trip and
 # its own work, well under a millisecond to a few), short enough that the work runs soon after traffic stops
@@ -480,7 +478,7 @@ class BatchRunner:
         fail them all)."""
         try:
             block = forward()
-        except OutOfMemory:
+        except OutOfDeviceMemory:
             log.error("out of memory even for a single input of %d tokens", rows.longest)
             for it in batch:
                 it.job.fail(Unavailable("out of device memory for this input; retry later",
@@ -512,13 +510,11 @@ class BatchRunner:
         that still does not fit fails)."""
         try:
             return self._forward_once(rows)
-        except OutOfMemory:
+        except OutOfDeviceMemory:
             if len(rows) == 1:
                 raise
             log.warning("out of memory on a batch of %d inputs; splitting it in two", len(rows))
             self.metrics.batch_splits.inc()
-            if torch.cuda.is_initialized():
-                torch.cuda.empty_cache()
             half = len(rows) // 2
             return np.concatenate([self._forward(rows.slice(0, half)), self._forward(rows.slice(half, len(rows)))])
 
@@ -533,7 +529,7 @@ class BatchRunner:
             block = pending.rows()
             if not np.isfinite(block).all():
                 raise NonFiniteOutput(f"{path} forward produced NaN/Inf")
-        except OutOfMemory:
+        except OutOfDeviceMemory:
             raise
         except Exception as exc:
             if path is None:  # the launch itself raised: the path it would have taken, as the model says now

@@ -15,13 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
                                TomlConfigSettingsSource, YamlConfigSettingsSource)
 
+from fusedserve.model import api, host
 from fusedserve.server.devices import PATTERN as DEVICE_PATTERN
 
 log = logging.getLogger("fusedserve")
-
-# max_batch_tokens on a CPU device unless set: a 2-core machine runs MiniLM at a few thousand tokens/s, so a batch of
-# 16384 tokens held a one-input request for seconds, and requests of 256 long inputs ran no faster in such batches
-CPU_BATCH_TOKENS = 2048
 
 # removed setting -> why, for the start-up warning (drop an entry one release after its removal)
 REMOVED_SETTINGS = {
@@ -32,7 +29,9 @@ REMOVED_SETTINGS = {
 }
 
 
-Pooling = Literal["cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken"]
+# the choices the model package offers (fusedserve.model.api), not copies of them
+Pooling = Literal[api.POOLING_MODES]
+Backend = Literal[api.BACKENDS]
 # a model's name is a path segment of KServe's /v2/models/{name}/... and an OpenAI model id
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -71,21 +70,22 @@ class ModelSettings(BaseSettings):
                         description="where the models run: `cpu`; `cuda:N`, one GPU; `cuda:0,cuda:1`, those GPUs; "
                         "`cuda`, every visible GPU; `auto`, every visible GPU, else the CPU. With several devices each "
                         "gets `workers` server processes on the one port")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+    dtype: Literal[api.DTYPES] = Field(
         "auto", description="compute dtype; `auto`: float32 on the CPU; on CUDA float16, bfloat16 for the decoder "
         "embedders (Qwen2 / Qwen3: their activations overflow float16)")
     fused: bool = Field(True, description="serve on the fused kernels; `false` runs every op on the torch reference "
                         "path")
-    precision: Literal["native", "fp8"] = Field(
+    precision: Literal[api.PRECISIONS] = Field(
         "native", description="the encoder's GEMMs: `native`, in the dtype; `fp8`, in E4M3 on FP8 tensor cores "
         "(weights per output channel, activations per token; BERT, RoBERTa / XLM-RoBERTa, DistilBERT and MPNet "
         "models, batches past the few-token layer's), the rest in the dtype: on GPUs of compute capability 8.9+ only "
         "(refused elsewhere, naming why). The verifier holds it to `verify_tolerance_fp8`; sustained mismatches move "
         "it back to `native` (docs/operations.md)")
-    backend: Literal["auto", "triton", "cuda", "torch"] = Field(
+    backend: Backend = Field(
         "auto", description="kernel backend for every op: `auto` self-tests the candidates and, on a GPU, races those "
-        "that pass; a forced backend that fails its self-test stops the start")
-    backend_overrides: Annotated[dict[str, Literal["auto", "triton", "cuda", "torch"]], NoDecode] = Field(
+        "that pass; `cpu` is the CPU's own kernels (aten), `torch` the reference; a forced backend that fails its "
+        "self-test stops the start")
+    backend_overrides: Annotated[dict[str, Backend], NoDecode] = Field(
         default_factory=dict, description="per-op backend, e.g. 'add_layer_norm=cuda,bias_gelu=triton'")
     max_seq_length: int | None = Field(None, ge=1, description="truncation length (default: the model's); with "
                                        "`models`, every model's unless its entry says otherwise")
@@ -93,7 +93,7 @@ class ModelSettings(BaseSettings):
         None, description="an embedding model's pooling, overriding its own (sentence-transformers' 1_Pooling); "
         "a plain Hugging Face directory without it is mean-pooled. With `models`, every model's unless its entry "
         "says otherwise (a classifier refuses it)")
-    attention: Literal["auto", "pad", "varlen", "fused"] = Field(
+    attention: Literal[api.ATTENTION_MODES] = Field(
         "auto", description="packed attention: varlen (flash over the offsets in fp16/bf16 on CUDA, one SDPA per "
                             "sequence on the CPU), pad-for-SDPA, or fused (batches of <= 64 tokens as four kernels per "
                             "layer, varlen above); auto: fused on CUDA fp16/bf16 while the few-token ops are on a fused "
@@ -171,10 +171,10 @@ class BatchingSettings(BaseSettings):
     """Batching and limits: how inputs form batches, and what a request, a connection and a queue may hold."""
 
     max_batch_tokens: int = Field(
-        16384, ge=1, description="real tokens per batch (the packed layout runs no padding); unset on a CPU device: "
-        f"{CPU_BATCH_TOKENS} (a CPU batch's time grows with its tokens, so larger ones gain nothing and only hold the "
-        "next request longer)")
-    max_batch_requests: int = Field(64, ge=1, description="inputs per batch")
+        api.GPU_BATCH_TOKENS, ge=1, description="real tokens per batch (the packed layout runs no padding); unset on a "
+        f"CPU device: {api.CPU_BATCH_TOKENS} (a CPU batch's time grows with its tokens, so larger ones gain nothing "
+        "and only hold the next request longer)")
+    max_batch_requests: int = Field(api.BATCH_INPUTS, ge=1, description="inputs per batch")
     max_wait_ms: float = Field(0.0, ge=0, description="longest an input waits for company before its batch closes "
                                "(0: the worker takes whatever is queued as soon as it is free)")
     overlap_batches: bool = Field(
@@ -189,8 +189,12 @@ class BatchingSettings(BaseSettings):
     request_timeout_s: float = Field(30.0, gt=0, description="seconds a request may take from its arrival (its body's "
                                      "read, tokenizing and the queue count): a body not received by then is a 408; "
                                      "inputs still waiting are answered 504 and never run (a batch already running "
-                                     "gets 1 s of grace); with warm-up on, a request whose forward the warm-up's cost "
-                                     "model predicts to outlast it is refused 413 before it runs")
+                                     "gets `request_grace_s` more); with warm-up on, a request whose forward the "
+                                     "warm-up's cost model predicts to outlast it is refused 413 before it runs")
+    request_grace_s: float = Field(1.0, ge=0, description="seconds past its deadline a request waits for a batch "
+                                   "that holds its inputs and is already running (a forward cannot be stopped once it "
+                                   "runs: a batch that ends just past the deadline still answers)",
+                                   json_schema_extra={"advanced": True})
     header_timeout_s: float = Field(10.0, gt=0, description="seconds a connection may take to send a request's headers "
                                     "(from connecting, or from the request's first byte); a connection still sending "
                                     "them is closed")
@@ -291,8 +295,9 @@ class Settings(AccessSettings, VerificationSettings, BatchingSettings, ModelSett
 
     @model_validator(mode="after")
     def _check(self):
-        if "max_batch_tokens" not in self.model_fields_set and not _on_gpu(self.device):
-            object.__setattr__(self, "max_batch_tokens", CPU_BATCH_TOKENS)  # frozen: set once, here
+        if "max_batch_tokens" not in self.model_fields_set:
+            # frozen: set once, here
+            object.__setattr__(self, "max_batch_tokens", api.batch_tokens(host.on_gpu(self.device)))
         if self.max_batch_requests > self.max_queue:
             raise ValueError("max_batch_requests must not exceed max_queue")
         if self.models and {"model", "model_name"} & self.model_fields_set:
@@ -323,10 +328,3 @@ class Settings(AccessSettings, VerificationSettings, BatchingSettings, ModelSett
                 raise ValueError(f"FUSEDSERVE_CONFIG: {path}: use a .yaml, .yml or .toml file")
         return tuple(sources)
 
-
-def _on_gpu(device: str) -> bool:
-    if device != "auto":
-        return device.startswith("cuda")
-    import torch  # only for "auto": which device a model will load on (the model package decides the same way)
-
-    return torch.cuda.is_available()

@@ -1,7 +1,9 @@
 """A request's deadline: request_timeout_s from its arrival (the first byte the app or the gRPC server saw of it: the
 body's read, tokenizing and waiting for the batcher all count). Computed once from the request's record and carried
 through its preparing, its queue and its forward; what is left of it bounds each wait, and an expired one is the
-same 504 wherever it is noticed."""
+same 504 wherever it is noticed. A request whose inputs are in a running batch at its deadline is answered 504 only
+request_grace_s after it (a forward cannot be stopped once it runs; its inputs not yet started are dropped at the
+deadline itself, server.batcher)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,6 @@ from dataclasses import dataclass
 
 from fusedserve.server.errors import Timeout
 from fusedserve.server.observability import CURRENT
-
-# A forward cannot be stopped once it runs: a request whose inputs are in a running batch at its deadline is answered
-# 504 only this long after it (its inputs not yet started are dropped at the deadline itself, server.batcher), so a
-# batch that ends just past the deadline still answers
-GRACE_S = 1.0
 
 
 @dataclass(slots=True)  # not frozen: made once per request, where a frozen dataclass's init costs several times more

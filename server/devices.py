@@ -6,8 +6,8 @@ device. One device and one worker: the single-process server, as before. Anythin
 `workers` processes on each device (server.workers), each loading its models on that one device.
 
 This module decides without touching a GPU (the parent must not create a CUDA context on every device it hands
-out): it counts the visible GPUs and reads their free memory through torch's device queries, which use NVML where
-they can."""
+out): it counts the visible GPUs through the model package (fusedserve.model.host: torch's device count, which uses
+NVML where it can) and reads their free memory from nvidia-smi."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from fusedserve.model import host
 
 log = logging.getLogger("fusedserve")
 
@@ -41,9 +43,7 @@ class Placement:
 
 def visible_gpus() -> list[str]:
     """Every GPU this process may use, as `cuda:N` (CUDA_VISIBLE_DEVICES applies)."""
-    import torch
-
-    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return host.gpus()
 
 
 def runs_on(name: str) -> str:

@@ -16,10 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-import torch
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest, multiprocess)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from fusedserve.model import host
 
 log = logging.getLogger("fusedserve")
 
@@ -112,7 +113,7 @@ class Metrics:
             cpu = Gauge(PREFIX + "worker_cpu_seconds", "User + system CPU time of the server's workers, summed",
                         registry=None, multiprocess_mode="livesum")
             self._refresh_every_second(lambda: cpu.set(time.process_time()))
-        self._watched_devices: set[torch.device] = set()
+        self._watched_devices: set[str] = set()
 
     def exposition(self) -> tuple[bytes, str]:
         """/metrics' body and content type: this registry, or every worker's files in multiprocess mode."""
@@ -151,19 +152,19 @@ class Metrics:
     def watch_device_memory(self, device: str) -> None:
         """Read CUDA allocator numbers at scrape time (nothing to report on the CPU). The models share the device:
         these are the process's numbers, not a model's. device: as a model describes it ("cpu", "cuda:0")."""
-        device = torch.device(device)
-        if device.type != "cuda" or device in self._watched_devices:
+        if not device.startswith("cuda") or device in self._watched_devices:
             return
         self._watched_devices.add(device)
         if self.multiprocess:
             def refresh() -> None:
-                self.device_memory.labels("allocated").set(torch.cuda.memory_allocated(device))
-                self.device_memory.labels("reserved").set(torch.cuda.memory_reserved(device))
+                allocated, reserved = host.memory(device)
+                self.device_memory.labels("allocated").set(allocated)
+                self.device_memory.labels("reserved").set(reserved)
 
             self._refresh_every_second(refresh)
             return
-        self.device_memory.labels("allocated").set_function(lambda: torch.cuda.memory_allocated(device))
-        self.device_memory.labels("reserved").set_function(lambda: torch.cuda.memory_reserved(device))
+        self.device_memory.labels("allocated").set_function(lambda: host.memory(device)[0])
+        self.device_memory.labels("reserved").set_function(lambda: host.memory(device)[1])
 
     def watch_cuda_graphs(self, graphs: Callable[[], Iterable[tuple[str, dict]]]) -> None:
         """Export each loaded model's CUDA-graph counters at scrape time: `graphs()` yields (model, stats) pairs,

@@ -22,7 +22,7 @@ from fusedserve.server.batcher import Batcher
 from fusedserve.server.calibration import Calibration
 from fusedserve.server.config import ModelSpec, Settings
 from fusedserve.server.cost import CostModel, cost_model
-from fusedserve.server.deadline import GRACE_S, Deadline, not_served
+from fusedserve.server.deadline import Deadline, not_served
 from fusedserve.server.errors import BadRequest, PayloadTooLarge, Unprocessable
 from fusedserve.server.metrics import Metrics, ModelMetrics
 from fusedserve.server.observability import CURRENT, ClientGone
@@ -336,16 +336,16 @@ class ModelService:
         """The model's output rows for `rows` through the batcher, as one block: the first `dimensions` of each,
         L2-normalized where asked (quantize.shape, run by the batcher once per batch), else raw. A client that
         disconnects meanwhile cancels its inputs that have not run; past its deadline (default: request_timeout_s
-        from its arrival) it is a 504, GRACE_S later where a batch holding its inputs is running. The job's future is
-        the one thing awaited: the client's disconnect (the next ASGI message) and the deadline settle it too, so
-        nothing polls. Without an HTTP request (gRPC) the caller's task is cancelled when its client goes."""
+        from its arrival) it is a 504, request_grace_s later where a batch holding its inputs is running. The job's
+        future is the one thing awaited: the client's disconnect (the next ASGI message) and the deadline settle it
+        too, so nothing polls. Without an HTTP request (gRPC) the caller's task is cancelled when its client goes."""
         deadline = deadline or Deadline.of_request(self.settings.request_timeout_s)
         left = deadline.left()
         _admit(self, rows, left)
         job = self.batcher.submit(rows, left, normalize=normalize, dimensions=dimensions)
         loop = asyncio.get_running_loop()
         watcher = loop.create_task(_watch(request, job.future)) if request is not None else None
-        expiry = loop.call_later(left + GRACE_S, _settle, job.future, _Expired())
+        expiry = loop.call_later(left + self.settings.request_grace_s, _settle, job.future, _Expired())
         self._serving += 1
         try:
             block = await job.future

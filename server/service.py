@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 
+from fusedserve.model import host
 from fusedserve.server import devices, workers
 from fusedserve.server.config import Settings
 from fusedserve.server.errors import NotFound, Unavailable, Unprocessable, quoted
@@ -269,7 +269,7 @@ class Service:
             "model_load_failure": s.model_load_failure,
             # the process that answered, of how many, and its threads (intra-op; the tokenizer's, where sized)
             "worker": {"pid": os.getpid(), "workers": s.workers, "device": self.device,
-                       "index": int(os.environ.get(workers.INDEX_ENV, "0")), "torch_threads": torch.get_num_threads(),
+                       "index": int(os.environ.get(workers.INDEX_ENV, "0")), "torch_threads": host.threads(),
                        "tokenizer_threads": int(os.environ.get("RAYON_NUM_THREADS", "0")) or None},
             "models": entries,
         }
@@ -288,11 +288,11 @@ class StartUp:
         try:
             threads = service.settings.torch_threads or workers.threads_per_worker(service.settings.workers)
             if threads:
-                torch.set_num_threads(threads)
+                host.set_threads(threads)
                 # the tokenizer's thread pool (rayon's, sized at its first parallel batch, after this) gets the same
                 # share: a pool per worker as wide as the machine spins the other workers' cores for small batches
                 os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
-            if service.settings.device != "cpu" and torch.cuda.is_available():
+            if host.on_gpu(service.settings.device):
                 workers.wait_for_the_first()  # on the CPU nothing is compiled or raced: the workers load together
             service.phase = "loading"
             service.load()

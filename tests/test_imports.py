@@ -1,6 +1,7 @@
 """The import graph of the product (kernels/, model/, server/ and fusedserve/, under their installed names) and of
-bench/: no import cycle, and no kernels module reached from the server, neither in its import statements nor at
-runtime.
+bench/: no import cycle, and neither a kernels module nor torch (or triton) reached from the server, in its import
+statements or at runtime: the server asks the model package (fusedserve.model.api, fusedserve.model.host) and loads
+torch only with a model.
 
 The graph is read from the source (ast), so it holds every import statement, those inside functions included: a
 function-level import that only puts off a cycle until the function runs is still a cycle. Imports under
@@ -185,9 +186,29 @@ def test_the_server_imports_no_kernels_module():
     assert not offending, "the server imports kernels modules:\n" + "\n".join(map(str, offending))
 
 
+# the server's own modules never import these: torch and triton come with a model, through fusedserve.model
+DEVICE_LIBRARIES = ("torch", "triton")
+
+
+def _server_files() -> dict[str, Path]:
+    return {m: p for m, p in modules(product_roots()).items() if m == SERVER or m.startswith(SERVER + ".")}
+
+
+def test_the_server_imports_no_torch():
+    """Every import statement under server/, function-level and TYPE_CHECKING ones included."""
+    offending = []
+    for module, path in _server_files().items():
+        visitor = _ImportStatements()
+        visitor.visit(ast.parse(path.read_text(), str(path)))
+        for line, name, _, level, _, _ in visitor.found:
+            if not level and name and name.split(".")[0] in DEVICE_LIBRARIES:
+                offending.append(f"{path.relative_to(ROOT)}:{line}: {module} imports {name}")
+    assert not offending, "the server imports device libraries:\n" + "\n".join(offending)
+
+
 def test_importing_the_server_loads_no_kernels_module(tmp_path):
     """In a fresh interpreter: fusedserve.server.app, then every other server module; after each, whether any
-    fusedserve.kernels module is in sys.modules (through fusedserve.model or anything else)."""
+    fusedserve.kernels module, torch or triton is in sys.modules (through fusedserve.model or anything else)."""
     server = sorted(m for m in modules(product_roots()) if m == SERVER or m.startswith(SERVER + "."))
     names = [f"{SERVER}.app", *(m for m in server if m != f"{SERVER}.app")]
     script = textwrap.dedent("""
@@ -199,8 +220,9 @@ def test_importing_the_server_loads_no_kernels_module(tmp_path):
             except BaseException as exc:
                 failed[name] = f"{type(exc).__name__}: {exc}"
             for module in sys.modules:
-                if module == "fusedserve.kernels" or module.startswith("fusedserve.kernels."):
-                    loaded.setdefault(module, name)
+                if module.split(".")[0] in ("torch", "triton") or module == "fusedserve.kernels" \
+                        or module.startswith("fusedserve.kernels."):
+                    loaded.setdefault(module.split(".")[0] if "kernels" not in module else module, name)
         print(json.dumps({"loaded": loaded, "failed": failed}))
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -210,7 +232,7 @@ def test_importing_the_server_loads_no_kernels_module(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["failed"] == {}, f"server modules that do not import: {report['failed']}"
-    assert report["loaded"] == {}, "importing the server loads kernels modules (module: first loaded by " \
+    assert report["loaded"] == {}, "importing the server loads kernels modules or torch (module: first loaded by " \
         "importing):\n" + "\n".join(f"    {m}: {by}" for m, by in sorted(report["loaded"].items()))
 
 

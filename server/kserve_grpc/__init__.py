@@ -101,7 +101,7 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.server_handshake_timeout_ms", int(s.header_timeout_s * 1000)),
         ("grpc.max_connection_idle_ms", int(s.idle_timeout_s * 1000)),
         ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_S * 1000),
-        ("grpc.max_connection_age_grace_ms", int(s.request_timeout_s * 1000) + 1000),
+        ("grpc.max_connection_age_grace_ms", int((s.request_timeout_s + s.request_grace_s) * 1000)),
         ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
         # flow-control windows stay at HTTP/2's initial 64 KiB unless a message is being read (then the core opens
         # the stream's window to the message's size): BDP probing grows every stream's window, read or not, and let
