@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fusedserve.model.config import EncoderConfig
+from fusedserve.model.config import EncoderConfig, UnsupportedModel
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,17 @@ class Family:
     # the dtype DTYPE=auto serves on a GPU: decoder LLMs are trained and shipped in bfloat16, and their residual
     # streams can outgrow float16's range
     dtype_on_cuda: torch.dtype = torch.float16
+    # the dtypes it is served in (DTYPE names another: refused before its weights load, naming these and `why`)
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    dtypes_why: str = ""
 
     def describe(self) -> str:
         return f"{self.label}: {self.attention} attention, {self.positions} positions"
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raises UnsupportedModel where the family is not served in `dtype`."""
+        if dtype not in self.dtypes:
+            names = " and ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            why = f" ({self.dtypes_why})" if self.dtypes_why else ""
+            raise UnsupportedModel(f"dtype {str(dtype).removeprefix('torch.')} is not supported by {self.label}: it "
+                                   f"is served in {names}{why}")

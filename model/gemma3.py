@@ -186,7 +186,7 @@ class Layer(nn.Module):
 class Encoder(layers.RotaryEncoder):
     """The scaled token table, Layers, Gemma's final RMSNorm; global layers rotate by inv_freq (rope_theta), sliding
     ones by local_inv_freq (rope_local_base_freq), both kept float32. A float16 encoder is refused (module
-    docstring): the check runs whenever the parameters change dtype (.to(), .half())."""
+    docstring): at load, and whenever the parameters change dtype (.to(), .half())."""
 
     FLOAT32_BUFFERS = ("inv_freq", "local_inv_freq")
 
@@ -205,11 +205,9 @@ class Encoder(layers.RotaryEncoder):
                 p.zero_()  # Gemma's norms scale by 1 + w: zero is the identity
 
     def _apply(self, fn, recurse=True):
+        # the load refuses a float16 DTYPE before the weights load (Family.dtypes); this holds the module itself to it
         module = super()._apply(fn, recurse)
-        if self.final_ln_weight.dtype == torch.float16:
-            raise UnsupportedModel("dtype float16 is not supported by EmbeddingGemma (Gemma3): its model card "
-                                   "supports float32 and bfloat16 (its activations outgrow float16's range); "
-                                   "serve dtype bfloat16 (the default on a GPU) or float32")
+        GEMMA3.check_dtype(self.final_ln_weight.dtype)
         return module
 
     def frequencies(self, layer: Layer) -> Tensor:
@@ -261,5 +259,6 @@ WEIGHTS = WeightLayout(
 GEMMA3 = Family("gemma3", ("gemma3_text",), "EmbeddingGemma (Gemma3)", _read, WEIGHTS, None, encoder=Encoder,
                 kernel_ops=kernel_ops, attention="bidirectional grouped-query, global and sliding-window",
                 positions="rotary, a base per layer type", few_token_layer=False, gated_ffn=True,
-                dtype_on_cuda=torch.bfloat16)
+                dtype_on_cuda=torch.bfloat16, dtypes=(torch.float32, torch.bfloat16),
+                dtypes_why="its model card's: its activations outgrow float16's range")
 FAMILIES = (GEMMA3,)

@@ -21,7 +21,7 @@ from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
 from fusedserve.model.families import family
 from fusedserve.model.modules import Classifier, Pipeline, masked_lm_tensors, read_classifier, read_pipeline
 from fusedserve.model.tokenizer import TextTokenizer
-from fusedserve.model.weights import check_encoder_only, default_model_dir, load_checkpoint
+from fusedserve.model.weights import check_encoder_only, default_model_dir, load_checkpoint, read_config
 
 if TYPE_CHECKING:
     from fusedserve.model.runner import Embedder
@@ -150,7 +150,12 @@ def load(make: type[Embedder], model: str = "default", *, device: str = "auto", 
     """Embedder.load's body (see there): `make` is the class to build, so this module never imports the runner."""
     started = time.perf_counter()
     dev = resolve_device(device)
-    resolve_dtype(dtype, dev)  # a wrong name fails before the weights load
+    # the family's dtype rules and a wrong name fail before the weights load
+    config = EncoderConfig.from_name(model) if model in PRESETS else \
+        read_config(default_model_dir() if model == "default" else Path(model))
+    if dtype in DTYPES:
+        family(config).check_dtype(DTYPES[dtype])
+    resolve_dtype(dtype, dev, family(config).dtype_on_cuda)
     read = read_model(model, pooling, name, max_seq_length)
     encoder = read.encoder
     if max_seq_length is not None:  # a preset's (a checkpoint's encoder was built for it)

@@ -97,25 +97,31 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], config: EncoderConfig
     return out, {k: v for k, v in src.items() if not _IGNORED.match(k)}
 
 
+def read_config(path: Path) -> EncoderConfig:
+    """The EncoderConfig of a checkpoint directory's config.json, before (and without) its weights; CheckpointError
+    naming the directory where it is missing, unreadable or of a model not served."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    try:
+        return config_from_dir(path)
+    except UnsupportedModel as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"cannot read the model config in {path}: {type(exc).__name__}: {exc}") from exc
+
+
 def load_checkpoint(path: str | Path | None = None, config: EncoderConfig | None = None,
                     max_seq_length: int | None = None) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The family's encoder from a checkpoint directory (config.json + model.safetensors), fp32 on the CPU, and the
     checkpoint's other tensors (a pooler's, a classification head's) by canonical name. max_seq_length: the served
     length, set before the encoder is built (a family checks its limits against it: Mistral's window)."""
     path = Path(path) if path is not None else default_model_dir()
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    config = config or read_config(path)
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"{path} has no model.safetensors (only safetensors checkpoints are supported)")
-    try:
-        config = config or config_from_dir(path)
-        if max_seq_length is not None:
-            config = config.replace(max_seq_length=max_seq_length)
-    except UnsupportedModel as exc:
-        raise CheckpointError(f"{path}: {exc}") from exc
-    except (OSError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"cannot read the model config in {path}: {type(exc).__name__}: {exc}") from exc
+    if max_seq_length is not None:
+        config = config.replace(max_seq_length=max_seq_length)
     try:
         tensors = load_file(weights)
     except (SafetensorError, OSError, ValueError) as exc:

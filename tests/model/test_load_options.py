@@ -80,3 +80,18 @@ def test_out_of_device_memory_crosses_the_seam_as_its_own_error(monkeypatch):
     assert isinstance(caught.value.__cause__, torch.cuda.OutOfMemoryError)
     assert served.launch(rows, reference=True).rows().shape[0] == 1
     assert np.isfinite(served.launch(rows, reference=True).rows()).all()
+
+
+def test_a_dtype_the_family_is_not_served_in_is_refused_before_the_weights_load(tmp_path):
+    """EmbeddingGemma is served in float32 and bfloat16: float16 is refused from config.json alone (the directory
+    here has no weights at all, which would be the error otherwise), on any device, naming the dtypes it takes."""
+    from fusedserve.model.config import UnsupportedModel
+    from tests.model import checkpoints
+
+    path = checkpoints.gemma3(tmp_path / "gemma")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(UnsupportedModel, match=r"dtype float16 is not supported by EmbeddingGemma \(Gemma3\): it is "
+                                               r"served in float32 and bfloat16"):
+        load(str(path), api.LoadOptions(device="cpu", dtype="float16"))
+    with pytest.raises(Exception, match="has no model.safetensors"):  # a dtype it is served in gets that far
+        load(str(path), api.LoadOptions(device="cpu", dtype="float32"))
