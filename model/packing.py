@@ -172,12 +172,13 @@ def _write_layout(lengths: np.ndarray, index: np.ndarray, full_lengths: np.ndarr
 @functools.cache
 def varlen_attention():
     """Variable-length flash attention over packed rows, (q, k, v, cu_q, cu_k, max_q, max_k) -> context, or None where
-    torch has none (a torch without torch.nn.attention.varlen, the API this path was built and measured against, is
+    torch has none (a torch without torch.nn.attention.varlen, the API this path is written and tested against, is
     taken as none). It is the flash branch of torch.nn.attention.varlen.varlen_attn for these arguments (no dropout,
     not causal, default scale), called directly: that wrapper is a torch.library custom op whose first call imports
     torch._dynamo (seconds of every start-up) and which allocates an RNG state per call. Newer torch sends rows
-    longer than 128 tokens on SM 9.x/10.x to cuDNN's attention where cuDNN >= 9.18; this stays on flash, which gave
-    the same bits as varlen_attn on the H200 (torch 2.11, cuDNN 9.19) at every length up to 512."""
+    longer than 128 tokens on SM 9.x/10.x to cuDNN's attention where cuDNN >= 9.18; this stays on flash, as the
+    encoder's SDPA calls do (flash needs no plan per new shape: docs/decisions/0014-sdpa-without-cudnn-attention.md,
+    which also records that flash gives varlen_attn's own results)."""
     if importlib.util.find_spec("torch.nn.attention.varlen") is None:  # found, not imported: that imports dynamo
         return None
     flash = getattr(torch.ops.aten, "_flash_attention_forward", None)

@@ -81,7 +81,7 @@ class HeaderLimits:
 class BodyLimit:
     """Pure ASGI middleware after the API-key check: the body, declared or streamed (chunked too), read here up to
     max_body_bytes (413 beyond) and handed on whole, so no route's body parser turns an over-long body into another
-    status (a chunked one used to get FastAPI's 400 on the routes that parse their body as a model). A body not
+    status (left to FastAPI, a chunked one is a 400 on the routes that parse their body as a model). A body not
     received within timeout_s (request_timeout_s) is a 408. A large body's memory is given back once it is answered
     (heap: the app's one HeapTrimmer, which large answers use too)."""
 
@@ -200,13 +200,13 @@ class RequestObserver:
 
 
 class HotRoutes:
-    """Pure ASGI middleware, the innermost: a POST to one of the LeanRoutes (the embedding routes that parse their own
-    bodies, server.responses) goes straight to its handler, and its ServiceError or validation error to the app's
-    handler for it. The router and the layers between it and here (exception middleware, FastAPI's exit stacks, the
-    route's request/response wrapper) were a third of the event loop's time per request in a py-spy profile of a
-    server under load (docs/performance.md), and the event loop's time is what bounds one process's requests/s. What
-    the middleware above does (ids, metrics, limits, keys, the body read) is unchanged; every other request, and an
-    error without a handler of its own (a 500), takes the usual way."""
+    """Pure ASGI middleware, the innermost: a POST to one of the LeanRoutes (the routes that parse their own bodies,
+    server.responses: POST /infer, /v1/embeddings and the TEI router's POSTs) goes straight to its handler, and its
+    ServiceError or validation error to the app's handler for it. The router and the layers between it and here
+    (exception middleware, FastAPI's exit stacks, the route's request/response wrapper) are a large share of the event
+    loop's time per request (docs/decisions/0030-hot-routes-past-the-router.md), and the event loop's time is what
+    bounds one process's requests/s. What the middleware above does (ids, metrics, limits, keys, the body read) is
+    unchanged; every other request, and an error without a handler of its own (a 500), takes the usual way."""
 
     def __init__(self, app: ASGIApp, routes: list, exception_handlers: dict) -> None:
         """routes: the routers' own routes (their paths carry the routers' prefixes); exception_handlers: the app's,
@@ -275,7 +275,8 @@ class ApiKeys:
 
 # FastAPI's own OpenTelemetry (0.16x) stays off: the service's spans and metrics (server.tracing, server.metrics)
 # are the ones, and FastAPI's would add a second server span per request wherever a global provider is configured;
-# off, it also skips the look at the global providers it made on every request
+# off, it also skips the look at the global providers it makes on every request
+# (docs/decisions/0030-hot-routes-past-the-router.md)
 NO_TELEMETRY = {"telemetry": {"tracing": False, "metrics": False, "logs": False}} \
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {}
 DOCS_ASSETS = "/docs/assets"

@@ -35,8 +35,8 @@ log = logging.getLogger("fusedserve")
 # A request of inputs this short is prepared on the event loop when no other request of the model is being served: a
 # hop to a worker thread and back costs several times what tokenizing a sentence does, a real share of a lone
 # request's latency on a GPU. Under load every request goes to TickPreparer: the tokenizer lets go of the GIL and
-# hands its work to its own threads, and getting the GIL back beside a busy batcher thread held the event loop for
-# half of its samples on the H200 (docs/performance.md); gathered per tick, the waits are paid on a worker thread,
+# hands its work to its own threads, and getting the GIL back beside a busy batcher thread holds the event loop up
+# (docs/decisions/0024-tokenize-per-tick-under-load.md); gathered per tick, the waits are paid on a worker thread,
 # once per tick. Longer inputs always go there.
 INLINE_TOKENIZE_CHARS = 512
 # a model's start-up, as /readyz and /info report it: phases move forward, to ready (every model loaded, the server

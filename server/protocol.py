@@ -1,9 +1,9 @@
 """The HTTP/1.1 connection: uvicorn's httptools protocol with a deadline for each request's headers. uvicorn times
 out a connection only while it is idle between two requests; one that connects and sends nothing, or half of its
-headers, was held for as long as the client liked, and 21,000 such connections took every file descriptor the
-process had. Each request's headers must now be complete within header_timeout_s of the connection opening or of
-the request's first byte, else the connection is closed (nginx's client_header_timeout, hyper's
-header_read_timeout). The body has its own deadline (server.app.BodyLimit).
+headers, would be held for as long as the client liked, and enough of them take every file descriptor the process
+has (docs/decisions/0028-a-deadline-for-request-headers.md). Each request's headers must be complete within
+header_timeout_s of the connection opening or of the request's first byte, else the connection is closed (nginx's
+client_header_timeout, hyper's header_read_timeout). The body has its own deadline (server.app.BodyLimit).
 
 Past max_connections open connections, a request is marked in its scope (OVER_CAPACITY) and the app answers it 503
 unless it is a probe (server.app.HeaderLimits): uvicorn's own limit_concurrency answers every request 503, the

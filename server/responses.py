@@ -67,8 +67,8 @@ class OrjsonRoute(APIRoute):
 
 
 class LeanRoute(APIRoute):
-    """For the two hot embedding routes (POST /infer, POST /v1/embeddings): the handler parses and validates the
-    body itself and calls the endpoint as endpoint(body, service, request), skipping FastAPI's per-request
+    """For the hot routes (POST /infer, POST /v1/embeddings and every POST of the TEI router): the handler parses and
+    validates the body itself and calls the endpoint as endpoint(body, service, request), skipping FastAPI's per-request
     dependency solving, validation wrappers and response checks. That machinery is Python work per request on the
     event loop, and one server process is bound by its CPU, so every request it skips is throughput gained (the
     serving numbers are in docs/performance.md). The route stays an APIRoute (OpenAPI schema, routing, the app's

@@ -5,10 +5,10 @@ One Python process is host-bound long before an H200 is busy (its event loop par
 request), so the throughput of one GPU comes from several processes feeding it, and a node's GPUs from processes
 placed on each. The parent binds one socket per worker on the port (SO_REUSEPORT) and spawns the workers (spawn, not
 fork: CUDA must not be initialized in a forked child); the kernel spreads new connections over the sockets by a hash
-of each. With one shared socket a worker that woke accepted every connection waiting (asyncio takes the whole backlog
-at once), and keep-alive clients stay where they land: 64 clients landed 49/13/2/0 on 4 workers, and the busiest
-worker capped the throughput of all. With the CUDA MPS daemon running (docs/operations.md) the kernels of one GPU's
-workers share it concurrently instead of time-slicing.
+of each. With one shared socket a worker that wakes accepts every connection waiting (asyncio takes the whole
+backlog at once), and keep-alive clients stay where they land: one worker would hold most of the clients and cap
+the throughput of all (docs/decisions/0027-a-listening-socket-per-worker.md). With the CUDA MPS daemon running
+(docs/operations.md) the kernels of one GPU's workers share it concurrently instead of time-slicing.
 
 - Start: on a GPU the first worker loads alone and fills the kernel cache (compiles, autotuning, races); the others
   load once it is ready, from the cache. On the CPU, where nothing is compiled or raced, they all load at once. The

@@ -1,11 +1,14 @@
 """The tree is the product, not a diary: no work-period numbers, run names or dated file names in tracked files
-(history lives in git log and CHANGELOG.md, by version and topic), and no measured figures cited from result files
-in code comments (the why belongs in the comment, the number in the benchmark results and docs/performance.md)."""
+(history lives in git log and CHANGELOG.md, by version and topic), and no measured figures in code comments and
+docstrings: times and bandwidths cited from result files, and the sizes, shares and counts a run measured (the why
+belongs in the comment, the number in the benchmark results, docs/performance.md or a decision in docs/decisions/)."""
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,24 @@ CODE = {".py", ".sh", ".cu", ".cuh", ".cpp", ".h", ".yaml", ".yml", ".toml"}
 _FIGURE = r"\d+(?:\.\d+)?\+? ?(?:us|ms|TB/s|GB/s)\b"  # "40 ms", "40+ ms", "3.4 TB/s"
 _SOURCE = r"(?:\bH[12]00\b|bench/results/\S+\.json)"
 MEASURED_IN_COMMENT = re.compile(rf"{_FIGURE}.*{_SOURCE}|{_SOURCE}.*{_FIGURE}")
+# what a run measured, in a comment or a docstring, with or without a source: a size, a share or a count that reads as
+# an outcome ("stayed ~600 MB above", "+35 MB", "12% faster", "4% of the loop", "21,000 connections").
+# A size or a share that defines something stays (a limit "of 64 MiB", "at most 25% filler", "within 10%", "5% of
+# batches"), and so does a count that sets up a test ("4,096 tokens"): what marks a measurement is an approximation
+# or a sign before a size, a verb of outcome, a comparison after a size or a share, or a count of events.
+_NUMBER = r"\d[\d,]*(?:\.\d+)?"
+_SIZE = rf"{_NUMBER} ?[KMGT]i?B\b"
+_OUTCOME = r"took|stayed|grew|rose|fell|dropped|peaked|reached|used|leaked|saved|freed|kept|costs?"
+_EVENTS = (r"requests|connections|calls|samples|errors|failures|mismatches|timeouts|retries|restarts|allocations"
+           r"|recompiles|recompilations|file descriptors")
+MEASURED_OUTCOME = re.compile("|".join((
+    rf"[~≈+] ?{_SIZE}",                                                      # "~600 MB", "+35 MB"
+    rf"\b(?:{_OUTCOME})\b[^.;:()]{{0,24}}?{_SIZE}",                          # "took 465 MB"
+    rf"{_SIZE} (?:above|below|more|less|over|under) (?:its|the|their|a|what|idle|baseline)\b",
+    rf"{_NUMBER} ?% (?:faster|slower|quicker|more|less|lower|higher|better|worse|off"
+    rf"|of (?:the|its|their|a|an|each|all)\b)",
+    rf"\b\d{{1,3}}(?:,\d{{3}})+ (?:such |more |fewer |open |concurrent |failed |idle |slow )?(?:{_EVENTS})\b",
+)))
 
 
 def tracked() -> list[str]:
@@ -40,6 +61,27 @@ def _text(path: str) -> str | None:
         return (ROOT / path).read_text()
     except (UnicodeDecodeError, OSError):
         return None  # binary (plots, archives)
+
+
+def commentary(path: str, text: str) -> list[tuple[int, str]]:
+    """(line number, text) of a file's comments and docstrings: in Python its comments and the strings that stand as
+    statements, elsewhere every line (shell, YAML and TOML files are mostly comments, C++ and CUDA sources hold few
+    strings)."""
+    if not path.endswith(".py"):
+        return list(enumerate(text.splitlines(), 1))
+    found: list[tuple[int, str]] = []
+    previous = tokenize.NEWLINE
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type == tokenize.COMMENT:
+                found.append((token.start[0], token.string))
+            elif token.type == tokenize.STRING and previous in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+                found += [(token.start[0] + i, line) for i, line in enumerate(token.string.splitlines())]
+            if token.type not in (tokenize.NL, tokenize.COMMENT):
+                previous = token.type
+    except (tokenize.TokenError, SyntaxError):
+        return list(enumerate(text.splitlines(), 1))
+    return found
 
 
 def test_no_history_in_tracked_files():
@@ -69,6 +111,18 @@ def test_no_measured_figures_in_code_comments():
     assert not found, "measured numbers live in bench/results and docs/performance.md:\n" + "\n".join(found[:40])
 
 
+def test_no_measured_outcomes_in_comments_or_docstrings():
+    found = []
+    for path in tracked():
+        if Path(path).suffix not in CODE or path == "tests/test_history.py":
+            continue
+        for line_no, line in commentary(path, _text(path) or ""):
+            if MEASURED_OUTCOME.search(line):
+                found.append(f"{path}:{line_no}: {line.strip()[:120]}")
+    assert not found, ("measured sizes, shares and counts live in bench/results, docs/performance.md or a decision in "
+                       "docs/decisions/ (the comment keeps the why and names it):\n" + "\n".join(found[:40]))
+
+
 def test_the_patterns_catch_what_they_are_for():
     """The test cannot pass vacuously: each pattern flags a sample of what it forbids and spares ordinary text."""
     # the samples are assembled, so this file holds none of what it forbids
@@ -83,3 +137,16 @@ def test_the_patterns_catch_what_they_are_for():
     for ordinary in ("MiniLM b1 s16 (batch 1, 16 tokens)", "def run(rows):", "for attempt in range(3):",
                      "Call 555-0100 before 23:59"):
         assert not any(p.search(ordinary) for p in HISTORY.values()), ordinary
+    for measured in ("# the flood still took 465 MB", "a process stayed ~600 MB above its idle size", "# +35 MB",
+                     "# it grew to 1.2 GB", "# 598 MB above its idle RSS", "# 12% faster at b32",
+                     "# cost ~4% of the loop", "the router 12% of the samples", "# 21,000 such connections",
+                     "after 3,000 requests"):
+        assert MEASURED_OUTCOME.search(measured), measured
+    for setting in ("MAX_BODY = 64 * 1024 * 1024  # 64 MiB: a whole thread heap", "# up to 64 MiB, a whole heap",
+                    "# fixed at 8 and 32 MiB", "# (16384 x 30522 in fp16 is 1 GB)", "# at most 25% filler",
+                    "# within 10% of what it was", "# checked on 5% of batches", "# an input of 4,096 tokens",
+                    "# 1,000 dims of 4,000 digits each", "# 2 x 128 KB of accumulators"):
+        assert not MEASURED_OUTCOME.search(setting), setting
+    # comments and docstrings, not code: a log line's or an assertion's text is not a comment
+    sample = 'x = f"{n}% of the loop"  # a setting\n\n\ndef f():\n    """It took 5 MB."""\n    return "took 5 MB"\n'
+    assert [line for _, line in commentary("m.py", sample)] == ["# a setting", '"""It took 5 MB."""']

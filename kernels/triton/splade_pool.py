@@ -79,7 +79,7 @@ def configs_within(configs, element_size: int, limit: int) -> list[triton.Config
 def length_class(tokens: int, sequences: int) -> int:
     """Autotune key for the tokens per sequence (filler tokens counted, all the host knows without a sync): short
     sequences (queries) put several into each token tile, and each costs the epilogue a pass over the tile, so their
-    best tile has fewer tokens than long ones' (on the H200, 128 x 256 against 256 x 128 at 8 tokens a sequence)."""
+    best tile has fewer tokens than long ones' (docs/kernels.md, splade_pool)."""
     return 0 if tokens < 64 * max(sequences, 1) else 1
 
 
