@@ -8,8 +8,9 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 from tokenizers import Tokenizer, processors
@@ -107,7 +108,7 @@ class TextTokenizer:
         path = Path(path)
         if path.is_dir():
             path = tokenizer_file(path)
-        self.max_length = max_length
+        self.path, self.max_length = path, max_length
         loaded = Tokenizer.from_file(str(path))
         template = eos_template(path.parent / "tokenizer_config.json", loaded)
         if template is not None:
@@ -206,6 +207,48 @@ def cut(rows: list[list[int]], limit: int, truncate: bool, direction: str) -> li
     return out
 
 
+@dataclass(frozen=True)
+class PromptTemplate:
+    """A PairTemplate as data (TextSpec's)."""
+
+    prefix: str
+    body: str
+    suffix: str
+    instruction: str
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """Everything a model does to its inputs before the encoder sees them, as data: the tokenizer file (its
+    tokenizer_config.json beside it), the length limit, the vocabulary's size, lower-casing, the prompts and a
+    reranker's pair template. The model decides each of them at load, with its family's code and torch; a process
+    that only prepares inputs (a front-end in front of the process that runs the model) builds the same
+    TextPreparation from this, with neither torch nor the weights (this module imports neither)."""
+
+    tokenizer: str
+    max_length: int
+    vocab_size: int
+    lower_case: bool = False
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
+    pair_template: PromptTemplate | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TextSpec:
+        fields = json.loads(text)
+        template = fields.pop("pair_template")
+        return cls(**{**fields, "prompts": tuple(tuple(p) for p in fields["prompts"])},
+                   pair_template=PromptTemplate(**template) if template is not None else None)
+
+    def build(self) -> TextPreparation:
+        return TextPreparation(TextTokenizer(self.tokenizer, self.max_length), self.vocab_size,
+                               lower_case=self.lower_case, prompts=dict(self.prompts),
+                               default_prompt_name=self.default_prompt_name, pair_template=self.pair_template)
+
+
 class TextPreparation:
     """What a model does to its inputs before the encoder sees them. Thread-safe (the tokenizers release the GIL and
     keep no state between calls)."""
@@ -217,6 +260,13 @@ class TextPreparation:
         self.limit = tokenizer.max_length
         self.lower_case, self.prompts, self.default_prompt_name = lower_case, dict(prompts or {}), default_prompt_name
         self.pair_template = pair_template
+
+    def spec(self) -> TextSpec:
+        """This preparation as data: TextSpec.build() makes one that prepares every input the same way."""
+        t = self.pair_template
+        return TextSpec(str(self.tokenizer.path), self.limit, self.vocab_size, lower_case=self.lower_case,
+                        prompts=tuple(self.prompts.items()), default_prompt_name=self.default_prompt_name,
+                        pair_template=None if t is None else PromptTemplate(t.prefix, t.body, t.suffix, t.instruction))
 
     def prompt(self, prompt_name: str | None) -> str:
         """The text a prompt name stands for ("" for none; the model's default prompt when not named)."""
