@@ -10,6 +10,10 @@ outside tool is reported, and the shapes the kernel sweeps cover.
   where CI has installed it and says so (FUSEDSERVE_REQUIRE_*=1).
 - Tolerances: the kernel table is kernels.testing.TOLERANCES (the registry's self-test uses the same one), re-exported
   here; the embedding table, for model and server tests, is tests/tolerances.py.
+- Waiting: tests/waiting.py polls for the state a test needs within a deadline, instead of a fixed sleep that a
+  loaded machine outlasts.
+- `@pytest.mark.slow`: the slowest tests (nvcc builds, multi-process scenarios, real checkpoints, whole-server
+  bursts), tens of seconds each; `pytest -m "not slow"` is the fast subset.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ test models' raw pooled vectors, of the same order).
 SCORE_TOLERANCES bounds a classifier's scores (and cosine similarities) the same way: per dtype of the model under
 test, the largest absolute difference from a float32 reference score (raw logits: relative to their size).
 assert_same_rows is the exact case: the same request's rows as another route or wire format carries them.
+QUANTIZED_TOLERANCE bounds int8 / uint8 embeddings quantized from two float32 sides within the table of each other,
+and FP8_QUANTIZATION one FP8 quantizing kernel against the GPU's own conversion.
 
 Every model, server, load and GPU test compares embeddings through assert_embeddings_close or assert_same_rows and
 scores through assert_scores_close (or reads the tables); a test that checks something else on purpose (bitwise
@@ -120,6 +122,44 @@ def assert_scores_close(got, want, dtype: torch.dtype | str = torch.float32, *, 
         f"{b.flatten()[worst].item():.7g} by {difference.flatten()[worst].item():.2e} (at most "
         f"{bound.flatten()[worst].item():.0e}) in {dtype}")
     return float(difference.max()) if difference.numel() else 0.0
+
+
+# Quantized embeddings (int8 / uint8 against calibration ranges, server.quantize): the same rows quantized from two
+# float32 sides within the float32 table of each other (another batch, another calibration batch) land on the same
+# step, except a value within that bound of the edge between two steps, which lands on either: one step apart at most,
+# and those values are few.
+@dataclass(frozen=True)
+class QuantizedTolerance:
+    max_steps: int  # no value differs from the reference by more steps than this
+    min_same_share: float  # and at least this share of the values are the same step
+
+
+QUANTIZED_TOLERANCE = QuantizedTolerance(max_steps=1, min_same_share=0.99)
+
+
+def assert_quantized_close(got, want, what: str = "") -> None:
+    """Fail unless the quantized embeddings `got` and `want` (integer arrays or lists of one shape) are within
+    QUANTIZED_TOLERANCE of each other."""
+    a, b = np.asarray(got, dtype=np.int64), np.asarray(want, dtype=np.int64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    steps, same = int(np.abs(a - b).max(initial=0)), float((a == b).mean()) if a.size else 1.0
+    tol = QUANTIZED_TOLERANCE
+    assert steps <= tol.max_steps and same >= tol.min_same_share, (
+        f"{what + ': ' if what else ''}{steps} steps apart at most (at most {tol.max_steps}), {same:.2%} the same "
+        f"(at least {tol.min_same_share:.0%})")
+
+
+# One FP8 quantizing kernel (kernels.fp8) against the GPU's own conversion of the same values. The rounding error in
+# units of the bound E4M3 allows (kernels.fp8.quantization_error) is at most 1.0 for a correct rounding and a little
+# over where the kernel's fp32 x / scale sits within an ulp of a tie (the registry's self-test holds the kernels to the
+# same bound); those near-ties are the only values the kernel may round the other way from the device.
+@dataclass(frozen=True)
+class Fp8QuantizationTolerance:
+    max_rounding_error: float  # kernels.fp8.quantization_error, in units of E4M3's rounding bound
+    min_same_as_device: float  # the share of values equal to the device's own conversion
+
+
+FP8_QUANTIZATION = Fp8QuantizationTolerance(max_rounding_error=1.01, min_same_as_device=0.999)
 
 
 # Sparse (SPLADE) vectors: each value is log(1 + relu(logit)) of a masked-LM logit, a raw score of the model, so it

@@ -20,12 +20,13 @@ def fake_gpus(monkeypatch):
     monkeypatch.setattr(devices_load, "LAUNCH", ServerLaunch((sys.executable, "-m", "tests.support.server")))
 
 
+@pytest.mark.slow
 def test_every_gpu_against_one_and_a_device_killed_under_load(tmp_path, fake_gpus):
     out = tmp_path / "serve.json"
     assert main(["serve", "devices", "--device", "cpu", "--model", "tiny", "--setting", "torch_threads=1",
                  "--setting", "max_batch_tokens=2048", "--seconds", "1.5", "--warm-seconds", "0.3", "--texts", "64",
                  "--max-words", "12", "--client-processes", "2", "--devices-points", "4x2",
-                 "--fault-point", "4x2", "--fault-seconds", "20", "--fault-after", "2", "--log-dir", str(tmp_path),
+                 "--fault-point", "4x2", "--fault-seconds", "45", "--fault-after", "2", "--log-dir", str(tmp_path),
                  "--out", str(out)]) == 0
     doc = store.load(out)
     assert store.validate(doc) == []
@@ -50,7 +51,9 @@ def test_every_gpu_against_one_and_a_device_killed_under_load(tmp_path, fake_gpu
     assert fault["device"] == "cuda:1" and fault["killed_workers"] == every["workers"]["cuda:1"]
     # no answer is another text's; the device came back (a replacement answered) and the other kept serving
     assert fault["wrong"] == 0 and fault["answered"] > 0
-    assert fault["rejoin_s"] is not None and 0 < fault["rejoin_s"] < 18
+    # a replacement's start competes with the load's clients for a loaded 2-core machine's cores: the bound is
+    # generous; a worker that never comes back still fails (rejoin_s None)
+    assert fault["rejoin_s"] is not None and 0 < fault["rejoin_s"] < 40
     assert fault["workers_after"] == fault["workers_before"]
     assert fault["answered_while_out"] > 0
     # a failed request is one the killed workers held (or a connection to a socket dying with them): a handful

@@ -10,6 +10,7 @@ from bench import results as store
 from bench.__main__ import main
 
 
+@pytest.mark.slow
 def test_scenarios_against_real_servers(tmp_path):
     out = tmp_path / "serve.json"
     # the torch backend: the servers skip the Triton self-tests, which on the interpreter take most of a start

@@ -16,6 +16,7 @@ from fusedserve.kernels.cuda import build
 from tests.conftest import require_tool
 
 
+@pytest.mark.slow  # nvcc builds the whole extension
 def test_builds_into_the_cache_and_loads_from_it_the_second_time(tmp_path):
     require_tool("nvcc", "FUSEDSERVE_REQUIRE_NVCC", path=build.cuda_home())  # the toolkit, found as the build finds it
     env = {**os.environ, "FUSEDSERVE_CUDA_CACHE": str(tmp_path), "TORCH_CUDA_ARCH_LIST": "9.0"}

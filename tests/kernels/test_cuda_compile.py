@@ -26,6 +26,7 @@ def test_there_are_sources():
     assert SOURCES
 
 
+@pytest.mark.slow  # nvcc, each source for each architecture
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_compiles_without_spills(source, arch, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 import torch
 
 from bench.load import check, rss_bytes, run_clients, texts_of_mixed_length
@@ -18,6 +19,7 @@ CLIENTS = 200
 SECONDS = 12
 
 
+@pytest.mark.slow
 def test_200_clients_mixed_lengths_with_cancellations(make_server):
     # 200 clients keep ~200 requests queued, and on 2 busy cores the last of them can wait past the default 30 s
     # (seen once, with a second test run sharing the cores: 92 of 318 answers were 504). This test is about every

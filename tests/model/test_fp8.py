@@ -98,6 +98,7 @@ def test_the_reference_copy_leaves_the_fp8_weights_behind(fp8_here):
                             Embedder.load(str(source_dir()), device="cpu", dtype="float32")[0].embed(SENTENCES[:8]))
 
 
+@pytest.mark.slow  # MPNet-base's shape on the CPU, in FP8 and in float32
 def test_mpnet_runs_its_relative_attention_between_fp8_gemms(fp8_here, monkeypatch):
     # MPNet's layers are BERT's (model/layers.py PostNormLayer) but for the attention (its relative bias table,
     # model/mpnet.py attend)

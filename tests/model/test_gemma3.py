@@ -94,7 +94,8 @@ def test_the_window_changes_what_a_long_input_sees(gemma_dir, tmp_path):
     texts = ["x", TEXTS[3]]
     a, b = narrow.embed(texts), full.embed(texts)
     _agree(a[:1], b[:1])
-    assert float(torch.nn.functional.cosine_similarity(a[1:], b[1:]).min()) < 0.999
+    # the window changes the long text's embedding: by more than the float32 table lets the same model differ
+    assert float(torch.nn.functional.cosine_similarity(a[1:], b[1:]).min()) < MIN_COSINE
     _agree(b, encode_unpadded(SentenceTransformer(str(wide), device="cpu"), texts))
 
 

@@ -18,7 +18,7 @@ from fusedserve.model.runner import Embedder
 from fusedserve.model.weights import CheckpointError
 from tests.model import checkpoints
 from tests.model.reference import encode_unpadded
-from tests.tolerances import score_tolerance, tolerance
+from tests.tolerances import assert_embeddings_close, score_tolerance, tolerance
 
 
 TEXTS = ["A man is eating food.", "Fused kernels make encoders fast, even for a single short request.", "x",
@@ -125,7 +125,7 @@ def test_gte_at_both_shapes_matches_the_reference_the_gpu_tests_carry(tmp_path):
     for shape, entry in fresh["shapes"].items():
         assert carried["shapes"][shape]["digest"] == entry["digest"], f"{shape}: the seeded weights changed"
         theirs = torch.tensor(entry["embeddings"])
-        assert torch.allclose(torch.tensor(carried["shapes"][shape]["embeddings"]), theirs, atol=1e-6)
+        assert_embeddings_close(carried["shapes"][shape]["embeddings"], theirs, what=f"{shape}: the carried reference")
         ours, _ = Embedder.load(str(tmp_path / shape), device="cpu", backend="torch")
         _agree(ours.embed(fresh["texts"]), theirs)
 

@@ -18,7 +18,7 @@ from fusedserve.model.runner import Embedder
 from fusedserve.model.weights import CheckpointError
 from tests.model import checkpoints
 from tests.model.reference import encode_unpadded
-from tests.tolerances import assert_scores_close, tolerance
+from tests.tolerances import assert_scores_close, assert_unit_length, tolerance
 
 TEXTS = ["A man is eating food.", "x", "naïve café, déjà vu, 東京の天気: Unicode through a byte-level BPE.",
          "Fused kernels make decoder embedders fast, even for a single short request. " * 6]
@@ -123,7 +123,7 @@ def test_served_with_the_instruction_and_matryoshka_dimensions(tmp_path):
         server.stop()
     ours = torch.tensor([d.embedding for d in result.data])
     _agree(ours, encode_unpadded(reference, TEXTS, prompt_name="query", normalize_embeddings=True))
-    assert torch.allclose(ours.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
+    assert_unit_length(ours)
 
 
 # ---- Qwen3-Reranker ------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import re
 import time
 
 import httpx
+import pytest
 
 from tests.server.test_behaviour import metric
 
@@ -18,6 +19,7 @@ LONG_MODEL = {"model": "nomic-bert-base", "max_seq_length": 2048, "request_timeo
 BATCHES = "fusedserve_batch_size_count"
 
 
+@pytest.mark.slow  # a preset's whole start-up: its warm-up fits the cost model on inputs of up to 2048 tokens
 def test_an_input_predicted_past_its_deadline_is_refused_and_the_next_request_is_served(make_server):
     server = make_server(**LONG_MODEL, ready_timeout_s=600)
     fit = re.search(r"cost model of nomic-bert-base: (.*) \(fit in", server.log())

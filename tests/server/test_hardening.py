@@ -15,8 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fusedserve.server import heap
 from tests.model import checkpoints
 from tests.server.conftest import admin_headers
+from tests.waiting import wait_until
 
 NAME = "all-MiniLM-L6-v2"
 
@@ -28,7 +30,7 @@ def _raw(server, request: bytes, pause_after: int | None = None, pause_s: float 
     with socket.create_connection((host, int(port)), timeout=timeout) as sock:
         if pause_after is not None:
             sock.sendall(request[:pause_after])
-            time.sleep(pause_s)
+            time.sleep(pause_s)  # a client slow on purpose: the behaviour under test
             request = request[pause_after:]
         try:
             sock.sendall(request)
@@ -115,23 +117,50 @@ def _rss_mib(pid: int, field: str) -> float:
     raise AssertionError(f"no {field} for {pid}")
 
 
+# The heap trim after a large request (server.heap) is seen from outside only through its effect, the RSS falling. A
+# fall of at least TRIM_FALL_MIB is the trim (an idle server's RSS moves by a few MiB); a request that left nothing to
+# give back shows none, so without a fall within TRIM_QUIET_S of the trim coming due the RSS is taken as it is.
+TRIM_FALL_MIB = 16
+TRIM_QUIET_S = 2.0
+
+
+def _rss_after_the_trim(pid: int, answered: float) -> float:
+    """The idle RSS (MiB) once the heap freed by the request answered at `answered` (time.monotonic()) is given back:
+    after a fall, once two reads in a row agree within 1 MiB."""
+    quiet_after = answered + heap.TRIM_DELAY_S + TRIM_QUIET_S
+    first, reads = _rss_mib(pid, "VmRSS"), []
+
+    def settled() -> float | None:
+        reads.append(_rss_mib(pid, "VmRSS"))
+        if first - min(reads) >= TRIM_FALL_MIB:
+            return reads[-1] if len(reads) >= 2 and abs(reads[-1] - reads[-2]) < 1 else None
+        return reads[-1] if time.monotonic() > quiet_after else None
+
+    return wait_until(settled, heap.TRIM_DELAY_S + TRIM_QUIET_S + 30,
+                      lambda: f"the RSS kept falling after the trim: {[round(r) for r in reads[-10:]]} MiB", 0.1)
+
+
 def test_the_largest_allowed_requests_cost_a_bounded_amount_of_memory(server):
     """One request may grow the process by at most 256 MiB (docs/operations.md, "Limits"): the largest text a request
     may send (max_request_chars) to the routes whose work or answer grows with it, each measured as the peak RSS
     during it (the kernel's peak reset before it) over the RSS before it; past the limit a 413 before tokenizing."""
     pid = server.process.pid
-    httpx.post(server.url + "/infer", json={"inputs": ["warm " * 100]}, timeout=60)
+    assert httpx.post(server.url + "/infer", json={"inputs": ["warm " * 100]}, timeout=60).status_code == 200
     limit = 512 * 1024
-    for path, body in [("/tokenize", {"inputs": "a " * (limit // 2)}),
-                       ("/infer", {"inputs": ["a " * (limit // 2)]}),
-                       ("/embed_all", {"inputs": "a " * (limit // 2)}),
-                       ("/infer", {"inputs": ["a " * (limit // 128)] * 64})]:
-        time.sleep(1.0)  # the last request's heap is given back (server.heap)
+    # each request's status: the text is taken whole (truncated to max_seq_length where it is embedded), except that
+    # /tokenize, having tokenized it all, refuses an answer of more tokens than max_batch_tokens
+    for path, body, status in [("/tokenize", {"inputs": "a " * (limit // 2)}, 413),
+                               ("/infer", {"inputs": ["a " * (limit // 2)]}, 200),
+                               ("/embed_all", {"inputs": "a " * (limit // 2)}, 200),
+                               ("/infer", {"inputs": ["a " * (limit // 128)] * 64}, 200)]:
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets VmHWM to the current RSS
         before = _rss_mib(pid, "VmRSS")
         r = httpx.post(server.url + path, json=body, timeout=120)
-        assert r.status_code in (200, 413), r.text[:300]
+        assert r.status_code == status, (path, r.status_code, r.text[:300])
+        if status == 413:
+            assert "per-token output is limited to" in r.json()["error"], r.text[:300]
         assert _rss_mib(pid, "VmHWM") - before < 256, (path, _rss_mib(pid, "VmHWM"), before)
+        _rss_after_the_trim(pid, time.monotonic())  # the next request starts from the heap given back
     r = httpx.post(server.url + "/tokenize", json={"inputs": "a " * (limit // 2 + 1)}, timeout=120)
     assert r.status_code == 413 and "max_request_chars" in r.json()["error"]
 
@@ -177,11 +206,19 @@ def test_the_server_raises_its_open_files_limit_to_the_hard_limit(make_server):
 
 
 def test_past_max_connections_the_probes_are_answered_and_other_requests_get_a_503(make_server):
-    srv = make_server(model="tiny", warmup=False, max_connections=3)
+    # idle_timeout_s: the held connections, kept alive after their probe, outlast the test
+    srv = make_server(model="tiny", warmup=False, max_connections=3, idle_timeout_s=120)
     host, port = srv.url.removeprefix("http://").split(":")
     held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]  # the cap, idle
     try:
-        time.sleep(0.2)  # accepted by the server's loop
+        for sock in held:  # each answers a probe, kept alive: the server's loop has accepted it
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b'{"status":"ok"}'):  # the whole answer
+                chunk = sock.recv(65536)
+                assert chunk, f"closed before its answer: {answer[:300]!r}"
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
         for path in ("/healthz", "/readyz", "/metrics"):
             assert _status(_raw(srv, f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())) == 200
         answer = _raw(srv, _post("/infer", b'{"inputs": "a"}'))  # the connection is closed after the answer
@@ -294,8 +331,7 @@ def test_idle_memory_returns_within_ten_percent_after_bursts_of_the_largest_requ
 
     for route in LARGEST_ROUTES:
         assert post(route, 0, small=True) == 200, route
-    time.sleep(1.0)
-    before = _rss_mib(pid, "VmRSS")
+    before = _rss_after_the_trim(pid, time.monotonic())
     after: dict[str, float] = {}
     for route in LARGEST_ROUTES:
         for burst in range(2):

@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 from fusedserve.server import heap
+from tests.waiting import wait_until_async
 
 
 def test_a_burst_of_large_requests_is_trimmed_once_after_it(monkeypatch):
@@ -14,12 +15,11 @@ def test_a_burst_of_large_requests_is_trimmed_once_after_it(monkeypatch):
     trimmer = heap.HeapTrimmer()
     trimmer._trim = lambda pad: calls.append((pad, threading.current_thread() is threading.main_thread()))
 
-    async def until_trims(n: int) -> None:  # polled within a deadline: a loaded machine may take its time
-        for _ in range(500):
-            if trimmer.trims >= n:
-                break
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.1)  # and no further trim follows
+    async def until_trims(n: int) -> None:
+        await wait_until_async(lambda: trimmer.trims >= n, 10, lambda: f"{trimmer.trims} trims, not {n}")
+        # and no further trim follows: an absence can only be watched for a while (twice TRIM_DELAY_S here, past
+        # which another trim of the same burst would have run)
+        await asyncio.sleep(2 * heap.TRIM_DELAY_S)
 
     async def burst() -> None:
         for _ in range(5):

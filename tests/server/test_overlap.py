@@ -247,23 +247,20 @@ def test_work_between_batches_that_holds_up_waiting_inputs_is_logged(embedder, c
     def slow_capture():
         started.set()
         assert submitted.wait(30)
-        time.sleep(batcher_module.SLOW_WORK_S)
-
-    async def request():
-        await asyncio.wait_for(batcher.submit(Rows.of([[101, 7592, 102]]), 30).future, 30)
+        time.sleep(batcher_module.SLOW_WORK_S)  # slow work, the behaviour under test
 
     async def main():
         batcher.start()
+        # slow work that no input waited for: no warning (the sleep is the slow work under test)
         await asyncio.wrap_future(batcher.between_batches(lambda: time.sleep(batcher_module.SLOW_WORK_S * 2)))
         for _ in range(2):  # the same work twice, a request arriving during each
             started.clear(), submitted.clear()
             work = batcher.between_batches(slow_capture)
             await asyncio.to_thread(started.wait, 30)
-            answered = asyncio.ensure_future(request())
-            await asyncio.sleep(0)  # the submit is under way
+            job = batcher.submit(Rows.of([[101, 7592, 102]]), 30)  # queued when submit returns
             submitted.set()
             await asyncio.wrap_future(work)
-            await answered
+            await asyncio.wait_for(job.future, 30)
 
     with caplog.at_level("WARNING", logger="fusedserve"):
         asyncio.run(main())
@@ -291,7 +288,7 @@ def _first_block_waits(embedder, monkeypatch, then_s: float = 0.0) -> tuple[thre
                 self.first = False
                 blocking.set()
                 assert arrived.wait(30)
-                time.sleep(then_s)
+                time.sleep(then_s)  # a slow block, where a test asks for one
             return next(self.steps)
 
     monkeypatch.setattr(embedder, "timed_steps", FirstBlockWaits)
@@ -333,8 +330,7 @@ def test_a_slow_timing_block_is_logged_with_its_place_in_the_sample(embedder, mo
         batcher.start()
         await asyncio.wait_for(batcher.submit(Rows.of([[101, 7592, 102]]), 30).future, 30)
         await asyncio.to_thread(blocking.wait, 30)  # the idle worker is in the sample's first block
-        job = batcher.submit(Rows.of([[101, 7592, 2088, 102]]), 30)
-        await asyncio.sleep(0.05)  # the request is queued before the block ends
+        job = batcher.submit(Rows.of([[101, 7592, 2088, 102]]), 30)  # queued when submit returns: before the block ends
         arrived.set()
         await asyncio.wait_for(job.future, 30)
 

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.server.conftest import ADMIN_TOKEN
 
 
+@pytest.mark.slow  # over a thousand generated requests
 def test_generated_requests_get_no_server_errors(server):
     st = shutil.which("st") or str(Path(sys.executable).parent / "st")
     assert Path(st).exists(), "schemathesis's `st` not found: it comes with the dev extra (pip install -e '.[dev]')"

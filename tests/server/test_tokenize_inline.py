@@ -17,6 +17,7 @@ from fusedserve.server.errors import PayloadTooLarge, Unprocessable
 from fusedserve.server.model_service import INLINE_TOKENIZE_CHARS, PREPARE_CHUNK_CHARS, TickPreparer
 from fusedserve.server.service import Service
 from tests.tolerances import assert_embeddings_close
+from tests.waiting import wait_until_async
 
 
 class _Connected:
@@ -78,13 +79,18 @@ def test_short_inputs_skip_the_thread_hop(server, hops):
 
 def test_short_inputs_under_load_go_to_the_threads(server, hops):
     svc = server.default
-    gate = threading.Event()
-    held = svc.batcher.between_batches(lambda: gate.wait(30))  # the batcher busy: requests wait for it
+    busy, gate = threading.Event(), threading.Event()
+    # the batcher busy: requests wait for it
+    held = svc.batcher.between_batches(lambda: (busy.set(), gate.wait(30)))
     first, second = ["the first short sentence"], ["another short sentence"]
 
     async def two():
+        assert await asyncio.to_thread(busy.wait, 30), "the batcher never took the work that holds it"
         waiting = asyncio.create_task(svc.embed(first, TextOptions(), _Connected()))
-        await asyncio.sleep(0.05)  # the first is with the batcher now (prepared here: nothing else was served)
+        # the first is with the batcher now (prepared here: nothing else was served)
+        await wait_until_async(lambda: svc.batcher.queue_depth == len(first) or waiting.done(), 30,
+                               "the first request never reached the batcher's queue")
+        assert not waiting.done(), waiting
         assert hops == []
         rows = await svc.prepare(second)  # one request is being served: this one is prepared on a thread
         assert hops == [[second]]

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 
 from tests.server.test_startup import launch, stop
 from tests.tolerances import assert_same_rows
@@ -117,6 +118,7 @@ def _info_pid(sock: socket.socket) -> int:
     return json.loads(body)["worker"]["pid"]
 
 
+@pytest.mark.slow  # four server processes, each loading its model
 def test_keep_alive_connections_spread_over_four_workers(tmp_path):
     """One listening socket per worker (SO_REUSEPORT): the kernel spreads new connections over the workers. With one
     shared socket a worker that woke took every connection waiting (asyncio accepts the whole backlog at once), and
