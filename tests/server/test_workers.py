@@ -121,11 +121,11 @@ def _info_pid(sock: socket.socket) -> int:
 @pytest.mark.slow  # four server processes, each loading its model
 def test_keep_alive_connections_spread_over_four_workers(tmp_path):
     """One listening socket per worker (SO_REUSEPORT): the kernel spreads new connections over the workers. With one
-    shared socket a worker that woke took every connection waiting (asyncio accepts the whole backlog at once), and
-    a keep-alive client stays where it lands: 64 clients landed 49/13/2/0. The 64 connections here are opened at
-    once, before any is used. The kernel picks a socket by a hash of the connection, so the bounds leave room for
-    chance (every worker holds at least 4 of 64 and none more than half: chance breaks that about once in 10,000
-    runs); a shared socket's burst fails them."""
+    shared socket a worker that wakes takes every connection waiting (asyncio accepts the whole backlog at once),
+    and a keep-alive client stays where it lands (docs/decisions/0027-a-listening-socket-per-worker.md). The 64
+    connections here are opened at once, before any is used. The kernel picks a socket by a hash of the connection,
+    so the bounds leave room for chance (every worker holds at least 4 of 64 and none more than half: chance breaks
+    that about once in 10,000 runs); a shared socket's burst fails them."""
     process, url, log_path = launch(tmp_path, workers=4, model="tiny", backend="torch", torch_threads=1,
                                     warmup=False, max_batch_tokens=256)
     host, port = url.removeprefix("http://").split(":")
