@@ -9,7 +9,7 @@ graph forwards), warmup.py (the start-up's batches) and describing.py; served.py
 if __name__ != "fusedserve.model":  # one module, one name in a process (docs/decisions/0015)
     raise ImportError(f"this package is fusedserve.model: import it by that name, not as {__name__!r}")
 
-from fusedserve.model.api import LoadOptions, ServedModel
+from fusedserve.model.api import LoadOptions, ServedModel, TextSpec
 
 
 def load(path: str, options: LoadOptions) -> ServedModel:
@@ -21,4 +21,12 @@ def load(path: str, options: LoadOptions) -> ServedModel:
     return load_served(path, options)
 
 
-__all__ = ["load"]
+def text_side(spec: TextSpec):
+    """The preparation of inputs a loaded model describes (Description.text): prepare and decode as the model's own,
+    in a process that loads neither torch nor the weights (a front-end of an engine)."""
+    from fusedserve.model.tokenizer import TextPreparation
+
+    return TextPreparation.of(spec)
+
+
+__all__ = ["load", "text_side"]

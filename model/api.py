@@ -12,9 +12,10 @@ no kernel code until it loads a model.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import PurePath
 from typing import Literal, Protocol
 
@@ -164,6 +165,43 @@ class Rows:
         return cls(np.concatenate(pieces) if pieces else np.empty(0, np.int64), lengths, second)
 
 
+@dataclass(frozen=True)
+class PromptTemplate:
+    """A causal LM reranker's prompt: body.format(instruction=, query=, document=) between prefix and suffix."""
+
+    prefix: str
+    body: str
+    suffix: str
+    instruction: str
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """Everything a model does to its inputs before the encoder sees them, as data: the tokenizer file (its
+    tokenizer_config.json beside it), the length limit, the vocabulary's size, lower-casing, the prompts and a
+    reranker's pair template (Description.text). The model decides each of them at load, with its family's code
+    and torch; a process that only prepares inputs (a front-end in front of the process that runs the model) makes
+    the same preparation from it with fusedserve.model.text_side, with neither torch nor the weights."""
+
+    tokenizer: str
+    max_length: int
+    vocab_size: int
+    lower_case: bool = False
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
+    pair_template: PromptTemplate | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TextSpec:
+        fields = json.loads(text)
+        template = fields.pop("pair_template")
+        return cls(**{**fields, "prompts": tuple(tuple(p) for p in fields["prompts"])},
+                   pair_template=PromptTemplate(**template) if template is not None else None)
+
+
 class OutOfDeviceMemory(RuntimeError):
     """A forward ran out of device memory (launch or Pending.rows raise it, the model's cached blocks released
     first): a smaller batch may fit where this one did not."""
@@ -199,6 +237,7 @@ class Description:
     kernels: Mapping[str, str] = field(default_factory=dict)  # op -> backend, for the ops a forward calls
     graphs: Mapping[str, object] = field(default_factory=dict)  # CUDA graph counters ({} without graphs)
     memory: Mapping[str, int] = field(default_factory=dict)    # bytes held on the device, by what holds them
+    text: TextSpec | None = None   # how inputs become token ids, as data (prepare's rules)
     info: Mapping[str, object] = field(default_factory=dict)   # the rest of /info's entry
     report: str = ""
 

@@ -101,6 +101,7 @@ class Served:
         self.kind = e.kind
         self._limit = e.config.max_seq_length
         self._memory = {"parameters_bytes": _bytes_of(e.encoder, e.head)}
+        self._text = e.text.spec() if e.text is not None else None
         if e.kernel_path.fp8_bytes:
             self._memory["fp8_weights_bytes"] = e.kernel_path.fp8_bytes
         self._background: threading.Thread | None = None
@@ -123,7 +124,7 @@ class Served:
             labels=tuple(classifier.labels) if classifier is not None else (),
             activation=classifier.activation if classifier is not None else "identity",
             fused=path.fused, path=path.label, precision=path.active_precision, kernels=dict(path.selection.used),
-            graphs=graphs, memory=memory,
+            graphs=graphs, memory=memory, text=self._text,
             info={"max_seq_length": self._limit, "device": str(e.device),
                   "dtype": str(e.dtype).removeprefix("torch."), "cpu_isa": cpu_isa(e.device, e.dtype), **state},
             report=self._report())

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -16,7 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer, processors
 
 from fusedserve.model.api import InputTooLong as _InputTooLong
-from fusedserve.model.api import InvalidInput, Rows, TextOptions, Token
+from fusedserve.model.api import InvalidInput, PromptTemplate, Rows, TextOptions, TextSpec, Token
 from fusedserve.model.config import UnsupportedModel
 
 # the SentencePiece model files checkpoints ship beside (or instead of) tokenizer.json: DeBERTa-v3's spm.model,
@@ -207,48 +206,6 @@ def cut(rows: list[list[int]], limit: int, truncate: bool, direction: str) -> li
     return out
 
 
-@dataclass(frozen=True)
-class PromptTemplate:
-    """A PairTemplate as data (TextSpec's)."""
-
-    prefix: str
-    body: str
-    suffix: str
-    instruction: str
-
-
-@dataclass(frozen=True)
-class TextSpec:
-    """Everything a model does to its inputs before the encoder sees them, as data: the tokenizer file (its
-    tokenizer_config.json beside it), the length limit, the vocabulary's size, lower-casing, the prompts and a
-    reranker's pair template. The model decides each of them at load, with its family's code and torch; a process
-    that only prepares inputs (a front-end in front of the process that runs the model) builds the same
-    TextPreparation from this, with neither torch nor the weights (this module imports neither)."""
-
-    tokenizer: str
-    max_length: int
-    vocab_size: int
-    lower_case: bool = False
-    prompts: tuple[tuple[str, str], ...] = ()
-    default_prompt_name: str | None = None
-    pair_template: PromptTemplate | None = None
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> TextSpec:
-        fields = json.loads(text)
-        template = fields.pop("pair_template")
-        return cls(**{**fields, "prompts": tuple(tuple(p) for p in fields["prompts"])},
-                   pair_template=PromptTemplate(**template) if template is not None else None)
-
-    def build(self) -> TextPreparation:
-        return TextPreparation(TextTokenizer(self.tokenizer, self.max_length), self.vocab_size,
-                               lower_case=self.lower_case, prompts=dict(self.prompts),
-                               default_prompt_name=self.default_prompt_name, pair_template=self.pair_template)
-
-
 class TextPreparation:
     """What a model does to its inputs before the encoder sees them. Thread-safe (the tokenizers release the GIL and
     keep no state between calls)."""
@@ -261,8 +218,15 @@ class TextPreparation:
         self.lower_case, self.prompts, self.default_prompt_name = lower_case, dict(prompts or {}), default_prompt_name
         self.pair_template = pair_template
 
+    @classmethod
+    def of(cls, spec: TextSpec) -> TextPreparation:
+        """The preparation a TextSpec describes (its tokenizer file read again)."""
+        return cls(TextTokenizer(spec.tokenizer, spec.max_length), spec.vocab_size, lower_case=spec.lower_case,
+                   prompts=dict(spec.prompts), default_prompt_name=spec.default_prompt_name,
+                   pair_template=spec.pair_template)
+
     def spec(self) -> TextSpec:
-        """This preparation as data: TextSpec.build() makes one that prepares every input the same way."""
+        """This preparation as data: TextPreparation.of(spec) makes one that prepares every input the same way."""
         t = self.pair_template
         return TextSpec(str(self.tokenizer.path), self.limit, self.vocab_size, lower_case=self.lower_case,
                         prompts=tuple(self.prompts.items()), default_prompt_name=self.default_prompt_name,

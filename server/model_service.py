@@ -341,7 +341,7 @@ class ModelService:
         too, so nothing polls. Without an HTTP request (gRPC) the caller's task is cancelled when its client goes."""
         deadline = deadline or Deadline.of_request(self.settings.request_timeout_s)
         left = deadline.left()
-        _admit(self, rows, left)
+        admit(self, rows, left)
         job = self.batcher.submit(rows, left, normalize=normalize, dimensions=dimensions)
         loop = asyncio.get_running_loop()
         watcher = loop.create_task(_watch(request, job.future)) if request is not None else None
@@ -381,7 +381,7 @@ class ModelService:
         deadline that passes (504), has it skipped."""
         self.check_token_output(rows.tokens)
         deadline = Deadline.of_request(self.settings.request_timeout_s)
-        _admit(self, rows, deadline.left())
+        admit(self, rows, deadline.left())
         block, stamps = await _between_batches(self.batcher, lambda: self.model.launch(rows, output="tokens").rows(),
                                                request, deadline)
         record = CURRENT.get()
@@ -426,7 +426,7 @@ class ModelService:
         }
 
 
-def _admit(served: ModelService, rows: Rows, left: float) -> None:
+def admit(served: ModelService, rows: Rows, left: float) -> None:
     """A forward cannot be stopped once it runs: one predicted to outlast the `left` seconds of its deadline is
     refused (413) before it holds the worker (server.cost)."""
     if served.cost_model is None:

@@ -12,8 +12,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from fusedserve.model import api, load
-from fusedserve.model.tokenizer import TextSpec
+from fusedserve.model import api, load, text_side
+from fusedserve.model.api import TextSpec
 from tests.model import checkpoints
 
 TEXTS = ["A man is eating food.", "Ünïcödé, ‘quotes’ and 数字 123", "x", "Long " * 400]
@@ -60,10 +60,11 @@ def _inputs(served) -> list[tuple[object, api.TextOptions]]:
 
 def test_the_spec_rebuilt_from_json_prepares_as_the_model_does(models):
     for what, served in models.items():
-        spec = served.embedder.text.spec()
+        spec = served.describe().text
+        assert spec == served.embedder.text.spec(), what
         rebuilt = TextSpec.from_json(spec.to_json())
         assert rebuilt == spec, what
-        side = rebuilt.build()
+        side = text_side(rebuilt)
         for inputs, options in _inputs(served):
             _same(side.prepare(inputs, options), served.prepare(inputs, options))
         rows = served.prepare(TEXTS[:2], api.TextOptions()).tolist()
@@ -88,9 +89,9 @@ def test_a_process_without_torch_prepares_from_the_spec(models, tmp_path):
     spec = served.embedder.text.spec()
     script = textwrap.dedent("""
         import json, sys
-        from fusedserve.model.api import TextOptions
-        from fusedserve.model.tokenizer import TextSpec
-        side = TextSpec.from_json(sys.argv[1]).build()
+        from fusedserve.model import text_side
+        from fusedserve.model.api import TextOptions, TextSpec
+        side = text_side(TextSpec.from_json(sys.argv[1]))
         rows = side.prepare(json.loads(sys.argv[2]), TextOptions())
         loaded = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "triton"})
         print(json.dumps({"ids": rows.tolist(), "loaded": loaded,

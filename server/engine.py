@@ -1,0 +1,169 @@
+"""The engine: the one process of a device that owns its models (their kernel selection, CUDA graphs and batchers),
+fed by front-end processes that do the HTTP work, the tokenizing and the answers' encoding (docs/architecture.md).
+
+Front-ends connect to the engine's ROUTER socket (a DEALER each, server.engine_client). Each sends, once per loop
+tick, every request it prepared meanwhile as one message (server.wire); the engine submits each request to its
+model's batcher, so requests of every front-end share the batches, and sends each front-end, once per tick, every
+answer completed meanwhile. A request is known by its front-end's identity and its id there: an answer can only go
+to the request that asked. A front-end that goes away leaves answers for no one, and ZeroMQ drops them.
+
+The engine checks what the front-end cannot: the request's model exists here, its deadline has not passed, its
+predicted run time fits the deadline (the cost model of the warm-up), and the queue has room; each refusal is the
+answer's error, with the status the front-end answers its client with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from collections.abc import Sequence
+
+import zmq
+import zmq.asyncio
+
+from fusedserve.server import wire
+from fusedserve.server.batcher import Job
+from fusedserve.server.deadline import not_served
+from fusedserve.server.errors import NotFound, ServiceError
+from fusedserve.server.model_service import ModelService, admit
+
+log = logging.getLogger("fusedserve.engine")
+
+# a message's first frame says what it holds
+REQUESTS, REPLIES, DESCRIBE, DESCRIPTION = b"requests", b"replies", b"describe", b"description"
+
+
+def describe(models: Sequence[ModelService]) -> dict:
+    """What a front-end needs of each model, in the engine's order (a request names its model by index): its name,
+    kind and width, and its text side as data (model.tokenizer.TextSpec: the front-end prepares inputs itself)."""
+    out = []
+    for m in models:
+        d = m.description
+        out.append({"name": m.name, "kind": d.kind, "dim": d.dim, "max_length": d.max_length,
+                    "text": d.text.to_json()})
+    return {"models": out}
+
+
+class Engine:
+    """The engine's socket and the requests in flight: (front-end identity, request id) -> the batcher and its job."""
+
+    def __init__(self, models: Sequence[ModelService], address: str) -> None:
+        self.models, self.address = list(models), address
+        self._socket: zmq.asyncio.Socket | None = None
+        self._jobs: dict[tuple[bytes, int], tuple[ModelService, Job]] = {}
+        self._outbox: dict[bytes, list[wire.Answer]] = {}
+        self._flushing = False
+        self.malformed = 0  # messages that were not a front-end's (logged, dropped)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
+    async def serve(self, bound: asyncio.Event | None = None) -> None:
+        """Answer front-ends until cancelled."""
+        self._socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(self.address)
+        if bound is not None:
+            bound.set()
+        try:
+            while True:
+                frames = await self._socket.recv_multipart(copy=False)
+                identity, kind, body = frames[0].bytes, frames[1].bytes, [f.buffer for f in frames[2:]]
+                if kind == REQUESTS:
+                    self._requests(identity, body)
+                elif kind == DESCRIBE:
+                    body = json.dumps(describe(self.models)).encode()
+                    await self._socket.send_multipart([identity, DESCRIPTION, body])
+                else:
+                    self._malformed(identity, f"unknown kind {kind[:32]!r}")
+        finally:
+            self._socket.close(linger=0)
+
+    def _malformed(self, identity: bytes, why: str) -> None:
+        self.malformed += 1
+        log.warning("dropped a message from %s: %s", identity.hex(), why)
+
+    def _requests(self, identity: bytes, frames: list) -> None:
+        try:
+            submits, cancels = wire.unpack_requests(frames)
+        except ValueError as exc:
+            self._malformed(identity, str(exc))
+            return
+        for rid in cancels.tolist():
+            entry = self._jobs.pop((identity, rid), None)
+            if entry is not None:
+                entry[0].batcher.cancel(entry[1])
+        now = time.monotonic()
+        for s in submits:
+            try:
+                if s.model >= len(self.models):
+                    raise NotFound(f"model index {s.model}: this engine serves {len(self.models)} models")
+                served, left = self.models[s.model], s.deadline - now
+                if left <= 0:
+                    raise not_served(served.settings.request_timeout_s)
+                admit(served, s.rows, left)
+                job = served.batcher.submit(s.rows, left, normalize=s.normalize, dimensions=s.dimensions)
+            except ServiceError as exc:
+                self._answer(identity, wire.Answer(s.id, None, exc, None, None, None))
+                continue
+            self._jobs[(identity, s.id)] = (served, job)
+            job.future.add_done_callback(functools.partial(self._done, identity, s.id, job))
+
+    def _done(self, identity: bytes, rid: int, job: Job, future: asyncio.Future) -> None:
+        if self._jobs.pop((identity, rid), None) is None or future.cancelled():
+            return  # cancelled by its front-end: nobody waits for it
+        error = future.exception()
+        if error is not None and not isinstance(error, ServiceError):
+            log.error("request %d of %s failed: %s: %s", rid, identity.hex(), type(error).__name__, error)
+            error = ServiceError(f"inference failed ({type(error).__name__})")
+        self._answer(identity, wire.Answer(rid, None if error else future.result(), error, job.enqueued or None,
+                                           job.started, job.done))
+
+    def _answer(self, identity: bytes, answer: wire.Answer) -> None:
+        self._outbox.setdefault(identity, []).append(answer)
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Once per tick: each front-end's answers in one message."""
+        self._flushing = False
+        outbox, self._outbox = self._outbox, {}
+        for identity, answers in outbox.items():
+            self._socket.send_multipart([identity, REPLIES, *wire.pack_replies(answers)], copy=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m fusedserve.server.engine --address ipc:///path`: the models of the FUSEDSERVE_* settings loaded and
+    warmed up on their device, then served to front-ends at the address until the process is stopped."""
+    import argparse
+
+    from fusedserve.server import devices, workers
+    from fusedserve.server.config import Settings
+    from fusedserve.server.metrics import Metrics
+
+    parser = argparse.ArgumentParser(prog="python -m fusedserve.server.engine")
+    parser.add_argument("--address", required=True, help="the ZeroMQ endpoint front-ends connect to")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+    metrics = Metrics(workers.device_name(devices.devices(settings.device)[0]))
+    models = [ModelService(settings, metrics, name, spec) for name, spec in settings.served_models()]
+    for served in models:
+        served.start(lambda: False)
+    log.info("engine serving %s at %s", ", ".join(m.name for m in models), args.address)
+    try:
+        asyncio.run(Engine(models, args.address).serve())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for served in models:
+            served.stop(timeout_s=settings.request_timeout_s)
+
+
+if __name__ == "__main__":
+    main()
