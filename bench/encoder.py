@@ -22,6 +22,9 @@ Scenarios (one batch shape each, plus a profile):
   modernbert-base-b32-s128, modernbert-base-b128-varlen
                          ModernBERT-base's shape (22 pre-norm layers, two in three with a 128-token sliding window,
                          GeGLU), beside transformers' ModernBertModel
+  deberta-v3-base-b32-s128, deberta-v3-base-b128-varlen
+                         deberta-v3-base's shape (disentangled attention: c2p and p2c over 256 log buckets, shared
+                         keys), beside transformers' DebertaV2Model
   qwen3-0.6b-b1-s16, qwen3-0.6b-b32-s128, qwen3-0.6b-b128-varlen, qwen3-0.6b-b1-s32768
                          Qwen3-Embedding-0.6B's shape (28 decoder layers, causal grouped-query attention, q/k RMSNorm,
                          SwiGLU) in bfloat16, its serving dtype, beside transformers' Qwen3Model; the 32,768-token input
@@ -80,6 +83,8 @@ CASES = {
     "nomic-bert-base-b128-varlen": ("nomic-bert-base", 128, 128, True, "embedding"),
     "modernbert-base-b32-s128": ("modernbert-base", 32, 128, False, "embedding"),
     "modernbert-base-b128-varlen": ("modernbert-base", 128, 128, True, "embedding"),
+    "deberta-v3-base-b32-s128": ("deberta-v3-base", 32, 128, False, "embedding"),
+    "deberta-v3-base-b128-varlen": ("deberta-v3-base", 128, 128, True, "embedding"),
     "qwen3-0.6b-b1-s16": ("qwen3-0.6b", 1, 16, False, "embedding"),
     "qwen3-0.6b-b32-s128": ("qwen3-0.6b", 32, 128, False, "embedding"),
     "qwen3-0.6b-b128-varlen": ("qwen3-0.6b", 128, 128, True, "embedding"),
@@ -93,8 +98,25 @@ DEFAULT_SCENARIOS = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128", "
                      "xlm-roberta-base-b32-s128", "mpnet-base-b32-s128", "mpnet-base-b128-varlen",
                      "gte-base-b32-s128", "gte-base-b128-varlen", "nomic-bert-base-b32-s128",
                      "nomic-bert-base-b128-varlen", "modernbert-base-b32-s128", "modernbert-base-b128-varlen",
-                     "cross-encoder-minilm-b32-s128")
+                     "deberta-v3-base-b32-s128", "deberta-v3-base-b128-varlen", "cross-encoder-minilm-b32-s128")
 PROVIDERS = ("torch eager", "torch.compile", "torch.compile + CUDA graphs", "ours")
+# shapes that are no preset of model/config.py (a family section config lives in its family file): their config.json
+HF_SHAPES = {
+    "deberta-v3-base": {"model_type": "deberta-v2", "vocab_size": 128100, "hidden_size": 768, "num_hidden_layers": 12,
+                        "num_attention_heads": 12, "intermediate_size": 3072, "max_position_embeddings": 512,
+                        "type_vocab_size": 0, "layer_norm_eps": 1e-7, "relative_attention": True,
+                        "pos_att_type": ["p2c", "c2p"], "position_buckets": 256, "share_att_key": True,
+                        "norm_rel_ebd": "layer_norm", "position_biased_input": False, "max_relative_positions": -1,
+                        "hidden_act": "gelu", "pad_token_id": 0},
+}
+
+
+def preset_config(preset: str):
+    """A case's EncoderConfig: the preset's, or the family's reading of HF_SHAPES' config.json."""
+    from fusedserve.model.config import EncoderConfig
+    from fusedserve.model.families import config_from_hf
+
+    return config_from_hf(HF_SHAPES[preset]) if preset in HF_SHAPES else EncoderConfig.from_name(preset)
 PROFILE_CASES = ("minilm-b1-s16", "minilm-b32-s128", "bert-base-b32-s128")
 # first match wins: attention before GEMM (fmha kernels would match both); rotary's q/k rotation pass is attention's
 CATEGORIES = (
@@ -224,6 +246,17 @@ def hf_model(config, device: str, dtype: torch.dtype, head: str = "embedding"):
             rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
             attn_implementation="sdpa")
         return transformers.Qwen3Model(qwen).to(device=device, dtype=dtype).eval()
+    if config.architecture == "deberta_v2":  # its disentangled attention is transformers' own: no SDPA option
+        section = config.section
+        deberta = transformers.DebertaV2Config(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads, intermediate_size=config.intermediate_size,
+            max_position_embeddings=config.max_position_embeddings, type_vocab_size=0,
+            layer_norm_eps=config.layer_norm_eps, relative_attention=section.relative_attention,
+            pos_att_type=list(section.terms), position_buckets=section.buckets, share_att_key=section.share_att_key,
+            norm_rel_ebd="layer_norm" if section.norm_rel_ebd else "none",
+            position_biased_input=section.position_biased_input, max_relative_positions=-1)
+        return transformers.DebertaV2Model(deberta).to(device=device, dtype=dtype).eval()
     if config.architecture == "mpnet":  # its attention is transformers' own (adds the bias): no SDPA option
         mpnet = transformers.MPNetConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                                          num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
@@ -297,11 +330,10 @@ def _release() -> None:
 
 def run_case(name: str, args: argparse.Namespace, tflops: float | None, save: Callable[[list[dict], bool], None]
              ) -> list[dict]:
-    from fusedserve.model.config import EncoderConfig
     from fusedserve.model.families import family
 
     preset, batch, seq, varlen, head = CASES[name]
-    config = EncoderConfig.from_name(preset)
+    config = preset_config(preset)
     device, cuda = args.device, args.device.startswith("cuda")
     dtype = family(config).dtype_on_cuda if cuda else torch.float32
     lengths = lengths_for(batch, seq, varlen)
@@ -491,7 +523,6 @@ def host_and_replay_us(ours, rows: Rows, iters: int = 50) -> dict:
 
 
 def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], None]) -> None:
-    from fusedserve.model.config import EncoderConfig
     from fusedserve.model.families import family
 
     if not args.device.startswith("cuda"):
@@ -499,7 +530,7 @@ def profile_cases(args: argparse.Namespace, save: Callable[[list[dict], bool], N
     out: list[dict] = []
     for name in args.profile_cases:
         preset, batch, seq, varlen, _ = CASES[name]
-        config = EncoderConfig.from_name(preset)
+        config = preset_config(preset)
         encoder = family(config).encoder(config)
         dtype = family(config).dtype_on_cuda
         rows = Rows.of(token_rows(lengths_for(batch, seq, varlen), config.vocab_size))
@@ -614,7 +645,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    from fusedserve.model.config import EncoderConfig
     from fusedserve.model.families import family
 
     out = args.out or store.default_path("encoder", args.device)
@@ -637,7 +667,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 tflops = gemm_tflops(args.device)
                 print(f"GEMM ceiling: {tflops:.0f} TFLOP/s (fp16 8192^3)", file=sys.stderr, flush=True)
             preset, batch, seq, varlen, kind = CASES[scenario]
-            dtype = family(EncoderConfig.from_name(preset)).dtype_on_cuda if cuda else torch.float32
+            dtype = family(preset_config(preset)).dtype_on_cuda if cuda else torch.float32
             settings = {"device": args.device, "dtype": str(dtype).removeprefix("torch."), "preset": preset,
                         "head": kind,
                         "batch": batch, "seq": seq, "varlen": varlen,
