@@ -8,10 +8,12 @@ Scenarios:
   gemm-epilogues  the encoder's GEMM blocks (FFN-in GEMM + bias + GELU, FFN-out GEMM + bias + residual + LayerNorm)
                   at few and many tokens: device time and TFLOP/s per backend against eager and torch.compile
   attention       the attention ops with position information on packed batches: relative_attention (MPNet's
-                  relative position bias) at MPNet-base's width and rotary_attention (rotary embeddings, optionally a
-                  sliding window) at GTE-base's and ModernBERT-base's: device time and TFLOP/s of the real (unpadded,
-                  in-window) attention against the padded SDPA that eager PyTorch and torch.compile run (with a
-                  materialized bias; with q and k rotated in the input dtype)
+                  relative position bias) at MPNet-base's width, disentangled_attention (DeBERTa-v3's content-to-
+                  position and position-to-content terms) at deberta-v3-base's and rotary_attention (rotary
+                  embeddings, optionally a sliding window) at GTE-base's and ModernBERT-base's: device time and
+                  TFLOP/s of the real (unpadded, in-window) attention against the padded SDPA that eager PyTorch and
+                  torch.compile run (with a materialized bias; DeBERTa's terms gathered from q Pk^T and k Pq^T as
+                  transformers does; with q and k rotated in the input dtype)
   decoder-ops     the decoder embedders' ops (Qwen3) at Qwen3-Embedding-0.6B's and -4B's widths: RMSNorm, add + RMSNorm
                   (the residual stream written too), q/k RMSNorm + RoPE (the rotation pass of rotary_attention) and
                   SwiGLU (the gate/up GEMM with silu(gate) * up in its epilogue), beside eager PyTorch as transformers
@@ -71,16 +73,21 @@ GEMM_SHAPES = {
 DEFAULT_GEMM_SHAPES = tuple(name for name in GEMM_SHAPES if not name.startswith("tiny"))
 # name: (op, hidden, heads, sequences, longest, varlen, the op's own parameters); varlen: lengths uniform in
 # 1..longest, else all `longest`, max_seqlen = longest either way. relative_attention's parameter is its bias table's
-# reach R (MPNet-base: 12 heads of 64, a table over its 514 positions); rotary_attention's are (rotary theta, window)
-# (GTE-base: 12 heads of 64 at theta 160000; ModernBERT-base's local layers: theta 10000, 64 tokens either side)
+# reach R (MPNet-base: 12 heads of 64, a table over its 514 positions); disentangled_attention's are (position_buckets,
+# max_relative_positions, positions) (deberta-v3-base: 12 heads of 64, 256 log buckets over its 512 positions, both
+# terms); rotary_attention's are (rotary theta, window) (GTE-base: 12 heads of 64 at theta 160000; ModernBERT-base's
+# local layers: theta 10000, 64 tokens either side)
 ATTENTION_SHAPES = {
     "mpnet-base b32 s128": ("relative_attention", 768, 12, 32, 128, False, 514),
     "mpnet-base b128 varlen s512": ("relative_attention", 768, 12, 128, 512, True, 514),
+    "deberta-v3-base b32 s128": ("disentangled_attention", 768, 12, 32, 128, False, (256, 512, 512)),
+    "deberta-v3-base b128 varlen s512": ("disentangled_attention", 768, 12, 128, 512, True, (256, 512, 512)),
     "gte-base b32 s128": ("rotary_attention", 768, 12, 32, 128, False, (160000.0, 0)),
     "gte-base b128 varlen s512": ("rotary_attention", 768, 12, 128, 512, True, (160000.0, 0)),
     "modernbert-base local b16 s1024": ("rotary_attention", 768, 12, 16, 1024, False, (10000.0, 64)),
     # the CPU test's: not in the default set
     "tiny b3 varlen s16": ("relative_attention", 32, 2, 3, 16, True, 18),
+    "tiny deberta b3 varlen s40": ("disentangled_attention", 32, 2, 3, 40, True, (16, 24, 48)),
     "tiny rotary b3 varlen s16": ("rotary_attention", 32, 2, 3, 16, True, (10000.0, 0)),
     "tiny local b2 s40": ("rotary_attention", 32, 2, 2, 40, False, (10000.0, 4)),
 }
@@ -154,6 +161,32 @@ def padded_relative_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, 
     return torch.cat([ctx, ctx.new_zeros((1, hidden))])[slot]
 
 
+def padded_disentangled_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, pos_key, pos_query, rows,
+                                  scale: float):
+    """disentangled_attention as transformers computes it (DebertaV2's DisentangledSelfAttention), from the packed
+    batch: the rows padded into a [batch, max_seqlen] block, q Pk^T and k Pq^T against the whole table
+    ([batch, heads, max_seqlen, 2 span] each) gathered per pair by the row of its distance, their sum scaled as the
+    mask of SDPA with the padded keys at -inf, all in the input dtype, the real rows gathered back (filler rows:
+    zeros)."""
+    batch, hidden = cu_seqlens.numel() - 1, qkv.shape[1] // 3
+    block, slot, lengths, positions = _padded_block(qkv, cu_seqlens, max_seqlen)
+    q, k, v = _heads(block, batch, max_seqlen, num_heads)
+    reach, d = (rows.shape[0] + 1) // 2, hidden // num_heads
+    index = rows[positions[:, None] - positions[None, :] + reach - 1].expand(batch, num_heads, max_seqlen, max_seqlen)
+    bias = q.new_zeros(())
+    if pos_key is not None:  # c2p(i, j) = q_i . Pk[r(i - j)]
+        bias = bias + (q @ pos_key.view(-1, num_heads, d).permute(1, 2, 0)).gather(-1, index)
+    if pos_query is not None:  # p2c(i, j) = k_j . Pq[r(i - j)]
+        p2c = (k @ pos_query.view(-1, num_heads, d).permute(1, 2, 0)).gather(-1, index.transpose(-1, -2))
+        bias = bias + p2c.transpose(-1, -2)
+    padding = positions[None, :] >= lengths[:, None]  # [batch, keys]
+    mask = (bias * scale).expand(batch, num_heads, max_seqlen, max_seqlen).masked_fill(
+        padding[:, None, None, :], float("-inf"))
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, hidden)
+    return torch.cat([ctx, ctx.new_zeros((1, hidden))])[slot]
+
+
 def padded_rotary_attention(qkv, cu_seqlens, max_seqlen: int, num_heads: int, inv_freq, window: int = 0):
     """rotary_attention as transformers computes it (GTE, ModernBERT), from the packed batch: the rows padded into a
     [batch, max_seqlen] block, q and k rotated there in the input dtype (cos and sin of the fp32 angles cast to it,
@@ -209,6 +242,7 @@ UNFUSED: dict[str, Callable] = {
                                                                            g, b, eps),
     "linear_glu": lambda x, w, b, activation: _glu(F.linear(x, w, b), activation),
     "relative_attention": padded_relative_attention,
+    "disentangled_attention": padded_disentangled_attention,
     "rotary_attention": padded_rotary_attention,
     "splade_pool": unfused_splade_pool,
 }
@@ -361,8 +395,10 @@ def gemm_inputs(op: str, m: int, k: int, n: int, dtype: torch.dtype, device: str
 
 def attention_inputs(name: str, dtype: torch.dtype, device: str, seed: int) -> tuple:
     """The op's arguments for an attention case: (qkv, cu_seqlens, max_seqlen, heads, bias) for relative_attention,
-    (qkv, cu_seqlens, max_seqlen, heads, inv_freq, window) for rotary_attention; q, k, v and the bias of order 1, as
-    the kernel tests draw them, transformers' default rotary frequencies (float32) at the case's theta."""
+    (qkv, cu_seqlens, max_seqlen, heads, pos_key, pos_query, rows, scale) for disentangled_attention, (qkv, cu_seqlens,
+    max_seqlen, heads, inv_freq, window) for rotary_attention; q, k, v, the bias and the projected tables of order 1,
+    as the kernel tests draw them, DeBERTa's rows per distance (model.deberta_v2.relative_rows) and scale
+    1 / sqrt(3 d), transformers' default rotary frequencies (float32) at the case's theta."""
     op, hidden, heads, sequences, longest, varlen, parameters = ATTENTION_SHAPES[name]
     gen = torch.Generator().manual_seed(seed)
     lengths = (torch.randint(1, longest + 1, (sequences,), generator=gen) if varlen
@@ -372,6 +408,15 @@ def attention_inputs(name: str, dtype: torch.dtype, device: str, seed: int) -> t
     if op == "relative_attention":
         bias = torch.randn(heads, 2 * parameters - 1, generator=gen).to(device)
         return (qkv, cu, longest, heads, bias)
+    if op == "disentangled_attention":
+        from fusedserve.model.deberta_v2 import Disentangled, relative_rows
+
+        buckets, max_relative, positions = parameters
+        section = Disentangled(relative_attention=True, terms=("c2p", "p2c"), span=buckets, buckets=buckets,
+                               max_relative_positions=max_relative)
+        pos_key, pos_query = (torch.randn(2 * buckets, hidden, generator=gen).to(device, dtype) for _ in range(2))
+        rows = relative_rows(positions, section).to(device)
+        return (qkv, cu, longest, heads, pos_key, pos_query, rows, (3 * hidden // heads) ** -0.5)
     theta, window = parameters
     d = hidden // heads
     inv_freq = (1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)).to(device)
@@ -405,16 +450,17 @@ def peak_bytes(fn: Callable[[], object], device: str) -> int | None:
     return torch.cuda.max_memory_allocated() - before
 
 
-def attention_flops(cu_seqlens, hidden: int, window: int = 0) -> int:
+def attention_flops(cu_seqlens, hidden: int, window: int = 0, terms: int = 0) -> int:
     """q k^T and p v over the real tokens: 2 x 2 x (query, key) pairs x head_dim per head and sequence, the pairs
-    length^2, or with a window the pairs at most that far apart."""
+    length^2, or with a window the pairs at most that far apart; DeBERTa's position terms add 2 x pairs x head_dim
+    each (a dot product of the pair's query or key with its table row)."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     if window > 0:
         reach = torch.minimum(lengths - 1, torch.full_like(lengths, window))  # the farthest distance within each
         pairs = lengths + 2 * (reach * lengths - reach * (reach + 1) // 2)  # distance 0, then each 1..reach twice
     else:
         pairs = lengths * lengths
-    return 4 * int(pairs.sum()) * hidden
+    return (4 + 2 * terms) * int(pairs.sum()) * hidden
 
 
 def min_bytes(op: str, rows: int, cols: int, dtype: torch.dtype) -> int:
@@ -767,7 +813,8 @@ def attention(args: argparse.Namespace, save: Callable[[list[dict], dict, bool],
         # s512) take minutes
         ref = (OP_SPECS[op].reference(*(a.double() if torch.is_tensor(a) and a.is_floating_point() else a
                                         for a in inputs)) if args.check else None)
-        flops = attention_flops(cu, qkv.shape[1] // 3, inputs[5] if op == "rotary_attention" else 0)
+        flops = attention_flops(cu, qkv.shape[1] // 3, inputs[5] if op == "rotary_attention" else 0,
+                                sum(t is not None for t in inputs[4:6]) if op == "disentangled_attention" else 0)
         shape = f"{qkv.shape[0]}x{qkv.shape[1]}"
         line = []
         for provider, get in provs.items():

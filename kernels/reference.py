@@ -276,6 +276,49 @@ def relative_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_hea
     return _store(ctx, qkv.dtype, out)
 
 
+def disentangled_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int,
+                           pos_key: Tensor | None, pos_query: Tensor | None, rows: Tensor, scale: float, *,
+                           out: Tensor | None = None) -> Tensor:
+    """Self-attention of each packed sequence with DeBERTa's disentangled relative attention: per head h,
+    softmax(S * scale) v within each sequence cu_seqlens[b] : cu_seqlens[b + 1], S(i, j) = q_i . k_j + q_i . Pk[r]
+    (c2p) + k_j . Pq[r] (p2c) with r = rows[i - j + R - 1] the table row of the query - key distance, for qkv [T, 3H]
+    (qkv.view(T, 3, num_heads, d)), the relative table projected for each term, pos_key and pos_query [P, H] (heads
+    along columns as qkv's; None: that term off) and rows [2R - 1] (entries in [0, P)) -> [T, H] in qkv's dtype. Rows
+    outside cu_seqlens[0] : cu_seqlens[-1] come out as zeros. Sequences must be at most max_seqlen <= R long.
+    Computed in float32 (float64 stays float64) on a padded [batch, max_seqlen] block built on the device, the way
+    transformers computes it: q Pk^T and k Pq^T against the whole table, gathered per (query, key) pair into [batch,
+    heads, max_seqlen, max_seqlen] (memory the fused kernel never spends); no host sync, so it runs inside CUDA
+    graphs."""
+    compute = _compute_dtype(qkv.dtype)
+    t, width = qkv.shape
+    hidden = width // 3
+    batch, d = cu_seqlens.numel() - 1, hidden // num_heads
+    reach = (rows.shape[0] + 1) // 2
+    if max_seqlen > reach:
+        raise ValueError(f"disentangled_attention: max_seqlen {max_seqlen} is past the row vector's reach {reach} "
+                         f"(rows [{rows.shape[0]}] covers distances up to {reach - 1})")
+    if batch * max_seqlen == 0:  # no sequence (or none may hold a token): every row is filler
+        return _store(qkv.new_zeros((t, hidden), dtype=compute), qkv.dtype, out)
+    padded, pad_index, real, lengths = _packed_block(qkv, cu_seqlens, max_seqlen, compute)
+    q, k, v = padded[:-1].view(batch, max_seqlen, 3, num_heads, d).permute(2, 0, 3, 1, 4)  # [batch, heads, seq, d]
+    positions = torch.arange(max_seqlen, device=qkv.device)
+    index = rows.to(device=qkv.device, dtype=torch.long)[positions[:, None] - positions[None, :] + reach - 1]
+    index = index.expand(batch, num_heads, max_seqlen, max_seqlen)  # [.., seq(q), seq(k)]: the row of i - j
+    scores = q @ k.transpose(-1, -2)
+    if pos_key is not None:  # c2p(i, j) = q_i . Pk[r(i - j)]
+        table = pos_key.to(compute).view(-1, num_heads, d).transpose(0, 1)  # [heads, P, d]
+        scores = scores + (q @ table.transpose(-1, -2)).gather(-1, index)
+    if pos_query is not None:  # p2c(i, j) = k_j . Pq[r(i - j)]: gathered per key row, then turned to (query, key)
+        table = pos_query.to(compute).view(-1, num_heads, d).transpose(0, 1)
+        scores = scores + (k @ table.transpose(-1, -2)).gather(-1, index.transpose(-1, -2)).transpose(-1, -2)
+    keys = positions[None, :] < lengths[:, None]  # [batch, seq(k)]
+    scores = (scores * scale).masked_fill(~keys[:, None, None, :], float("-inf"))
+    ctx = torch.softmax(scores, dim=-1) @ v  # [batch, heads, seq, d]; a sequence of no keys: NaN, never gathered
+    ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, hidden)
+    ctx = torch.where(real[:, None], ctx[pad_index.clamp(max=batch * max_seqlen - 1)], 0.0)
+    return _store(ctx, qkv.dtype, out)
+
+
 def _packed_block(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, compute: torch.dtype):
     """A packed batch's rows scattered into a padded [batch, max_seqlen] block on the device (no host sync): the
     block [batch * max_seqlen + 1, width] in `compute` (the last row a scratch row for filler tokens), each token's

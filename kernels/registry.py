@@ -1,7 +1,7 @@
 """Per-op backend choice, returned as an immutable `Selection` that its owner (the model's Embedder) keeps and
 installs around its forwards (`kernels.use`): there is no process-wide op table to write.
 
-Each backend (triton, cuda, torch) is probed once (importable? usable on this device?), then self-tested op by op
+Each backend (triton, cuda, cpu, torch) is probed once (importable? usable on this device?), then self-tested op by op
 against the float64 reference on fresh random inputs of a few shapes and every dtype in use. Auto mode self-tests
 every fused backend; when more than one passes it races them at the model's shape (RACE_ROWS x hidden size,
 serving dtype) and takes the fastest, else the one that passed; the reference is the fallback. Ops the model will

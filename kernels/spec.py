@@ -150,6 +150,22 @@ def _relative_attention_inputs(rows, cols, dtype, device, gen):
     return (qkv, offsets, max_seqlen, heads, bias), {}
 
 
+def _disentangled_attention_inputs(rows, cols, dtype, device, gen):
+    # packed sequences (_packed; filler tokens come out as zeros) of q, k and v stacked as [rows, 3 * cols], both
+    # position tables [P, cols] in the same dtype, all of order 1, and DeBERTa's scale 1 / sqrt(3 d): each of the three
+    # terms of order 1 / sqrt(3), softmax neither uniform nor one-hot. The row per distance is drawn at random from the
+    # table (not a monotone bucketing), so a kernel must read each distance's own row; the vector reaches past
+    # max_seqlen (a model's is sized by its positions).
+    _, lengths, offsets = _packed(rows, 64, 3, device, gen)
+    heads = attention_heads(cols)
+    qkv = _randn((rows, 3 * cols), dtype, device, gen)
+    max_seqlen = -(-max(lengths) // 16) * 16
+    reach, table_rows = max_seqlen + 5, 24
+    pos_key, pos_query = (_randn((table_rows, cols), dtype, device, gen) for _ in range(2))
+    distance_rows = torch.randint(0, table_rows, (2 * reach - 1,), generator=gen).to(device)
+    return (qkv, offsets, max_seqlen, heads, pos_key, pos_query, distance_rows, (3 * (cols // heads)) ** -0.5), {}
+
+
 def rotary_heads(cols: int) -> int:
     """A head count for a rotary attention test of width `cols` (even): as attention_heads, of an even head width
     (rotary pairs dimension i with i + d/2)."""
@@ -371,6 +387,17 @@ _SPECS = (
            "(key - query distance r at column r + R - 1, max_seqlen <= R); rows past the last offset are zeros.",
            lambda qkv, cu, max_seqlen, num_heads, bias: qkv.new_empty((qkv.shape[0], qkv.shape[1] // 3)),
            _relative_attention_inputs, rowwise=False, fused_in=_triton_only("relative_attention")),
+    # DeBERTa's disentangled attention (content + c2p + p2c) over each packed sequence: [rows, 3 x cols] -> [rows, cols]
+    OpSpec("disentangled_attention", reference.disentangled_attention,
+           "softmax((q_i . k_j + q_i . Pk[r] + k_j . Pq[r]) * scale) v per head within each packed sequence of qkv "
+           "[T, 3H] (query, key and value stacked as qkv.view(T, 3, num_heads, d); offsets cu_seqlens [B + 1], each "
+           "at most max_seqlen long) -> [T, H]: DeBERTa's disentangled attention, r = rows[i - j + R - 1] the "
+           "relative table's row for the query - key distance (rows [2R - 1], max_seqlen <= R), pos_key and "
+           "pos_query [P, H] the table projected for the c2p and p2c terms (None: that term off); rows past the last "
+           "offset are zeros.",
+           lambda qkv, cu, max_seqlen, num_heads, pos_key, pos_query, rows, scale: qkv.new_empty(
+               (qkv.shape[0], qkv.shape[1] // 3)),
+           _disentangled_attention_inputs, rowwise=False, fused_in=_triton_only("disentangled_attention")),
     # attention with rotary position embeddings (GTE, ModernBERT's global and sliding-window layers; Qwen's causal
     # grouped-query layers with their per-head q/k norms)
     OpSpec("rotary_attention", reference.rotary_attention,

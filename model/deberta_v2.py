@@ -12,12 +12,15 @@ beyond (up to max_relative_positions), offset by span and clamped to the table. 
 (v3) that is the only way positions enter; where it is true a learned absolute table is added to the embeddings as
 BERT's. pos_att_type counts in the scale even where relative_attention is off, as in transformers.
 
-The two position terms depend on the content, not on the distance alone as MPNet's bias does, so no fused attention
-kernel covers them yet: the attention is plain torch here (the reference path). The row of every distance is computed
-once, with transformers' own bucketing; each layer projects the table and gathers both terms per head into an additive
-mask for SDPA. The residual blocks and embeddings are the post-norm ones BERT has (model/layers.py) on the fused ops.
-The DeBERTa-v2-xlarge ConvLayer (conv_kernel_size), a projected embedding (embedding_size) and activations other than
-exact GELU are refused by name."""
+The two position terms depend on the content, not on the distance alone as MPNet's bias does. The row of every
+distance is computed once, with transformers' own bucketing, and each layer projects the relative table for the terms
+it has. On the fused path a packed batch's attention is one op, kernels.disentangled_attention: it computes both
+terms per tile of scores from the projected tables and the row per distance, so no [heads, seq, seq] term is ever
+built (CUDA graphs capture it: no host sync). The reference path (the fused path off, the verifier's copy, the padded
+layout that is the tests' oracle) is plain torch: both terms gathered per head into an additive mask for SDPA, as
+transformers does. The residual blocks and embeddings are the post-norm ones BERT has (model/layers.py) on the fused
+ops. The DeBERTa-v2-xlarge ConvLayer (conv_kernel_size), a projected embedding (embedding_size) and activations other
+than exact GELU are refused by name."""
 
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fusedserve import kernels
+from fusedserve.kernels.registry import REFERENCE_BACKEND
 from fusedserve.model import layers, packing
 from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.family import ClassifierHead, Family, WeightLayout
@@ -169,16 +174,20 @@ def pair_rows(rows: Tensor, seq: int) -> Tensor:
 
 def disentangled_attention(q: Tensor, k: Tensor, v: Tensor, pos_k: Tensor | None, pos_q: Tensor | None,
                            index: Tensor, scale: float, key_mask: Tensor | None) -> Tensor:
-    """q, k, v [batch, heads, seq, head_dim]; pos_k, pos_q [heads, 2 span, head_dim] (the projected table for c2p and
-    p2c; None: that term is off); index [seq, seq] (pair_rows); key_mask [batch, 1, 1, seq] bool (True = attend) or
-    None -> context [batch, heads, seq, head_dim]."""
-    b, h, s, _ = q.shape
+    """q, k, v [batch, heads, seq, head_dim]; pos_k, pos_q [2 span, hidden] (the projected table for c2p and p2c,
+    heads along columns; None: that term is off); index [seq, seq] (pair_rows); key_mask [batch, 1, 1, seq] bool
+    (True = attend) or None -> context [batch, heads, seq, head_dim]."""
+    b, h, s, d = q.shape
+
+    def per_head(table: Tensor) -> Tensor:  # [2 span, hidden] -> [heads, 2 span, head_dim]
+        return table.view(table.shape[0], h, d).transpose(0, 1)
+
     bias = None
     if pos_k is not None:  # c2p(i, j) = q_i . Pk[r(i, j)]
-        bias = torch.matmul(q, pos_k.transpose(-1, -2)).gather(-1, index.expand(b, h, s, s))
+        bias = torch.matmul(q, per_head(pos_k).transpose(-1, -2)).gather(-1, index.expand(b, h, s, s))
     if pos_q is not None:  # p2c(i, j) = k_j . Pq[r(i, j)]: gathered per key row, then turned to (query, key)
-        p2c = torch.matmul(k, pos_q.transpose(-1, -2)).gather(-1, index.t().expand(b, h, s, s)).transpose(-1, -2)
-        bias = p2c if bias is None else bias + p2c
+        p2c = torch.matmul(k, per_head(pos_q).transpose(-1, -2)).gather(-1, index.t().expand(b, h, s, s))
+        bias = p2c.transpose(-1, -2) if bias is None else bias + p2c.transpose(-1, -2)
     if bias is not None:
         bias = bias / scale
         if key_mask is not None:
@@ -204,21 +213,25 @@ class Layer(layers.PostNormLayer):
             if "p2c" in s.terms:
                 self.pos_query_proj = nn.Linear(h, h)
         self.scale = math.sqrt(config.head_dim * (1 + len(s.terms)))
+        # no position term and BERT's 1 / sqrt(d) (pos_att_type empty): the attention every family shares
+        self.plain = not self.terms and not s.terms
 
     def positions(self, table: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-        """The relative table [2 span, hidden] projected for c2p (keys) and p2c (queries), each [heads, 2 span,
-        head_dim], None where the term is off."""
+        """The relative table [2 span, hidden] projected for c2p (keys) and p2c (queries), each [2 span, hidden] with
+        the heads along its columns as qkv's, None where the term is off. Shared keys and both terms: one GEMM by the
+        stacked query and key rows of the QKV weight, each table a column slice of its output."""
         h = self.attn_out.weight.shape[0]
         w, b = self.qkv.weight, self.qkv.bias
-
-        def per_head(x: Tensor) -> Tensor:
-            return x.view(x.shape[0], self.num_heads, -1).transpose(0, 1)
-
+        if not self.terms:
+            return None, None
+        if self.shared and len(self.terms) == 2:
+            both = F.linear(table, w[:2 * h], b[:2 * h])
+            return both[:, h:], both[:, :h]
         pos_k = pos_q = None
         if "c2p" in self.terms:
-            pos_k = per_head(F.linear(table, w[h:2 * h], b[h:2 * h]) if self.shared else self.pos_key_proj(table))
+            pos_k = F.linear(table, w[h:2 * h], b[h:2 * h]) if self.shared else self.pos_key_proj(table)
         if "p2c" in self.terms:
-            pos_q = per_head(F.linear(table, w[:h], b[:h]) if self.shared else self.pos_query_proj(table))
+            pos_q = F.linear(table, w[:h], b[:h]) if self.shared else self.pos_query_proj(table)
         return pos_k, pos_q
 
     def _padded(self, qkv: Tensor, batch: int, seq: int, pos: tuple, rows: Tensor, mask: Tensor | None) -> Tensor:
@@ -237,11 +250,18 @@ class Layer(layers.PostNormLayer):
         return self.residual_blocks(x, self.attend(F.linear(x, self.qkv.weight, self.qkv.bias), p, context))
 
     def attend(self, qkv: Tensor, p: Packed, context) -> Tensor:
-        """A packed batch's attention, qkv [T, 3 hidden] -> [T, hidden]: a dense batch as its padded block; on the CPU
-        with varlen attention one sequence at a time (no padded block, as model.packing.sequence_attention); else
-        scattered into a padded block and gathered back (CUDA graphs capture that: no host sync)."""
+        """A packed batch's attention, qkv [T, 3 hidden] -> [T, hidden]. No position term at BERT's scale: the
+        attention every family shares (model.packing). On the fused path, kernels.disentangled_attention over
+        cu_seqlens. On the reference path plain torch: a dense batch as its padded block; on the CPU with varlen
+        attention one sequence at a time (no padded block, as model.packing.sequence_attention); else scattered into a
+        padded block and gathered back (CUDA graphs capture that: no host sync)."""
         table, rows, attention = context
+        if self.plain:
+            return packing.packed_attention(qkv, p, self.num_heads, attention)
         pos = self.positions(table)
+        if p.cu_seqlens is not None and kernels.current().backend_of("disentangled_attention") != REFERENCE_BACKEND:
+            return kernels.disentangled_attention(qkv, p.cu_seqlens, p.seq, self.num_heads, *pos, rows,
+                                                  1.0 / self.scale)
         if p.dense:
             return self._padded(qkv, p.batch, p.seq, pos, rows, None)
         if attention == "varlen" and qkv.device.type == "cpu":
@@ -298,7 +318,7 @@ class Encoder(layers.Encoder):
 def kernel_ops(layout: str, attention: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     ops = ["embedding_layer_norm", "linear_add_layer_norm", "linear_bias_gelu"]
     if layout == "packed":
-        ops.append("segment_mean")
+        ops += ["disentangled_attention", "segment_mean"]
     return tuple(ops)
 
 

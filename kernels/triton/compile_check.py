@@ -14,9 +14,9 @@ then hold the grid-dependency wait and release (kernels/triton/_common.py, pdl_s
 store; and the GELU kernels (LayerNorm + GELU in both GELU forms at 768 columns in three exact blocks and at a
 padded width, bias + residual + GELU on an exact and a padded column block: the inline-PTX reciprocal is compiled
 only here); the RMSNorm entry of the LayerNorm body; and the packed attention kernels (relative, and rotary with
-its rotation pass, GTE's, ModernBERT's windowed and Qwen3's causal grouped-query configurations); and the FP8
-precision's row-quantizing kernels. Must run without
-TRITON_INTERPRET (under it `triton.jit` builds interpreter objects the compiler cannot take);
+its rotation pass, GTE's, ModernBERT's windowed and Qwen3's causal grouped-query configurations, and DeBERTa's
+disentangled one with each combination of its position terms); and the FP8 precision's row-quantizing kernels. Must
+run without TRITON_INTERPRET (under it `triton.jit` builds interpreter objects the compiler cannot take);
 tests/kernels/test_triton_compile.py runs it in a subprocess.
 """
 
@@ -148,9 +148,11 @@ def _fp8_cases():
 
 def _attention_cases():
     """The packed attention kernels with their launch rules' options at the models' shapes: relative_attention
-    (MPNet-base) and rotary_attention's rotation pass and attention (GTE-base; ModernBERT's window; Qwen3-Embedding-
-    0.6B's causal grouped heads of 128 with q/k norms, within a graph bucket's bound and a long input's), each dtype, half precision also with PDL."""
-    from fusedserve.kernels.triton import relative_attention, rotary_attention
+    (MPNet-base), disentangled_attention (DeBERTa-v3-base, each combination of its position terms) and
+    rotary_attention's rotation pass and attention (GTE-base; ModernBERT's window; Qwen3-Embedding-0.6B's causal
+    grouped heads of 128 with q/k norms, within a graph bucket's bound and a long input's), each dtype, half precision
+    also with PDL."""
+    from fusedserve.kernels.triton import disentangled_attention, relative_attention, rotary_attention
 
     for ptr, max_seqlen, pdl in (("*fp16", 128, True), ("*bf16", 512, False), ("*fp32", 128, False)):
         shape = relative_attention.launch_shape(max_seqlen, 64, ptr == "*fp32")
@@ -160,6 +162,21 @@ def _attention_cases():
         yield (f"relative_attention {ptr[1:]} s{max_seqlen}{' pdl' if pdl else ''}",
                relative_attention._relative_attention_kernel, types,
                {**shape, "HEAD_DIM": 64, "IEEE": ptr == "*fp32", "USE_PDL": pdl}, options)
+    # DeBERTa-v3-base's heads of 64: both position terms, each alone and neither (pos_att_type), at a single request's
+    # bound and a graph bucket's
+    for ptr, max_seqlen, terms, pdl in (("*fp16", 128, ("c2p", "p2c"), True), ("*bf16", 512, ("c2p", "p2c"), False),
+                                        ("*fp32", 128, ("c2p", "p2c"), False), ("*fp16", 16, ("c2p", "p2c"), False),
+                                        ("*fp16", 512, ("c2p",), False), ("*bf16", 128, ("p2c",), False),
+                                        ("*fp16", 128, (), False)):
+        shape = disentangled_attention.launch_shape(max_seqlen, 64, ptr == "*fp32")
+        options = {"num_warps": shape.pop("num_warps"), "num_stages": shape.pop("num_stages")}
+        types = {"qkv_ptr": ptr, "cu_ptr": "*i32", "rows_ptr": "*i64", "pk_ptr": ptr, "pq_ptr": ptr, "y_ptr": ptr,
+                 "T": "i32", "H": "i32", "R": "i32", "P": "i32", "qk_scale": "fp32", "stride_qkv": "i32",
+                 "stride_pk": "i32", "stride_pq": "i32", "stride_y": "i32"}
+        yield (f"disentangled_attention {ptr[1:]} s{max_seqlen} {'+'.join(terms) or 'content'}{' pdl' if pdl else ''}",
+               disentangled_attention._disentangled_attention_kernel, types,
+               {**shape, "HEAD_DIM": 64, "C2P": "c2p" in terms, "P2C": "p2c" in terms, "IEEE": ptr == "*fp32",
+                "USE_PDL": pdl}, options)
     for ptr, max_seqlen, window, pdl, (d, heads, kv_heads, decoder) in (
             ("*fp16", 128, 0, True, (64, 12, 12, False)), ("*bf16", 512, 0, False, (64, 12, 12, False)),
             ("*bf16", 1024, 64, False, (64, 12, 12, False)), ("*fp32", 128, 0, False, (64, 12, 12, False)),

@@ -81,7 +81,7 @@ def test_min_bytes_counts_each_matrix_once():
 def test_attention_on_the_interpreter(tmp_path):
     """The attention scenario's tiny cases, one per op (and a sliding window): every cell accurate, FLOPs counted."""
     out = tmp_path / "kernels.json"
-    cases = ["tiny b3 varlen s16", "tiny rotary b3 varlen s16", "tiny local b2 s40"]
+    cases = ["tiny b3 varlen s16", "tiny deberta b3 varlen s40", "tiny rotary b3 varlen s16", "tiny local b2 s40"]
     assert main(["kernels", "attention", "--device", "cpu", "--providers", "triton", "eager",
                  "--attention-shapes", *cases, "--out", str(out)]) == 0
     doc = store.load(out)
@@ -97,6 +97,24 @@ def test_attention_flops_count_the_pairs_within_the_window():
     assert suite.attention_flops(cu, 32) == 4 * (40 * 40 + 3 * 3) * 32
     # window 4: 40 + 2 x (36 + 37 + 38 + 39) pairs in the first, all 9 in the second (its farthest distance is 2)
     assert suite.attention_flops(cu, 32, window=4) == 4 * (40 + 2 * (36 + 37 + 38 + 39) + 9) * 32
+    # DeBERTa's two position terms: a dot product of head_dim per pair each
+    assert suite.attention_flops(cu, 32, terms=2) == 8 * (40 * 40 + 3 * 3) * 32
+
+
+def test_padded_disentangled_attention_is_the_reference():
+    """The eager provider's DeBERTa attention (transformers' way: q Pk^T and k Pq^T against the whole table, gathered
+    into SDPA's mask on a padded block) is the op: the same as the reference on a packed batch with an empty sequence
+    and filler rows, both terms and each alone."""
+    from fusedserve.kernels import reference
+
+    args = list(suite.attention_inputs("tiny deberta b3 varlen s40", torch.float64, "cpu", seed=4))
+    qkv, cu = args[0], args[1]
+    args[0] = torch.cat([qkv, torch.zeros(2, qkv.shape[1], dtype=torch.float64)])  # two filler rows
+    args[1] = torch.cat([cu, cu[-1:]])  # an empty sequence
+    for keep in ((True, True), (True, False), (False, True)):
+        call = [a if i not in (4, 5) or keep[i - 4] else None for i, a in enumerate(args)]
+        torch.testing.assert_close(suite.padded_disentangled_attention(*call),
+                                   reference.disentangled_attention(*call), rtol=1e-10, atol=1e-10)
 
 
 def test_splade_on_the_interpreter(tmp_path):

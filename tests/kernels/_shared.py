@@ -167,6 +167,34 @@ def _relative_attention64(qkv, cu_seqlens, max_seqlen, num_heads, bias):
     return ctx
 
 
+def _disentangled_attention64(qkv, cu_seqlens, max_seqlen, num_heads, pos_key, pos_query, rows, scale):
+    # per sequence and head: softmax(S * scale) v with S[i, j] = q_i . k_j + q_i . Pk[r] + k_j . Pq[r], r = R[i, j] =
+    # rows[(i - j) + R - 1]; q_i . Pk[r] read as entry (i, r) of q Pk^T, k_j . Pq[r] as entry (j, r) of k Pq^T (a term
+    # whose table is None: left out)
+    hidden = qkv.shape[1] // 3
+    d, reach = hidden // num_heads, (rows.shape[0] + 1) // 2
+    q, k, v = qkv.split(hidden, dim=1)
+    ctx = torch.zeros((qkv.shape[0], hidden), dtype=qkv.dtype)
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        n = end - start
+        assert n <= max_seqlen <= reach
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        row = rows.long()[i - j + reach - 1]  # [query, key]
+        for h in range(num_heads if n else 0):
+            cols = slice(h * d, (h + 1) * d)
+            qh, kh = q[start:end, cols], k[start:end, cols]
+            scores = qh @ kh.T
+            if pos_key is not None:
+                scores = scores + (qh @ pos_key[:, cols].T)[i.expand(n, n), row]
+            if pos_query is not None:
+                scores = scores + (kh @ pos_query[:, cols].T)[j.expand(n, n), row]
+            scores = scores * scale
+            weights = torch.exp(scores - scores.max(dim=1, keepdim=True).values)
+            ctx[start:end, cols] = (weights / weights.sum(dim=1, keepdim=True)) @ v[start:end, cols]
+    return ctx
+
+
 def _rotary_attention64(qkv, cu_seqlens, max_seqlen, num_heads, inv_freq, window=0, num_kv_heads=None, causal=False,
                         q_norm=None, k_norm=None, norm_eps=1e-6):
     # per sequence and query head: each head of q and k RMS-normed with its weight (when given), each pair of
@@ -272,6 +300,7 @@ FORMULAS = {
     "segment_mean": _segment_mean64,
     "qkv_attention": _attention64,
     "relative_attention": _relative_attention64,
+    "disentangled_attention": _disentangled_attention64,
     "rotary_attention": _rotary_attention64,
     "attention_partials": _attention_partials64,
     "ffn_partials": _ffn_partials64,

@@ -29,7 +29,8 @@ def test_few_token_kernels_compile_for_sm90(tmp_path):
     # with programmatic dependent launch: every kernel it covers, each PTX checked for the wait and the release
     pdl = {line.split()[1] for line in compiled if " pdl:" in line}
     assert pdl == {"qkv_attention", "ffn_partials", "partial_add_layer_norm", "embedding_layer_norm",
-                   "segment_mean", "add_rms_norm", "relative_attention", "rotary_attention"}, result.stdout
+                   "segment_mean", "add_rms_norm", "relative_attention", "rotary_attention",
+                   "disentangled_attention"}, result.stdout
 
 
 def test_the_check_refuses_the_interpreter():

@@ -16,6 +16,7 @@ from fusedserve.kernels.testing import OP_SPECS, ops_of, ROWWISE_OPS, check_op, 
 from fusedserve.kernels.spec import attention_heads, launcher_modules, rotary_heads
 from fusedserve.kernels.triton import LAUNCHERS as triton_launchers
 from fusedserve.kernels.triton.qkv_attention import MAX_HEAD_DIM
+from fusedserve.kernels.triton.disentangled_attention import MAX_HEAD_DIM as DISENTANGLED_MAX_HEAD_DIM
 from fusedserve.kernels.triton.relative_attention import MAX_HEAD_DIM as RELATIVE_MAX_HEAD_DIM
 from fusedserve.kernels.triton.rotary_attention import MAX_HEAD_DIM as ROTARY_MAX_HEAD_DIM
 from tests.kernels._shared import FORMULAS, check_offsets_past_two_to_the_31, opcheck_custom_ops
@@ -39,10 +40,11 @@ from tests.conftest import DTYPES, INTERPRETER, shapes
 #   tests/kernels/test_rms_norm.py adds many rows of three exact blocks in every dtype. The GPU runs them all.
 SWEPT_ELSEWHERE = ("linear_bias_gelu", "linear_add_layer_norm", "linear_glu", "splade_pool")
 FP32_ON_THE_INTERPRETER = ("qkv_attention", "attention_partials", "ffn_partials", "relative_attention",
-                           "rotary_attention")
+                           "rotary_attention", "disentangled_attention")
 # the widest head each attention kernel takes (wider: the torch path)
 MAX_HEAD_DIMS = {"qkv_attention": MAX_HEAD_DIM, "attention_partials": MAX_HEAD_DIM,
-                 "relative_attention": RELATIVE_MAX_HEAD_DIM, "rotary_attention": ROTARY_MAX_HEAD_DIM}
+                 "relative_attention": RELATIVE_MAX_HEAD_DIM, "rotary_attention": ROTARY_MAX_HEAD_DIM,
+                 "disentangled_attention": DISENTANGLED_MAX_HEAD_DIM}
 
 
 def _head_dim(op: str, cols: int) -> int:

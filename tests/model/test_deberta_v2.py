@@ -120,15 +120,77 @@ def test_cross_encoders_match_cross_encoder_and_transformers(tmp_path, num_label
                             reference.predict(pairs, apply_softmax=True, convert_to_numpy=True))
 
 
-def test_the_fused_kernels_serve_deberta(tmp_path):
-    """The embeddings' LayerNorm, the post-norm blocks and the pooling through the Triton kernels (on the interpreter
-    here); the disentangled attention stays plain torch (no kernel covers it)."""
-    path = checkpoints.deberta_v2(tmp_path / "m")
+FUSED_OPS = ("embedding_layer_norm", "linear_add_layer_norm", "linear_bias_gelu", "disentangled_attention",
+             "segment_mean")
+
+
+@pytest.mark.parametrize("variant_name", ["v3", "few-buckets", "own-position-keys", "c2p-only"])
+def test_the_fused_kernels_serve_deberta(tmp_path, variant_name):
+    """The embeddings' LayerNorm, the post-norm blocks, the disentangled attention (kernels.disentangled_attention:
+    both terms from the shared keys, the log buckets past a small max_relative_positions, keys of its own for the
+    terms, one term alone) and the pooling through the Triton kernels (on the interpreter here), batched and one
+    input at a time (the interpreter takes minutes over a 300-token input: tests/kernels/test_disentangled_attention.py
+    runs the kernel over long sequences and v3's log buckets)."""
+    path = checkpoints.deberta_v2(tmp_path / "m", **VARIANTS[variant_name])
     fused, _ = Embedder.load(str(path), device="cpu", backend="triton")
-    assert fused.kernel_path.selection.used == {op: "triton" for op in ("embedding_layer_norm", "linear_add_layer_norm",
-                                                            "linear_bias_gelu", "segment_mean")}
-    expected = encode_unpadded(SentenceTransformer(str(path), device="cpu"), TEXTS[:3])
-    assert_embeddings_close(fused.embed(TEXTS[:3]), expected)
+    assert fused.kernel_path.selection.used == {op: "triton" for op in FUSED_OPS}
+    texts = TEXTS[:3]
+    expected = encode_unpadded(SentenceTransformer(str(path), device="cpu"), texts)
+    assert_embeddings_close(fused.embed(texts), expected, what=f"fused {variant_name}")
+    assert_embeddings_close(torch.cat([fused.embed([t]) for t in texts]), expected, what=f"fused {variant_name} single")
+
+
+def test_the_fused_attention_is_the_reference_attention():
+    """Layer.attend on the fused path hands the packed batch to kernels.disentangled_attention with the layer's
+    projected tables, the row per distance and DeBERTa's scale, and gets what the reference path's torch attention
+    (the padded block with both terms in SDPA's mask) gets (float64, the op on its reference); without position terms
+    at BERT's scale it is the attention every family shares and the op is not called."""
+    from dataclasses import replace
+
+    from fusedserve import kernels
+    from fusedserve.kernels import reference
+    from fusedserve.model.config import EncoderConfig
+    from fusedserve.model.deberta_v2 import Disentangled, Encoder
+
+    op = "disentangled_attention"
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append(args)
+        return reference.disentangled_attention(*args, **kwargs)
+
+    base = kernels.reference_selection("cpu", (torch.float64,))
+    fused = kernels.Selection(base.device, base.dtypes, True, {**base.choices, op: replace(base.choices[op],
+                                                                                            backend="triton")},
+                              {**base.impls, op: recorded})
+    rows = [list(range(5, 5 + n)) for n in (70, 1, 33)]
+    p = Packed.from_rows(rows, "cpu")
+    qkv = torch.randn(p.input_ids.shape[0], 3 * 64, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for section, called in ((Disentangled(relative_attention=True, terms=("c2p", "p2c"), span=16, buckets=16,
+                                          max_relative_positions=64, share_att_key=True), True),
+                            (Disentangled(relative_attention=True, terms=("c2p",), span=16, buckets=16,
+                                          max_relative_positions=64), True),
+                            (Disentangled(), False)):
+        config = EncoderConfig(architecture="deberta_v2", hidden_size=64, num_layers=1, num_heads=4,
+                               intermediate_size=128, max_position_embeddings=128, max_seq_length=128,
+                               section=section)
+        encoder = Encoder(config).double().eval()
+        with torch.no_grad():
+            if section.relative_attention:
+                encoder.rel_embeddings.normal_(0, 1.0)
+            for name, param in encoder.layers[0].named_parameters():  # projections of order 1 / sqrt(hidden)
+                if name.startswith(("pos_", "qkv")) and name.endswith("weight"):
+                    param.normal_(0, 64**-0.5)
+            layer, context = encoder.layers[0], encoder.layer_context("pad")
+            expected = layer.attend(qkv, p, context)
+            calls.clear()
+            with kernels.use(fused):
+                got = layer.attend(qkv, p, context)
+        assert len(calls) == called, section
+        if called:
+            assert calls[0][2] == p.seq and calls[0][6] is encoder.distance_rows
+            assert calls[0][7] == pytest.approx((16 * (1 + len(section.terms))) ** -0.5)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 def _variant_of(path, tmp_path, change: dict):
