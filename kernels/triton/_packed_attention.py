@@ -42,6 +42,25 @@ def online_softmax(s, v, m, total, acc, dtype, IEEE: tl.constexpr):
 
 
 @triton.jit
+def sequence_rows(cu_ptr, seq, T):
+    """Sequence `seq`'s rows [start, end) of the packed batch, clamped into [0, T] (a graph bucket's filler offsets
+    may point past the batch's rows: they read and write nothing)."""
+    start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int32), 0), T)
+    end = tl.minimum(tl.maximum(tl.load(cu_ptr + seq + 1).to(tl.int32), start), T)
+    return start, end
+
+
+@triton.jit
+def load_block(ptr, rows, end, stride, col, dims, d_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A block of rows' HEAD_DIM columns from column `col` on ([rows, BLOCK_D]): zeros for rows past `end` and
+    columns past the head's width."""
+    mask = rows[:, None] < end
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & d_ok[None, :]
+    return tl.load(ptr + rows[:, None].to(tl.int64) * stride + (col + dims)[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def zero_outside(y_ptr, cu_ptr, T, stride_y, head, part, parts, sequences,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """The filler grid row's work: zeros into rows [0, cu[0]) and [cu[B], T) of this head's columns, spread over the

@@ -39,7 +39,8 @@ from torch import Tensor
 from fusedserve.kernels import reference
 from fusedserve.kernels.triton._common import deferrable, pdl_args, pdl_sync
 from fusedserve.kernels.triton._packed_attention import (LOG2E, MAX_HEAD_DIM, MAX_SEQUENCES, check_packed, grid,
-                                                         ieee_products, online_softmax, zero_outside)
+                                                         load_block, ieee_products, online_softmax, zero_outside,
+                                                         sequence_rows)
 
 
 @triton.jit
@@ -133,8 +134,7 @@ def _disentangled_attention_kernel(
         y_cols = head * HEAD_DIM + dims
         d_ok = dims < HEAD_DIM
         dtype = y_ptr.dtype.element_ty
-        start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int32), 0), T)
-        end = tl.minimum(tl.maximum(tl.load(cu_ptr + seq + 1).to(tl.int32), start), T)
+        start, end = sequence_rows(cu_ptr, seq, T)
         q_col = head * HEAD_DIM
         k_col = H + head * HEAD_DIM
         v_col = 2 * H + head * HEAD_DIM
@@ -145,11 +145,7 @@ def _disentangled_attention_kernel(
         # a sequence longer than the grid's query blocks (longer than max_seqlen) is still computed whole
         for first in range(start + part * BLOCK_M, end, BLOCK_M * parts):
             rows = first + tl.arange(0, BLOCK_M)
-            q_mask = rows[:, None] < end
-            if BLOCK_D != HEAD_DIM:
-                q_mask = q_mask & d_ok[None, :]
-            q = tl.load(qkv_ptr + rows[:, None].to(tl.int64) * stride_qkv + (q_col + dims)[None, :], mask=q_mask,
-                        other=0.0)
+            q = load_block(qkv_ptr, rows, end, stride_qkv, q_col, dims, d_ok, HEAD_DIM, BLOCK_D)
             m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
             total = tl.zeros((BLOCK_M,), dtype=tl.float32)
             acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)

@@ -40,7 +40,8 @@ from fusedserve.kernels import reference
 from fusedserve.kernels.triton import _packed_attention
 from fusedserve.kernels.triton._common import deferrable, pdl_args, pdl_sync
 from fusedserve.kernels.triton._packed_attention import (LOG2E, MAX_HEAD_DIM, MAX_SEQUENCES, check_packed, grid,
-                                                         ieee_products, online_softmax, zero_outside)
+                                                         load_block, ieee_products, online_softmax, zero_outside,
+                                                         sequence_rows)
 
 
 @deferrable
@@ -69,8 +70,7 @@ def _rotate_kernel(
     cols = (heads * HEAD_DIM)[None, :, None] + halves[None, None, :]  # [1, heads, half]: a head's first half
     half_ok = (halves < HALF)[None, None, :]
     inv_freq = tl.load(inv_freq_ptr + halves, mask=halves < HALF, other=0.0).to(tl.float32)
-    start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int32), 0), T)
-    end = tl.minimum(tl.maximum(tl.load(cu_ptr + seq + 1).to(tl.int32), start), T)
+    start, end = sequence_rows(cu_ptr, seq, T)
     for first in range(start + part * BLOCK_T, end, BLOCK_T * parts):
         rows = first + tl.arange(0, BLOCK_T)
         # the angles as transformers rounds them: position.float() * inv_freq, libdevice's accurate cos and sin
@@ -154,8 +154,7 @@ def _rotary_attention_kernel(
         dims = tl.arange(0, BLOCK_D)
         d_ok = dims < HEAD_DIM
         y_cols = head * HEAD_DIM + dims
-        start = tl.minimum(tl.maximum(tl.load(cu_ptr + seq).to(tl.int32), 0), T)
-        end = tl.minimum(tl.maximum(tl.load(cu_ptr + seq + 1).to(tl.int32), start), T)
+        start, end = sequence_rows(cu_ptr, seq, T)
         # grouped-query heads: query heads h of one group of HEADS / KV_HEADS share key/value head h // group
         kv_head = head // (HEADS // KV_HEADS)
         q_col = head * HEAD_DIM
@@ -164,11 +163,7 @@ def _rotary_attention_kernel(
         # a sequence longer than the grid's query blocks (longer than max_seqlen) is still computed whole
         for first in range(start + part * BLOCK_M, end, BLOCK_M * parts):
             rows = first + tl.arange(0, BLOCK_M)
-            q_mask = rows[:, None] < end
-            if BLOCK_D != HEAD_DIM:
-                q_mask = q_mask & d_ok[None, :]
-            q = tl.load(qk_ptr + rows[:, None].to(tl.int64) * stride_qk + (q_col + dims)[None, :], mask=q_mask,
-                        other=0.0)
+            q = load_block(qk_ptr, rows, end, stride_qk, q_col, dims, d_ok, HEAD_DIM, BLOCK_D)
             m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
             total = tl.zeros((BLOCK_M,), dtype=tl.float32)
             acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
