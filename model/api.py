@@ -241,6 +241,20 @@ class Description:
     info: Mapping[str, object] = field(default_factory=dict)   # the rest of /info's entry
     report: str = ""
 
+    def to_json(self) -> str:
+        """As JSON, for a process that does not hold the model (a front-end of an engine); info's values as JSON
+        writes them (anything else as its str())."""
+        fields = asdict(self)
+        fields["text"] = None if self.text is None else asdict(self.text)
+        return json.dumps(fields, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> Description:
+        fields = json.loads(text)
+        spec = fields.pop("text")
+        return cls(**{**fields, "labels": tuple(fields["labels"])},
+                   text=None if spec is None else TextSpec.from_json(json.dumps(spec)))
+
 
 class Worker(Protocol):
     """Where a model's device work runs, lent by the server: the one thread that owns the model's device (its

@@ -37,14 +37,9 @@ REQUESTS, REPLIES, DESCRIBE, DESCRIPTION = b"requests", b"replies", b"describe",
 
 
 def describe(models: Sequence[ModelService]) -> dict:
-    """What a front-end needs of each model, in the engine's order (a request names its model by index): its name,
-    kind and width, and its text side as data (model.tokenizer.TextSpec: the front-end prepares inputs itself)."""
-    out = []
-    for m in models:
-        d = m.description
-        out.append({"name": m.name, "kind": d.kind, "dim": d.dim, "max_length": d.max_length,
-                    "text": d.text.to_json()})
-    return {"models": out}
+    """What a front-end needs of each model, in the engine's order (a request names its model by index): the name
+    clients call it by and its Description (model.api), whose `text` lets the front-end prepare inputs itself."""
+    return {"models": [{"name": m.name, "description": m.description.to_json()} for m in models]}
 
 
 class Engine:

@@ -103,3 +103,10 @@ def test_a_process_without_torch_prepares_from_the_spec(models, tmp_path):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["loaded"] == [] and report["kernels"] is False, report
     assert report["ids"] == served.prepare(TEXTS, api.TextOptions()).tolist()
+
+
+def test_the_description_round_trips_through_json(models):
+    for what, served in models.items():
+        described = served.describe()
+        back = api.Description.from_json(described.to_json())
+        assert back == described, what

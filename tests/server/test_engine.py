@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from fusedserve.model import text_side
-from fusedserve.model.api import Rows, TextOptions, TextSpec
+from fusedserve.model.api import Description, Rows, TextOptions
 from fusedserve.server import errors
 from fusedserve.server.engine import REQUESTS
 from fusedserve.server.engine_client import EngineClient
@@ -45,6 +45,10 @@ def engine(tmp_path_factory):
     print((folder / "engine.log").read_text()[-3000:])
 
 
+def _side(description: dict):
+    return text_side(Description.from_json(description["models"][0]["description"]).text)
+
+
 def _run(engine, scenario, clients: int = 1):
     address, process = engine
 
@@ -69,8 +73,10 @@ def test_the_engine_describes_its_models_and_their_text_side(engine):
 
     description = _run(engine, scenario)
     (model,) = description["models"]
-    assert model["name"] == "tiny" and model["kind"] == "embedding" and model["dim"] > 0
-    side = text_side(TextSpec.from_json(model["text"]))
+    described = Description.from_json(model["description"])
+    assert model["name"] == "tiny" and described.kind == "embedding" and described.dim > 0
+    assert described.device == "cpu" and described.kernels and described.text is not None
+    side = text_side(described.text)
     rows = side.prepare(["a front-end tokenizes this"], TextOptions())
     assert len(rows) == 1 and rows.tokens > 3
 
@@ -79,7 +85,7 @@ def test_requests_of_several_clients_share_batches_and_get_their_own_rows(engine
     texts = SENTENCES[:48]
 
     async def scenario(clients, description):
-        side = text_side(TextSpec.from_json(description["models"][0]["text"]))
+        side = _side(description)
         prepared = [side.prepare([t], TextOptions()) for t in texts]
         alone = [await clients[0].submit(0, rows, 30).future for rows in prepared]  # one at a time
         jobs = [clients[i % len(clients)].submit(0, rows, 30) for i, rows in enumerate(prepared)]
@@ -120,7 +126,7 @@ def test_refusals_arrive_as_the_errors_the_front_end_answers_with(engine):
 def test_a_cancelled_request_is_never_answered_and_the_next_ones_are(engine):
     async def scenario(clients, description):
         client = clients[0]
-        side = text_side(TextSpec.from_json(description["models"][0]["text"]))
+        side = _side(description)
         rows = side.prepare(SENTENCES[:32], TextOptions())
         gone = client.submit(0, rows, 30)
         client.cancel(gone)
