@@ -21,12 +21,13 @@ import logging
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
 from fusedserve.server import wire
 from fusedserve.server.batcher import Job
-from fusedserve.server.deadline import not_served
+from fusedserve.server.deadline import Deadline, not_served
 from fusedserve.server.errors import NotFound, ServiceError
 from fusedserve.server.model_service import ModelService, admit
 
@@ -48,7 +49,8 @@ class Engine:
     def __init__(self, models: Sequence[ModelService], address: str) -> None:
         self.models, self.address = list(models), address
         self._socket: zmq.asyncio.Socket | None = None
-        self._jobs: dict[tuple[bytes, int], tuple[ModelService, Job]] = {}
+        # a per-token request is a task awaiting the model's forward between batches, not a batcher job
+        self._jobs: dict[tuple[bytes, int], tuple[ModelService, Job | asyncio.Task]] = {}
         self._outbox: dict[bytes, list[wire.Answer]] = {}
         self._flushing = False
         self.malformed = 0  # messages that were not a front-end's (logged, dropped)
@@ -90,8 +92,13 @@ class Engine:
             return
         for rid in cancels.tolist():
             entry = self._jobs.pop((identity, rid), None)
-            if entry is not None:
-                entry[0].batcher.cancel(entry[1])
+            if entry is None:
+                continue
+            served, work = entry
+            if isinstance(work, asyncio.Task):
+                work.cancel()
+            else:
+                served.batcher.cancel(work)
         now = time.monotonic()
         for s in submits:
             try:
@@ -100,10 +107,19 @@ class Engine:
                 served, left = self.models[s.model], s.deadline - now
                 if left <= 0:
                     raise not_served(served.settings.request_timeout_s)
-                admit(served, s.rows, left)
-                job = served.batcher.submit(s.rows, left, normalize=s.normalize, dimensions=s.dimensions)
+                if s.tokens:
+                    served.check_token_output(s.rows.tokens)
+                else:
+                    admit(served, s.rows, left)
+                    job = served.batcher.submit(s.rows, left, normalize=s.normalize, dimensions=s.dimensions)
             except ServiceError as exc:
                 self._answer(identity, wire.Answer(s.id, None, exc, None, None, None))
+                continue
+            if s.tokens:
+                deadline = Deadline(s.deadline, served.settings.request_timeout_s)
+                task = asyncio.get_running_loop().create_task(served.token_rows(s.rows, deadline=deadline))
+                self._jobs[(identity, s.id)] = (served, task)
+                task.add_done_callback(functools.partial(self._tokens_done, identity, s.id))
                 continue
             self._jobs[(identity, s.id)] = (served, job)
             job.future.add_done_callback(functools.partial(self._done, identity, s.id, job))
@@ -117,6 +133,16 @@ class Engine:
             error = ServiceError(f"inference failed ({type(error).__name__})")
         self._answer(identity, wire.Answer(rid, None if error else future.result(), error, job.enqueued or None,
                                            job.started, job.done))
+
+    def _tokens_done(self, identity: bytes, rid: int, task: asyncio.Task) -> None:
+        if self._jobs.pop((identity, rid), None) is None or task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, ServiceError):
+            log.error("request %d of %s failed: %s: %s", rid, identity.hex(), type(error).__name__, error)
+            error = ServiceError(f"inference failed ({type(error).__name__})")
+        rows = None if error else np.concatenate(task.result())
+        self._answer(identity, wire.Answer(rid, rows, error, None, None, None))
 
     def _answer(self, identity: bytes, answer: wire.Answer) -> None:
         self._outbox.setdefault(identity, []).append(answer)

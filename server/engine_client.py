@@ -47,7 +47,7 @@ class EngineClient:
         self._socket.connect(address)
         self._ids = itertools.count(1)
         self._jobs: dict[int, RemoteJob] = {}
-        self._outbox: list[tuple[int, int, Rows, bool, int | None, float]] = []
+        self._outbox: list[tuple[int, int, Rows, bool, int | None, float, bool]] = []
         self._cancels: list[int] = []
         self._flushing = False
         self._described: asyncio.Future | None = None
@@ -68,12 +68,13 @@ class EngineClient:
         return await self._described
 
     def submit(self, model: int, rows: Rows, timeout_s: float, *, normalize: bool = False,
-               dimensions: int | None = None) -> RemoteJob:
-        """Queue a request for this tick's message; its job's future resolves as Batcher.submit's does."""
+               dimensions: int | None = None, tokens: bool = False) -> RemoteJob:
+        """Queue a request for this tick's message; its job's future resolves as Batcher.submit's does, or with
+        tokens=True to every token's row [rows.tokens, width] (ModelService.token_rows' blocks, back to back)."""
         loop = asyncio.get_running_loop()
         job = RemoteJob(next(self._ids), loop.create_future())
         self._jobs[job.id] = job
-        self._outbox.append((job.id, model, rows, normalize, dimensions, time.monotonic() + timeout_s))
+        self._outbox.append((job.id, model, rows, normalize, dimensions, time.monotonic() + timeout_s, tokens))
         self._schedule(loop)
         return job
 

@@ -375,12 +375,13 @@ class ModelService:
         return await self.run(await self.prepare(inputs, options, deadline=deadline), request, normalize=normalize,
                               dimensions=dimensions, deadline=deadline)
 
-    async def token_rows(self, rows: Rows, request: Request | None = None) -> list[np.ndarray]:
+    async def token_rows(self, rows: Rows, request: Request | None = None,
+                         deadline: Deadline | None = None) -> list[np.ndarray]:
         """Per-token hidden states ([tokens, dim] float32 per input, special tokens included), as one forward on
         the batcher's thread between batches. A client that disconnects while the forward waits (ClientGone), or a
-        deadline that passes (504), has it skipped."""
+        deadline that passes (504; default: request_timeout_s from the request's arrival), has it skipped."""
         self.check_token_output(rows.tokens)
-        deadline = Deadline.of_request(self.settings.request_timeout_s)
+        deadline = deadline or Deadline.of_request(self.settings.request_timeout_s)
         admit(self, rows, deadline.left())
         block, stamps = await _between_batches(self.batcher, lambda: self.model.launch(rows, output="tokens").rows(),
                                                request, deadline)

@@ -38,6 +38,7 @@ REQUEST = np.dtype([("id", "<u8"), ("model", "<u2"), ("flags", "u1"), ("normaliz
 REPLY = np.dtype([("id", "<u8"), ("status", "<u2"), ("rows", "<u4"), ("width", "<u4"), ("enqueued", "<f8"),
                   ("started", "<f8"), ("done", "<f8")])
 HAS_PAIRS = 1  # flags: the request's rows carry second-text starts
+TOKENS = 2  # flags: the answer is every token's row ([tokens, width], /embed_all), not one row per input
 NO_STAMP = -1.0  # a stamp the engine did not take (the request failed before its first batch)
 
 # an error's status -> its class, to raise the same ServiceError on the front-end as the engine's
@@ -56,6 +57,7 @@ class Submit:
     normalize: bool
     dimensions: int | None
     deadline: float
+    tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,13 +78,13 @@ def _int32(values: np.ndarray, what: str) -> np.ndarray:
     return values.astype("<i4", copy=False)
 
 
-def pack_requests(requests: Sequence[tuple[int, int, Rows, bool, int | None, float]],
+def pack_requests(requests: Sequence[tuple[int, int, Rows, bool, int | None, float, bool]],
                   cancels: Sequence[int] = ()) -> list[bytes | memoryview]:
-    """The request message of one tick: requests as (id, model, rows, normalize, dimensions, deadline)."""
+    """The request message of one tick: requests as (id, model, rows, normalize, dimensions, deadline, tokens)."""
     heads = np.empty(len(requests), REQUEST)
-    for i, (rid, model, rows, normalize, dimensions, deadline) in enumerate(requests):
-        heads[i] = (rid, model, HAS_PAIRS if rows.second is not None else 0, normalize, len(rows), dimensions or 0,
-                    deadline)
+    for i, (rid, model, rows, normalize, dimensions, deadline, tokens) in enumerate(requests):
+        flags = (HAS_PAIRS if rows.second is not None else 0) | (TOKENS if tokens else 0)
+        heads[i] = (rid, model, flags, normalize, len(rows), dimensions or 0, deadline)
     every = [r[2] for r in requests]
     lengths = np.concatenate([r.lengths for r in every]) if every else np.empty(0, np.int64)
     ids = np.concatenate([r.ids for r in every]) if every else np.empty(0, np.int64)
@@ -110,14 +112,14 @@ def unpack_requests(frames: Sequence[bytes | memoryview]) -> tuple[list[Submit],
         raise ValueError("a request message's pair starts do not add up")
     out, row, token, pair = [], 0, 0, 0
     for head, count, has_pairs in zip(heads.tolist(), counts.tolist(), paired.tolist()):
-        rid, model, _, normalize, _, dimensions, deadline = head
+        rid, model, flags, normalize, _, dimensions, deadline = head
         lens = lengths[row:row + count]
         tokens = int(lens.sum())
         second = None
         if has_pairs:
             second, pair = seconds[pair:pair + count], pair + count
         out.append(Submit(rid, model, Rows(ids[token:token + tokens], lens, second), bool(normalize),
-                          dimensions or None, deadline))
+                          dimensions or None, deadline, bool(flags & TOKENS)))
         row, token = row + count, token + tokens
     return out, cancels
 

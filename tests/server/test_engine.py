@@ -106,6 +106,24 @@ def test_requests_of_several_clients_share_batches_and_get_their_own_rows(engine
         assert_embeddings_close(shaped[i], head, what=f"normalized first 8 dimensions of input {i}")
 
 
+def test_per_token_rows_come_back_as_the_models_own(engine):
+    """A per-token request (/embed_all's): every token's row, [tokens, width], as the same model computes them."""
+    from fusedserve.model import load
+    from fusedserve.model.api import LoadOptions
+
+    texts = ["per token", SENTENCES[3], "x"]
+
+    async def scenario(clients, description):
+        rows = _side(description).prepare(texts, TextOptions())
+        return rows, await clients[0].submit(0, rows, 30, tokens=True).future
+
+    rows, block = _run(engine, scenario)
+    local = load("tiny", LoadOptions(device="cpu", max_batch_tokens=512))
+    expected = local.launch(rows, output="tokens").rows()
+    assert block.shape == expected.shape == (rows.tokens, expected.shape[1])
+    assert_embeddings_close(block, expected, what="per-token rows through the engine vs the model in-process")
+
+
 def test_refusals_arrive_as_the_errors_the_front_end_answers_with(engine):
     async def scenario(clients, description):
         client = clients[0]

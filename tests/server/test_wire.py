@@ -26,13 +26,15 @@ def _frames_as_received(frames):
 
 
 def test_requests_round_trip():
-    requests = [(2**63 + 5, 0, _rows(1), False, None, 123.25), (7, 3, _rows(7, pairs=True), True, 384, 9.5),
-                (8, 1, _rows(300), True, None, 1e9), (9, 0, _rows(3, pairs=True), False, 1, 0.0)]
+    requests = [(2**63 + 5, 0, _rows(1), False, None, 123.25, False),
+                (7, 3, _rows(7, pairs=True), True, 384, 9.5, False),
+                (8, 1, _rows(300), True, None, 1e9, True), (9, 0, _rows(3, pairs=True), False, 1, 0.0, True)]
     submits, cancels = wire.unpack_requests(_frames_as_received(wire.pack_requests(requests, cancels=[4, 2**64 - 1])))
     assert cancels.tolist() == [4, 2**64 - 1]
     assert len(submits) == len(requests)
-    for s, (rid, model, rows, normalize, dimensions, deadline) in zip(submits, requests):
-        assert (s.id, s.model, s.normalize, s.dimensions, s.deadline) == (rid, model, normalize, dimensions, deadline)
+    for s, (rid, model, rows, normalize, dimensions, deadline, tokens) in zip(submits, requests):
+        assert (s.id, s.model, s.normalize, s.dimensions, s.deadline, s.tokens) == \
+            (rid, model, normalize, dimensions, deadline, tokens)
         assert s.rows.ids.dtype == np.int64 and s.rows.lengths.dtype == np.int64
         assert np.array_equal(s.rows.ids, rows.ids) and np.array_equal(s.rows.lengths, rows.lengths)
         assert (s.rows.second is None) == (rows.second is None)
@@ -70,7 +72,7 @@ def test_replies_round_trip_rows_and_errors():
 
 
 def test_frames_that_do_not_add_up_are_refused():
-    frames = _frames_as_received(wire.pack_requests([(1, 0, _rows(3), False, None, 1.0)]))
+    frames = _frames_as_received(wire.pack_requests([(1, 0, _rows(3), False, None, 1.0, False)]))
     with pytest.raises(ValueError, match="5 frames"):
         wire.unpack_requests(frames[:4])
     with pytest.raises(ValueError, match="do not add up"):
@@ -78,7 +80,7 @@ def test_frames_that_do_not_add_up_are_refused():
     with pytest.raises(ValueError, match="pair starts"):
         wire.unpack_requests([frames[0], frames[1], frames[2], np.zeros(3, "<i4").tobytes(), frames[4]])
     with pytest.raises(ValueError, match="outside int32"):
-        wire.pack_requests([(1, 0, Rows.of([[2**31]]), False, None, 1.0)])
+        wire.pack_requests([(1, 0, Rows.of([[2**31]]), False, None, 1.0, False)])
     replies = _frames_as_received(wire.pack_replies([wire.Answer(1, np.ones((2, 3), np.float32), None, 0, 0, 0)]))
     with pytest.raises(ValueError, match="shorter"):
         wire.unpack_replies([replies[0], replies[1][:-4], replies[2]])
