@@ -4,6 +4,7 @@ them with their launchers), and a fake clock for kernels.timing."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -312,3 +313,14 @@ FORMULAS = {
 def formula_float64(op: str, args: tuple, kwargs: dict):
     """The op's definition evaluated in float64 on the CPU, on exactly the (already rounded) inputs."""
     return FORMULAS[op](*map(_f64, args), **kwargs)
+
+
+def packed_qkv(lengths, hidden: int, gen: torch.Generator, first: int = 0,
+               filler: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed attention op's float32 qkv [first + sum(lengths) + filler, 3 * hidden] of order 1, its rows before
+    `first` and its filler rows NaN (never to be read), and the int32 offsets of `lengths` from `first`."""
+    t = first + sum(lengths) + filler
+    qkv = torch.randn(t, 3 * hidden, generator=gen)
+    qkv[:first] = float("nan")
+    qkv[t - filler:] = float("nan")
+    return qkv, torch.tensor(list(itertools.accumulate(lengths, initial=first)), dtype=torch.int32)

@@ -22,7 +22,7 @@ from fusedserve.kernels.triton import LAUNCHERS
 from fusedserve.kernels.triton.disentangled_attention import launch_shape
 from fusedserve.model.deberta_v2 import Disentangled, relative_rows
 from tests.conftest import INTERPRETER
-from tests.kernels._shared import dyadic, formula_float64
+from tests.kernels._shared import dyadic, formula_float64, packed_qkv
 
 NAN = float("nan")
 OP = "disentangled_attention"
@@ -48,11 +48,7 @@ def _inputs(lengths, hidden, heads, dtype, device, terms=("c2p", "p2c"), positio
     `positions` over distances up to reach - 1 (default: the longest sequence, the least the op takes) and DeBERTa's
     scale 1 / sqrt(d (1 + terms))."""
     gen = torch.Generator().manual_seed(seed)
-    t = first + sum(lengths) + filler
-    qkv = torch.randn(t, 3 * hidden, generator=gen)
-    qkv[:first] = NAN
-    qkv[t - filler:] = NAN
-    cu = torch.tensor(list(itertools.accumulate(lengths, initial=first)), dtype=torch.int32)
+    qkv, cu = packed_qkv(lengths, hidden, gen, first, filler)
     tables = [torch.randn(2 * positions.span, hidden, generator=gen).to(device, dtype) for _ in range(2)]
     pos_key = tables[0] if "c2p" in terms else None
     pos_query = tables[1] if "p2c" in terms else None

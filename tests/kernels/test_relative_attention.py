@@ -17,7 +17,7 @@ from fusedserve.kernels.testing import compare
 from fusedserve.kernels.triton import LAUNCHERS
 from fusedserve.kernels.triton.relative_attention import launch_shape
 from tests.conftest import INTERPRETER
-from tests.kernels._shared import dyadic, formula_float64
+from tests.kernels._shared import dyadic, formula_float64, packed_qkv
 
 NAN = float("nan")
 OP = "relative_attention"
@@ -34,11 +34,7 @@ def _inputs(lengths, hidden, heads, dtype, device, filler=0, reach=None, seed=0,
     never to be read), offsets from `first`, and a bias table of order 1 reaching `reach` (default: the longest
     sequence, the least the op takes) in float32, as the model keeps it."""
     gen = torch.Generator().manual_seed(seed)
-    t = first + sum(lengths) + filler
-    qkv = torch.randn(t, 3 * hidden, generator=gen)
-    qkv[:first] = NAN
-    qkv[t - filler:] = NAN
-    cu = torch.tensor(list(itertools.accumulate(lengths, initial=first)), dtype=torch.int32)
+    qkv, cu = packed_qkv(lengths, hidden, gen, first, filler)
     reach = reach or max(max(lengths), 1)
     bias = torch.randn(heads, 2 * reach - 1, generator=gen)
     return qkv.to(device, dtype), cu.to(device), bias.to(device)

@@ -19,7 +19,7 @@ from fusedserve.kernels.testing import compare
 from fusedserve.kernels.triton import LAUNCHERS
 from fusedserve.kernels.triton.rotary_attention import launch_shape, rotate_shape, windowed
 from tests.conftest import INTERPRETER
-from tests.kernels._shared import dyadic, formula_float64
+from tests.kernels._shared import dyadic, formula_float64, packed_qkv
 
 NAN = float("nan")
 OP = "rotary_attention"
@@ -40,11 +40,7 @@ def _inputs(lengths, hidden, heads, dtype, device, filler=0, seed=0, first=0, th
     """qkv [first + sum(lengths) + filler, 3 * hidden] of order 1 (rows before `first` and the filler rows are NaN:
     never to be read), offsets from `first`, and the frequencies of `theta` at the head width."""
     gen = torch.Generator().manual_seed(seed)
-    t = first + sum(lengths) + filler
-    qkv = torch.randn(t, 3 * hidden, generator=gen)
-    qkv[:first] = NAN
-    qkv[t - filler:] = NAN
-    cu = torch.tensor(list(itertools.accumulate(lengths, initial=first)), dtype=torch.int32)
+    qkv, cu = packed_qkv(lengths, hidden, gen, first, filler)
     return qkv.to(device, dtype), cu.to(device), inverse_frequencies(hidden // heads, theta).to(device)
 
 
