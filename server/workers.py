@@ -254,14 +254,16 @@ class _Supervisor:
 
     def _exited(self, slot: _Slot, p) -> None:
         code, was_ready, device = p.exitcode, slot.ready, slot.placement.name
-        (self.state / f"ready-{p.pid}").unlink(missing_ok=True)
         multiprocess.mark_process_dead(p.pid, str(self.state / "metrics"))  # its live gauges no longer count
         if not slot.handed_over and not self.shared_socket:
             slot.sock.close()
         slot.process, slot.ready, slot.counted = None, False, False
         if not self.shared_socket:
             slot.sock = None
+        # the count first, then the marker: a probe in between must never see fewer ready workers than expected
+        # (the others are ready, and the server with them)
         self._write_expected()
+        (self.state / f"ready-{p.pid}").unlink(missing_ok=True)
         if device in self.left_out:  # stopped with its device: not started again
             return
         if was_ready:
