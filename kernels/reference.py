@@ -238,9 +238,7 @@ def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, m
     positions = torch.arange(max_seqlen, device=x.device)
     keep = (positions[None, :] < (cu[1:] - cu[:-1])[:, None])[:, None, None, :]
     ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # [batch, heads, seq, d]
-    ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, hidden)
-    ctx = torch.where(real[:, None], ctx[pad_index.clamp(max=max(batch * max_seqlen - 1, 0))], 0.0)
-    return _store(ctx, x.dtype, out)
+    return _store(_unpacked(ctx, pad_index, real), x.dtype, out)
 
 
 def relative_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, bias: Tensor, *,
@@ -271,9 +269,7 @@ def relative_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_hea
     keys = positions[None, :] < lengths[:, None]  # [batch, seq(k)]
     mask = table[None].masked_fill(~keys[:, None, None, :], float("-inf"))  # [batch, heads, seq, seq]
     ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [batch, heads, seq, d]
-    ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, hidden)
-    ctx = torch.where(real[:, None], ctx[pad_index.clamp(max=batch * max_seqlen - 1)], 0.0)
-    return _store(ctx, qkv.dtype, out)
+    return _store(_unpacked(ctx, pad_index, real), qkv.dtype, out)
 
 
 def disentangled_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int,
@@ -314,9 +310,15 @@ def disentangled_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num
     keys = positions[None, :] < lengths[:, None]  # [batch, seq(k)]
     scores = (scores * scale).masked_fill(~keys[:, None, None, :], float("-inf"))
     ctx = torch.softmax(scores, dim=-1) @ v  # [batch, heads, seq, d]; a sequence of no keys: NaN, never gathered
-    ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, hidden)
-    ctx = torch.where(real[:, None], ctx[pad_index.clamp(max=batch * max_seqlen - 1)], 0.0)
-    return _store(ctx, qkv.dtype, out)
+    return _store(_unpacked(ctx, pad_index, real), qkv.dtype, out)
+
+
+def _unpacked(ctx: Tensor, pad_index: Tensor, real: Tensor) -> Tensor:
+    """An attention's context on the padded block, [batch, heads, max_seqlen, d], back to the packed rows [T, heads x
+    d] (_packed_block's pad_index), zeros for the filler rows."""
+    batch, heads, seq, d = ctx.shape
+    ctx = ctx.transpose(1, 2).reshape(batch * seq, heads * d)
+    return torch.where(real[:, None], ctx[pad_index.clamp(max=max(batch * seq - 1, 0))], 0.0)
 
 
 def _packed_block(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, compute: torch.dtype):
@@ -379,9 +381,7 @@ def rotary_attention(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads
     if causal:
         keep = keep & (distance <= 0)[None, None]
     ctx = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-    ctx = ctx.transpose(1, 2).reshape(batch * max_seqlen, num_heads * d)
-    ctx = torch.where(real[:, None], ctx[pad_index.clamp(max=max(batch * max_seqlen - 1, 0))], 0.0)
-    return _store(ctx, qkv.dtype, out)
+    return _store(_unpacked(ctx, pad_index, real), qkv.dtype, out)
 
 
 def _rms_heads(x: Tensor, weight: Tensor, eps: float) -> Tensor:

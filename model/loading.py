@@ -115,20 +115,29 @@ class ReadModel:
     source: str = ""  # " (random init)" for a preset
 
 
+def model_config(model: str) -> EncoderConfig:
+    """The config of `model` (read_model's), before and without its weights: a preset's, or the checkpoint
+    directory's config.json."""
+    if model in PRESETS:
+        return EncoderConfig.from_name(model)
+    return read_config(default_model_dir() if model == "default" else Path(model))
+
+
 def read_model(model: str, pooling: str | None = None, name: str | None = None,
-               max_seq_length: int | None = None) -> ReadModel:
+               max_seq_length: int | None = None, config: EncoderConfig | None = None) -> ReadModel:
     """model: "default" (the packaged all-MiniLM-L6-v2), a preset name (random init, default tokenizer), or a
     checkpoint directory; pooling overrides an embedding model's; name: what it is called (default: name_of(model));
-    max_seq_length: the served length, where it is set (a checkpoint's encoder is built for it)."""
+    max_seq_length: the served length, where it is set (a checkpoint's encoder is built for it); config: its
+    model_config, where the caller has read it already."""
     name = name or name_of(model)
+    config = config or model_config(model)
     if model in PRESETS:
-        config = EncoderConfig.from_name(model)
         read = ReadModel(family(config).encoder(config), default_model_dir(), name, source=" (random init)")
         if pooling:
             read.pipeline = Pipeline(read_pipeline(read.tokenizer_dir, pooling).pooling, source="POOLING setting")
         return read
     path = default_model_dir() if model == "default" else Path(model)
-    encoder, rest = load_checkpoint(path, max_seq_length=max_seq_length)
+    encoder, rest = load_checkpoint(path, config, max_seq_length=max_seq_length)
     read = ReadModel(encoder, path, name)
     read.classifier = read_classifier(path, encoder.config, rest, encoder.embeddings.word_embeddings)
     if read.classifier is not None:
@@ -151,17 +160,16 @@ def load(make: type[Embedder], model: str = "default", *, device: str = "auto", 
     started = time.perf_counter()
     dev = resolve_device(device)
     # the family's dtype rules and a wrong name fail before the weights load
-    config = EncoderConfig.from_name(model) if model in PRESETS else \
-        read_config(default_model_dir() if model == "default" else Path(model))
+    config = model_config(model)
+    fam = family(config)
     if dtype in DTYPES:
-        family(config).check_dtype(DTYPES[dtype])
-    resolve_dtype(dtype, dev, family(config).dtype_on_cuda)
-    read = read_model(model, pooling, name, max_seq_length)
+        fam.check_dtype(DTYPES[dtype])
+    dt = resolve_dtype(dtype, dev, fam.dtype_on_cuda)
+    read = read_model(model, pooling, name, max_seq_length, config)
     encoder = read.encoder
     if max_seq_length is not None:  # a preset's (a checkpoint's encoder was built for it)
         encoder.config = encoder.config.replace(max_seq_length=max_seq_length)
     tokenizer = TextTokenizer(read.tokenizer_dir, encoder.config.max_seq_length)
-    dt = resolve_dtype(dtype, dev, family(encoder.config).dtype_on_cuda)
     embedder = make(encoder, tokenizer, read.name, dev, dt, pipeline=read.pipeline, classifier=read.classifier,
                     **options)
     selection = embedder.kernel_path.set_fused(fused)
