@@ -24,7 +24,7 @@ import numpy as np
 KINDS = ("embedding", "classifier", "sparse")
 
 # The names the load options take, for the server's settings to offer the same choices. BACKENDS are the kernel
-# layer's (fusedserve.kernels.registry; tests/model/test_families.py holds them equal); POOLING_MODES are
+# layer's (fusedserve.kernels.registry; tests/model/test_load_options.py holds them equal); POOLING_MODES are
 # sentence-transformers' pooling modes the model's pooling implements (model/modules.py).
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BACKENDS = ("auto", "triton", "cuda", "cpu", "torch")

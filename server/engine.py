@@ -43,6 +43,15 @@ def describe(models: Sequence[ModelService]) -> dict:
     return {"models": [{"name": m.name, "description": m.description.to_json()} for m in models]}
 
 
+def _answerable(error: BaseException | None, identity: bytes, rid: int) -> ServiceError | None:
+    """A request's failure as its answer: a ServiceError as it is, anything else logged and a 500 naming its type
+    (as the batcher fails a batch)."""
+    if error is None or isinstance(error, ServiceError):
+        return error
+    log.error("request %d of %s failed: %s: %s", rid, identity.hex(), type(error).__name__, error)
+    return ServiceError(f"inference failed ({type(error).__name__})")
+
+
 class Engine:
     """The engine's socket and the requests in flight: (front-end identity, request id) -> the batcher and its job."""
 
@@ -107,9 +116,7 @@ class Engine:
                 served, left = self.models[s.model], s.deadline - now
                 if left <= 0:
                     raise not_served(served.settings.request_timeout_s)
-                if s.tokens:
-                    served.check_token_output(s.rows.tokens)
-                else:
+                if not s.tokens:  # token_rows checks and admits its own (its refusal is the task's answer)
                     admit(served, s.rows, left)
                     job = served.batcher.submit(s.rows, left, normalize=s.normalize, dimensions=s.dimensions)
             except ServiceError as exc:
@@ -127,20 +134,14 @@ class Engine:
     def _done(self, identity: bytes, rid: int, job: Job, future: asyncio.Future) -> None:
         if self._jobs.pop((identity, rid), None) is None or future.cancelled():
             return  # cancelled by its front-end: nobody waits for it
-        error = future.exception()
-        if error is not None and not isinstance(error, ServiceError):
-            log.error("request %d of %s failed: %s: %s", rid, identity.hex(), type(error).__name__, error)
-            error = ServiceError(f"inference failed ({type(error).__name__})")
+        error = _answerable(future.exception(), identity, rid)
         self._answer(identity, wire.Answer(rid, None if error else future.result(), error, job.enqueued or None,
                                            job.started, job.done))
 
     def _tokens_done(self, identity: bytes, rid: int, task: asyncio.Task) -> None:
         if self._jobs.pop((identity, rid), None) is None or task.cancelled():
             return
-        error = task.exception()
-        if error is not None and not isinstance(error, ServiceError):
-            log.error("request %d of %s failed: %s: %s", rid, identity.hex(), type(error).__name__, error)
-            error = ServiceError(f"inference failed ({type(error).__name__})")
+        error = _answerable(task.exception(), identity, rid)
         rows = None if error else np.concatenate(task.result())
         self._answer(identity, wire.Answer(rid, rows, error, None, None, None))
 

@@ -42,9 +42,8 @@ TOKENS = 2  # flags: the answer is every token's row ([tokens, width], /embed_al
 NO_STAMP = -1.0  # a stamp the engine did not take (the request failed before its first batch)
 
 # an error's status -> its class, to raise the same ServiceError on the front-end as the engine's
-_ERRORS = {cls.status: cls for cls in (errors.BadRequest, errors.Unauthorized, errors.NotFound, errors.PayloadTooLarge,
-                                       errors.Unprocessable, errors.Overloaded, errors.Unavailable, errors.Timeout,
-                                       errors.ServiceError)}
+_ERRORS = {cls.status: cls for cls in vars(errors).values()
+           if isinstance(cls, type) and issubclass(cls, errors.ServiceError)}
 
 
 @dataclass(frozen=True)
