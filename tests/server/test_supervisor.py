@@ -13,7 +13,11 @@ from fusedserve.server.devices import Placement
 
 def test_a_dead_workers_marker_goes_only_after_the_count_drops(monkeypatch):
     for name in (workers.STATE_ENV, "FUSEDSERVE_WORKERS", "PROMETHEUS_MULTIPROC_DIR"):
-        monkeypatch.delenv(name, raising=False)  # the supervisor writes them; restored after the test
+        # The supervisor writes them into os.environ. delenv of an absent name records nothing, so set first: the
+        # variable is then removed after the test, and later servers started by this pytest process do not inherit
+        # a metrics directory that no longer exists.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     supervisor = workers._Supervisor([Placement("cpu", "cpu")] * 2, [], "127.0.0.1", 0, target=None)
     try:
         for pid, slot in zip((1_000_001, 1_000_002), supervisor.slots):
