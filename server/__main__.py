@@ -105,6 +105,26 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
     if (short := _connections_fit_open_files(settings)) is not None:
         print(f"invalid configuration:\n{short}", file=sys.stderr)
         return 2
+    if sockets is None and settings.frontends:  # the parent of the engines and their front-ends
+        if settings.workers != 1:
+            print("invalid configuration:\nset FRONTENDS (front-ends before one engine per device) or WORKERS > 1 "
+                  "(full server processes per device), not both", file=sys.stderr)
+            return 2
+        try:
+            names = devices.devices(settings.device)
+        except ValueError as exc:
+            print(f"invalid configuration:\n{exc}", file=sys.stderr)
+            return 2
+        count = frontend_count(settings.frontends, names)
+        os.environ["FUSEDSERVE_FRONTENDS"] = str(count)
+        # the front-ends' settings name the engines' devices as they are (no `auto` to resolve, which would take
+        # torch): the same batch limits follow from them as in the engines
+        os.environ["FUSEDSERVE_DEVICE"] = ",".join(names)
+        joined = ",".join(names)
+        log.warning("%d front-ends in front of an engine on each of %s", count, joined)
+        return workers.supervise([devices.Placement(joined, joined)] * count, list(sys.argv[1:] if argv is None
+                                 else argv), args.host, args.port, functools.partial(workers.run_worker, main),
+                                 engines=workers.EngineProcesses(names, args.log_level))
     if sockets is None:  # not a worker: one process, or a parent placing workers on the devices
         try:
             placements = devices.place(settings.device, settings.workers, _model_bytes(settings))
@@ -135,6 +155,17 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
         print(f"start-up failed: {service.load_error}", file=sys.stderr)
         return 1
     return 0
+
+
+def frontend_count(setting: int | str, names: list[str]) -> int:
+    """FRONTENDS=auto: the CPUs left after the engines' own (two for each GPU's engine: its event loop and the
+    thread that launches the forwards; on the CPU the engine's matmuls take every core, and one front-end goes
+    beside it), at least one."""
+    if setting != "auto":
+        return int(setting)
+    if names == ["cpu"]:
+        return 1
+    return max(1, devices.usable_cpus() - 2 * len(names))
 
 
 def _model_bytes(settings) -> int | None:

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fusedserve.server import workers
+from fusedserve.server import frontend, workers
 from fusedserve.server.config import Settings
 from fusedserve.server.deps import key_matches
 from fusedserve.server.heap import LARGE_ANSWER_BYTES, LARGE_BODY_BYTES, HeapTrimmer, fix_malloc_thresholds
@@ -32,6 +32,7 @@ from fusedserve.server.observability import (CLIENT_GONE_STATUS, CURRENT, TIMING
 from fusedserve.server.protocol import OVER_CAPACITY
 from fusedserve.server.responses import LeanRoute
 from fusedserve.server.routes import admin, health, infer, kserve, openai, rerank, tei
+from fusedserve.server.frontend import FrontendService
 from fusedserve.server.service import VERSION, Service
 
 log = logging.getLogger("fusedserve")
@@ -334,7 +335,7 @@ def _first_param(errors: list[dict]) -> str | None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     fix_malloc_thresholds()  # before the model and the tokenizer allocate: freed heap goes back (server.heap)
-    service = Service(settings)
+    service = FrontendService(settings, engines) if (engines := frontend.engine_addresses()) else Service(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -346,7 +347,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             switch = workers.read_switch()
             if service.ready and switch is not None:  # the others' kernel path, before its first request
                 await service.apply_switch(switch)
-        follower = asyncio.create_task(service.follow_switch()) if workers.state_dir() is not None else None
+        follower = asyncio.create_task(service.follow_switch()) if service.follows_switch else None
         rpc = None
         if settings.grpc_port:  # in this event loop: its calls reach the service as the routes' do
             from fusedserve.server.kserve_grpc import KServeGrpc

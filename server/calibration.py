@@ -41,11 +41,15 @@ class Calibration:
             self._computing = self._computing or asyncio.Lock()
             async with self._computing:
                 if self.embeddings is None:
-                    self.embeddings = await asyncio.wrap_future(self.batcher.between_batches(self.embed))
+                    self.embeddings = await self._computed()
         key = (normalize, dimensions)
         if key not in self._ranges:
             self._ranges[key] = ranges_of(shape(self.embeddings, normalize=normalize, dimensions=dimensions))
         return self._ranges[key]
+
+    async def _computed(self) -> np.ndarray:
+        """The embeddings, computed for a request that waits (on the worker thread, between two batches)."""
+        return await asyncio.wrap_future(self.batcher.between_batches(self.embed))
 
     def info(self) -> dict | None:
         """/info's `quantization`: the per-dimension [min, max] of normalized full-width embeddings (None until

@@ -117,6 +117,12 @@ class ModelSettings(BaseSettings):
         "MPS daemon so the kernels of a GPU's workers share it); `auto`: one on the CPU, on a GPU as many as the "
         "host's CPUs (2 each), its free memory and 4 allow, starting the MPS daemon where it can. A worker that "
         "exits is started again; metrics are summed over the workers")
+    frontends: int | Literal["auto"] = Field(
+        0, description="front-end processes on one port (HTTP, gRPC, tokenizing, answers; no torch, no "
+        "weights) in front of one engine process per device that holds the models, their CUDA graphs and the "
+        "batches every front-end's requests share (docs/architecture.md); 0: one process does both; `auto`: the "
+        "CPUs left after two per GPU engine (on the CPU: one). Not with WORKERS > 1. A front-end or engine that "
+        "exits is started again")
     max_cuda_graphs: int = Field(256, ge=1, description="graphs held at once (least recently used evicted)",
                                  json_schema_extra={"advanced": True})
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for the model (0: torch's default; with "
@@ -128,6 +134,13 @@ class ModelSettings(BaseSettings):
     def _workers(cls, value):
         if isinstance(value, int) and value < 1:
             raise ValueError("workers must be at least 1, or 'auto'")
+        return value
+
+    @field_validator("frontends")
+    @classmethod
+    def _frontends(cls, value):
+        if isinstance(value, int) and not 0 <= value <= 64:
+            raise ValueError("frontends must be between 0 and 64, or 'auto'")
         return value
 
     @field_validator("backend_overrides", mode="before")

@@ -7,6 +7,9 @@ model's batcher, so requests of every front-end share the batches, and sends eac
 answer completed meanwhile. A request is known by its front-end's identity and its id there: an answer can only go
 to the request that asked. A front-end that goes away leaves answers for no one, and ZeroMQ drops them.
 
+The admin fused switch comes the same way (SWITCH): the engine applies it between batches and sends every front-end
+it knows the models described anew, so each one's /info and answers follow.
+
 The engine checks what the front-end cannot: the request's model exists here, its deadline has not passed, its
 predicted run time fits the deadline (the cost model of the warm-up), and the queue has room; each refusal is the
 answer's error, with the status the front-end answers its client with.
@@ -18,6 +21,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -35,6 +39,7 @@ log = logging.getLogger("fusedserve.engine")
 
 # a message's first frame says what it holds
 REQUESTS, REPLIES, DESCRIBE, DESCRIPTION = b"requests", b"replies", b"describe", b"description"
+SWITCH, SWITCHED = b"switch", b"switched"
 
 
 def describe(models: Sequence[ModelService]) -> dict:
@@ -62,6 +67,7 @@ class Engine:
         self._jobs: dict[tuple[bytes, int], tuple[ModelService, Job | asyncio.Task]] = {}
         self._outbox: dict[bytes, list[wire.Answer]] = {}
         self._flushing = False
+        self._front_ends: set[bytes] = set()  # every identity heard from: told of each switch
         self.malformed = 0  # messages that were not a front-end's (logged, dropped)
 
     @property
@@ -78,16 +84,45 @@ class Engine:
         try:
             while True:
                 frames = await self._socket.recv_multipart(copy=False)
+                if len(frames) < 2:
+                    self._malformed(frames[0].bytes, "no kind frame")
+                    continue
                 identity, kind, body = frames[0].bytes, frames[1].bytes, [f.buffer for f in frames[2:]]
                 if kind == REQUESTS:
                     self._requests(identity, body)
                 elif kind == DESCRIBE:
+                    self._front_ends.add(identity)
                     body = json.dumps(describe(self.models)).encode()
                     await self._socket.send_multipart([identity, DESCRIPTION, body])
+                elif kind == SWITCH:
+                    self._front_ends.add(identity)
+                    asyncio.get_running_loop().create_task(self._switch(identity, bytes(body[0]) if body else b""))
                 else:
                     self._malformed(identity, f"unknown kind {kind[:32]!r}")
         finally:
             self._socket.close(linger=0)
+
+    async def _switch(self, identity: bytes, body: bytes) -> None:
+        """The admin switch on one model or every model, one after another (their selections share the Triton
+        autotuners); answered with each switched model's state, or the error; then every front-end is sent the
+        models described anew."""
+        try:
+            asked = json.loads(body)
+            ticket, enabled, index = asked["ticket"], bool(asked["enabled"]), asked["model"]
+        except (ValueError, KeyError, TypeError) as exc:
+            self._malformed(identity, f"switch: {exc}")
+            return
+        targets = self.models if index is None else self.models[index:index + 1]
+        try:
+            states = [await asyncio.to_thread(m.switches.set_fused, enabled) for m in targets]
+            answer = {"ticket": ticket, "states": [[m.name, s] for m, s in zip(targets, states)]}
+        except Exception as exc:
+            error = _answerable(exc, identity, ticket)
+            answer = {"ticket": ticket, "error": wire.error_fields(error)}
+        await self._socket.send_multipart([identity, SWITCHED, json.dumps(answer).encode()])
+        described = json.dumps(describe(self.models)).encode()
+        for front_end in self._front_ends:
+            await self._socket.send_multipart([front_end, DESCRIPTION, described])
 
     def _malformed(self, identity: bytes, why: str) -> None:
         self.malformed += 1
@@ -163,28 +198,60 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m fusedserve.server.engine --address ipc:///path`: the models of the FUSEDSERVE_* settings loaded and
     warmed up on their device, then served to front-ends at the address until the process is stopped."""
     import argparse
+    import signal
 
+    from fusedserve.model import host
     from fusedserve.server import devices, workers
+    from fusedserve.server.switches import refreeze
     from fusedserve.server.config import Settings
     from fusedserve.server.metrics import Metrics
 
     parser = argparse.ArgumentParser(prog="python -m fusedserve.server.engine")
     parser.add_argument("--address", required=True, help="the ZeroMQ endpoint front-ends connect to")
+    parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from fusedserve.server.observability import configure_logging
+
     settings = Settings()
-    metrics = Metrics(workers.device_name(devices.devices(settings.device)[0]))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, settings.log_format)
+    device = workers.device_name(devices.devices(settings.device)[0])
+    if settings.torch_threads:
+        host.set_threads(settings.torch_threads)
+    metrics = Metrics(device)
     models = [ModelService(settings, metrics, name, spec) for name, spec in settings.served_models()]
+    started = time.monotonic()
     for served in models:
         served.start(lambda: False)
-    log.info("engine serving %s at %s", ", ".join(m.name for m in models), args.address)
+        metrics.model_ready.labels(served.name).set(1)
+    refreeze()
+    log.info("engine on %s ready in %.1fs, at %s:\n%s", device, time.monotonic() - started, args.address,
+             "\n".join(m.startup_report() for m in models))
+
+    async def serve() -> None:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        bound = asyncio.Event()
+        serving = loop.create_task(Engine(models, args.address).serve(bound))
+        await bound.wait()
+        directory = workers.state_dir()
+        if directory is not None:  # the parent's view: this engine was ready once (a later exit is restarted)
+            (directory / f"engine-ready-{os.getpid()}").touch()
+        for served in models:  # the models' own background work (the rest of their CUDA graphs)
+            served.model.run_background(served.batcher)
+        try:
+            await serving
+        except asyncio.CancelledError:
+            serving.cancel()
+
     try:
-        asyncio.run(Engine(models, args.address).serve())
-    except KeyboardInterrupt:
-        pass
+        asyncio.run(serve())
     finally:
         for served in models:
             served.stop(timeout_s=settings.request_timeout_s)
+        log.warning("engine on %s stopped", device)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ Requests are numbered by this client; the engine answers each (identity, number)
 the job of that number, so no request is ever answered with another's rows. A job given up on (its client left, its
 deadline passed) is forgotten here at once and its cancel goes out with the next tick's message: its late answer, if
 one comes, finds no job and is dropped.
+
+The connection is watched (ZeroMQ's socket monitor): when the engine goes away every job in flight fails at once
+with a 503 and Retry-After (no client waits for its deadline), and `connected` is false until an engine listens at
+the address again (the engine binds only once its models are ready).
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import time
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from fusedserve.model.api import Rows
 from fusedserve.server import wire
-from fusedserve.server.engine import DESCRIBE, DESCRIPTION, REPLIES, REQUESTS
+from fusedserve.server.engine import DESCRIBE, DESCRIPTION, REPLIES, REQUESTS, SWITCH, SWITCHED
+from fusedserve.server.errors import Unavailable
 
 log = logging.getLogger("fusedserve.engine")
 
@@ -30,10 +36,10 @@ class RemoteJob:
     """A request sent to an engine: its future resolves to its rows [n, width] float32 or to its error; the engine's
     stamps (time.monotonic(): queued there, its first batch started, its last row delivered) once answered."""
 
-    __slots__ = ("id", "future", "enqueued", "started", "done")
+    __slots__ = ("id", "future", "client", "enqueued", "started", "done")
 
-    def __init__(self, rid: int, future: asyncio.Future) -> None:
-        self.id, self.future = rid, future
+    def __init__(self, rid: int, future: asyncio.Future, client: EngineClient) -> None:
+        self.id, self.future, self.client = rid, future, client
         self.enqueued = self.started = self.done = None
 
 
@@ -51,28 +57,49 @@ class EngineClient:
         self._cancels: list[int] = []
         self._flushing = False
         self._described: asyncio.Future | None = None
-        self._reader: asyncio.Task | None = None
+        self._switched: dict[int, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.connected = False  # an engine listens at the address and the connection stands
+        self.on_description = None  # called with each description the engine sends unasked (after a switch)
+        self.disconnects = 0
 
     @property
     def in_flight(self) -> int:
         return len(self._jobs)
 
     def start(self) -> None:
-        """Start reading answers (on the running loop)."""
-        self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"engine-client[{self.address}]")
+        """Start reading answers and watching the connection (on the running loop)."""
+        loop = asyncio.get_running_loop()
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        monitor = self._socket.get_monitor_socket(events)
+        self._tasks = [loop.create_task(self._read(), name=f"engine-client[{self.address}]"),
+                       loop.create_task(self._watch(monitor), name=f"engine-monitor[{self.address}]")]
 
     async def describe(self) -> dict:
-        """The engine's models (server.engine.describe)."""
-        self._described = asyncio.get_running_loop().create_future()
-        await self._socket.send_multipart([DESCRIBE])
-        return await self._described
+        """The engine's models (server.engine.describe); waits for an engine to listen."""
+        if self._described is None or self._described.done():
+            self._described = asyncio.get_running_loop().create_future()
+            await self._socket.send_multipart([DESCRIBE])
+        return await asyncio.shield(self._described)
+
+    async def switch(self, enabled: bool, model: int | None) -> dict:
+        """The admin fused switch, applied by the engine (model: an index, None: every model): the engine's answer,
+        {"models": [...described anew...]} or {"error": status, "message"}."""
+        ticket = next(self._ids)
+        future = self._switched[ticket] = asyncio.get_running_loop().create_future()
+        body = json.dumps({"ticket": ticket, "enabled": enabled, "model": model}).encode()
+        await self._socket.send_multipart([SWITCH, body])
+        try:
+            return await future
+        finally:
+            self._switched.pop(ticket, None)
 
     def submit(self, model: int, rows: Rows, timeout_s: float, *, normalize: bool = False,
                dimensions: int | None = None, tokens: bool = False) -> RemoteJob:
         """Queue a request for this tick's message; its job's future resolves as Batcher.submit's does, or with
         tokens=True to every token's row [rows.tokens, width] (ModelService.token_rows' blocks, back to back)."""
         loop = asyncio.get_running_loop()
-        job = RemoteJob(next(self._ids), loop.create_future())
+        job = RemoteJob(next(self._ids), loop.create_future(), self)
         self._jobs[job.id] = job
         self._outbox.append((job.id, model, rows, normalize, dimensions, time.monotonic() + timeout_s, tokens))
         self._schedule(loop)
@@ -86,9 +113,39 @@ class EngineClient:
             self._schedule(asyncio.get_running_loop())
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in self._tasks:
+            task.cancel()
+        self._socket.disable_monitor()
         self._socket.close(linger=0)
+
+    def _lost(self) -> None:
+        """The engine went away: every job in flight fails now (the engine that comes back knows none of them)."""
+        self.connected = False
+        self.disconnects += 1
+        jobs, self._jobs = self._jobs, {}
+        gone = Unavailable("the engine serving this model stopped; it is being started again",
+                           headers={"Retry-After": "5"})
+        for job in jobs.values():
+            if not job.future.done():
+                job.future.set_exception(gone)
+        for future in self._switched.values():  # a describe waits on: the next engine answers it
+            if not future.done():
+                future.set_exception(gone)
+        if jobs:
+            log.error("engine %s went away: %d requests in flight failed (503)", self.address, len(jobs))
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.connected = True
+                    if self.disconnects:  # a new engine: described anew (a describe waiting is answered by it)
+                        await self._socket.send_multipart([DESCRIBE])
+                elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                    self._lost()
+        finally:
+            monitor.close(linger=0)
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._flushing:
@@ -106,8 +163,20 @@ class EngineClient:
             frames = await self._socket.recv_multipart(copy=False)
             kind = frames[0].bytes
             if kind == DESCRIPTION:
+                # an engine describes its models on a connection that stands: the monitor's event for it may come
+                # after the message
+                self.connected = True
+                described = json.loads(frames[1].bytes)
                 if self._described is not None and not self._described.done():
-                    self._described.set_result(json.loads(frames[1].bytes))
+                    self._described.set_result(described)
+                elif self.on_description is not None:
+                    self.on_description(described)
+                continue
+            if kind == SWITCHED:
+                answer = json.loads(frames[1].bytes)
+                future = self._switched.get(answer.pop("ticket", None))
+                if future is not None and not future.done():
+                    future.set_result(answer)
                 continue
             if kind != REPLIES:
                 log.warning("engine %s sent a message of unknown kind %r", self.address, kind[:32])

@@ -37,7 +37,8 @@ class Metrics:
     """The server's registry. Every family about a model's work carries a `model` label (its first); a request not
     routed to a model (a probe, an unknown model's 404) counts under model="". ModelMetrics is one model's view."""
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", holds_device: bool = True) -> None:
+        """holds_device: false in a front-end of engines (FRONTENDS), which runs no forward on `device`."""
         self.device = device  # this process's device, by the name the operator gave (server.devices)
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._refreshers: list[Callable[[], None]] = []
@@ -96,9 +97,10 @@ class Metrics:
         # the real (unpadded) tokens each device's batches ran: its share of the server's tokens/s
         self.device_tokens = Counter(PREFIX + "device_tokens", "Input tokens of the batches run on each device",
                                      ["device"], registry=r)
-        self.device_busy.labels(device)
-        self.device_tokens.labels(device)
-        self.device_workers.labels(device).set(1)
+        if holds_device:
+            self.device_busy.labels(device)
+            self.device_tokens.labels(device)
+            self.device_workers.labels(device).set(1)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         if self.multiprocess:
             self._graph_families = {

@@ -343,6 +343,12 @@ class ModelService:
         left = deadline.left()
         admit(self, rows, left)
         job = self.batcher.submit(rows, left, normalize=normalize, dimensions=dimensions)
+        return Result(await self._settled(job, rows, request, deadline), rows.tokens)
+
+    async def _settled(self, job, rows: Rows, request: Request | None, deadline: Deadline) -> np.ndarray:
+        """The block a submitted job resolves to (run's waiting: the client's disconnect, the deadline and its
+        grace)."""
+        left = deadline.left()
         loop = asyncio.get_running_loop()
         watcher = loop.create_task(_watch(request, job.future)) if request is not None else None
         expiry = loop.call_later(left + self.settings.request_grace_s, _settle, job.future, _Expired())
@@ -366,7 +372,7 @@ class ModelService:
         record = CURRENT.get()
         if record is not None and job.started is not None and job.done is not None:
             record.served(job.enqueued, job.started, job.done, len(rows), rows.tokens)
-        return Result(block, rows.tokens)
+        return block
 
     async def embed(self, inputs: Sequence, options: TextOptions, request: Request | None, *, normalize: bool = False,
                     dimensions: int | None = None) -> Result:

@@ -41,16 +41,20 @@ def _process_age_s() -> float | None:
 
 
 class Service:
+    # the models run in this process (False: a front-end of engines, server.frontend)
+    holds_models = True
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.device = workers.device_name(devices.devices(settings.device)[0])  # a worker's, or the one device
-        self.metrics = Metrics(self.device)
+        # a worker's or a front-end's (named by its parent), or the one device
+        self.device = workers.device_name(None) or devices.devices(settings.device)[0]
+        self.metrics = Metrics(self.device, holds_device=self.holds_models)
         # set once each (loaded, then draining) and read from the event loop, the signal handler and the drain
         # timer: Events, so no reader depends on when another thread's write becomes visible
         self._ready = threading.Event()
         self._draining = threading.Event()
         # in configuration order: the first is the default model
-        self.models = [ModelService(settings, self.metrics, name, spec) for name, spec in settings.served_models()]
+        self.models = self._model_services()
         self.loading: ModelService | None = None  # the model the start-up is working on
         self.phase = "starting"  # the server's: starting, loading (a model's phase then), ready or failed
         self.load_error: str | None = None  # why the start failed
@@ -62,9 +66,45 @@ class Service:
             from fusedserve.server.tracing import Tracing
 
             self.tracing = Tracing(settings.otlp_endpoint, settings.otel_service_name, VERSION)
-        self.metrics.watch_cuda_graphs(
-            lambda: [(m.name, dict(m.model.describe().graphs)) for m in self.models if m.model is not None])
+        if self.holds_models:
+            self.metrics.watch_cuda_graphs(
+                lambda: [(m.name, dict(m.model.describe().graphs)) for m in self.models if m.model is not None])
         self.applied_switch = 0  # WORKERS > 1: the latest generation of the admin switch this worker applied
+
+    def _model_services(self) -> list[ModelService]:
+        return [ModelService(self.settings, self.metrics, name, spec) for name, spec in self.settings.served_models()]
+
+    @property
+    def follows_switch(self) -> bool:
+        """WORKERS > 1: the admin switch reaches the other workers through their shared state (front-ends of engines
+        send it to the engines instead)."""
+        return workers.state_dir() is not None and self.holds_models
+
+    def configure_threads(self) -> None:
+        """The start-up thread, before any model loads: the intra-op threads and the tokenizer's, each worker its
+        share of the CPUs; on a GPU, workers after the first wait for it to fill the kernel cache."""
+        threads = self.settings.torch_threads or workers.threads_per_worker(self.settings.workers)
+        if threads:
+            host.set_threads(threads)
+            # the tokenizer's thread pool (rayon's, sized at its first parallel batch, after this) gets the same
+            # share: a pool per worker as wide as the machine spins the other workers' cores for small batches
+            os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+        if host.on_gpu(self.settings.device):
+            workers.wait_for_the_first()  # on the CPU nothing is compiled or raced: the workers load together
+
+    def run_background(self) -> None:
+        """Once ready: the models' own background work (the rest of their CUDA graphs)."""
+        for m in self.serving:
+            if m.model is not None:
+                m.model.run_background(m.batcher)
+
+    def worker_info(self) -> dict:
+        """/info's `worker`: the process that answered, of how many, and its threads (intra-op; the tokenizer's,
+        where sized)."""
+        return {"pid": os.getpid(), "workers": self.settings.workers, "device": self.device,
+                "index": int(os.environ.get(workers.INDEX_ENV, "0")),
+                "torch_threads": host.threads() if self.holds_models else None,
+                "tokenizer_threads": int(os.environ.get("RAYON_NUM_THREADS", "0")) or None}
 
     async def apply_switch(self, switch: dict) -> list[tuple[ModelService, dict]]:
         """WORKERS > 1: apply an admin switch from the workers' shared state (server.workers) and acknowledge it; the
@@ -267,10 +307,7 @@ class Service:
             "verify": {"sample_rate": s.verify_sample_rate, "action": s.verify_action,
                        "tolerance": s.verify_tolerance},
             "model_load_failure": s.model_load_failure,
-            # the process that answered, of how many, and its threads (intra-op; the tokenizer's, where sized)
-            "worker": {"pid": os.getpid(), "workers": s.workers, "device": self.device,
-                       "index": int(os.environ.get(workers.INDEX_ENV, "0")), "torch_threads": host.threads(),
-                       "tokenizer_threads": int(os.environ.get("RAYON_NUM_THREADS", "0")) or None},
+            "worker": self.worker_info(),
             "models": entries,
         }
 
@@ -286,14 +323,7 @@ class StartUp:
     def run(self) -> None:
         service = self.service
         try:
-            threads = service.settings.torch_threads or workers.threads_per_worker(service.settings.workers)
-            if threads:
-                host.set_threads(threads)
-                # the tokenizer's thread pool (rayon's, sized at its first parallel batch, after this) gets the same
-                # share: a pool per worker as wide as the machine spins the other workers' cores for small batches
-                os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
-            if host.on_gpu(service.settings.device):
-                workers.wait_for_the_first()  # on the CPU nothing is compiled or raced: the workers load together
+            service.configure_threads()
             service.phase = "loading"
             service.load()
             if not service.draining:
@@ -310,9 +340,7 @@ class StartUp:
                 except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
                     log.exception("ready in %.1fs; the start-up report failed", elapsed)
                 service.mark_ready()
-                for m in service.serving:  # the models' own background work (the rest of their CUDA graphs)
-                    if m.model is not None:
-                        m.model.run_background(m.batcher)
+                service.run_background()
         except BaseException as exc:
             failing = service.loading
             named = f"model {failing.name!r} ({failing.spec.path}): " if failing is not None else ""

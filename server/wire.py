@@ -46,6 +46,20 @@ _ERRORS = {cls.status: cls for cls in vars(errors).values()
            if isinstance(cls, type) and issubclass(cls, errors.ServiceError)}
 
 
+def error_fields(error: errors.ServiceError) -> dict:
+    """A ServiceError as JSON fields (error_of takes them back)."""
+    return {"status": error.status, "type": error.type, "message": error.message, "headers": dict(error.headers),
+            "param": error.param, "code": error.code}
+
+
+def error_of(fields: dict) -> errors.ServiceError:
+    """The ServiceError error_fields wrote: the class of its status, with the status and type it was sent with."""
+    error = _ERRORS.get(fields["status"], errors.ServiceError)(fields["message"], headers=fields["headers"] or None,
+                                                               param=fields["param"], code=fields["code"])
+    error.status, error.type = fields["status"], fields["type"]  # the engine's, where a subclass has its own
+    return error
+
+
 @dataclass(frozen=True)
 class Submit:
     """One request as the engine receives it."""
@@ -130,10 +144,8 @@ def pack_replies(answers: Sequence[Answer]) -> list[bytes | memoryview]:
     for i, a in enumerate(answers):
         stamps = tuple(NO_STAMP if s is None else s for s in (a.enqueued, a.started, a.done))
         if a.error is not None:
-            e = a.error
-            heads[i] = (a.id, e.status, 0, 0, *stamps)
-            failed.append({"id": a.id, "type": e.type, "message": e.message, "headers": dict(e.headers),
-                           "param": e.param, "code": e.code})
+            heads[i] = (a.id, a.error.status, 0, 0, *stamps)
+            failed.append({"id": a.id, **error_fields(a.error)})
         else:
             rows = np.ascontiguousarray(a.rows, dtype=np.float32)
             heads[i] = (a.id, 0, rows.shape[0], rows.shape[1], *stamps)
@@ -152,11 +164,7 @@ def unpack_replies(frames: Sequence[bytes | memoryview]) -> list[Answer]:
     for rid, status, rows, width, *stamps in heads.tolist():
         enqueued, started, done = (None if s == NO_STAMP else s for s in stamps)
         if status:
-            e = failed[rid]
-            error = _ERRORS.get(status, errors.ServiceError)(e["message"], headers=e["headers"] or None,
-                                                             param=e["param"], code=e["code"])
-            error.status, error.type = status, e["type"]  # the engine's, where a subclass has its own
-            out.append(Answer(rid, None, error, enqueued, started, done))
+            out.append(Answer(rid, None, error_of({**failed[rid], "status": status}), enqueued, started, done))
             continue
         size = rows * width
         if at + size > len(block):

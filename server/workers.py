@@ -40,6 +40,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -48,7 +50,7 @@ from pathlib import Path
 from filelock import FileLock
 from prometheus_client import multiprocess
 
-from fusedserve.server.devices import Placement, usable_cpus
+from fusedserve.server.devices import Placement, runs_on, usable_cpus
 
 log = logging.getLogger("fusedserve")
 
@@ -56,6 +58,7 @@ STATE_ENV = "FUSEDSERVE_WORKERS_STATE"  # the shared state directory, set by the
 INDEX_ENV = "FUSEDSERVE_WORKER_INDEX"  # this worker's number, 0 for the first
 DEVICE_ENV = "FUSEDSERVE_WORKER_DEVICE"  # the device this worker was placed on, as /info and the metrics name it
 REJOIN_ENV = "FUSEDSERVE_WORKER_REJOIN"  # set for a worker started again: it listens only once ready
+ENGINES_ENV = "FUSEDSERVE_ENGINES"  # FRONTENDS: the engines' addresses, comma-separated, set for the front-ends
 
 FAILED_STARTS = 3  # a restarted worker failing this many starts in a row takes its device out
 RESTART_DELAY_S = (0.5, 2.0, 5.0)  # before the first, second and later restarts in a row
@@ -67,7 +70,7 @@ def state_dir() -> Path | None:
     return Path(value) if value else None
 
 
-def device_name(default: str) -> str:
+def device_name(default: str | None) -> str | None:
     """The device this process serves on, by the name the operator gave (`default`: a single server's setting)."""
     return os.environ.get(DEVICE_ENV, default)
 
@@ -318,12 +321,93 @@ class _Supervisor:
         shutil.rmtree(self.state, ignore_errors=True)
 
 
-def supervise(placements: list[Placement], argv: list[str], host: str, port: int, target) -> int:
+class EngineProcesses:
+    """FRONTENDS: the parent's engines (server.engine), one process per device, each its models on that device,
+    listening on a socket in the workers' state directory. An engine that exits after it was ready is started again
+    (its front-ends answer 503 meanwhile: server.frontend); one that fails before it was ready, at the start or
+    FAILED_STARTS times in a row after an exit, stops the server with its exit code."""
+
+    def __init__(self, names: list[str], log_level: str) -> None:
+        self.names, self.log_level = names, log_level
+        self.state: Path | None = None
+        self.processes: list[subprocess.Popen | None] = [None] * len(names)
+        self.ready = [False] * len(names)  # the engine running now has been ready
+        self.ever_ready = [False] * len(names)  # some engine of this device has been ready
+        self.failed_starts = [0] * len(names)
+        self.restart_at: list[float | None] = [None] * len(names)
+
+    def addresses(self) -> list[str]:
+        return [f"ipc://{self.state}/engine-{i}" for i in range(len(self.names))]
+
+    def start(self, state: Path) -> dict[str, str]:
+        """Start every engine; returns the environment their front-ends need."""
+        self.state = state
+        for i in range(len(self.names)):
+            self._spawn(i)
+        return {ENGINES_ENV: ",".join(self.addresses())}
+
+    def _spawn(self, i: int) -> None:
+        name = self.names[i]
+        env = {**os.environ, "FUSEDSERVE_DEVICE": runs_on(name), DEVICE_ENV: name}
+        self.processes[i] = subprocess.Popen(
+            [sys.executable, "-m", "fusedserve.server.engine", "--address", self.addresses()[i],
+             "--log-level", self.log_level], env=env, preexec_fn=os.setpgrp)
+        self.ready[i] = False
+        log.warning("engine %d on %s starting (pid %d)", i, name, self.processes[i].pid)
+
+    def watch(self) -> int | None:
+        """One look at every engine: ready ones marked, exited ones started again; the exit code that stops the
+        server, if one does."""
+        now = time.monotonic()
+        for i, p in enumerate(self.processes):
+            if p is None:
+                if self.restart_at[i] is not None and now >= self.restart_at[i]:
+                    self.restart_at[i] = None
+                    self._spawn(i)
+                continue
+            if not self.ready[i] and (self.state / f"engine-ready-{p.pid}").exists():
+                self.ready[i] = self.ever_ready[i] = True
+                self.failed_starts[i] = 0
+            code = p.poll()
+            if code is None:
+                continue
+            multiprocess.mark_process_dead(p.pid, str(self.state / "metrics"))
+            self.processes[i] = None
+            if not self.ready[i]:
+                self.failed_starts[i] += 1
+                if not self.ever_ready[i] or self.failed_starts[i] >= FAILED_STARTS:
+                    log.critical("engine %d on %s failed to start (exit code %s; its log lines above say why); "
+                                 "stopping", i, self.names[i], code)
+                    return code if code and code > 0 else 1
+            delay = RESTART_DELAY_S[min(self.failed_starts[i], len(RESTART_DELAY_S) - 1)]
+            log.critical("engine %d on %s (pid %d) exited with %s; starting it again in %.1fs (its front-ends answer "
+                         "503 meanwhile)", i, self.names[i], p.pid, code, delay)
+            self.restart_at[i] = now + delay
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM to every engine (after the front-ends have drained), then wait for each."""
+        for p in self.processes:
+            if p is not None and p.poll() is None:
+                p.terminate()
+        for p in self.processes:
+            if p is not None:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+def supervise(placements: list[Placement], argv: list[str], host: str, port: int, target,
+              engines: EngineProcesses | None = None) -> int:
     """Bind host:port, run `target(argv, sock, index, placement, rejoin)` for each placement in a spawned process,
-    and keep them running (the module's docstring says how). Returns 0 when a signal stopped them and each ended
-    cleanly; else the first failure's code, once no device is left."""
+    and keep them running (the module's docstring says how). With `engines` (FRONTENDS) the processes are front-ends,
+    and the engines start first and stop last. Returns 0 when a signal stopped them and each ended cleanly; else the
+    first failure's code, once no device is left (or an engine's that failed its start)."""
     sup = _Supervisor(placements, argv, host, port, target)
     signalled = False
+    engine_failure = None
 
     def on_signal(signum, frame) -> None:
         nonlocal signalled
@@ -332,21 +416,27 @@ def supervise(placements: list[Placement], argv: list[str], host: str, port: int
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        if engines is not None:
+            os.environ.update(engines.start(sup.state))
         for slot in sup.slots:
             if signalled:
                 break
             sup.spawn(slot)
         started = [s for s in sup.slots if s.process is not None]
         devices = sorted({s.placement.name for s in started})
-        log.warning("%d workers on http://%s:%d, on %s (pids %s)", len(started), host, sup.port, ", ".join(devices),
-                    " ".join(str(s.process.pid) for s in started))
+        log.warning("%d %s on http://%s:%d, on %s (pids %s)", len(started), "workers" if engines is None else
+                    "front-ends", host, sup.port, ", ".join(devices), " ".join(str(s.process.pid) for s in started))
         while not signalled and sup.serving():
             sup.watch()
+            if engines is not None and (engine_failure := engines.watch()) is not None:
+                break
             time.sleep(0.1)
         sup.stop_all()
         ended = [s.process for s in sup.slots if s.process is not None]
         for process in ended:
             process.join()
+        if engine_failure is not None:
+            return engine_failure
         if not signalled:
             log.critical("no device left to serve on (%s); stopping", ", ".join(
                 f"{d}: exit code {c}" for d, c in sup.left_out.items()))
@@ -357,6 +447,8 @@ def supervise(placements: list[Placement], argv: list[str], host: str, port: int
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if engines is not None:
+            engines.stop()
         sup.close()
 
 

@@ -44,7 +44,7 @@ async def set_fused(body: FusedSwitch, service: ServiceDep) -> dict:
     if body.model:  # an unknown model: 404 before any worker moves
         service.model(body.model)
     service.check_ready()
-    if workers.state_dir() is not None:
+    if service.follows_switch:
         switch = workers.publish_switch(body.enabled, body.model)
         switched = await service.apply_switch(switch)
     else:
