@@ -30,6 +30,9 @@ Scenarios:
                each of --openai-points (CLIENTSxTEXTS; 1x1 is single sequential requests), over 5-200-word texts;
                with --baseline DIR, an older tree's server started in turn with ours, the medians of --starts starts
                side by side with their ratios (bench/openai_load.py)
+  frontends    the process models side by side: WORKERS=auto and FRONTENDS=1, 2, 4, 8, 12 (one engine per device),
+               openai-load's clients at 64x1, 256x1 and 64x16, the CPU of each side per point, ratios over the first
+               configuration, and the tokenizer's one-thread rate on the corpus (bench/frontends_load.py)
   devices      two GPUs or more: one server on every GPU against one pinned to one GPU and half the CPUs, both
                WORKERS=auto, openai-load's clients; per-device busy time and tokens; then one device's workers
                killed under load: failed and wrong answers, the rejoin time (bench/devices_load.py)
@@ -56,14 +59,14 @@ from pathlib import Path
 
 import httpx
 
-from bench import cpu_peers, devices_load, openai_load, peer
+from bench import cpu_peers, devices_load, frontends_load, openai_load, peer
 from bench import results as store
 from bench.harness import (load, log_path, mixed_texts, on_cuda, one_connection_session, percentiles_ms, request_body,
                            running_servers, sentences, server_breakdown, server_settings, server_sums, settled_sums,
                            traffic)
 
 SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer", "openai-load", "devices",
-             "head-of-line", "cpu")
+             "head-of-line", "cpu", "frontends")
 DEFAULT_SCENARIOS = ("closed-loop", "single", "workers")
 
 
@@ -572,6 +575,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peer.add_arguments(parser)
     openai_load.add_arguments(parser)
     devices_load.add_arguments(parser)
+    frontends_load.add_arguments(parser)
     cpu_peers.add_arguments(parser)
 
 
@@ -587,7 +591,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                  "peer": peer.peer_scenario, "openai-load": openai_load.openai_load_scenario,
                  "devices": devices_load.devices_scenario,
                  "replicas": replicas_scenario, "soak": soak_scenario, "startup": startup_scenario,
-                 "head-of-line": head_of_line_scenario, "cpu": cpu_peers.cpu_scenario}
+                 "head-of-line": head_of_line_scenario, "cpu": cpu_peers.cpu_scenario,
+                 "frontends": frontends_load.frontends_scenario}
     if args.block_name and len(args.scenarios or DEFAULT_SCENARIOS) != 1:
         raise SystemExit("--as names one scenario's block: run one scenario with it")
     started = time.monotonic()
@@ -604,12 +609,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                                       "payloads": args.payloads},
                          "soak": {"clients": args.soak_clients, "cancel_rate": args.cancel_rate},
                          "peer": peer.settings(args), "openai-load": openai_load.settings(args),
-                         "devices": devices_load.settings(args),
+                         "devices": devices_load.settings(args), "frontends": frontends_load.settings(args),
                          "startup": {"first_requests": args.first_requests},
                          "head-of-line": {"gap_ms": args.gap_ms},
                          "cpu": {"configs": args.cpu_configs, "clients": args.cpu_clients, "rounds": args.rounds}}[
             scenario])
-        if scenario in ("openai-load", "devices"):  # their points say how many texts a request carries
+        if scenario in ("openai-load", "devices", "frontends"):  # their points say how many texts a request carries
             del settings["per_request"]
 
         def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,
