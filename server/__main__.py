@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None, app_factory=None, sockets: list | None =
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, settings.log_format)
+    if settings.grpc_port and settings.grpc_port == args.port:
+        # both listen with SO_REUSEPORT, so the kernel would split the connections between HTTP and gRPC
+        print(f"invalid configuration:\ngrpc_port {settings.grpc_port} is the HTTP port (--port): give gRPC a port "
+              "of its own", file=sys.stderr)
+        return 2
     _open_files_to_the_hard_limit()
     if (short := _connections_fit_open_files(settings)) is not None:
         print(f"invalid configuration:\n{short}", file=sys.stderr)

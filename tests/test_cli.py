@@ -83,3 +83,18 @@ def test_the_module_and_the_alias_embed_as_the_command_does():
     assert [r["text"] for r in rows] == texts and all(r["dim"] == 64 for r in rows)
     assert_unit_length([r["embedding"] for r in rows])
     assert by_alias.stdout == by_module.stdout
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"FUSEDSERVE_GRPC_PORT": "18231"}, "grpc_port 18231 is the HTTP port"),
+    ({"FUSEDSERVE_FRONTENDS": "2", "FUSEDSERVE_WORKERS": "2"}, "set FRONTENDS"),
+    ({"FUSEDSERVE_FRONTENDS": "65"}, "frontends must be between 0 and 64"),
+])
+def test_serve_refuses_settings_that_cannot_work_together(settings, message):
+    """Exit code 2 and the reason, before any model loads: ports both listening with SO_REUSEPORT would split the
+    connections silently; FRONTENDS and WORKERS are two process models."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDSERVE_") and k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "fusedserve", "serve", "--port", "18231"], capture_output=True,
+                            text=True, timeout=120, env={**env, "FUSEDSERVE_DEVICE": "cpu", **settings})
+    assert result.returncode == 2, result.stderr
+    assert "invalid configuration" in result.stderr and message in result.stderr, result.stderr

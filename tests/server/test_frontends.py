@@ -11,12 +11,14 @@ import base64
 import concurrent.futures
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
 from tests.server.test_startup import launch, stop
 from tests.tolerances import assert_same_rows
@@ -73,7 +75,10 @@ def single(tmp_path_factory):
 
 
 def test_two_front_ends_answer_as_one_process_does(tmp_path, single):
-    process, url, log_path = launch(tmp_path, frontends=2, **SETTINGS)
+    with socket.socket() as held:  # bound while launch picks the HTTP port: the two differ
+        held.bind(("127.0.0.1", 0))
+        grpc_port = held.getsockname()[1]
+        process, url, log_path = launch(tmp_path, frontends=2, grpc_port=grpc_port, **SETTINGS)
     try:
         _wait_ready(process, url, log_path)
         infos = _infos(url, 2)
@@ -114,6 +119,12 @@ def test_two_front_ends_answer_as_one_process_does(tmp_path, single):
             assert_same_rows(np.asarray(tokens.json()[0]), np.asarray(reference[0]))
             ids = client.post("/tokenize", json={"inputs": TEXTS[0]}).json()
             assert ids == httpx.post(single + "/tokenize", json={"inputs": TEXTS[0]}, timeout=60).json()
+            # KServe v2 over gRPC, served by the front-ends too (each binds the port with SO_REUSEPORT)
+            tensor = grpcclient.InferInput("text", [2], "BYTES")
+            tensor.set_data_from_numpy(np.array([t.encode() for t in TEXTS[:2]], dtype=np.object_))
+            rpc = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+            assert_same_rows(rpc.infer(next(iter(infos.values()))["model"], [tensor]).as_numpy("embedding"), expected[:2])
+            rpc.close()
             # bad input is the front-end's 4xx, as in one process
             assert client.post("/infer", json={"inputs": []}).status_code == 400
             assert client.post("/infer", json={"inputs": "x", "model": "nope"}).status_code == 404
