@@ -241,10 +241,22 @@ def main(argv: list[str] | None = None) -> None:
             (directory / f"engine-ready-{os.getpid()}").touch()
         for served in models:  # the models' own background work (the rest of their CUDA graphs)
             served.model.run_background(served.batcher)
+        parent = os.getppid()
+
+        async def orphaned() -> None:
+            # a parent killed outright (SIGKILL, OOM) cannot stop its engines: one left behind would hold the GPU
+            while os.getppid() == parent:
+                await asyncio.sleep(1.0)
+            log.critical("the parent process (pid %d) is gone; stopping", parent)
+            task.cancel()
+
+        watcher = loop.create_task(orphaned())
         try:
             await serving
         except asyncio.CancelledError:
             serving.cancel()
+        finally:
+            watcher.cancel()
 
     try:
         asyncio.run(serve())

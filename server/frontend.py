@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 
 import numpy as np
 from starlette.requests import Request
@@ -187,6 +188,7 @@ class FrontendService(Service):
         """On the event loop: the engines' connections first, then the start-up thread (Service.start)."""
         self._loop = asyncio.get_running_loop()
         self.engines.start(self._described)
+        self._orphan_watch = self._loop.create_task(_stop_when_orphaned(os.getppid()))
         return super().start()
 
     def load(self) -> None:
@@ -235,3 +237,12 @@ class FrontendService(Service):
         super().shutdown()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.engines.close)
+
+
+async def _stop_when_orphaned(parent: int) -> None:
+    """A parent killed outright (SIGKILL, OOM) cannot stop its front-ends, and its engines stop on their own: a
+    front-end left behind would answer 503 on the port forever. It drains and exits as on SIGTERM instead."""
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    log.critical("the parent process (pid %d) is gone; stopping", parent)
+    os.kill(os.getpid(), signal.SIGTERM)

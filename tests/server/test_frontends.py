@@ -3,7 +3,7 @@ front-end processes on the one port prepare, send and answer. Answers equal a si
 torch; one scrape counts every process; the admin switch reaches the engine and every front-end's /info; concurrent
 clients each get their own rows. Faults: an engine killed under load fails only the requests in flight (503 with
 Retry-After), readiness is false until its replacement is ready, and the answers after are right; a front-end
-killed is started again while the other serves."""
+killed is started again while the other serves; the parent killed outright leaves no engine or front-end running."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.server.test_startup import launch, stop
+from tests.server.test_startup import _children, launch, stop
 from tests.tolerances import assert_same_rows
 
 pytestmark = pytest.mark.slow
@@ -216,8 +216,20 @@ def test_an_engine_or_a_front_end_killed_under_load(tmp_path):
                 break
             assert time.monotonic() < killed + 60, open(log_path).read()
         print(f"front-end killed: a new one serves after {time.monotonic() - killed:.1f}s")
+
+        # the parent killed outright: the engine and the front-ends stop by themselves, none left holding the port
+        children = _children(process.pid)
+        assert len(children) >= 3, children  # the engine and two front-ends
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 60
+        while alive := [pid for pid in children if Path(f"/proc/{pid}").exists()
+                        and Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"]:
+            assert time.monotonic() < deadline, f"still running after the parent was killed: {alive}"
+            time.sleep(0.1)
     finally:
-        assert stop(process, log_path) == 0, open(log_path).read()
+        if process.poll() is None:
+            assert stop(process, log_path) == 0, open(log_path).read()
 
 
 def _engine_pid(parent: int) -> int:
