@@ -23,6 +23,7 @@ from fusedserve.server.config import Settings
 from fusedserve.server.devices import Placement
 from tests.server.conftest import free_port
 from tests.server.test_behaviour import _value
+from tests.server.test_startup import wait_ready
 
 
 @pytest.fixture
@@ -110,19 +111,6 @@ def _serve(tmp_path, env: dict[str, str]) -> tuple[subprocess.Popen, str, str]:
     return process, f"http://127.0.0.1:{port}", log_path
 
 
-def _ready(process, url: str, log_path: str, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert process.poll() is None, open(log_path).read()
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, open(log_path).read()
-        time.sleep(0.1)
-
-
 def _stop(process) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -138,7 +126,7 @@ def test_a_gpu_that_fails_its_start_is_left_out_and_the_rest_serve(tmp_path):
     process, url, log_path = _serve(tmp_path, {"TEST_FAKE_GPUS": "cuda:0,cuda:1", "TEST_BROKEN_GPUS": "cuda:1",
                                                "FUSEDSERVE_DEVICE": "cuda", "FUSEDSERVE_WORKERS": "2"})
     try:
-        _ready(process, url, log_path)
+        wait_ready(process, url, log_path)
         log = open(log_path).read()
         assert re.search(r"device cuda:1 left out: worker [23] failed to start \(exit code 1", log), log
         seen = set()
@@ -189,7 +177,7 @@ def test_a_killed_worker_comes_back_while_the_others_keep_answering(tmp_path):
     process, url, log_path = _serve(tmp_path, {"FUSEDSERVE_WORKERS": "2", "FUSEDSERVE_DEVICE": "cpu",
                                                "FUSEDSERVE_ADMIN_TOKEN": "secret"})
     try:
-        _ready(process, url, log_path)
+        wait_ready(process, url, log_path)
         # the workers were switched to the reference path: the one that comes back must be too
         r = httpx.post(url + "/admin/fused", json={"enabled": False}, headers={"Authorization": "Bearer secret"},
                        timeout=60)

@@ -20,26 +20,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.server.test_startup import _children, launch, stop
+from tests.server.test_startup import _children, launch, stop, wait_ready
 from tests.tolerances import assert_same_rows
 
 pytestmark = pytest.mark.slow
 
 TEXTS = [f"request {i}: front-ends hand their rows to one engine" for i in range(64)]
 SETTINGS = dict(model="tiny", backend="torch", torch_threads=1, max_batch_tokens=512, admin_token="secret")
-
-
-def _wait_ready(process, url: str, log_path: str, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert process.poll() is None, open(log_path).read()
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, open(log_path).read()
-        time.sleep(0.1)
 
 
 def _embed(url: str, texts, **body) -> httpx.Response:
@@ -68,7 +55,7 @@ def single(tmp_path_factory):
     """The same settings served by one process: the answers to match."""
     tmp = tmp_path_factory.mktemp("single")
     process, url, log_path = launch(tmp, **SETTINGS)
-    _wait_ready(process, url, log_path)
+    wait_ready(process, url, log_path)
     yield url
     # uvicorn re-raises the SIGTERM it shut down on
     assert stop(process, log_path) in (0, -signal.SIGTERM), open(log_path).read()
@@ -80,7 +67,7 @@ def test_two_front_ends_answer_as_one_process_does(tmp_path, single):
         grpc_port = held.getsockname()[1]
         process, url, log_path = launch(tmp_path, frontends=2, grpc_port=grpc_port, **SETTINGS)
     try:
-        _wait_ready(process, url, log_path)
+        wait_ready(process, url, log_path)
         infos = _infos(url, 2)
         assert len(infos) == 2, "every connection went to one front-end"
         for pid, info in infos.items():
@@ -153,7 +140,7 @@ def test_two_front_ends_answer_as_one_process_does(tmp_path, single):
 def test_an_engine_or_a_front_end_killed_under_load(tmp_path):
     process, url, log_path = launch(tmp_path, frontends=2, **SETTINGS)
     try:
-        _wait_ready(process, url, log_path)
+        wait_ready(process, url, log_path)
         alone = {t: np.asarray(_embed(url, t).json()["embeddings"][0]) for t in TEXTS[:16]}
         engine = _engine_pid(process.pid)
         statuses: list[int] = []

@@ -30,6 +30,20 @@ def launch(tmp_path, **settings) -> tuple[subprocess.Popen, str, str]:
     return process, f"http://127.0.0.1:{port}", log_path
 
 
+def wait_ready(process: subprocess.Popen, url: str, log_path: str, timeout_s: float = 240) -> None:
+    """Until /readyz answers 200; the server's log is the failure if it exits or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, open(log_path).read()
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, open(log_path).read()
+        time.sleep(0.1)
+
+
 def _children(pid: int) -> list[int]:
     """The process's children and theirs (a WORKERS > 1 parent's workers sit in process groups of their own)."""
     found = []

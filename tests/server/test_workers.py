@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.test_startup import launch, stop
+from tests.server.test_startup import launch, stop, wait_ready
 from tests.tolerances import assert_same_rows
 
 TEXTS = [f"sentence number {i} about workers sharing one port" for i in range(24)]
@@ -131,16 +131,7 @@ def test_keep_alive_connections_spread_over_four_workers(tmp_path):
     host, port = url.removeprefix("http://").split(":")
     sockets: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert process.poll() is None, open(log_path).read()
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, open(log_path).read()
-            time.sleep(0.1)
+        wait_ready(process, url, log_path)
         sockets = [socket.create_connection((host, int(port)), timeout=30) for _ in range(64)]
         held: dict[int, int] = {}
         for sock in sockets:
