@@ -27,10 +27,6 @@ import pytest
 import torch
 
 
-# hides the bare names kernels/, model/ and server/ on the repository root, which pytest puts on sys.path to import
-# `tests` (bench/__init__.py says why): the product is imported as fusedserve.* only
-import bench  # noqa: E402,F401
-
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 # Without a GPU the Triton kernels run on the interpreter; it must be switched on before triton is imported.

@@ -236,6 +236,41 @@ def test_importing_the_server_loads_no_kernels_module(tmp_path):
         "importing):\n" + "\n".join(f"    {m}: {by}" for m, by in sorted(report["loaded"].items()))
 
 
+ROOT_IMPORTS = """
+import json, sys
+import sentence_transformers
+from transformers import PreTrainedModel
+import kernels, fusedserve.kernels
+outcome = {"kernels": kernels.__file__, "ours": fusedserve.kernels.__file__, "select": hasattr(kernels, "select")}
+for bare in ("model", "server"):
+    try:
+        __import__(bare)
+        outcome[bare] = sys.modules[bare].__file__
+    except ModuleNotFoundError as exc:
+        outcome[bare] = str(exc)
+print(json.dumps(outcome))
+"""
+
+
+def test_the_real_libraries_import_from_the_repository_root():
+    """`python -c` in the checkout's root (the root first on sys.path, beside the folders kernels/, model/, server/):
+    sentence-transformers and transformers import (transformers' probe imports Hugging Face's `kernels`), the bare
+    `kernels` is theirs and fusedserve.kernels ours, and the bare `model` and `server` are no module of ours."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONSAFEPATH")}
+    result = subprocess.run([sys.executable, "-c", ROOT_IMPORTS], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(found["ours"]) == root / "kernels" / "__init__.py"
+    assert Path(found["kernels"]).parent.parent.name == "site-packages" and not found["select"], found
+    for bare in ("model", "server"):
+        assert found[bare].startswith(f"No module named '{bare}'") and f"fusedserve.{bare}" in found[bare], found
+    served = subprocess.run([sys.executable, "-m", "server"], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert served.returncode != 0 and "fusedserve serve" in served.stderr, served.stderr
+
+
 # ---- the helpers, on a package made up here ---------------------------------------------------------------------
 def _write(folder: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
