@@ -1,5 +1,6 @@
 """The KServe v2 (Open Inference Protocol) gRPC service on its own port (`grpc_port`): ServerLive, ServerReady,
-ModelReady, ServerMetadata, ModelMetadata and ModelInfer, as `tritonclient.grpc` and KServe's clients call them.
+ModelReady, ServerMetadata, ModelMetadata and ModelInfer, as `tritonclient.grpc` and KServe's clients call them, and
+Triton's ModelConfig and ModelStatistics (tritonclient.grpc's get_model_config and get_inference_statistics).
 
 It runs in the HTTP server's event loop (grpc.aio) and goes through the same service: the same model lookup and
 readiness, the same tokenizer, limits and batcher, the same API keys (`authorization: Bearer <key>` metadata; the
@@ -7,11 +8,12 @@ two server probes open unless auth_probes), and the same metrics, each call coun
 `fusedserve_requests_total{route="/inference.GRPCInferenceService/<Method>"}` with the HTTP status its outcome maps
 to, so the dashboards' error rates count gRPC too. An error is a gRPC status with the message the HTTP routes give.
 
-ModelInfer takes one of two inputs: `text`, BYTES [n] (texts), or `input_ids`, INT64 or INT32 [n, L] (token ids
-with the model's special tokens, as /tokenize gives them), with an optional `attention_mask` of the same shape
-whose ones come first in each row (right padding): a row is its ids up to the mask's sum. Either in the typed
-contents field or raw. The answer is `embedding`, FP32 [n, dim], raw little-endian in raw_output_contents;
-parameter `normalize` (bool, default true) as on the HTTP KServe route.
+What the methods answer is the HTTP KServe routes' (server.kserve_common): the extensions, a model's metadata, its
+configuration and statistics (the messages filled from the same dicts; one set of counters per model, which both
+ports' infer calls count into), and the reading of ModelInfer's inputs: `text` (BYTES), or `input_ids` (INT64 or
+INT32 [n, L]) with an optional right-padded `attention_mask`, in the typed contents field or raw. The answer is
+`embedding`, FP32 [n, dim], raw little-endian in raw_output_contents; parameter `normalize` (bool, default true) as
+on the HTTP route.
 
 The messages are built from predict_v2.proto's descriptor in a pool of their own, so this module never clashes
 with another copy of the protocol (tritonclient's) imported into the same process.
@@ -28,30 +30,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError
 
 from fusedserve.model.api import TextOptions
+from fusedserve.server import kserve_common as common
 from fusedserve.server.deps import key_matches
 from fusedserve.server.config import Settings
-from fusedserve.server.errors import BadRequest, NotFound, ServiceError, Unauthorized, Unavailable, clipped, quoted
+from fusedserve.server.errors import BadRequest, NotFound, ServiceError, Unauthorized, Unavailable, quoted
 from fusedserve.server.heap import LARGE_BODY_BYTES, HeapTrimmer
+from fusedserve.server.kserve_common import OUTPUT, InputTensor, read_rows
 from fusedserve.server.kserve_grpc.descriptor import SERIALIZED
 from fusedserve.server.observability import CLIENT_GONE_STATUS, CURRENT, RequestRecord, request_id
-from fusedserve.server.routes.kserve import deserialize_bytes, element_count, shape_text
-from fusedserve.server.service import VERSION, Service
+from fusedserve.server.service import Service
 
 log = logging.getLogger("fusedserve")
 
 SERVICE = "inference.GRPCInferenceService"
-TEXT, IDS, MASK, OUTPUT = "text", "input_ids", "attention_mask", "embedding"
-EXTENSIONS = ["token_ids"]
 
 _pool = descriptor_pool.DescriptorPool()
 _pool.Add(descriptor_pb2.FileDescriptorProto.FromString(SERIALIZED))
@@ -63,7 +63,8 @@ def _message(name: str):
 
 # (method, request, response, a probe: open without an API key unless auth_probes)
 METHODS = [(m, _message(f"{m}Request"), _message(f"{m}Response"), m in ("ServerLive", "ServerReady"))
-           for m in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer")]
+           for m in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer",
+                     "ModelConfig", "ModelStatistics")]
 _Response = dict((m, response) for m, _, response, _ in METHODS)
 
 # an error's HTTP status -> the gRPC code that says the same (gRPC's own HTTP mapping where it has one)
@@ -73,8 +74,8 @@ CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTIC
          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
          504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
-# element sizes of the datatypes ModelInfer reads raw
-_RAW = {"INT64": np.dtype("<i8"), "INT32": np.dtype("<i4")}
+# the typed contents field each datatype an input may have is read from
+_TYPED = {"BYTES": "bytes_contents", "INT64": "int64_contents", "INT32": "int_contents"}
 
 # HTTP/2 streams open at once on one connection (nginx allows 128, Go's HTTP/2 server 250; gRPC's core no limit)
 STREAMS_PER_CONNECTION = 100
@@ -231,37 +232,40 @@ class KServeGrpc:
         return _Response["ModelReady"](ready=True)
 
     async def _ServerMetadata(self, request):
-        return _Response["ServerMetadata"](name="fusedserve", version=VERSION, extensions=EXTENSIONS)
+        return json_format.ParseDict(common.server_metadata(), _Response["ServerMetadata"]())
 
     async def _ModelMetadata(self, request):
         _check_version(request.version)
-        model = self.service.model(request.name)
-        out = _Response["ModelMetadata"](name=model.name, versions=["1"], platform="pytorch")
-        if model.kind == "embedding":  # a classifier is served over HTTP only (/rerank, /predict): no tensors
-            out.inputs.add(name=TEXT, datatype="BYTES", shape=[-1])
-            out.inputs.add(name=IDS, datatype="INT64", shape=[-1, -1])
-            out.inputs.add(name=MASK, datatype="INT64", shape=[-1, -1])
-            out.outputs.add(name=OUTPUT, datatype="FP32", shape=[-1, model.dim])
+        # a classifier's `parameters` (where it is served) has no field in the message
+        return json_format.ParseDict(common.model_metadata(self.service.model(request.name)),
+                                     _Response["ModelMetadata"](), ignore_unknown_fields=True)
+
+    async def _ModelConfig(self, request):
+        _check_version(request.version)
+        config = common.model_config(self.service.model(request.name, "embedding"), self.service.settings)
+        out = _Response["ModelConfig"]()
+        json_format.ParseDict(config, out.config)
         return out
+
+    async def _ModelStatistics(self, request):
+        _check_version(request.version)
+        return json_format.ParseDict(common.model_stats(self.service, request.name), _Response["ModelStatistics"]())
 
     async def _ModelInfer(self, request):
         _check_version(request.model_version)
         model = self.service.model(request.model_name, "embedding")
-        inputs = _inputs(request)
-        if any(o.name != OUTPUT for o in request.outputs):
-            raise BadRequest(f"the only output is {OUTPUT!r}")
-        normalize = _bool(request.parameters, "normalize", True)
-        if TEXT in inputs:
-            if set(inputs) != {TEXT}:
-                raise BadRequest(f"input {TEXT!r} comes alone (texts, or {IDS!r} with {MASK!r})")
-            rows = _texts(model, *inputs[TEXT])
-        elif IDS in inputs:
-            if set(inputs) - {IDS, MASK}:
-                raise BadRequest(f"inputs are {TEXT!r}, or {IDS!r} with an optional {MASK!r}")
-            rows = _id_rows(model, inputs[IDS], inputs.get(MASK))
-        else:
-            raise BadRequest(f"expected an input named {TEXT!r} (BYTES) or {IDS!r} (INT64)")
-        embeddings = (await model.embed(rows, TextOptions(), None, normalize=normalize)).rows
+        stats = common.stats_of(model)
+        started = time.perf_counter_ns()
+        try:
+            rows = read_rows(_inputs(request), self.service.settings.max_client_batch)
+            if any(o.name != OUTPUT for o in request.outputs):
+                raise BadRequest(f"the only output is {OUTPUT!r}")
+            normalize = _bool(request.parameters, "normalize", True)
+            embeddings = (await model.embed(rows, TextOptions(), None, normalize=normalize)).rows
+        except Exception:
+            stats.failed(started)
+            raise
+        stats.succeeded(started, len(rows))
         out = _Response["ModelInfer"](model_name=model.name, model_version="1", id=request.id)
         out.outputs.add(name=OUTPUT, datatype="FP32", shape=list(embeddings.shape))
         out.raw_output_contents.append(np.ascontiguousarray(embeddings, dtype="<f4").tobytes())
@@ -282,72 +286,17 @@ def _bool(parameters, name: str, default: bool) -> bool:
     return p.bool_param
 
 
-def _inputs(request) -> dict[str, tuple]:
-    """{name: (tensor, its raw bytes or None)}: the raw form for every input or for none, as the protocol says."""
+def _inputs(request) -> list[InputTensor]:
+    """The request's inputs, each raw or typed: the raw form for every input or for none, as the protocol says."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise BadRequest(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
-    out: dict[str, tuple] = {}
+    out = []
     for i, tensor in enumerate(request.inputs):
-        if tensor.name in out:
-            raise BadRequest(f"input {quoted(tensor.name)} given twice")
         if raw and tensor.HasField("contents"):  # Triton refuses both too: which would it mean?
             raise BadRequest(f"input {quoted(tensor.name)} has both contents and raw_input_contents; send one")
-        out[tensor.name] = (tensor, raw[i] if raw else None)
+        field = _TYPED.get(tensor.datatype)  # another datatype is refused by name before its elements are read
+        values = () if raw or field is None else getattr(tensor.contents, field)
+        out.append(InputTensor(tensor.name, tensor.datatype, tensor.shape, raw=raw[i] if raw else None,
+                               values=None if raw else values))
     return out
-
-
-def _texts(model, tensor, raw: bytes | None) -> list[str]:
-    if tensor.datatype != "BYTES" or len(tensor.shape) != 1:
-        raise BadRequest(f"input {TEXT!r} is BYTES of shape [n], not {clipped(tensor.datatype)} "
-                         f"{shape_text(tensor.shape)}")
-    count = element_count(TEXT, tensor.shape)
-    model.check_count(count)  # before a million elements are read
-    limit = model.settings.max_client_batch
-    items = deserialize_bytes(raw, limit) if raw is not None else tensor.contents.bytes_contents
-    if len(items) != count:
-        raise BadRequest(f"shape {shape_text(tensor.shape)} does not match {len(items)} BYTES elements")
-    try:
-        return [b.decode("utf-8") for b in items]
-    except UnicodeDecodeError:
-        raise BadRequest("BYTES input data must be UTF-8 text") from None
-
-
-def _integers(model, name: str, tensor, raw: bytes | None) -> np.ndarray:
-    """An INT64 / INT32 input as an int64 array of its shape ([L] is one row)."""
-    if tensor.datatype not in _RAW or len(tensor.shape) not in (1, 2):
-        raise BadRequest(f"input {name!r} is INT64 or INT32 of shape [n, L], not {clipped(tensor.datatype)} "
-                         f"{shape_text(tensor.shape)}")
-    count = element_count(name, tensor.shape)
-    if count == 0:
-        raise BadRequest(f"input {name!r} of shape {shape_text(tensor.shape)} holds no token ids")
-    model.check_count(1 if len(tensor.shape) == 1 else tensor.shape[0])
-    if raw is not None:
-        dtype = _RAW[tensor.datatype]
-        if len(raw) != count * dtype.itemsize:
-            raise BadRequest(f"input {name!r}: {len(raw)} raw bytes for shape {shape_text(tensor.shape)} of "
-                             f"{tensor.datatype}")
-        values = np.frombuffer(raw, dtype=dtype)
-    else:
-        c = tensor.contents
-        typed = c.int64_contents if tensor.datatype == "INT64" else c.int_contents
-        if len(typed) != count:
-            raise BadRequest(f"input {name!r}: {len(typed)} values for shape {shape_text(tensor.shape)}")
-        values = np.asarray(typed, dtype=np.int64)
-    return values.astype(np.int64, copy=False).reshape(-1, tensor.shape[-1])
-
-
-def _id_rows(model, ids: tuple, mask: tuple | None) -> list[list[int]]:
-    block = _integers(model, IDS, *ids)
-    if mask is None:
-        return block.tolist()
-    m = _integers(model, MASK, *mask)
-    if m.shape != block.shape:
-        raise BadRequest(f"{MASK!r} has shape {list(m.shape)}, {IDS!r} {list(block.shape)}")
-    if not np.isin(m, (0, 1)).all():
-        raise BadRequest(f"{MASK!r} holds values other than 0 and 1")
-    lengths = m.sum(axis=1)
-    # right padding only: each row's ones first, then zeros (a left-padded row's ids would be read from the pad)
-    if (m != (np.arange(m.shape[1]) < lengths[:, None])).any():
-        raise BadRequest(f"{MASK!r} must be ones then zeros in each row (right padding)")
-    return [row[:n] for row, n in zip(block.tolist(), lengths.tolist())]

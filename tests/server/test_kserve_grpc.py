@@ -1,6 +1,8 @@
 """KServe v2 over gRPC with the real `tritonclient.grpc`: health and metadata, texts and token ids (padded, with an
 attention mask) answered with the rows HTTP gives, bad input as a gRPC status with a clear message, the API keys, the
-metrics; and the committed descriptor is what predict_v2.proto compiles to."""
+metrics; the same answers as the HTTP port's through `tritonclient.http` (server and model metadata, the model
+config, the statistics, which both ports' infer calls count into); and the committed descriptor is what
+predict_v2.proto compiles to."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import InferenceServerException
 
 from fusedserve.server.kserve_grpc import SERVICE, _message
@@ -38,6 +43,14 @@ def rpc(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(rpc):
     c = grpcclient.InferenceServerClient(rpc.grpc)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def http(rpc):
+    """tritonclient.http on the same server's HTTP port."""
+    c = httpclient.InferenceServerClient(url=rpc.url.removeprefix("http://"))
     yield c
     c.close()
 
@@ -95,6 +108,58 @@ def test_health_and_metadata(client):
     assert model["outputs"] == [{"name": "embedding", "datatype": "FP32", "shape": ["-1", "384"]}]
     _fails(lambda: client.get_model_metadata("nope"), grpc.StatusCode.NOT_FOUND, "'nope'", MODEL)
     _fails(lambda: client.is_model_ready(MODEL, "2"), grpc.StatusCode.NOT_FOUND, "version '2'")
+
+
+def test_metadata_and_extensions_are_the_same_over_both_protocols(client, http):
+    """Each gRPC answer is the HTTP JSON read into Triton's message (tritonclient's own generated classes)."""
+    server = client.get_server_metadata()
+    assert server == json_format.ParseDict(http.get_server_metadata(), service_pb2.ServerMetadataResponse())
+    assert list(server.extensions) == ["binary_tensor_data", "model_configuration", "statistics", "token_ids"]
+    model = client.get_model_metadata(MODEL)
+    assert model == json_format.ParseDict(http.get_model_metadata(MODEL), service_pb2.ModelMetadataResponse())
+    assert [(t.name, t.datatype, list(t.shape)) for t in model.inputs] == [
+        ("text", "BYTES", [-1]), ("input_ids", "INT64", [-1, -1]), ("attention_mask", "INT64", [-1, -1])]
+
+
+def test_model_config_is_the_http_one(client, http):
+    got = client.get_model_config(MODEL)
+    assert got.config == json_format.ParseDict(http.get_model_config(MODEL), model_config_pb2.ModelConfig())
+    config = client.get_model_config(MODEL, as_json=True)["config"]
+    assert config["name"] == MODEL and config["max_batch_size"] == 256 and config["backend"] == "fusedserve"
+    assert [(t["name"], t["data_type"]) for t in config["input"]] == [
+        ("text", "TYPE_STRING"), ("input_ids", "TYPE_INT64"), ("attention_mask", "TYPE_INT64")]
+    assert config["output"] == [{"name": "embedding", "data_type": "TYPE_FP32", "dims": ["-1", "384"]}]
+    _fails(lambda: client.get_model_config("nope"), grpc.StatusCode.NOT_FOUND, "'nope'", MODEL)
+    _fails(lambda: client.get_model_config(MODEL, "2"), grpc.StatusCode.NOT_FOUND, "version '2'")
+
+
+def test_statistics_are_one_set_of_counters_for_both_protocols(client, http):
+    def both() -> dict:
+        """The model's statistics over gRPC, checked equal to HTTP's (no call in between here)."""
+        got = client.get_inference_statistics(MODEL)
+        assert got == json_format.ParseDict(http.get_inference_statistics(MODEL),
+                                            service_pb2.ModelStatisticsResponse())
+        assert len(got.model_stats) == 1
+        return json_format.MessageToDict(got.model_stats[0], preserving_proto_field_name=True,
+                                         always_print_fields_with_no_presence=True)
+
+    before = both()
+    client.infer(MODEL, [_texts(TEXTS[:2])])
+    text = httpclient.InferInput("text", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"over HTTP"], dtype=np.object_))
+    http.infer(MODEL, [text])
+    _fails(lambda: client.infer(MODEL, [_texts(["x"])], parameters={"normalize": "yes"}),
+           grpc.StatusCode.INVALID_ARGUMENT, "boolean")
+    after = both()
+    success, fail = after["inference_stats"]["success"], after["inference_stats"]["fail"]
+    assert int(success["count"]) == int(before["inference_stats"]["success"]["count"]) + 2
+    assert int(fail["count"]) == int(before["inference_stats"]["fail"]["count"]) + 1
+    assert int(after["inference_count"]) == int(before["inference_count"]) + 3
+    assert int(success["ns"]) > int(before["inference_stats"]["success"]["ns"])
+    # no name: every served model's, as Triton answers
+    assert [m.name for m in client.get_inference_statistics().model_stats] == [MODEL]
+    _fails(lambda: client.get_inference_statistics("nope"), grpc.StatusCode.NOT_FOUND, "'nope'")
+    _fails(lambda: client.get_inference_statistics(MODEL, "2"), grpc.StatusCode.NOT_FOUND, "version '2'")
 
 
 def test_texts_give_the_rows_http_gives(client, expected):
@@ -159,6 +224,9 @@ def test_bad_input_is_a_clear_grpc_status_and_the_server_keeps_serving(rpc, clie
     _fails(lambda: client.infer(MODEL, [_tensor("input_ids", ids), _tensor("attention_mask", mask[:1])]), bad,
            "shape")
     _fails(lambda: client.infer(MODEL, [_texts(["x"]), _tensor("input_ids", ids)]), bad, "alone")
+    _fails(lambda: client.infer(MODEL, [_tensor("input_ids", ids), _tensor("input_ids", ids)]), bad, "twice")
+    _fails(lambda: client.infer(MODEL, [_tensor("input_ids", np.zeros((2, 2, 2), np.int64))]), bad, "[n, L]")
+    _fails(lambda: client.infer(MODEL, [_tensor("input_ids", np.zeros((300, 2), np.int64))]), bad, "256")
     _fails(lambda: client.infer(MODEL, [_texts(["x"])], outputs=[grpcclient.InferRequestedOutput("logits")]), bad,
            "'embedding'")
     _fails(lambda: client.infer(MODEL, [_texts(["x"])], parameters={"normalize": "yes"}), bad, "boolean")

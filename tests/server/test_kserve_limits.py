@@ -2,7 +2,9 @@
 shape's element count fits int64 and max_client_batch (checked before any tensor data is read), the JSON is
 read as Triton's RapidJSON reads it (no integer past int64, no NaN or Infinity, no key twice in an object), echoes
 are short, and Content-Encoding is matched case-insensitively. The hostile bodies are answered within 100 ms of
-their last byte while /healthz keeps answering; the checks behind them are also timed directly."""
+their last byte while /healthz keeps answering; the checks behind them are also timed directly. Token-id inputs are
+read as the gRPC service reads them (server.kserve_common): JSON numbers or raw bytes, each binary input's bytes
+after the previous one's, refused from the shape before their data is read."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import time
 import zlib
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 
 from fusedserve.server.errors import BadRequest, PayloadTooLarge, clipped
 from fusedserve.server.routes import kserve
-from fusedserve.server.routes.kserve import deserialize_bytes, element_count, parse_infer
+from fusedserve.server.kserve_common import deserialize_bytes, element_count
+from fusedserve.server.routes.kserve import parse_infer
 from tests.server.conftest import start_server
 
 LIMIT = 256  # max_client_batch's default
@@ -202,6 +206,57 @@ def test_integers_are_int64():
         body = b'{"parameters": {"x": ' + literal.encode() + b'}, "inputs": []}'
         with pytest.raises(BadRequest, match="past int64"):
             parse_infer(body, None, LIMIT)
+
+
+def _binary_body(*tensors: tuple[str, str, list[int], bytes]) -> tuple[bytes, str]:
+    """A binary-extension body: (name, datatype, shape, raw bytes) per input, the bytes after the JSON in order."""
+    header = orjson.dumps({"inputs": [{"name": name, "datatype": datatype, "shape": shape,
+                                       "parameters": {"binary_data_size": len(raw)}}
+                                      for name, datatype, shape, raw in tensors]})
+    return header + b"".join(raw for *_, raw in tensors), str(len(header))
+
+
+def test_token_ids_are_read_from_json_and_binary_data():
+    ids = np.array([[101, 7, 8, 102], [101, 9, 102, 0]], dtype=np.int64)
+    mask = (ids != 0).astype(np.int64)
+    rows = [[101, 7, 8, 102], [101, 9, 102]]
+    body = orjson.dumps({"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [2, 4], "data": ids.tolist()},
+                                    {"name": "attention_mask", "datatype": "INT64", "shape": [2, 4],
+                                     "data": mask.ravel().tolist()}]})
+    assert parse_infer(body, None, LIMIT)[1] == rows
+    for dtype, datatype in ((np.int64, "INT64"), (np.int32, "INT32")):
+        raw, length = _binary_body(("input_ids", datatype, [2, 4], ids.astype(dtype).tobytes()),
+                                   ("attention_mask", datatype, [2, 4], mask.astype(dtype).tobytes()))
+        assert parse_infer(raw, length, LIMIT)[1] == rows
+    raw, length = _binary_body(("input_ids", "INT64", [4], ids[0].tobytes()))  # [L]: one row
+    assert parse_infer(raw, length, LIMIT)[1] == rows[:1]
+    # the second input's size past what is left after the first's bytes
+    raw, length = _binary_body(("input_ids", "INT64", [2, 4], ids.tobytes()), ("attention_mask", "INT64", [2, 4], b""))
+    header = orjson.loads(raw[: int(length)])
+    header["inputs"][1]["parameters"]["binary_data_size"] = 8
+    header = orjson.dumps(header)
+    with pytest.raises(BadRequest, match="'attention_mask' does not fit the 0 bytes left"):
+        parse_infer(header + ids.tobytes(), str(len(header)), LIMIT)
+
+
+@pytest.mark.parametrize("tensors,error,word", [
+    ([("input_ids", "INT64", [LIMIT + 1, 1], b"\0" * 8 * (LIMIT + 1))], PayloadTooLarge, "max_client_batch"),
+    ([("input_ids", "INT64", [1, 2**62], b"\0" * 8)], BadRequest, "raw bytes"),
+    ([("input_ids", "INT64", [2**32, 2**32], b"")], BadRequest, "int64"),
+    ([("input_ids", "INT64", [1, 0], b"")], BadRequest, "no token ids"),
+    ([("input_ids", "INT64", [1, 3], b"\0" * 8)], BadRequest, "raw bytes"),
+    ([("input_ids", "FP32", [1, 2], b"\0" * 8)], BadRequest, "INT64 or INT32"),
+    ([("input_ids", "INT64", [1, 1], b"\0" * 8), ("logits", "FP32", [1], b"\0" * 4)], BadRequest, "'logits'"),
+    ([("tokens", "INT64", [1, 1], b"\0" * 8)], BadRequest, "'tokens'"),
+], ids=["rows past max_client_batch", "L past the data", "count past int64", "empty", "bytes short", "FP32",
+        "an extra input", "another name"])
+def test_bad_token_ids_are_refused_before_their_data_is_read(tensors, error, word):
+    raw, length = _binary_body(*tensors)
+    started = time.perf_counter()
+    with pytest.raises(error) as caught:
+        parse_infer(raw, length, LIMIT)
+    assert word in caught.value.message and len(caught.value.message) < 300, caught.value.message
+    assert time.perf_counter() - started < 0.05
 
 
 def test_a_normal_body_stays_fast():
