@@ -28,7 +28,8 @@ def embed(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (serve, "run the HTTP service (settings: FUSEDSERVE_* environment variables or --config FILE)"),
-    "embed": (embed, "embed texts in this process and print one JSON line per text"),
+    "embed": (embed, "embed texts in this process and print one JSON line per text (--quiet: the lines only); "
+                     "for repeated use, `fusedserve serve` keeps the model loaded"),
 }
 
 

@@ -25,7 +25,7 @@ from fusedserve.server.switches import refreeze
 
 log = logging.getLogger("fusedserve")
 
-VERSION = "0.1.0"
+from fusedserve import __version__ as VERSION  # the version is written once, in fusedserve/__init__.py
 
 
 def _process_age_s() -> float | None:

@@ -98,3 +98,25 @@ def test_serve_refuses_settings_that_cannot_work_together(settings, message):
                             text=True, timeout=120, env={**env, "FUSEDSERVE_DEVICE": "cpu", **settings})
     assert result.returncode == 2, result.stderr
     assert "invalid configuration" in result.stderr and message in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_embed_quiet_prints_only_the_json_lines():
+    """`--quiet` is for scripts: stdout holds one JSON line per text and stderr nothing (no report, hint or warning)."""
+    texts = ["fused kernels", "hello"]
+    result = run(str(BIN / "fusedserve"), "embed", "--quiet", *TINY, *texts)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["text"] for r in rows] == texts and all(r["dim"] == 64 for r in rows)
+    assert_unit_length([r["embedding"] for r in rows])
+
+
+@pytest.mark.slow
+def test_embed_without_quiet_points_repeated_use_at_the_server():
+    result = run(str(BIN / "fusedserve"), "embed", *TINY, "hello")
+    assert result.returncode == 0, result.stderr
+    assert "kernel backends" in result.stderr  # the start-up report
+    (hint,) = [line for line in result.stderr.splitlines() if "fusedserve serve" in line]
+    assert "/infer" in hint and "--quiet" in hint
+    assert [json.loads(line)["text"] for line in result.stdout.splitlines()] == ["hello"]

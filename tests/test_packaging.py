@@ -1,7 +1,8 @@
-"""The package as it ships and as it loads (docs/decisions/0015-one-namespace.md): the wheel holds one top-level name,
-`fusedserve`, with every file of the four folders and the kernels' package data; installed in a fresh environment
-beside the Hugging Face `kernels` package it imports and serves; no module of ours is loaded under two names in one
-process; and the container images copy what the install needs."""
+"""The package as it ships and as it loads (docs/decisions/0015-one-namespace.md): the version is written once; a
+release (`python -m build`: an sdist and the wheel built from it) holds the sources and that version; the wheel holds
+one top-level name, `fusedserve`, with every file of the four folders and the kernels' package data; the release
+wheel installed in a fresh environment beside the Hugging Face `kernels` package imports and serves; no module of
+ours is loaded under two names in one process; and the container images copy what the install needs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import time
+import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,7 @@ import httpx
 import pytest
 import yaml
 
+from fusedserve import __version__
 from tests.server.conftest import free_port
 from tests.tolerances import assert_unit_length
 
@@ -55,16 +59,106 @@ def source_files() -> list[str]:
     return sorted(name for name in listed.split("\0") if name and (ROOT / name).is_file())
 
 
-# ---- the wheel --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """`pip wheel` of a copy of the repository (a build writes build/ and *.egg-info beside its sources), with build
-    isolation as a user's `pip install .` and the images' builds have it."""
-    work = tmp_path_factory.mktemp("wheel")
+def copy_of_the_repository(work: Path) -> Path:
+    """The repository's files under work/src: a build writes build/ and *.egg-info beside its sources."""
     for name in source_files():
         (work / "src" / name).parent.mkdir(parents=True, exist_ok=True)
         (work / "src" / name).write_bytes((ROOT / name).read_bytes())
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", work / "dist", work / "src"])
+    return work / "src"
+
+
+def package_files() -> list[str]:
+    """The files of the four folders, as the repository names them."""
+    return [name for name in source_files() if name.split("/")[0] in FOLDERS]
+
+
+# ---- the version ------------------------------------------------------------------------------------------------
+def test_the_version_is_written_once():
+    """fusedserve.__version__ is the version: pyproject.toml reads it, the server reports it (server/service.py
+    imports it), and no other source file spells it out, so a release bumps one line."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "fusedserve.__version__"}
+    literal = re.compile(rf"""["']{re.escape(__version__)}["']""")
+    spelled = [name for name in [*package_files(), "pyproject.toml"]
+               if name != "fusedserve/__init__.py" and name.endswith((".py", ".toml"))
+               and literal.search((ROOT / name).read_text())]
+    assert spelled == [], f"the version written again outside fusedserve/__init__.py: {spelled}"
+
+
+def test_the_changelog_has_a_section_for_the_version():
+    """Releasing moves `## Unreleased` under the new version's heading and leaves an empty `## Unreleased` on top
+    (docs/development.md, "Releasing"): a version bumped without its section fails here."""
+    headings = re.findall(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
+    assert headings[0] == "Unreleased", headings
+    assert __version__ in headings[1:], f"CHANGELOG.md has no `## {__version__}` section: {headings}"
+    assert len(set(headings)) == len(headings), f"a section heading twice: {headings}"
+
+
+# ---- the release: `python -m build` -----------------------------------------------------------------------------
+@dataclass
+class Release:
+    sdist: Path
+    wheel: Path
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory) -> Release:
+    """`python -m build` of a copy of the repository, as a release is made: the sdist, then the wheel built from the
+    unpacked sdist, so a source the sdist leaves out is missing from the wheel too. Without isolation, so that the
+    build needs no index: this environment's setuptools and `build` (the dev extra)."""
+    work = tmp_path_factory.mktemp("release")
+    source = copy_of_the_repository(work)
+    run([sys.executable, "-m", "build", "--no-isolation", "--outdir", work / "dist", source])
+    (sdist,) = (work / "dist").glob("fusedserve-*.tar.gz")
+    (built,) = (work / "dist").glob("fusedserve-*.whl")
+    return Release(sdist, built)
+
+
+@pytest.mark.slow
+def test_the_release_is_an_sdist_and_a_wheel_of_the_version(release):
+    """Both carry fusedserve.__version__: in their names and in their metadata, as pyproject.toml's dynamic version
+    reads it."""
+    assert release.sdist.name == f"fusedserve-{__version__}.tar.gz"
+    assert release.wheel.name == f"fusedserve-{__version__}-py3-none-any.whl"
+    with zipfile.ZipFile(release.wheel) as archive:
+        metadata = archive.read(f"fusedserve-{__version__}.dist-info/METADATA").decode()
+    with tarfile.open(release.sdist) as archive:
+        pkg_info = archive.extractfile(f"fusedserve-{__version__}/PKG-INFO").read().decode()
+    for text in (metadata, pkg_info):
+        assert re.search(rf"^Version: {re.escape(__version__)}$", text, re.MULTILINE), text[:400]
+
+
+@pytest.mark.slow
+def test_the_sdist_holds_the_package_sources(release):
+    """Every file of the four folders (the CUDA sources, the tuning tables and the .proto among them), and what the
+    build reads: pyproject.toml and the README it names."""
+    with tarfile.open(release.sdist) as archive:
+        shipped = {member.name.split("/", 1)[1] for member in archive.getmembers() if member.isfile()}
+    expected = set(package_files()) | {"pyproject.toml", "README.md"}
+    assert expected - shipped == set(), "files the sdist lacks"
+    assert {name.split("/")[0] for name in shipped} >= set(FOLDERS)
+
+
+@pytest.mark.slow
+def test_the_release_wheel_holds_what_pip_builds(release, wheel):
+    """The wheel the release builds from its sdist and the one `pip wheel` builds from the checkout hold the same
+    files, so the checks of the wheel's contents below hold for the release's."""
+    names = []
+    for built in (release.wheel, wheel):
+        with zipfile.ZipFile(built) as archive:
+            names.append({n for n in archive.namelist() if n.startswith("fusedserve/")})
+    assert names[0] == names[1], {"release only": names[0] - names[1], "pip only": names[1] - names[0]}
+
+
+# ---- the wheel --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """`pip wheel` of a copy of the repository, with build isolation as a user's `pip install .` and the images'
+    builds have it (build-system.requires is enough)."""
+    work = tmp_path_factory.mktemp("wheel")
+    source = copy_of_the_repository(work)
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", work / "dist", source])
     (built,) = (work / "dist").glob("fusedserve-*.whl")
     return built
 
@@ -85,8 +179,7 @@ def test_the_wheels_only_top_level_name_is_fusedserve(wheel):
 def test_the_wheel_holds_every_file_of_the_four_folders(wheel):
     """A subpackage missing from pyproject's `packages` list, or a data file outside its package-data globs, would be
     missing here (the editable install of development finds them anyway)."""
-    expected = {f"{FOLDERS[name.split('/')[0]]}/{name.split('/', 1)[1]}" for name in source_files()
-                if name.split("/")[0] in FOLDERS}
+    expected = {f"{FOLDERS[name.split('/')[0]]}/{name.split('/', 1)[1]}" for name in package_files()}
     with zipfile.ZipFile(wheel) as archive:
         shipped = {n for n in archive.namelist() if n.startswith("fusedserve/")}
     assert expected - shipped == set(), "files the wheel lacks"
@@ -98,7 +191,7 @@ def test_the_wheel_holds_every_file_of_the_four_folders(wheel):
 # ---- installed beside the Hugging Face `kernels` ----------------------------------------------------------------
 @dataclass
 class Environment:
-    root: Path  # a virtual environment holding the wheel and Hugging Face's `kernels`, both without dependencies
+    root: Path  # a virtual environment holding the release's wheel and Hugging Face's `kernels`, without dependencies
     site_packages: Path
 
     def bin(self, name: str) -> Path:
@@ -106,7 +199,8 @@ class Environment:
 
 
 @pytest.fixture(scope="module")
-def installed(wheel, tmp_path_factory) -> Environment:
+def installed(release, tmp_path_factory) -> Environment:
+    """The release's wheel, as a user installs it: the one environment the install tests share (each costs a venv)."""
     work = tmp_path_factory.mktemp("installed")
     run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", work, HF_KERNELS])
     (hf_kernels,) = work.glob("kernels-*.whl")
@@ -114,7 +208,8 @@ def installed(wheel, tmp_path_factory) -> Environment:
     python = root / "bin" / "python"
     run([sys.executable, "-m", "venv", "--without-pip", root])
     # this environment's pip installs into the new one, which has none of its own
-    run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel, hf_kernels])
+    run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", release.wheel,
+         hf_kernels])
     site_packages = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                              env=clean_env()).stdout.strip())
     # The dependencies (torch, fastapi, ...) are this environment's, on a path line of a .pth file: sys.path takes it
@@ -150,7 +245,7 @@ def ready(url: str) -> bool:
 
 
 @pytest.mark.slow
-def test_it_serves_beside_hugging_faces_kernels(installed, tmp_path):
+def test_the_release_wheel_serves_beside_hugging_faces_kernels(installed, tmp_path):
     port, log_path = free_port(), tmp_path / "server.log"
     env = clean_env(model="tiny", device="cpu", max_batch_tokens="512")
     with open(log_path, "w") as log:
@@ -168,6 +263,7 @@ def test_it_serves_beside_hugging_faces_kernels(installed, tmp_path):
         body = response.json()
         assert body["model"] == "tiny" and body["dim"] == 64 and len(body["embeddings"]) == 2
         assert_unit_length(body["embeddings"])
+        assert httpx.get(url + "/v2", timeout=10).json()["version"] == __version__  # the installed server's own
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -177,25 +273,30 @@ def test_it_serves_beside_hugging_faces_kernels(installed, tmp_path):
 
 # ---- one name per module ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", BARE_NAMES)
-def test_a_bare_name_refuses_to_load_and_names_the_package(name):
-    """From the repository's root, which is on sys.path here, `import kernels` finds the folder: it stops before
-    running any of it, naming the one name it loads under."""
-    result = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, env=clean_env(),
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode != 0
-    assert f"fusedserve.{name}" in result.stderr.splitlines()[-1]
+def test_a_bare_name_is_never_ours(name):
+    """From the repository's root, which is on sys.path here, `import kernels` finds the folder: it runs none of its
+    own code and hands the import to the installed package of that name (Hugging Face's `kernels` in the development
+    environment), or fails naming the one name it loads under (fusedserve.shadowing)."""
+    result = subprocess.run([sys.executable, "-c", f"import {name}; print({name}.__file__)"], cwd=ROOT,
+                            env=clean_env(), capture_output=True, text=True, timeout=60)
+    if result.returncode == 0:
+        assert not Path(result.stdout.strip()).resolve().is_relative_to(ROOT / name), result.stdout
+    else:
+        last = result.stderr.splitlines()[-1]
+        assert last.startswith("ModuleNotFoundError") and f"fusedserve.{name}" in last, result.stderr
 
 
-@pytest.mark.parametrize("command, names", [
-    (["server"], ["fusedserve serve"]),
-    (["kernels.cuda.build"], ["fusedserve.kernels"]),
-    (["model"], ["fusedserve.model"]),
+@pytest.mark.parametrize("command, message", [
+    (["server"], r"fusedserve serve"),
+    # no installed `kernels`: the refusal names ours; Hugging Face's installed: it has no such module
+    (["kernels.cuda.build"], r"fusedserve\.kernels|No module named 'kernels\.cuda'"),
+    (["model"], r"fusedserve\.model"),
 ])
-def test_an_old_command_fails_naming_the_new_one(command, names):
+def test_an_old_command_fails_naming_the_new_one(command, message):
     result = subprocess.run([sys.executable, "-m", *command], cwd=ROOT, env=clean_env(), capture_output=True,
                             text=True, timeout=60)
     assert result.returncode != 0
-    assert all(name in result.stderr for name in names), result.stderr
+    assert re.search(message, result.stderr), result.stderr
 
 
 ONE_NAME_EACH = """
@@ -216,13 +317,14 @@ with TestClient(create_app()) as client:
             importlib.import_module(name)
         except (ImportError, SystemExit) as exc:
             refused[name] = str(exc)
+bare = {name: getattr(sys.modules.get(name), "__file__", None) for name in ("kernels", "model", "server")}
 folders = tuple(os.path.join(root, folder) + os.sep for folder in ("fusedserve", "kernels", "model", "server"))
 names = {}
 for name, module in list(sys.modules.items()):
     path = getattr(module, "__file__", None)
     if path and os.path.realpath(path).startswith(folders):
         names.setdefault(os.path.realpath(path), []).append(name)
-print(json.dumps({"refused": refused, "names": names}))
+print(json.dumps({"refused": refused, "bare": bare, "names": names}))
 """
 
 
@@ -230,13 +332,16 @@ print(json.dumps({"refused": refused, "names": names}))
 def test_a_running_app_holds_each_module_under_one_name(tmp_path):
     """The app started from the repository's root (tiny model, CPU), where the bare names can be found: each of our
     source files is loaded once, as fusedserve.*, and asking for a second copy of a running module (server.metrics,
-    whose metric families a second copy would define again) fails before any of its code runs."""
+    whose metric families a second copy would define again) fails before any of its code runs: the bare name is
+    refused naming ours, or is the installed package of that name, which has no such module."""
     result = run([sys.executable, "-c", ONE_NAME_EACH, ROOT], cwd=ROOT, timeout=180,
                  env=clean_env(model="tiny", device="cpu", max_batch_tokens="512"))
     found = json.loads(result.stdout.splitlines()[-1])
     assert set(found["refused"]) == {"server.metrics", "model.runner", "kernels.registry"}
     for name, message in found["refused"].items():
-        assert f"fusedserve.{name.split('.')[0]}" in message
+        top = name.split(".")[0]
+        installed_instead = found["bare"][top] and not Path(found["bare"][top]).resolve().is_relative_to(ROOT / top)
+        assert f"fusedserve.{top}" in message or installed_instead, (message, found["bare"])
     loaded = found["names"]
     assert str(ROOT / "server" / "metrics.py") in loaded and str(ROOT / "kernels" / "registry.py") in loaded
     twice = {path: names for path, names in loaded.items() if len(names) > 1}
@@ -270,14 +375,19 @@ def test_no_package_imports_a_module_that_runs_as_main():
 
 def test_transformers_does_not_mistake_our_kernels_package():
     """In this process (pytest puts the repository's root on sys.path) transformers' probe for the Hugging Face
-    `kernels` package never finds our kernels/ folder: tests/conftest.py hides the bare names on the root. Since
-    transformers 5.25 Hugging Face's `kernels` is one of its dependencies: the probe may find that one, installed."""
+    `kernels` package can find our kernels/ folder by its bare name; importing it hands over to the installed package
+    (fusedserve.shadowing), so `kernels` is never ours here. Since transformers 5.25 Hugging Face's `kernels` is one
+    of its dependencies: the probe may find that one, installed."""
     from transformers.utils import import_utils
 
     import_utils.is_kernels_available.cache_clear()  # asked again here, not under another test's conditions
     import_utils.is_kernels_available()
-    spec = importlib.util.find_spec("kernels")
-    assert spec is None or not Path(spec.origin).resolve().is_relative_to(ROOT / "kernels"), spec
+    try:
+        bare = importlib.import_module("kernels")
+    except ModuleNotFoundError as exc:  # none installed: the refusal names ours
+        assert "fusedserve.kernels" in str(exc)
+    else:
+        assert not Path(bare.__file__).resolve().is_relative_to(ROOT / "kernels"), bare.__file__
     # a bare name loaded from our folder (the virtual environment may sit under the root too: the folder decides)
     ours = [name for name, module in list(sys.modules.items()) if name.split(".")[0] in BARE_NAMES
             and Path(getattr(module, "__file__", None) or "/").resolve().is_relative_to(ROOT / name.split(".")[0])]
