@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
                                TomlConfigSettingsSource, YamlConfigSettingsSource)
 
@@ -34,6 +34,8 @@ Pooling = Literal[api.POOLING_MODES]
 Backend = Literal[api.BACKENDS]
 # a model's name is a path segment of KServe's /v2/models/{name}/... and an OpenAI model id
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# what a bool setting takes, in any case: pydantic alone would also read yes/no, on/off, y/n, t/f
+BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
 
 
 class ModelSpec(BaseModel):
@@ -305,6 +307,19 @@ class Settings(AccessSettings, VerificationSettings, BatchingSettings, ModelSett
                     log.warning("setting %s (FUSEDSERVE_%s) was removed and is ignored: %s; it will be an error in "
                                 "the next release", key, key.upper(), why)
         return data
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_bool(cls, value, info: ValidationInfo):
+        """A bool setting takes true, false, 1 or 0 (any case), as docs/configuration.md lists them: one set of
+        spellings everywhere, and a value such as `enabled` or `yes` stops the start naming the setting instead of
+        being read one way or the other."""
+        if cls.model_fields[info.field_name].annotation is not bool or isinstance(value, bool):
+            return value
+        word = str(value).strip().lower() if isinstance(value, (str, int)) else None
+        if word not in BOOL_WORDS:
+            raise ValueError(f"{info.field_name} takes true, false, 1 or 0 (any case), not {value!r}")
+        return BOOL_WORDS[word]
 
     @model_validator(mode="after")
     def _check(self):

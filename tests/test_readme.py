@@ -1,15 +1,16 @@
-"""Every command and example in README.md is run or checked here: the fenced bash blocks' `make` targets exist
-and do what the README says, its request is sent to a real server and the answer compared with the one shown, the
+"""Every command and example in README.md is run or checked here: the fenced bash blocks' `make` targets exist and do
+what the README says, its request is sent to a real server and the answer compared with the one shown, the
 `fusedserve` command takes the options shown and `fusedserve embed` prints the line shown, each `docker build` names
 a Dockerfile in deploy/ and each `docker run` an image one of them builds, the API table lists exactly the app's
-routes, the settings rows exist with the defaults shown, what it says of config files, metric names, the body limit
-and a wrong method holds on a real server, and every link resolves. A command this file does not know how to check
-fails the test: a new kind of README command needs a check here.
+routes, the settings rows exist with the defaults shown (both of a default that follows the device), the model row
+names every preset, the Models section's mpnet directory is where the tests assemble it, what it says of config
+files, metric names, the body limit and a wrong method holds on a real server, and every link resolves. A command
+this file does not know how to check fails the test: a new kind of README command needs a check here.
 
 The docs pages a newcomer reads next are held to what can be checked the same way: every curl that sends JSON says
-so (and the admin one runs), docs/development.md names only paths the repository has or builds, and
-docs/performance.md stays short, names no machine's folders, and shows the numbers `python -m bench report` renders
-from the committed results."""
+so (and the admin one runs), docs/operations.md's reranker and SPLADE recipe runs and its directories load,
+docs/development.md names only paths the repository has or builds, and docs/performance.md stays short, names no
+machine's folders, and shows the numbers `python -m bench report` renders from the committed results."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from fusedserve.model import api
 from fusedserve.server import config_doc
 from fusedserve.server.config import Settings
 from tests.server.conftest import ADMIN_TOKEN, free_port, start_server
@@ -213,7 +215,10 @@ def test_the_other_names_the_readme_gives_the_commands():
         module = old.replace(".X", ".cuda.build")  # X: any module of the package
         stopped = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=120,
                                  cwd=ROOT)
-        assert stopped.returncode != 0 and "fusedserve" in stopped.stderr, f"python -m {module}: {stopped.stderr}"
+        # the bare `kernels` is Hugging Face's package (fusedserve.shadowing), which has no such module
+        named = "fusedserve" in stopped.stderr or \
+            old.startswith("kernels.") and f"No module named '{module.rsplit('.', 1)[0]}'" in stopped.stderr
+        assert stopped.returncode != 0 and named, f"python -m {module}: {stopped.stderr}"
         if new.startswith("python -m "):
             assert importlib.util.find_spec(new.split()[-1].replace(".X", ".cuda.build")) is not None, new
         else:
@@ -298,13 +303,37 @@ def test_the_api_table_lists_exactly_the_apps_routes(monkeypatch):
 
 
 # ---- settings and links ----------------------------------------------------------------------------------------
-def test_the_settings_rows_name_real_settings_with_their_defaults():
+# settings whose default follows the device (Settings._check), as the README gives them: both values
+DEVICE_DEFAULTS = {"max_batch_tokens": f"`{api.GPU_BATCH_TOKENS}` (GPU), `{api.CPU_BATCH_TOKENS}` (CPU)"}
+
+
+def test_the_settings_rows_name_real_settings_with_their_defaults(monkeypatch):
     rows = re.findall(r"^\| `FUSEDSERVE_([A-Z_]+)` \| ([^|]+) \|", section("Settings"), flags=re.MULTILINE)
     assert rows, "README shows no settings"
     for name, default in rows:
         field = Settings.model_fields.get(name.lower())
         assert field is not None, f"README shows FUSEDSERVE_{name}, which is not a setting"
-        assert default.strip() == config_doc.default_text(field), f"FUSEDSERVE_{name}: default {default.strip()}"
+        expected = DEVICE_DEFAULTS.get(name.lower(), config_doc.default_text(field))
+        assert default.strip() == expected, f"FUSEDSERVE_{name}: default {default.strip()}, not {expected}"
+    assert set(DEVICE_DEFAULTS) <= {name.lower() for name, _ in rows}
+    # the two defaults are the ones a server on each device takes
+    monkeypatch.delenv("FUSEDSERVE_MAX_BATCH_TOKENS", raising=False)
+    monkeypatch.delenv("FUSEDSERVE_CONFIG", raising=False)
+    assert Settings(device="cuda").max_batch_tokens == api.GPU_BATCH_TOKENS
+    assert Settings(device="cpu").max_batch_tokens == api.CPU_BATCH_TOKENS
+    # and docs/operations.md's limits table gives both for the per-token answers that MAX_BATCH_TOKENS bounds
+    limits = (DOCS / "operations.md").read_text()
+    assert f"| {api.GPU_BATCH_TOKENS:,} on a GPU, {api.CPU_BATCH_TOKENS:,} on the CPU " in limits
+
+
+def test_the_readme_lists_every_preset():
+    from fusedserve.model.config import PRESETS
+
+    (row,) = [line for line in section("Settings").splitlines() if line.startswith("| `FUSEDSERVE_MODEL` |")]
+    presets = re.search(r"a preset \(([^)]*)\)", row)
+    assert presets, "README's FUSEDSERVE_MODEL row lists no presets"
+    listed = re.findall(r"`([^`]+)`", presets.group(1))
+    assert sorted(listed) == sorted(PRESETS), f"README lists presets {listed}; fusedserve.model.config has {list(PRESETS)}"
 
 
 def test_a_config_file_takes_the_names_the_readme_gives(tmp_path, monkeypatch):
@@ -328,6 +357,60 @@ def test_a_config_file_takes_the_names_the_readme_gives(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEDSERVE_CONFIG", str(tmp_path / f"{key}.yaml"))
     monkeypatch.setenv(f"FUSEDSERVE_{env_name}", str(field_value * 2))
     assert getattr(Settings(), key) == field_value * 2
+
+
+def test_the_models_section_says_where_the_real_mpnet_lands(monkeypatch):
+    """`make mpnet-parts` exists, and the directory the README names is where tests/support/mpnet.py assembles the
+    model by default."""
+    from tests.support import mpnet
+
+    text = " ".join(section("Models").split())
+    assert "`make mpnet-parts`" in text and "`.venv/bin/python -m tests.support.mpnet`" in text
+    dry_run("mpnet-parts")
+    (shown,) = re.findall(r"into `(~/[^`]+)`", text)
+    for key in ("XDG_CACHE_HOME", mpnet.DIR_ENV):
+        monkeypatch.delenv(key, raising=False)
+    assert mpnet.target_dir() == Path(shown).expanduser()
+    assert 'if __name__ == "__main__":\n    print(model_dir())' in (ROOT / "tests" / "support" / "mpnet.py").read_text()
+
+
+def doc_section(page: str, heading: str) -> str:
+    """The text under `heading` (a whole heading line, `### ...`) of a docs page, up to the next heading."""
+    text = (ROOT / page).read_text()
+    match = re.search(rf"^{re.escape(heading)}\n(.*?)(?=^#+ |\Z)", text, flags=re.MULTILINE | re.DOTALL)
+    assert match, f"{page} has no {heading!r}"
+    return match.group(1)
+
+
+RECIPE = ("docs/operations.md", "### A reranker or SPLADE model to try")
+
+
+@pytest.mark.slow
+def test_the_reranker_and_splade_recipe_builds_directories_the_server_loads(tmp_path):
+    """docs/operations.md's recipe, run as written on the packaged MiniLM (offline), its directories written under
+    tmp_path; each loads as the kind its routes need, and its serving line names the directories it builds."""
+    from fusedserve.model import load
+    from fusedserve.model.weights import default_model_dir
+
+    text = doc_section(*RECIPE)
+    assert "untrained" in text and "trying the routes" in text
+    (code,) = re.findall(r"^```python\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+    saved = re.findall(r'\.save\("([^"]+)"\)', code)
+    assert len(saved) == 2, code
+    code, swapped = re.subn(r"^base = .*$", f"base = {str(default_model_dir())!r}", code, flags=re.MULTILINE)
+    assert swapped == 1, "the recipe sets `base` on a line of its own"
+    code = code.replace('"/models/', '"models/')  # under tmp_path, the working directory
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    reranker, splade = (tmp_path / path.lstrip("/") for path in saved)
+    described = load(str(reranker), api.LoadOptions(device="cpu")).describe()
+    assert (described.kind, len(described.labels)) == ("classifier", 1)
+    assert load(str(splade), api.LoadOptions(device="cpu")).describe().kind == "sparse"
+    (serve,) = [c for c, _ in commands(text) if "fusedserve serve" in c]
+    models = Settings(models=re.search(r"FUSEDSERVE_MODELS=(\S+)", serve).group(1)).models
+    assert set(saved) <= {spec.path for spec in models.values()}, serve
 
 
 def api_row(route: str) -> str:

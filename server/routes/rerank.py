@@ -30,9 +30,10 @@ def _classifier(service: Service, route: str, *, rerank: bool, name: str | None 
 
 
 async def _scores(model: ModelService, pairs: list[tuple[str, str]] | list[str], truncate: bool, raw: bool,
-                  request: Request) -> np.ndarray:
-    logits = (await model.embed(pairs, TextOptions(truncate=truncate), request)).rows
-    return logits if raw else scores(logits, model.description.activation)
+                  request: Request) -> tuple[np.ndarray, int]:
+    """(the scores, one row per input; the tokens the model ran, special tokens included)."""
+    result = await model.embed(pairs, TextOptions(truncate=truncate), request)
+    return (result.rows if raw else scores(result.rows, model.description.activation)), result.tokens
 
 
 class RerankRequest(BaseModel):
@@ -50,7 +51,7 @@ class RerankRequest(BaseModel):
 async def rerank(body: RerankRequest, service: ServiceDep, request: Request) -> list[dict]:
     """text-embeddings-inference's re-rank: each text scored against the query, best first."""
     model = _classifier(service, "/rerank", rerank=True)
-    scores = await _scores(model, [(body.query, t) for t in body.texts], body.truncate, body.raw_scores, request)
+    scores, _ = await _scores(model, [(body.query, t) for t in body.texts], body.truncate, body.raw_scores, request)
     order = np.argsort(-scores[:, 0], kind="stable")
     return [{"index": int(i), "score": float(scores[i, 0]), **({"text": body.texts[i]} if body.return_text else {})}
             for i in order]
@@ -74,12 +75,13 @@ async def cohere_rerank(body: CohereRerankRequest, service: ServiceDep, request:
     """Cohere / Jina-style re-rank: `results` best first, `relevance_score` in [0, 1] (the model's activation)."""
     model = _classifier(service, "/v1/rerank", rerank=True, name=body.model)
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
-    scores = await _scores(model, [(body.query, t) for t in texts], body.truncate, False, request)
+    scores, tokens = await _scores(model, [(body.query, t) for t in texts], body.truncate, False, request)
     order = np.argsort(-scores[:, 0], kind="stable")[: body.top_n]
+    # every pair ran, whatever top_n keeps: the usage counts them all
     return {"model": model.name,
             "results": [{"index": int(i), "relevance_score": float(scores[i, 0]),
                          **({"document": {"text": texts[i]}} if body.return_documents else {})} for i in order],
-            "usage": {"total_tokens": None}}
+            "usage": {"total_tokens": tokens}}
 
 
 class PredictRequest(BaseModel):
@@ -112,7 +114,7 @@ async def predict(body: PredictRequest, service: ServiceDep, request: Request) -
     """text-embeddings-inference's classify: per input, every label with its score, best first."""
     model = _classifier(service, "/predict", rerank=False)
     batch, single = _as_inputs(body.inputs)
-    scores = await _scores(model, batch, body.truncate, body.raw_scores, request)
+    scores, _ = await _scores(model, batch, body.truncate, body.raw_scores, request)
     labels = model.description.labels
     rows = [[{"label": labels[j], "score": float(row[j])} for j in np.argsort(-row, kind="stable")] for row in scores]
     return rows[0] if single else rows

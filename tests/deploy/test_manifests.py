@@ -244,3 +244,58 @@ def test_dashboard_and_provisioning_are_consistent():
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     datasource = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+# ---- batch size on the CPU -------------------------------------------------------------------------------------
+def config_settings(directory: Path) -> dict[str, str]:
+    """The fusedserve-config ConfigMap's settings of a kustomization, merged as kustomize merges them: those of the
+    kustomizations it builds on first, then its own generator's literals over them."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    settings: dict[str, str] = {}
+    for resource in kustomization.get("resources", []):
+        if (directory / resource / "kustomization.yaml").is_file():
+            settings.update(config_settings((directory / resource).resolve()))
+    for generator in kustomization.get("configMapGenerator", []):
+        if generator["name"] == "fusedserve-config":
+            if generator.get("behavior") == "replace":
+                settings = {}
+            settings.update(literal.split("=", 1) for literal in generator.get("literals", []))
+    return settings
+
+
+OVERLAYS = sorted(p.name for p in (DEPLOY / "k8s" / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+
+
+def over_the_cpu_batch(settings: dict[str, str]) -> str | None:
+    """What is wrong with a CPU deployment's settings: a batch token limit above the CPU's default (a CPU batch's
+    time grows with its tokens, so a larger one only holds the next request longer)."""
+    from fusedserve.model import api
+
+    value = settings.get("FUSEDSERVE_MAX_BATCH_TOKENS")
+    if value is not None and int(value) > api.CPU_BATCH_TOKENS:
+        return f"FUSEDSERVE_MAX_BATCH_TOKENS={value}, over the CPU's default {api.CPU_BATCH_TOKENS}"
+    return None
+
+
+def test_cpu_deployments_keep_max_batch_tokens_within_the_cpu_default():
+    """The CPU overlays (DEVICE=cpu) and the compose services built from the CPU image leave the batch token limit at
+    the CPU's default (or under it): a setting shared with the GPU deployments must not force the GPU's on them."""
+    overlays = {name: config_settings(DEPLOY / "k8s" / "overlays" / name) for name in OVERLAYS}
+    cpu = {f"k8s overlays/{name}": s for name, s in overlays.items() if s.get("FUSEDSERVE_DEVICE") == "cpu"}
+    assert "k8s overlays/cpu" in cpu
+    compose = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yml").read_text())
+    services = {f"compose {name}": service.get("environment", {}) for name, service in compose["services"].items()
+                if service.get("build", {}).get("dockerfile", "").endswith("Dockerfile.cpu")}
+    assert set(services) == {"compose fusedserve-cpu"}
+    found = {where: problem for where, s in {**cpu, **services}.items() if (problem := over_the_cpu_batch(s))}
+    assert not found, found
+    # the check can fail: the value the shared settings once forced on every deployment
+    assert over_the_cpu_batch({"FUSEDSERVE_MAX_BATCH_TOKENS": "16384"})
+    assert over_the_cpu_batch({"FUSEDSERVE_MAX_BATCH_TOKENS": "2048"}) is None
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_merged_settings_are_the_rendered_config_map(overlay):
+    """config_settings above reads the overlays as kustomize renders them (so the CPU check holds the real ConfigMap)."""
+    config = next(d for d in render(overlay) if d["kind"] == "ConfigMap")
+    assert config_settings(DEPLOY / "k8s" / "overlays" / overlay) == config["data"]

@@ -77,3 +77,43 @@ def test_models_and_model_are_not_set_together(monkeypatch):
         Settings(models="a=default")
     with pytest.raises(ValidationError, match="model_load_failure"):
         Settings(model_load_failure="ignore")
+
+
+BOOL_SETTINGS = sorted(name for name, field in Settings.model_fields.items() if field.annotation is bool)
+
+
+def test_there_are_bool_settings_to_check():
+    assert {"fused", "warmup", "cuda_graphs", "auth_probes"} <= set(BOOL_SETTINGS)
+
+
+@pytest.mark.parametrize("name", BOOL_SETTINGS)
+@pytest.mark.parametrize("value,expected", [("true", True), ("TRUE", True), ("True", True), ("1", True),
+                                            ("false", False), ("False", False), ("FALSE", False), ("0", False)])
+def test_bool_settings_take_true_false_1_0_in_any_case(monkeypatch, name, value, expected):
+    monkeypatch.setenv(f"FUSEDSERVE_{name.upper()}", value)
+    assert getattr(Settings(), name) is expected
+
+
+@pytest.mark.parametrize("name", BOOL_SETTINGS)
+@pytest.mark.parametrize("value", ["yes", "no", "on", "off", "y", "t", "2", "enabled", ""])
+def test_bool_settings_refuse_other_words_naming_the_setting(monkeypatch, name, value):
+    """pydantic alone reads yes/no/on/off as booleans; docs/configuration.md lists true and false."""
+    monkeypatch.setenv(f"FUSEDSERVE_{name.upper()}", value)
+    with pytest.raises(ValidationError, match=rf"{name} takes true, false, 1 or 0 \(any case\), not '{value}'"):
+        Settings()
+
+
+def test_bool_settings_from_a_file_and_from_code(monkeypatch, tmp_path):
+    """A file's own booleans are booleans; a quoted word in it is held to the same words as the environment."""
+    config = tmp_path / "fusedserve.yaml"
+    config.write_text("fused: false\nwarmup: 'TRUE'\n")
+    monkeypatch.setenv("FUSEDSERVE_CONFIG", str(config))
+    settings = Settings()
+    assert settings.fused is False and settings.warmup is True
+    config.write_text("fused: 'yes'\n")
+    with pytest.raises(ValidationError, match="fused takes true, false, 1 or 0"):
+        Settings()
+    monkeypatch.delenv("FUSEDSERVE_CONFIG")
+    assert (Settings(fused=False, warmup=0).fused, Settings(warmup=0).warmup) == (False, False)
+    with pytest.raises(ValidationError, match="warmup takes"):
+        Settings(warmup=2.0)

@@ -90,3 +90,20 @@ def test_routes_of_the_other_kind_answer_4xx_naming_the_model(nli, server):
     assert r.status_code == 422 and "embedding model" in r.text
     r = httpx.post(classifier.url + "/predict", json={"inputs": [["a", "b", "c"]]})
     assert r.status_code == 422
+
+
+def test_v1_rerank_usage_counts_the_tokens_of_every_pair(reranker):
+    """`usage.total_tokens` is the tokens the model ran: each (query, document) pair as the model's tokenizer joins it,
+    special tokens included, for every document scored, not only the `top_n` returned."""
+    server, reference = reranker
+    pairs = reference.tokenizer([QUERY] * len(TEXTS), TEXTS)
+    expected = sum(len(ids) for ids in pairs["input_ids"])
+    for top_n in (None, 1):
+        r = httpx.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": TEXTS, "top_n": top_n},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] == {"total_tokens": expected}, top_n
+    # one more document, more tokens: the count follows the request
+    r = httpx.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": [*TEXTS, "one more"]}, timeout=60)
+    more = len(reference.tokenizer(QUERY, "one more")["input_ids"])
+    assert r.json()["usage"]["total_tokens"] == expected + more
