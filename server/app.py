@@ -346,8 +346,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await asyncio.sleep(0.1)
             switch = workers.read_switch()
             if service.ready and switch is not None:  # the others' kernel path, before its first request
-                await service.apply_switch(switch)
-        follower = asyncio.create_task(service.follow_switch()) if service.follows_switch else None
+                await service.shared_switch.apply(switch)
+        follower = asyncio.create_task(service.shared_switch.follow()) if service.follows_switch else None
         rpc = None
         if settings.grpc_port:  # in this event loop: its calls reach the service as the routes' do
             from fusedserve.server.kserve_grpc import KServeGrpc

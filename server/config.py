@@ -53,9 +53,10 @@ class ModelSettings(BaseSettings):
     """Model and device: which models are served, where, and how their forward runs."""
 
     model: str = Field("default", description="'default' (packaged all-MiniLM-L6-v2), a preset (tiny, minilm-l6, "
-                       "bert-base, xlm-roberta-base, mpnet-base, gte-base, nomic-bert-base, modernbert-base: random "
-                       "weights), or a checkpoint dir: a BERT, RoBERTa / XLM-RoBERTa, DistilBERT, MPNet, GTE, "
-                       "NomicBERT or ModernBERT embedding model or classifier, or a SPLADE sparse model")
+                       "bert-base, xlm-roberta-base, mpnet-base, gte-base, nomic-bert-base, modernbert-base, "
+                       "qwen3-0.6b: random weights), or a checkpoint dir: a BERT, RoBERTa / XLM-RoBERTa, DistilBERT, "
+                       "MPNet, GTE, NomicBERT, ModernBERT, DeBERTa-v2/v3, Qwen2/Qwen3, Llama/Mistral or "
+                       "EmbeddingGemma embedding model, a classifier, or a SPLADE sparse model")
     model_name: str = Field("", description="name clients use in requests and responses (default: derived from model)")
     models: Annotated[dict[str, ModelSpec], NoDecode] = Field(
         default_factory=dict, description="several models in one server, e.g. `minilm=default,reranker=/models/ce`: "

@@ -35,9 +35,9 @@ from fusedserve.server.devices import usable_cpus
 from fusedserve.server.engine_client import EngineClient, RemoteJob
 from fusedserve.server.errors import Unavailable
 from fusedserve.server.metrics import Metrics
-from fusedserve.server.model_service import ModelService
+from fusedserve.server.model_service import ModelService, settled
 from fusedserve.server.quantize import CALIBRATION_TEXTS
-from fusedserve.server.service import Service
+from fusedserve.server.service import Service, StartUp
 from fusedserve.server.switches import state
 
 log = logging.getLogger("fusedserve")
@@ -143,7 +143,7 @@ class RemoteModel(ModelService):
         self.check_token_output(rows.tokens)
         deadline = deadline or Deadline.of_request(self.settings.request_timeout_s)
         job = self.batcher.submit(rows, deadline.left(), tokens=True)
-        block = await self._settled(job, rows, request, deadline)
+        block = await settled(self, job, rows, request, deadline)
         return np.split(block, np.cumsum(rows.lengths)[:-1])
 
     def startup_report(self) -> str:
@@ -158,10 +158,23 @@ class RemoteModel(ModelService):
                 "quantization": self.calibration.info()}
 
 
+class FrontendStartUp(StartUp):
+    """A front-end's start-up: no intra-op threads or background work of its own (the engines'), and the tokenizer's
+    thread pool the CPUs shared out among the front-ends."""
+
+    def configure_threads(self) -> None:
+        frontends = max(1, int(self.service.settings.frontends))
+        os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, usable_cpus() // frontends)))
+
+    def run_background(self) -> None:
+        pass
+
+
 class FrontendService(Service):
     """The service of a front-end: its models are RemoteModels over the engines at `addresses`."""
 
     holds_models = False
+    startup = FrontendStartUp
 
     def __init__(self, settings: Settings, addresses: list[str]) -> None:
         self.engines = Engines(addresses)
@@ -172,17 +185,10 @@ class FrontendService(Service):
         return [RemoteModel(self.settings, self.metrics, name, spec, i, self.engines)
                 for i, (name, spec) in enumerate(self.settings.served_models())]
 
-    def configure_threads(self) -> None:
-        """The tokenizer's thread pool: the CPUs shared out among the front-ends (the engines' intra-op threads are
-        theirs)."""
-        os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, usable_cpus() // max(1, self.settings.frontends))))
-
-    def run_background(self) -> None:
-        pass  # the engines' own
-
-    def worker_info(self) -> dict:
-        return {**super().worker_info(), "frontends": self.settings.frontends,
-                "engines": [c.address for c in self.engines.clients]}
+    def info(self) -> dict:
+        body = super().info()
+        body["worker"].update(frontends=self.settings.frontends, engines=[c.address for c in self.engines.clients])
+        return body
 
     def start(self):
         """On the event loop: the engines' connections first, then the start-up thread (Service.start)."""

@@ -210,7 +210,7 @@ class ModelService:
         self.phase, self.progress = "waiting", None
         self.load_error: str | None = None  # why it failed to load (model_load_failure=skip)
         self._preparer = Preparer(lambda inputs, options: self.model.prepare(inputs, options), settings)
-        self._serving = 0  # requests of this model submitted to the batcher and not answered yet (the event loop's)
+        self.in_flight = 0  # requests of this model submitted to the batcher and not answered yet (the event loop's)
         self.cost_model: CostModel | None = None  # fit by warm_up: without warm-up no request is refused by cost
 
     @property
@@ -321,7 +321,7 @@ class ModelService:
         the event loop, long ones on a thread; a 413 or 422 for what the model cannot take). deadline: the request's
         (default: from its arrival, server.deadline)."""
         self.check_count(len(inputs))
-        return await self._preparer(inputs, options, deadline, alone=not self._serving)
+        return await self._preparer(inputs, options, deadline, alone=not self.in_flight)
 
     def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:
         self.check_count(len(rows))
@@ -343,36 +343,7 @@ class ModelService:
         left = deadline.left()
         admit(self, rows, left)
         job = self.batcher.submit(rows, left, normalize=normalize, dimensions=dimensions)
-        return Result(await self._settled(job, rows, request, deadline), rows.tokens)
-
-    async def _settled(self, job, rows: Rows, request: Request | None, deadline: Deadline) -> np.ndarray:
-        """The block a submitted job resolves to (run's waiting: the client's disconnect, the deadline and its
-        grace)."""
-        left = deadline.left()
-        loop = asyncio.get_running_loop()
-        watcher = loop.create_task(_watch(request, job.future)) if request is not None else None
-        expiry = loop.call_later(left + self.settings.request_grace_s, _settle, job.future, _Expired())
-        self._serving += 1
-        try:
-            block = await job.future
-        except ClientGone:
-            self.batcher.cancel(job)
-            raise
-        except _Expired:
-            self.batcher.cancel(job, "timeout")
-            raise deadline.expired() from None
-        except asyncio.CancelledError:
-            self.batcher.cancel(job)
-            raise
-        finally:
-            self._serving -= 1
-            if watcher is not None:
-                watcher.cancel()
-            expiry.cancel()
-        record = CURRENT.get()
-        if record is not None and job.started is not None and job.done is not None:
-            record.served(job.enqueued, job.started, job.done, len(rows), rows.tokens)
-        return block
+        return Result(await settled(self, job, rows, request, deadline), rows.tokens)
 
     async def embed(self, inputs: Sequence, options: TextOptions, request: Request | None, *, normalize: bool = False,
                     dimensions: int | None = None) -> Result:
@@ -443,6 +414,37 @@ def admit(served: ModelService, rows: Rows, left: float) -> None:
     except PayloadTooLarge:
         served.metrics.rejected.labels("predicted_timeout").inc()
         raise
+
+
+async def settled(served: ModelService, job, rows: Rows, request: Request | None, deadline: Deadline) -> np.ndarray:
+    """The block a job submitted to `served.batcher` resolves to (run's waiting): a client that disconnects
+    meanwhile cancels its inputs that have not run; past its deadline it is a 504, request_grace_s later where a batch
+    holding its inputs is running."""
+    left = deadline.left()
+    loop = asyncio.get_running_loop()
+    watcher = loop.create_task(_watch(request, job.future)) if request is not None else None
+    expiry = loop.call_later(left + served.settings.request_grace_s, _settle, job.future, _Expired())
+    served.in_flight += 1
+    try:
+        block = await job.future
+    except ClientGone:
+        served.batcher.cancel(job)
+        raise
+    except _Expired:
+        served.batcher.cancel(job, "timeout")
+        raise deadline.expired() from None
+    except asyncio.CancelledError:
+        served.batcher.cancel(job)
+        raise
+    finally:
+        served.in_flight -= 1
+        if watcher is not None:
+            watcher.cancel()
+        expiry.cancel()
+    record = CURRENT.get()
+    if record is not None and job.started is not None and job.done is not None:
+        record.served(job.enqueued, job.started, job.done, len(rows), rows.tokens)
+    return block
 
 
 async def _between_batches(batcher: Batcher, forward: Callable[[], np.ndarray], request: Request | None,

@@ -40,9 +40,111 @@ def _process_age_s() -> float | None:
     return age if 0 <= age < time.monotonic() + 1 else None
 
 
+class SharedSwitch:
+    """WORKERS > 1: the admin fused switch through the workers' shared state (server.workers): the worker a request
+    reaches publishes it and applies it, every other worker's follower applies each new generation."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.applied = 0  # the latest generation of the admin switch this worker applied
+
+    async def apply(self, switch: dict) -> list[tuple[ModelService, dict]]:
+        """Apply a switch from the shared state and acknowledge it; the one place that moves `applied`."""
+        self.applied = switch["generation"]  # before the await: the follower must not take it up again
+        switched = await self.service.set_fused(switch["enabled"], switch["model"])
+        workers.acknowledge_switch(switch["generation"])
+        return switched
+
+    async def follow(self) -> None:
+        """Apply each new admin switch another worker published, once ready."""
+        while True:
+            await asyncio.sleep(workers.SWITCH_POLL_S)
+            switch = workers.read_switch()
+            if switch is None or switch["generation"] <= self.applied or not self.service.ready:
+                continue
+            try:
+                await self.apply(switch)
+            except Exception:  # logged; the worker keeps its path, and the admin's answer says who did not switch
+                log.exception("applying the admin switch of another worker failed")
+                continue
+            log.warning("admin switch from another worker applied: fused %s (%s)", switch["enabled"],
+                        switch["model"] or "every model")
+
+
+class StartUp:
+    """The start-up's thread (Service.start): the threads' share of the CPUs, then every model loaded and warmed up
+    (Service.load), the start's objects frozen, the start-up report logged and the server ready. A failure is
+    recorded for /readyz and stops the process (Service.on_fatal)."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def run(self) -> None:
+        service = self.service
+        try:
+            self.configure_threads()
+            service.phase = "loading"
+            service.load()
+            if not service.draining:
+                # What the start made (modules, weights' Python objects, compiled kernels, graphs) lives as long as
+                # the process: frozen out of the collector's sight, a later full collection walks only what requests
+                # leave behind instead of pausing a request to walk the start's objects too
+                refreeze()
+                # the report is written before readiness flips, so whoever sees the server ready finds it in the log
+                elapsed, age = time.monotonic() - service._started, _process_age_s()
+                before = f" ({age - elapsed:.1f}s earlier the process started: interpreter, imports, settings)" \
+                    if age is not None else ""
+                try:
+                    log.info("ready in %.1fs%s\n%s", elapsed, before, self.report())
+                except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
+                    log.exception("ready in %.1fs; the start-up report failed", elapsed)
+                service.mark_ready()
+                self.run_background()
+        except BaseException as exc:
+            failing = service.loading
+            named = f"model {failing.name!r} ({failing.spec.path}): " if failing is not None else ""
+            service.load_error = f"{named}{type(exc).__name__}: {exc}"
+            log.critical("start-up failed while %s; stopping", f"{failing.phase} {failing.name}" if failing else
+                         service.phase, exc_info=True)
+            service.phase = "failed"
+            if failing is not None:
+                failing.phase = "failed"
+            if service.on_fatal is not None:
+                service.on_fatal()
+
+    def configure_threads(self) -> None:
+        """Before any model loads: the intra-op threads and the tokenizer's, each worker its share of the CPUs; on a
+        GPU, workers after the first wait for it to fill the kernel cache."""
+        settings = self.service.settings
+        threads = settings.torch_threads or workers.threads_per_worker(settings.workers)
+        if threads:
+            host.set_threads(threads)
+            # the tokenizer's thread pool (rayon's, sized at its first parallel batch, after this) gets the same
+            # share: a pool per worker as wide as the machine spins the other workers' cores for small batches
+            os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+        if host.on_gpu(settings.device):
+            workers.wait_for_the_first()  # on the CPU nothing is compiled or raced: the workers load together
+
+    def run_background(self) -> None:
+        """Once ready: the models' own background work (the rest of their CUDA graphs)."""
+        for m in self.service.serving:
+            if m.model is not None:
+                m.model.run_background(m.batcher)
+
+    def report(self) -> str:
+        s = self.service.settings
+        models = "\n".join(m.startup_report() for m in self.service.models)
+        return (f"{models}\n"
+                f"batching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
+                f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}; "
+                f"verify_sample_rate {s.verify_sample_rate:g} ({s.verify_action}), "
+                f"kernel_timing_sample_rate {s.kernel_timing_sample_rate:g}")
+
+
 class Service:
     # the models run in this process (False: a front-end of engines, server.frontend)
     holds_models = True
+    startup = StartUp  # the start-up's thread
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -69,65 +171,16 @@ class Service:
         if self.holds_models:
             self.metrics.watch_cuda_graphs(
                 lambda: [(m.name, dict(m.model.describe().graphs)) for m in self.models if m.model is not None])
-        self.applied_switch = 0  # WORKERS > 1: the latest generation of the admin switch this worker applied
+        self.shared_switch = SharedSwitch(self)
 
     def _model_services(self) -> list[ModelService]:
         return [ModelService(self.settings, self.metrics, name, spec) for name, spec in self.settings.served_models()]
 
     @property
     def follows_switch(self) -> bool:
-        """WORKERS > 1: the admin switch reaches the other workers through their shared state (front-ends of engines
-        send it to the engines instead)."""
+        """WORKERS > 1: the admin switch reaches the other workers through their shared state (SharedSwitch;
+        front-ends of engines send it to the engines instead)."""
         return workers.state_dir() is not None and self.holds_models
-
-    def configure_threads(self) -> None:
-        """The start-up thread, before any model loads: the intra-op threads and the tokenizer's, each worker its
-        share of the CPUs; on a GPU, workers after the first wait for it to fill the kernel cache."""
-        threads = self.settings.torch_threads or workers.threads_per_worker(self.settings.workers)
-        if threads:
-            host.set_threads(threads)
-            # the tokenizer's thread pool (rayon's, sized at its first parallel batch, after this) gets the same
-            # share: a pool per worker as wide as the machine spins the other workers' cores for small batches
-            os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
-        if host.on_gpu(self.settings.device):
-            workers.wait_for_the_first()  # on the CPU nothing is compiled or raced: the workers load together
-
-    def run_background(self) -> None:
-        """Once ready: the models' own background work (the rest of their CUDA graphs)."""
-        for m in self.serving:
-            if m.model is not None:
-                m.model.run_background(m.batcher)
-
-    def worker_info(self) -> dict:
-        """/info's `worker`: the process that answered, of how many, and its threads (intra-op; the tokenizer's,
-        where sized)."""
-        return {"pid": os.getpid(), "workers": self.settings.workers, "device": self.device,
-                "index": int(os.environ.get(workers.INDEX_ENV, "0")),
-                "torch_threads": host.threads() if self.holds_models else None,
-                "tokenizer_threads": int(os.environ.get("RAYON_NUM_THREADS", "0")) or None}
-
-    async def apply_switch(self, switch: dict) -> list[tuple[ModelService, dict]]:
-        """WORKERS > 1: apply an admin switch from the workers' shared state (server.workers) and acknowledge it; the
-        one place that moves applied_switch."""
-        self.applied_switch = switch["generation"]  # before the await: the watcher must not take it up again
-        switched = await self.set_fused(switch["enabled"], switch["model"])
-        workers.acknowledge_switch(switch["generation"])
-        return switched
-
-    async def follow_switch(self) -> None:
-        """WORKERS > 1: apply each new admin switch another worker published, once ready."""
-        while True:
-            await asyncio.sleep(workers.SWITCH_POLL_S)
-            switch = workers.read_switch()
-            if switch is None or switch["generation"] <= self.applied_switch or not self.ready:
-                continue
-            try:
-                await self.apply_switch(switch)
-            except Exception:  # logged; the worker keeps its path, and the admin's answer says who did not switch
-                log.exception("applying the admin switch of another worker failed")
-                continue
-            log.warning("admin switch from another worker applied: fused %s (%s)", switch["enabled"],
-                        switch["model"] or "every model")
 
     # ---- which model a request means ------------------------------------------------------------
     @property
@@ -225,7 +278,7 @@ class Service:
         it, and on_fatal (set by `fusedserve serve`) stops the process; with model_load_failure=skip a model's
         failure is reported and the others serve. A daemon thread: a SIGTERM during the load ends the process
         without waiting for it."""
-        thread = threading.Thread(target=StartUp(self).run, name="fusedserve-load", daemon=True)
+        thread = threading.Thread(target=self.startup(self).run, name="fusedserve-load", daemon=True)
         thread.start()
         return thread
 
@@ -307,57 +360,10 @@ class Service:
             "verify": {"sample_rate": s.verify_sample_rate, "action": s.verify_action,
                        "tolerance": s.verify_tolerance},
             "model_load_failure": s.model_load_failure,
-            "worker": self.worker_info(),
+            # the process that answered, of how many, and its threads (intra-op; the tokenizer's, where sized)
+            "worker": {"pid": os.getpid(), "workers": s.workers, "device": self.device,
+                       "index": int(os.environ.get(workers.INDEX_ENV, "0")),
+                       "torch_threads": host.threads() if self.holds_models else None,
+                       "tokenizer_threads": int(os.environ.get("RAYON_NUM_THREADS", "0")) or None},
             "models": entries,
         }
-
-
-class StartUp:
-    """The start-up's thread (Service.start): the threads' share of the CPUs, then every model loaded and warmed up
-    (Service.load), the start's objects frozen, the start-up report logged and the server ready. A failure is
-    recorded for /readyz and stops the process (Service.on_fatal)."""
-
-    def __init__(self, service: Service) -> None:
-        self.service = service
-
-    def run(self) -> None:
-        service = self.service
-        try:
-            service.configure_threads()
-            service.phase = "loading"
-            service.load()
-            if not service.draining:
-                # What the start made (modules, weights' Python objects, compiled kernels, graphs) lives as long as
-                # the process: frozen out of the collector's sight, a later full collection walks only what requests
-                # leave behind instead of pausing a request to walk the start's objects too
-                refreeze()
-                # the report is written before readiness flips, so whoever sees the server ready finds it in the log
-                elapsed, age = time.monotonic() - service._started, _process_age_s()
-                before = f" ({age - elapsed:.1f}s earlier the process started: interpreter, imports, settings)" \
-                    if age is not None else ""
-                try:
-                    log.info("ready in %.1fs%s\n%s", elapsed, before, self.report())
-                except Exception:  # the report is for reading: a bug in it must not stop a server that is ready
-                    log.exception("ready in %.1fs; the start-up report failed", elapsed)
-                service.mark_ready()
-                service.run_background()
-        except BaseException as exc:
-            failing = service.loading
-            named = f"model {failing.name!r} ({failing.spec.path}): " if failing is not None else ""
-            service.load_error = f"{named}{type(exc).__name__}: {exc}"
-            log.critical("start-up failed while %s; stopping", f"{failing.phase} {failing.name}" if failing else
-                         service.phase, exc_info=True)
-            service.phase = "failed"
-            if failing is not None:
-                failing.phase = "failed"
-            if service.on_fatal is not None:
-                service.on_fatal()
-
-    def report(self) -> str:
-        s = self.service.settings
-        models = "\n".join(m.startup_report() for m in self.service.models)
-        return (f"{models}\n"
-                f"batching: max_batch_tokens {s.max_batch_tokens}, max_batch_requests "
-                f"{s.max_batch_requests}, max_wait_ms {s.max_wait_ms:g}, max_queue {s.max_queue}; "
-                f"verify_sample_rate {s.verify_sample_rate:g} ({s.verify_action}), "
-                f"kernel_timing_sample_rate {s.kernel_timing_sample_rate:g}")

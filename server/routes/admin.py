@@ -46,7 +46,7 @@ async def set_fused(body: FusedSwitch, service: ServiceDep) -> dict:
     service.check_ready()
     if service.follows_switch:
         switch = workers.publish_switch(body.enabled, body.model)
-        switched = await service.apply_switch(switch)
+        switched = await service.shared_switch.apply(switch)
     else:
         switch, switched = None, await service.set_fused(body.enabled, body.model)
     # auto attention follows the switch (the few-token layer only while its ops are fused)
