@@ -219,6 +219,11 @@ class Pending(Protocol):
     def rows(self) -> np.ndarray: ...
 
 
+# launch's outputs: rows [n, dim] of the model's kind; per-token states [tokens, hidden]; BGE-M3's multi-vectors
+# [tokens - n, dim] and sparse vectors [n, vocabulary]
+Output = Literal["pooled", "tokens", "colbert", "sparse"]
+
+
 @dataclass(frozen=True)
 class Description:
     """What a model is and how it runs now. The server reads the typed fields; `info` goes into /info as it is and
@@ -238,6 +243,9 @@ class Description:
     graphs: Mapping[str, object] = field(default_factory=dict)  # CUDA graph counters ({} without graphs)
     memory: Mapping[str, int] = field(default_factory=dict)    # bytes held on the device, by what holds them
     text: TextSpec | None = None   # how inputs become token ids, as data (prepare's rules)
+    # what launch(output=...) gives: "pooled" (the kind's rows) and "tokens" (per-token states) for every model;
+    # BGE-M3 adds "colbert" (normalized multi-vectors of every token after the first) and "sparse" ([vocabulary])
+    outputs: tuple[str, ...] = ("pooled", "tokens")
     info: Mapping[str, object] = field(default_factory=dict)   # the rest of /info's entry
     report: str = ""
 
@@ -252,7 +260,7 @@ class Description:
     def from_json(cls, text: str) -> Description:
         fields = json.loads(text)
         spec = fields.pop("text")
-        return cls(**{**fields, "labels": tuple(fields["labels"])},
+        return cls(**{**fields, "labels": tuple(fields["labels"]), "outputs": tuple(fields["outputs"])},
                    text=None if spec is None else TextSpec.from_json(json.dumps(spec)))
 
 
@@ -277,10 +285,10 @@ class ServedModel(Protocol):
 
     def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]: ...
 
-    def launch(self, rows: Rows, *, output: Literal["pooled", "tokens"] = "pooled",
-               reference: bool = False) -> Pending:
-        """Start the forward of `rows` on the worker thread; reference=True runs this one batch on the torch
-        reference (a fused forward that failed), the path staying as it is."""
+    def launch(self, rows: Rows, *, output: Output = "pooled", reference: bool = False) -> Pending:
+        """Start the forward of `rows` on the worker thread, for one of the model's `Description.outputs`;
+        reference=True runs this one batch on the torch reference (a fused forward that failed), the path staying
+        as it is."""
 
     def time_ops(self, rows: Rows, callback: Callable[[str, str, float], None]) -> Iterator[None]:
         """The eager forward of `rows` with every op timed, one block per step; callback(op, backend, seconds)."""

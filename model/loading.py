@@ -19,7 +19,8 @@ from fusedserve.model import describing, host
 from fusedserve.model.api import name_of
 from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
 from fusedserve.model.families import family
-from fusedserve.model.modules import Classifier, Pipeline, masked_lm_tensors, read_classifier, read_pipeline
+from fusedserve.model.modules import (Classifier, Pipeline, masked_lm_tensors, read_classifier, read_m3_heads,
+                                      read_pipeline)
 from fusedserve.model.tokenizer import TextTokenizer
 from fusedserve.model.weights import check_encoder_only, default_model_dir, load_checkpoint, read_config
 
@@ -145,6 +146,10 @@ def read_model(model: str, pooling: str | None = None, name: str | None = None,
             raise UnsupportedModel(f"{name} is a classifier (its head reads the first token): POOLING does not apply")
         return read
     read.pipeline = read_pipeline(path, pooling, family(encoder.config).pooling)
+    if (m3 := read_m3_heads(path, encoder.config.hidden_size)) is not None:
+        if read.pipeline.sparse is not None:
+            raise UnsupportedModel(f"{name}: a SPLADE head and BGE-M3's heads in one directory")
+        read.pipeline = dataclasses.replace(read.pipeline, m3=m3)
     if read.pipeline.sparse is not None:
         hf = json.loads((path / "config.json").read_text())
         read.pipeline = dataclasses.replace(read.pipeline, sparse=masked_lm_tensors(read.pipeline.sparse, rest,

@@ -10,6 +10,11 @@ Sparse models (sentence-transformers' SparseEncoder: modules.json MLMTransformer
 the family's masked-LM head over every token, log(1 + relu(logit)) and the max over each input's tokens: one
 vocabulary-wide vector per input, most of it zero (SparseHead; the [tokens, vocabulary] logits are never written).
 
+BGE-M3 (FlagEmbedding's M3Embedder: colbert_linear.pt and sparse_linear.pt beside the checkpoint): the dense vector
+is the sentence-transformers pipeline's (CLS, normalized); the same forward's per-token states also give the
+multi-vector output (colbert_linear over every token after the first, each row normalized) and the sparse one
+(ReLU(sparse_linear) a token's weight, each token id's largest weight kept, special tokens dropped): M3Head.
+
 Classifiers (config.json architectures `*ForSequenceClassification`): the architecture's own head on the first token
 (the family's ClassifierHead: BERT pooler + tanh + classifier, DistilBERT pre_classifier + ReLU + classifier, ...),
 logits out; the activation (sigmoid for one label, softmax otherwise, or what config.json's sentence_transformers
@@ -72,6 +77,46 @@ _SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
 
 
 @dataclass(frozen=True)
+class M3Heads:
+    """BGE-M3's two heads beside its dense output, as FlagEmbedding saves them (torch state dicts of Linear layers):
+    colbert [dim, hidden] + [dim], sparse [1, hidden] + [1]."""
+
+    colbert_weight: Tensor
+    colbert_bias: Tensor
+    sparse_weight: Tensor
+    sparse_bias: Tensor
+
+
+M3_FILES = ("colbert_linear.pt", "sparse_linear.pt")
+M3_DROPPED = ("cls_token", "eos_token", "pad_token", "unk_token")  # special tokens without a sparse weight
+
+
+def read_m3_heads(path: Path, hidden: int) -> M3Heads | None:
+    """The BGE-M3 heads of a model directory (None where it has neither file). Loaded with weights_only=True: a
+    pickle that holds anything but tensors is refused by torch, not run."""
+    found = [name for name in M3_FILES if (path / name).is_file()]
+    if not found:
+        return None
+    if len(found) == 1:
+        raise UnsupportedModel(f"a BGE-M3 directory holds both {' and '.join(M3_FILES)}; {path} has only {found[0]}")
+    heads = []
+    for name in M3_FILES:
+        try:
+            state = torch.load(path / name, map_location="cpu", weights_only=True)
+            weight, bias = state["weight"].float(), state["bias"].float()
+        except Exception as exc:  # a pickle of anything else, or a state dict without a Linear's tensors
+            raise UnsupportedModel(f"{name}: not a Linear layer's state dict ({type(exc).__name__}: {exc})") from None
+        if weight.ndim != 2 or weight.shape[1] != hidden or bias.shape != weight.shape[:1]:
+            raise UnsupportedModel(f"{name}: weight {tuple(weight.shape)} and bias {tuple(bias.shape)} do not make a "
+                                   f"Linear layer from the encoder's {hidden} features")
+        heads.append((weight, bias))
+    (colbert_weight, colbert_bias), (sparse_weight, sparse_bias) = heads
+    if sparse_weight.shape[0] != 1:
+        raise UnsupportedModel(f"sparse_linear.pt: {sparse_weight.shape[0]} outputs; BGE-M3's sparse head has one")
+    return M3Heads(colbert_weight, colbert_bias, sparse_weight, sparse_bias)
+
+
+@dataclass(frozen=True)
 class Pipeline:
     """An embedding model's pipeline after the encoder."""
 
@@ -83,6 +128,7 @@ class Pipeline:
     do_lower_case: bool = False
     source: str = "sentence-transformers"
     sparse: Sparse | None = None  # a SPLADE model's head instead of pooling
+    m3: M3Heads | None = None  # BGE-M3's multi-vector and sparse heads beside the pooled output
 
 
 @dataclass(frozen=True)
@@ -458,6 +504,37 @@ class SparseHead(nn.Module):
 
     def _activate(self, pooled: Tensor) -> Tensor:
         return pooled.log1p() if self.activation == "log1p_relu" else pooled
+
+
+class M3Head(nn.Module):
+    """BGE-M3's multi-vector and sparse outputs, from the encoder's per-token states of a batch (float32 [tokens,
+    hidden], each input's rows back to back, special tokens included), as FlagEmbedding's M3Embedder computes them:
+    - multi-vector: colbert_linear over every token after each input's first, each row L2-normalized: [tokens - n,
+      dim];
+    - sparse: ReLU(sparse_linear) per token, each input's largest weight per token id ([n, vocabulary], zero where
+      an id is absent), the special tokens `dropped` (CLS, EOS, PAD, UNK) zero.
+    Plain torch in float32, after the encoder's forward: the per-token states are already on the host for these."""
+
+    def __init__(self, heads: M3Heads, vocab_size: int, dropped: tuple[int, ...]) -> None:
+        super().__init__()
+        self.colbert_weight, self.colbert_bias = heads.colbert_weight, heads.colbert_bias
+        self.sparse_weight, self.sparse_bias = heads.sparse_weight, heads.sparse_bias
+        self.vocab_size, self.dropped = vocab_size, [i for i in dropped if 0 <= i < vocab_size]
+        self.colbert_dim = heads.colbert_weight.shape[0]
+
+    def colbert(self, hidden: Tensor, lengths: Tensor) -> Tensor:
+        keep = torch.ones(hidden.shape[0], dtype=torch.bool)
+        keep[torch.cumsum(lengths, 0) - lengths] = False  # each input's first token (CLS) has no vector
+        return F.normalize(F.linear(hidden[keep], self.colbert_weight, self.colbert_bias), dim=-1)
+
+    def sparse(self, hidden: Tensor, ids: Tensor, lengths: Tensor) -> Tensor:
+        weights = torch.relu(F.linear(hidden, self.sparse_weight, self.sparse_bias)).squeeze(-1)
+        row = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        out = torch.zeros(len(lengths) * self.vocab_size)
+        out.scatter_reduce_(0, row * self.vocab_size + ids.long(), weights, "amax")  # weights >= 0: zeros stay below
+        out = out.view(len(lengths), self.vocab_size)
+        out[:, self.dropped] = 0.0
+        return out
 
 
 class ClassificationHead(nn.Module):

@@ -20,7 +20,8 @@ from fusedserve.model.families import family
 from fusedserve.model.forwards import Forwards, Pending
 from fusedserve.model.kernel_path import KernelPath
 from fusedserve.model.loading import LoadReport
-from fusedserve.model.modules import Classifier, EmbeddingHead, Pipeline, SparseHead, classification_head
+from fusedserve.model.modules import (M3_DROPPED, Classifier, EmbeddingHead, M3Head, Pipeline, SparseHead,
+                                      classification_head)
 from fusedserve.model.tokenizer import PairIds, TextPreparation, TextTokenizer
 from fusedserve.model.warmup import WarmupPlanner
 
@@ -59,6 +60,9 @@ class Embedder:
             else:
                 head = EmbeddingHead(self.pipeline, self.config.hidden_size)
         self.head = head.to(device).eval().requires_grad_(False)
+        # BGE-M3's other outputs, from the per-token states on the host (FlagEmbedding drops these specials' weights)
+        self.m3 = M3Head(self.pipeline.m3, self.config.vocab_size, tokenizer.special_ids(M3_DROPPED)
+                         if tokenizer is not None else ()) if self.pipeline is not None and self.pipeline.m3 else None
         self.kind = "classifier" if classifier is not None else "sparse" if self.pipeline.sparse else "embedding"
         # the one place inputs become token ids (prompts, lower-casing, pairs, truncation)
         self.text = TextPreparation(

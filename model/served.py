@@ -11,14 +11,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal
 
 import numpy as np
 import torch
 
 from fusedserve import kernels
 from fusedserve.model import describing
-from fusedserve.model.api import Description, LoadOptions, OutOfDeviceMemory, Rows, TextOptions, Worker, name_of
+from fusedserve.model.api import (Description, InputError, LoadOptions, OutOfDeviceMemory, Output, Rows, TextOptions,
+                                  Worker, name_of)
 from fusedserve.model.forwards import Pending
 from fusedserve.model.loading import LoadReport, cpu_isa
 from fusedserve.model.runner import Embedder
@@ -125,6 +125,7 @@ class Served:
             activation=classifier.activation if classifier is not None else "identity",
             fused=path.fused, path=path.label, precision=path.active_precision, kernels=dict(path.selection.used),
             graphs=graphs, memory=memory, text=self._text,
+            outputs=("pooled", "tokens", "colbert", "sparse") if e.m3 is not None else ("pooled", "tokens"),
             info={"max_seq_length": self._limit, "device": str(e.device),
                   "dtype": str(e.dtype).removeprefix("torch."), "cpu_isa": cpu_isa(e.device, e.dtype), **state},
             report=self._report())
@@ -148,11 +149,18 @@ class Served:
         return self.embedder.text.decode(rows, skip_special_tokens)
 
     # ---- forwards (the worker's thread) -----------------------------------------------------------------------
-    def launch(self, rows: Rows, *, output: Literal["pooled", "tokens"] = "pooled", reference: bool = False) -> _Block:
+    def launch(self, rows: Rows, *, output: Output = "pooled", reference: bool = False) -> _Block:
         e = self.embedder
         with _device_memory_errors():
             if output == "tokens":
                 return _Block(Pending(e.forwards.embed_tokens(rows)), e.kernel_path.label)
+            if output in ("colbert", "sparse"):
+                if e.m3 is None:
+                    raise InputError(f"model {self.name} has no {output} output (BGE-M3's heads)", param="output")
+                hidden, lengths = e.forwards.embed_tokens(rows), torch.as_tensor(rows.lengths)
+                block = e.m3.colbert(hidden, lengths) if output == "colbert" else \
+                    e.m3.sparse(hidden, torch.as_tensor(rows.ids), lengths)
+                return _Block(Pending(block), e.kernel_path.label)
             if reference:
                 return _Block(Pending(e.embed_ids(rows, normalize=False, reference=True)), "reference")
             return _Block(e.launch_ids(rows), e.kernel_path.label)

@@ -141,6 +141,23 @@ class TextTokenizer:
         """Token ids per text, [CLS] ... [SEP] included. Without truncation, too-long inputs raise InputTooLong."""
         return [e.ids for e in self.encodings(texts, truncate)]
 
+    def special_ids(self, names: tuple[str, ...]) -> tuple[int, ...]:
+        """The ids of the special tokens `names` (cls_token, eos_token, ...) as tokenizer_config.json or
+        special_tokens_map.json name them, where the model has them."""
+        named: dict = {}
+        for file in ("special_tokens_map.json", "tokenizer_config.json"):  # the second's names win, as transformers'
+            try:
+                named.update(json.loads((self.path.parent / file).read_text()))
+            except (OSError, ValueError):
+                continue
+        ids = []
+        for name in names:
+            token = named.get(name)
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str) and (found := self._full.token_to_id(token)) is not None:
+                ids.append(found)
+        return tuple(dict.fromkeys(ids))
+
     @property
     def untruncated(self) -> Tokenizer:
         """The HF tokenizer without truncation or padding: token offsets (/tokenize), decoding, left-side truncation."""

@@ -25,7 +25,6 @@ import os
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -151,15 +150,15 @@ class Engine:
                 served, left = self.models[s.model], s.deadline - now
                 if left <= 0:
                     raise not_served(served.settings.request_timeout_s)
-                if not s.tokens:  # token_rows checks and admits its own (its refusal is the task's answer)
+                if s.output == "pooled":  # output_rows checks and admits its own (its refusal is the task's answer)
                     admit(served, s.rows, left)
                     job = served.batcher.submit(s.rows, left, normalize=s.normalize, dimensions=s.dimensions)
             except ServiceError as exc:
                 self._answer(identity, wire.Answer(s.id, None, exc, None, None, None))
                 continue
-            if s.tokens:
+            if s.output != "pooled":
                 deadline = Deadline(s.deadline, served.settings.request_timeout_s)
-                task = asyncio.get_running_loop().create_task(served.token_rows(s.rows, deadline=deadline))
+                task = asyncio.get_running_loop().create_task(served.output_rows(s.rows, s.output, deadline=deadline))
                 self._jobs[(identity, s.id)] = (served, task)
                 task.add_done_callback(functools.partial(self._tokens_done, identity, s.id))
                 continue
@@ -177,7 +176,7 @@ class Engine:
         if self._jobs.pop((identity, rid), None) is None or task.cancelled():
             return
         error = _answerable(task.exception(), identity, rid)
-        rows = None if error else np.concatenate(task.result())
+        rows = None if error else task.result()
         self._answer(identity, wire.Answer(rid, rows, error, None, None, None))
 
     def _answer(self, identity: bytes, answer: wire.Answer) -> None:

@@ -95,13 +95,13 @@ class EngineClient:
             self._switched.pop(ticket, None)
 
     def submit(self, model: int, rows: Rows, timeout_s: float, *, normalize: bool = False,
-               dimensions: int | None = None, tokens: bool = False) -> RemoteJob:
-        """Queue a request for this tick's message; its job's future resolves as Batcher.submit's does, or with
-        tokens=True to every token's row [rows.tokens, width] (ModelService.token_rows' blocks, back to back)."""
+               dimensions: int | None = None, output: str = "pooled") -> RemoteJob:
+        """Queue a request for this tick's message; its job's future resolves as Batcher.submit's does, or, for another
+        `output` ("tokens", "sparse"), to ModelService.output_rows' block."""
         loop = asyncio.get_running_loop()
         job = RemoteJob(next(self._ids), loop.create_future(), self)
         self._jobs[job.id] = job
-        self._outbox.append((job.id, model, rows, normalize, dimensions, time.monotonic() + timeout_s, tokens))
+        self._outbox.append((job.id, model, rows, normalize, dimensions, time.monotonic() + timeout_s, output))
         self._schedule(loop)
         return job
 

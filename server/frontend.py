@@ -90,9 +90,9 @@ class RemoteBatcher:
         self.engines, self.index = engines, index
 
     def submit(self, rows: Rows, timeout_s: float, *, normalize: bool = False, dimensions: int | None = None,
-               tokens: bool = False) -> RemoteJob:
+               output: str = "pooled") -> RemoteJob:
         return self.engines.pick().submit(self.index, rows, timeout_s, normalize=normalize, dimensions=dimensions,
-                                          tokens=tokens)
+                                          output=output)
 
     def cancel(self, job: RemoteJob, reason: str = "cancelled") -> None:
         job.client.cancel(job, reason)
@@ -138,13 +138,13 @@ class RemoteModel(ModelService):
     def stop(self, timeout_s: float) -> bool:
         return True  # nothing runs here: the engine answers what it accepted before it stops
 
-    async def token_rows(self, rows: Rows, request: Request | None = None,
-                         deadline: Deadline | None = None) -> list[np.ndarray]:
-        self.check_token_output(rows.tokens)
+    async def output_rows(self, rows: Rows, output: str, request: Request | None = None,
+                          deadline: Deadline | None = None) -> np.ndarray:
+        if output == "tokens":
+            self.limits.token_output(rows.tokens)
         deadline = deadline or Deadline.of_request(self.settings.request_timeout_s)
-        job = self.batcher.submit(rows, deadline.left(), tokens=True)
-        block = await settled(self, job, rows, request, deadline)
-        return np.split(block, np.cumsum(rows.lengths)[:-1])
+        job = self.batcher.submit(rows, deadline.left(), output=output)
+        return await settled(self, job, rows, request, deadline)
 
     def startup_report(self) -> str:
         named = f"serving as {self.name}: " if self.name != self.description.name else ""

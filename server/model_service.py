@@ -189,6 +189,31 @@ def _load_options(settings: Settings, spec: ModelSpec) -> LoadOptions:
         graphs_before_ready=s.cuda_graphs_before_ready if s.cuda_graph_warmup and s.warmup else None)
 
 
+class Limits:
+    """A model's per-request limits that no model input decides: the inputs' count, per-token output, dimensions."""
+
+    def __init__(self, settings: Settings, dim: Callable[[], int]) -> None:
+        self.settings, self._dim = settings, dim
+
+    def count(self, n: int) -> None:
+        if n == 0:
+            raise BadRequest("no inputs given")
+        if n > self.settings.max_client_batch:
+            raise PayloadTooLarge(f"{n} inputs in one request; the limit is {self.settings.max_client_batch}")
+
+    def token_output(self, tokens: int) -> None:
+        """A per-token answer (/tokenize, /decode, /embed_all) covers at most max_batch_tokens tokens: its size
+        grows with each token."""
+        if tokens > self.settings.max_batch_tokens:
+            raise PayloadTooLarge(f"{tokens} tokens in one request; per-token output is limited to "
+                                  f"max_batch_tokens ({self.settings.max_batch_tokens})")
+
+    def dimensions(self, dimensions: int | None) -> None:
+        dim = self._dim()
+        if dimensions is not None and not 1 <= dimensions <= dim:
+            raise BadRequest(f"dimensions must be between 1 and {dim}", param="dimensions")
+
+
 class ModelService:
     """One model: its start-up (load, warm-up) and shutdown, the request path, its /info entry. Where its inputs are
     prepared (Preparer), its requests' deadlines (server.deadline), its output-type calibration (server.calibration)
@@ -209,6 +234,7 @@ class ModelService:
         # start-up as /readyz and /info report it; written by the loading thread only
         self.phase, self.progress = "waiting", None
         self.load_error: str | None = None  # why it failed to load (model_load_failure=skip)
+        self.limits = Limits(settings, lambda: self.dim)
         self._preparer = Preparer(lambda inputs, options: self.model.prepare(inputs, options), settings)
         self.in_flight = 0  # requests of this model submitted to the batcher and not answered yet (the event loop's)
         self.cost_model: CostModel | None = None  # fit by warm_up: without warm-up no request is refused by cost
@@ -298,34 +324,17 @@ class ModelService:
         return drained
 
     # ---- the request path (the event loop) ----------------------------------------------------------
-    def check_count(self, n: int) -> None:
-        if n == 0:
-            raise BadRequest("no inputs given")
-        if n > self.settings.max_client_batch:
-            raise PayloadTooLarge(f"{n} inputs in one request; the limit is {self.settings.max_client_batch}")
-
-    def check_token_output(self, tokens: int) -> None:
-        """A per-token answer (/tokenize, /decode, /embed_all) covers at most max_batch_tokens tokens: its size
-        grows with each token."""
-        if tokens > self.settings.max_batch_tokens:
-            raise PayloadTooLarge(f"{tokens} tokens in one request; per-token output is limited to "
-                                  f"max_batch_tokens ({self.settings.max_batch_tokens})")
-
-    def check_dimensions(self, dimensions: int | None) -> None:
-        if dimensions is not None and not 1 <= dimensions <= self.dim:
-            raise BadRequest(f"dimensions must be between 1 and {self.dim}", param="dimensions")
-
     async def prepare(self, inputs: Sequence, options: TextOptions = TextOptions(), *,
                       deadline: Deadline | None = None) -> Rows:
         """The request's inputs (texts, text pairs or token-id rows) as the model's Rows (Preparer: short requests on
         the event loop, long ones on a thread; a 413 or 422 for what the model cannot take). deadline: the request's
         (default: from its arrival, server.deadline)."""
-        self.check_count(len(inputs))
+        self.limits.count(len(inputs))
         return await self._preparer(inputs, options, deadline, alone=not self.in_flight)
 
     def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:
-        self.check_count(len(rows))
-        self.check_token_output(sum(map(len, rows)))
+        self.limits.count(len(rows))
+        self.limits.token_output(sum(map(len, rows)))
         try:
             return self.model.decode(rows, skip_special_tokens)
         except InputError as exc:
@@ -352,20 +361,44 @@ class ModelService:
         return await self.run(await self.prepare(inputs, options, deadline=deadline), request, normalize=normalize,
                               dimensions=dimensions, deadline=deadline)
 
+    @property
+    def multi_vector(self) -> bool:
+        """A model whose per-token output is its multi-vectors (BGE-M3's: every token after the first), not its
+        hidden states."""
+        return "colbert" in self.description.outputs
+
     async def token_rows(self, rows: Rows, request: Request | None = None,
                          deadline: Deadline | None = None) -> list[np.ndarray]:
-        """Per-token hidden states ([tokens, dim] float32 per input, special tokens included), as one forward on
-        the batcher's thread between batches. A client that disconnects while the forward waits (ClientGone), or a
-        deadline that passes (504; default: request_timeout_s from the request's arrival), has it skipped."""
-        self.check_token_output(rows.tokens)
+        """Per input, its per-token rows: the hidden states ([tokens, dim] float32, special tokens included), or a
+        multi-vector model's vectors ([tokens - 1, dim], the first token's left out)."""
+        block = await self.output_rows(rows, "tokens", request, deadline)
+        counts = rows.lengths - 1 if self.multi_vector else rows.lengths
+        return np.split(block, np.cumsum(counts)[:-1])
+
+    async def sparse_rows(self, rows: Rows, request: Request | None = None,
+                          deadline: Deadline | None = None) -> np.ndarray:
+        """[n, vocabulary] sparse vectors: a SPLADE model's rows from the batches, BGE-M3's from its sparse head."""
+        if self.kind == "sparse":
+            return (await self.run(rows, request, deadline=deadline)).rows
+        return await self.output_rows(rows, "sparse", request, deadline)
+
+    async def output_rows(self, rows: Rows, output: str, request: Request | None = None,
+                          deadline: Deadline | None = None) -> np.ndarray:
+        """One block of `output` ("tokens": per-token rows back to back; "sparse": BGE-M3's [n, vocabulary]), as one
+        forward on the batcher's thread between batches. A client that disconnects while the forward waits
+        (ClientGone), or a deadline that passes (504; default: request_timeout_s from the request's arrival), has it
+        skipped."""
+        if output == "tokens":
+            self.limits.token_output(rows.tokens)
         deadline = deadline or Deadline.of_request(self.settings.request_timeout_s)
         admit(self, rows, deadline.left())
-        block, stamps = await _between_batches(self.batcher, lambda: self.model.launch(rows, output="tokens").rows(),
+        launched = "colbert" if output == "tokens" and self.multi_vector else output
+        block, stamps = await _between_batches(self.batcher, lambda: self.model.launch(rows, output=launched).rows(),
                                                request, deadline)
         record = CURRENT.get()
         if record is not None:
             record.served(*stamps, len(rows), rows.tokens)
-        return np.split(block, np.cumsum(rows.lengths)[:-1])
+        return block
 
     async def output(self, rows: np.ndarray, encoding: str, *, normalize: bool, dimensions: int | None = None):
         """Embeddings shaped as the request asked (run's normalize and dimensions) in the output type it asked

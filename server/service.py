@@ -40,6 +40,13 @@ def _process_age_s() -> float | None:
     return age if 0 <= age < time.monotonic() + 1 else None
 
 
+def _serves(model: ModelService, kind: str) -> bool:
+    """Whether a route of `kind` can serve the model: its own kind, or sparse vectors from a model that gives them
+    beside its dense ones (BGE-M3: Description.outputs)."""
+    return model.kind == kind or kind == "sparse" and model.description is not None and \
+        "sparse" in model.description.outputs
+
+
 class SharedSwitch:
     """WORKERS > 1: the admin fused switch through the workers' shared state (server.workers): the worker a request
     reaches publishes it and applies it, every other worker's follower applies each new generation."""
@@ -209,7 +216,7 @@ class Service:
             chosen = self._first_of(kind)
         if chosen.load_error is not None:
             raise Unavailable(f"model {chosen.name!r} failed to load ({chosen.load_error})")
-        if kind is not None and chosen.kind != kind:
+        if kind is not None and not _serves(chosen, kind):
             served = chosen.kind
             use = {"classifier": "/rerank, /v1/rerank or /predict",
                    "sparse": "/embed_sparse, or /v1/embeddings with encoding_format sparse"}.get(
@@ -226,7 +233,7 @@ class Service:
             if m.load_error is not None:
                 raise Unavailable(f"model {m.name!r} failed to load ({m.load_error}), and a request without a model "
                                   f"name may have meant it: name one of {self.names()}", param="model")
-            if kind is None or m.kind == kind:
+            if kind is None or _serves(m, kind):
                 return m
         return self.default  # none serves this kind: the kind check answers, naming what it serves
 

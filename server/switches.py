@@ -35,9 +35,11 @@ def refreeze() -> None:
 
 
 def state(description: Description) -> dict:
-    """What /info and the fused switch's answer say of a model: kind, dim, head, labels or prompts, fused,
-    fallback, kernels, attention, CUDA graphs."""
-    return {"kind": description.kind, "dim": description.dim, **description.info}
+    """What /info and the fused switch's answer say of a model: kind, dim, its outputs (model.api.Output: "colbert"
+    and "sparse" beside "pooled" and "tokens" for BGE-M3), head, labels or prompts, fused, fallback, kernels,
+    attention, CUDA graphs."""
+    return {"kind": description.kind, "dim": description.dim, "outputs": list(description.outputs),
+            **description.info}
 
 
 class Switches:

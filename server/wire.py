@@ -38,7 +38,10 @@ REQUEST = np.dtype([("id", "<u8"), ("model", "<u2"), ("flags", "u1"), ("normaliz
 REPLY = np.dtype([("id", "<u8"), ("status", "<u2"), ("rows", "<u4"), ("width", "<u4"), ("enqueued", "<f8"),
                   ("started", "<f8"), ("done", "<f8")])
 HAS_PAIRS = 1  # flags: the request's rows carry second-text starts
-TOKENS = 2  # flags: the answer is every token's row ([tokens, width], /embed_all), not one row per input
+# flags: what the answer holds (ModelService.output_rows): one row per input from the batches (neither flag), every
+# token's row (/embed_all: [tokens, width], BGE-M3's multi-vectors [tokens - n, width]) or BGE-M3's sparse vectors
+TOKENS, SPARSE = 2, 4
+OUTPUTS = {"pooled": 0, "tokens": TOKENS, "sparse": SPARSE}
 NO_STAMP = -1.0  # a stamp the engine did not take (the request failed before its first batch)
 
 # an error's status -> its class, to raise the same ServiceError on the front-end as the engine's
@@ -70,7 +73,7 @@ class Submit:
     normalize: bool
     dimensions: int | None
     deadline: float
-    tokens: bool = False
+    output: str = "pooled"  # OUTPUTS' names
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,12 @@ def _int32(values: np.ndarray, what: str) -> np.ndarray:
     return values.astype("<i4", copy=False)
 
 
-def pack_requests(requests: Sequence[tuple[int, int, Rows, bool, int | None, float, bool]],
+def pack_requests(requests: Sequence[tuple[int, int, Rows, bool, int | None, float, str]],
                   cancels: Sequence[int] = ()) -> list[bytes | memoryview]:
-    """The request message of one tick: requests as (id, model, rows, normalize, dimensions, deadline, tokens)."""
+    """The request message of one tick: requests as (id, model, rows, normalize, dimensions, deadline, output)."""
     heads = np.empty(len(requests), REQUEST)
-    for i, (rid, model, rows, normalize, dimensions, deadline, tokens) in enumerate(requests):
-        flags = (HAS_PAIRS if rows.second is not None else 0) | (TOKENS if tokens else 0)
+    for i, (rid, model, rows, normalize, dimensions, deadline, output) in enumerate(requests):
+        flags = (HAS_PAIRS if rows.second is not None else 0) | OUTPUTS[output]
         heads[i] = (rid, model, flags, normalize, len(rows), dimensions or 0, deadline)
     every = [r[2] for r in requests]
     lengths = np.concatenate([r.lengths for r in every]) if every else np.empty(0, np.int64)
@@ -132,7 +135,8 @@ def unpack_requests(frames: Sequence[bytes | memoryview]) -> tuple[list[Submit],
         if has_pairs:
             second, pair = seconds[pair:pair + count], pair + count
         out.append(Submit(rid, model, Rows(ids[token:token + tokens], lens, second), bool(normalize),
-                          dimensions or None, deadline, bool(flags & TOKENS)))
+                          dimensions or None, deadline,
+                          "tokens" if flags & TOKENS else "sparse" if flags & SPARSE else "pooled"))
         row, token = row + count, token + tokens
     return out, cancels
 

@@ -12,8 +12,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, StrictBool, StrictInt
 
 from fusedserve.model.api import TextOptions
+from fusedserve.server.deadline import Deadline
 from fusedserve.server.deps import ServiceDep
 from fusedserve.server.errors import Unprocessable
+from fusedserve.server.model_service import Result
 from fusedserve.server.quantize import sparse_entries
 from fusedserve.server.responses import EmbeddingResponse, LeanRoute
 from fusedserve.server.routes.infer import ENCODING_HELP, Encoding, StrictRequest
@@ -86,7 +88,7 @@ async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Requ
     model = service.model(body.model, "sparse" if sparse else "embedding")
     if sparse and body.dimensions is not None:
         raise Unprocessable("dimensions does not apply to sparse vectors", param="dimensions")
-    model.check_dimensions(body.dimensions)
+    model.limits.dimensions(body.dimensions)
     data = body.input
     if isinstance(data, str):
         inputs = [data]
@@ -95,10 +97,13 @@ async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Requ
     else:
         inputs = list(data)
     options = TextOptions(truncate=body.truncate, prompt_name=body.prompt_name if _has_text(inputs) else None)
-    result = await model.embed(inputs, options, request, normalize=not sparse, dimensions=body.dimensions)
-    if sparse:
+    if sparse:  # a SPLADE model's rows, or BGE-M3's sparse head
+        deadline = Deadline.of_request(service.settings.request_timeout_s)
+        prepared = await model.prepare(inputs, options, deadline=deadline)
+        result = Result(await model.sparse_rows(prepared, request, deadline), prepared.tokens)
         rows = await asyncio.to_thread(sparse_entries, result.rows)
     else:
+        result = await model.embed(inputs, options, request, normalize=True, dimensions=body.dimensions)
         rows = await model.output(result.rows, body.encoding_format, normalize=True, dimensions=body.dimensions)
     items = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
     return EmbeddingResponse({"object": "list", "data": items, "model": model.name,

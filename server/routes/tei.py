@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field, RootModel, StrictBool, StrictInt
 
 from fusedserve.model.api import TextOptions
+from fusedserve.server.deadline import Deadline
 from fusedserve.server.deps import ServiceDep
 from fusedserve.server.quantize import sparse_entries
 from fusedserve.server.responses import EmbeddingResponse, LeanRoute, off_the_loop
@@ -118,7 +119,7 @@ def _options(truncate: bool | None, direction: str, prompt_name: str | None) -> 
 
 async def _embed(body: EmbedRequest, service, request: Request) -> EmbeddingResponse:
     model = service.model(None, "embedding")
-    model.check_dimensions(body.dimensions)
+    model.limits.dimensions(body.dimensions)
     result = await model.embed(_items(body.inputs), _options(body.truncate, body.truncation_direction,
                                                              body.prompt_name), request,
                                normalize=body.normalize, dimensions=body.dimensions)
@@ -173,9 +174,11 @@ async def embed_sparse(body: EmbedSparseRequest, service: ServiceDep, request: R
     """A sparse (SPLADE) model's vectors: per input, its non-zero entries `[{index, value}]` in index order (422 for
     a dense embedding model)."""
     model = service.model(None, "sparse")
-    result = await model.embed(_items(body.inputs), _options(body.truncate, body.truncation_direction,
-                                                             body.prompt_name), request)
-    return await off_the_loop(lambda: sparse_entries(result.rows))
+    deadline = Deadline.of_request(service.settings.request_timeout_s)
+    rows = await model.prepare(_items(body.inputs), _options(body.truncate, body.truncation_direction,
+                                                             body.prompt_name), deadline=deadline)
+    block = await model.sparse_rows(rows, request, deadline)
+    return await off_the_loop(lambda: sparse_entries(block))
 
 
 @router.post("/tokenize", response_model=list[list[SimpleToken]])

@@ -793,3 +793,47 @@ def gemma3(dest: Path, shape: str = "tiny", *, sliding_window: int = 8, max_seq_
         save_file({"linear.weight": load_file(path / "model.safetensors")["linear.weight"]},
                   path / "model.safetensors")
     return dest
+
+
+_XLMR_CORPUS = ["the quick brown fox jumps over the lazy dog", "a man is eating food", "multi-vector retrieval scores "
+                "by maxsim", "sparse weights per token id", "dense embeddings of the first token", "die Katze schläft",
+                "le chat dort sur le canapé", "¿dónde está la biblioteca?"] * 3
+
+
+def xlmr_tokenizer(dest: Path) -> int:
+    """An XLM-RoBERTa-style SentencePiece tokenizer (<s> <pad> </s> <unk> first, ▁ word starts, <s> a </s>), its
+    pieces trained here on a few sentences and saved by transformers' XLMRobertaTokenizer. Returns the vocabulary
+    size, <mask> included."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import XLMRobertaTokenizer
+
+    trainer = Tokenizer(models.Unigram())
+    trainer.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer.train_from_iterator(_XLMR_CORPUS, trainers.UnigramTrainer(
+        vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False))
+    tokenizer = XLMRobertaTokenizer(vocab=[tuple(p) for p in json.loads(trainer.to_str())["model"]["vocab"]])
+    tokenizer.save_pretrained(str(dest))
+    return len(tokenizer)
+
+
+def bge_m3(dest: Path, colbert_dim: int = 64) -> Path:
+    """A tiny BGE-M3 directory as BAAI/bge-m3 is laid out: an XLM-RoBERTa body on an XLM-R-style tokenizer,
+    sentence-transformers' modules (CLS pooling, Normalize: its dense output), and FlagEmbedding's heads as torch
+    state dicts, colbert_linear.pt (hidden -> colbert_dim, the hidden size as in BAAI/bge-m3) and sparse_linear.pt (hidden -> 1; a positive bias, so
+    most tokens carry a weight)."""
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    dest.mkdir(parents=True, exist_ok=True)
+    vocab = xlmr_tokenizer(dest)
+    torch.manual_seed(3)
+    config = XLMRobertaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=128, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+                              bos_token_id=0, eos_token_id=2)
+    XLMRobertaModel(config).save_pretrained(dest, safe_serialization=True)
+    _st_files(dest, ["cls"], max_seq_length=128)
+    gen = torch.Generator().manual_seed(4)
+    torch.save({"weight": torch.randn(colbert_dim, 64, generator=gen) * 64**-0.5,
+                "bias": torch.randn(colbert_dim, generator=gen) * 0.1}, dest / "colbert_linear.pt")
+    torch.save({"weight": torch.randn(1, 64, generator=gen) * 64**-0.5, "bias": torch.tensor([0.3])},
+               dest / "sparse_linear.pt")
+    return dest

@@ -115,7 +115,7 @@ def test_per_token_rows_come_back_as_the_models_own(engine):
 
     async def scenario(clients, description):
         rows = _side(description).prepare(texts, TextOptions())
-        return rows, await clients[0].submit(0, rows, 30, tokens=True).future
+        return rows, await clients[0].submit(0, rows, 30, output="tokens").future
 
     rows, block = _run(engine, scenario)
     local = load("tiny", LoadOptions(device="cpu", max_batch_tokens=512))

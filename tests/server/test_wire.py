@@ -26,15 +26,15 @@ def _frames_as_received(frames):
 
 
 def test_requests_round_trip():
-    requests = [(2**63 + 5, 0, _rows(1), False, None, 123.25, False),
-                (7, 3, _rows(7, pairs=True), True, 384, 9.5, False),
-                (8, 1, _rows(300), True, None, 1e9, True), (9, 0, _rows(3, pairs=True), False, 1, 0.0, True)]
+    requests = [(2**63 + 5, 0, _rows(1), False, None, 123.25, "pooled"),
+                (7, 3, _rows(7, pairs=True), True, 384, 9.5, "sparse"),
+                (8, 1, _rows(300), True, None, 1e9, "tokens"), (9, 0, _rows(3, pairs=True), False, 1, 0.0, "tokens")]
     submits, cancels = wire.unpack_requests(_frames_as_received(wire.pack_requests(requests, cancels=[4, 2**64 - 1])))
     assert cancels.tolist() == [4, 2**64 - 1]
     assert len(submits) == len(requests)
-    for s, (rid, model, rows, normalize, dimensions, deadline, tokens) in zip(submits, requests):
-        assert (s.id, s.model, s.normalize, s.dimensions, s.deadline, s.tokens) == \
-            (rid, model, normalize, dimensions, deadline, tokens)
+    for s, (rid, model, rows, normalize, dimensions, deadline, output) in zip(submits, requests):
+        assert (s.id, s.model, s.normalize, s.dimensions, s.deadline, s.output) == \
+            (rid, model, normalize, dimensions, deadline, output)
         assert s.rows.ids.dtype == np.int64 and s.rows.lengths.dtype == np.int64
         assert np.array_equal(s.rows.ids, rows.ids) and np.array_equal(s.rows.lengths, rows.lengths)
         assert (s.rows.second is None) == (rows.second is None)

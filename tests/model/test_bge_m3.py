@@ -1,0 +1,106 @@
+"""BGE-M3 on the CPU against FlagEmbedding's own BGEM3FlagModel on the same tiny directory (an XLM-R body, an XLM-R
+SentencePiece tokenizer, colbert_linear.pt and sparse_linear.pt; tests/model/checkpoints.bge_m3): the dense vectors
+(CLS, normalized), the multi-vectors (colbert_linear of every token after the first, normalized) and the sparse
+weights (ReLU(sparse_linear), each token id's largest, special tokens dropped) from one model, every output the same
+for an input alone as in a batch; the seam says what a model can give, and refuses what it cannot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fusedserve.model import load
+from fusedserve.model.api import InputError, LoadOptions, TextOptions
+from fusedserve.model.config import UnsupportedModel
+from tests.model import checkpoints
+from tests.tolerances import assert_embeddings_close, assert_sparse_close
+
+TEXTS = ["a man is eating food", "the quick brown fox jumps over the lazy dog, twice: the quick brown fox",
+         "multi-vector retrieval scores by maxsim", "le chat dort", "x", "sparse weights per token id " * 12]
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return checkpoints.bge_m3(tmp_path_factory.mktemp("bge-m3"))
+
+
+@pytest.fixture(scope="module")
+def ours(directory):
+    model = load(str(directory), LoadOptions(device="cpu", dtype="float32"))
+    yield model
+    model.stop()
+
+
+@pytest.fixture(scope="module")
+def flag(directory):
+    from FlagEmbedding import BGEM3FlagModel
+
+    reference = BGEM3FlagModel(str(directory), use_fp16=False, devices="cpu")
+    return reference.encode(TEXTS, batch_size=4, max_length=128, return_dense=True, return_sparse=True,
+                            return_colbert_vecs=True)
+
+
+def _outputs(model, texts: list[str]) -> dict[str, np.ndarray]:
+    rows = model.prepare(texts, TextOptions())
+    return {output: model.launch(rows, output=output).rows() for output in ("pooled", "colbert", "sparse")} | \
+        {"lengths": np.asarray(rows.lengths)}
+
+
+def test_the_three_outputs_equal_flag_embeddings(ours, flag):
+    got = _outputs(ours, TEXTS)
+    assert ours.describe().outputs == ("pooled", "tokens", "colbert", "sparse")
+    # launch gives the raw pooled rows; the server normalizes them as each request asks (BGE-M3's modules do)
+    dense = got["pooled"] / np.linalg.norm(got["pooled"], axis=1, keepdims=True)
+    assert_embeddings_close(dense, flag["dense_vecs"], what="dense")
+    # one multi-vector per token after each input's first, back to back
+    split = np.split(got["colbert"], np.cumsum(got["lengths"] - 1)[:-1])
+    assert [len(v) for v in split] == [len(v) for v in flag["colbert_vecs"]]
+    for text, mine, theirs in zip(TEXTS, split, flag["colbert_vecs"]):
+        assert_embeddings_close(mine, theirs, what=f"colbert vectors of {text!r}")
+    # sparse: FlagEmbedding's {token id: weight} of the ids with a weight, as dense rows over the vocabulary
+    want = np.zeros_like(got["sparse"])
+    for row, weights in enumerate(flag["lexical_weights"]):
+        for token, weight in weights.items():
+            want[row, int(token)] = weight
+    assert_sparse_close(got["sparse"], want, what="sparse weights")
+    special = [0, 1, 2, 3]  # <s> <pad> </s> <unk>: FlagEmbedding's dropped ids
+    assert not got["sparse"][:, special].any()
+
+
+def test_each_output_is_the_same_alone_as_in_a_batch(ours):
+    together = _outputs(ours, TEXTS)
+    colbert = np.split(together["colbert"], np.cumsum(together["lengths"] - 1)[:-1])
+    for i, text in enumerate(TEXTS):
+        alone = _outputs(ours, [text])
+        assert_embeddings_close(alone["pooled"], together["pooled"][i:i + 1], what=f"dense of {text!r}")
+        assert_embeddings_close(alone["colbert"], colbert[i], what=f"colbert of {text!r}")
+        assert_sparse_close(alone["sparse"], together["sparse"][i:i + 1], what=f"sparse of {text!r}")
+
+
+def test_a_model_without_the_heads_refuses_their_outputs():
+    model = load("tiny", LoadOptions(device="cpu", dtype="float32"))
+    try:
+        assert model.describe().outputs == ("pooled", "tokens")
+        rows = model.prepare(["no heads here"], TextOptions())
+        for output in ("colbert", "sparse"):
+            with pytest.raises(InputError, match=f"no {output} output"):
+                model.launch(rows, output=output)
+    finally:
+        model.stop()
+
+
+def test_a_half_or_foreign_head_is_refused_by_name(tmp_path):
+    half = checkpoints.bge_m3(tmp_path / "half")
+    (half / "sparse_linear.pt").unlink()
+    with pytest.raises(UnsupportedModel, match="has only colbert_linear.pt"):
+        load(str(half), LoadOptions(device="cpu", dtype="float32"))
+    wrong = checkpoints.bge_m3(tmp_path / "wrong")
+    torch.save({"weight": torch.zeros(1, 32), "bias": torch.zeros(1)}, wrong / "sparse_linear.pt")
+    with pytest.raises(UnsupportedModel, match="sparse_linear.pt: weight .1, 32."):
+        load(str(wrong), LoadOptions(device="cpu", dtype="float32"))
+    pickled = checkpoints.bge_m3(tmp_path / "pickled")
+    torch.save({"weight": torch.zeros(1, 64), "bias": torch.zeros(1), "extra": UnsupportedModel("code")},
+               pickled / "sparse_linear.pt")  # anything but tensors: weights_only refuses it, nothing runs
+    with pytest.raises(UnsupportedModel, match="sparse_linear.pt: not a Linear layer's state dict"):
+        load(str(pickled), LoadOptions(device="cpu", dtype="float32"))
