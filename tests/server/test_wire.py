@@ -72,7 +72,7 @@ def test_replies_round_trip_rows_and_errors():
 
 
 def test_frames_that_do_not_add_up_are_refused():
-    frames = _frames_as_received(wire.pack_requests([(1, 0, _rows(3), False, None, 1.0, False)]))
+    frames = _frames_as_received(wire.pack_requests([(1, 0, _rows(3), False, None, 1.0, "pooled")]))
     with pytest.raises(ValueError, match="5 frames"):
         wire.unpack_requests(frames[:4])
     with pytest.raises(ValueError, match="do not add up"):
@@ -80,7 +80,7 @@ def test_frames_that_do_not_add_up_are_refused():
     with pytest.raises(ValueError, match="pair starts"):
         wire.unpack_requests([frames[0], frames[1], frames[2], np.zeros(3, "<i4").tobytes(), frames[4]])
     with pytest.raises(ValueError, match="outside int32"):
-        wire.pack_requests([(1, 0, Rows.of([[2**31]]), False, None, 1.0, False)])
+        wire.pack_requests([(1, 0, Rows.of([[2**31]]), False, None, 1.0, "pooled")])
     replies = _frames_as_received(wire.pack_replies([wire.Answer(1, np.ones((2, 3), np.float32), None, 0, 0, 0)]))
     with pytest.raises(ValueError, match="shorter"):
         wire.unpack_replies([replies[0], replies[1][:-4], replies[2]])
