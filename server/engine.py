@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     from fusedserve.server import devices, workers
     from fusedserve.server.switches import refreeze
     from fusedserve.server.config import Settings
+    from fusedserve.server.heap import fix_malloc_thresholds
     from fusedserve.server.metrics import Metrics
 
     parser = argparse.ArgumentParser(prog="python -m fusedserve.server.engine")
@@ -211,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from fusedserve.server.observability import configure_logging
 
+    fix_malloc_thresholds()  # before the model allocates, as in a single-process server (server.heap)
     settings = Settings()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configure_logging(args.log_level, settings.log_format)

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 import pytest
 
 from bench.harness import free_port  # noqa: F401  (also imported by other test modules)
@@ -94,3 +95,15 @@ def make_server(tmp_path):
 
 def admin_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def padded_ids(url: str, texts: list[str], dtype=np.int64) -> tuple[np.ndarray, np.ndarray]:
+    """The texts' token ids as the server at `url` tokenizes them (/tokenize), right-padded with 0, and their mask:
+    the KServe clients' token-id inputs."""
+    rows = [[t["id"] for t in row] for row in
+            httpx.post(url + "/tokenize", json={"inputs": texts}, timeout=60).json()]
+    width = max(map(len, rows))
+    ids, mask = np.zeros((len(rows), width), dtype), np.zeros((len(rows), width), dtype)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    return ids, mask

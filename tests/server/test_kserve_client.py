@@ -12,6 +12,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.model.sentences import SENTENCES
+from tests.server.conftest import padded_ids
 from tests.tolerances import assert_embeddings_close, assert_same_rows
 
 MODEL = "all-MiniLM-L6-v2"
@@ -33,17 +34,6 @@ def _input(binary: bool):
     tensor = httpclient.InferInput("text", [len(TEXTS)], "BYTES")
     tensor.set_data_from_numpy(np.array([t.encode() for t in TEXTS], dtype=np.object_), binary_data=binary)
     return tensor
-
-
-def _ids(server, texts: list[str], dtype=np.int64) -> tuple[np.ndarray, np.ndarray]:
-    """The texts' token ids as the server's tokenizer makes them, right-padded with 0, and their mask."""
-    rows = [[t["id"] for t in row] for row in
-            httpx.post(server.url + "/tokenize", json={"inputs": texts}, timeout=60).json()]
-    width = max(map(len, rows))
-    ids, mask = np.zeros((len(rows), width), dtype), np.zeros((len(rows), width), dtype)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)], mask[i, :len(row)] = row, 1
-    return ids, mask
 
 
 def _tensor(name: str, array: np.ndarray, binary: bool = True) -> httpclient.InferInput:
@@ -76,7 +66,7 @@ def test_infer(client, expected, binary_in, binary_out):
 @pytest.mark.parametrize("binary", [True, False])  # raw little-endian after the JSON, or JSON numbers
 @pytest.mark.parametrize("dtype", [np.int64, np.int32])
 def test_token_ids_with_a_mask_give_the_texts_rows(server, client, expected, binary, dtype):
-    ids, mask = _ids(server, TEXTS, dtype)
+    ids, mask = padded_ids(server.url, TEXTS, dtype)
     inputs = [_tensor("input_ids", ids, binary), _tensor("attention_mask", mask, binary)]
     got = client.infer(MODEL, inputs).as_numpy("embedding")
     assert got.dtype == np.float32 and got.shape == (len(TEXTS), 384)
@@ -87,7 +77,7 @@ def test_token_ids_with_a_mask_give_the_texts_rows(server, client, expected, bin
 
 
 def test_bad_token_ids_are_a_clear_4xx(server, client):
-    ids, mask = _ids(server, TEXTS[:2])
+    ids, mask = padded_ids(server.url, TEXTS[:2])
     _fails(lambda: client.infer(MODEL, [_tensor("input_ids", np.full((1, 4), 10**7))]), 422, "outside the vocabulary")
     left_padded = mask[:, ::-1].copy()
     _fails(lambda: client.infer(MODEL, [_tensor("input_ids", ids), _tensor("attention_mask", left_padded)]), 400,

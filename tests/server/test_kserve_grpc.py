@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from fusedserve.server.kserve_grpc import SERVICE, _message
 from tests.model.sentences import SENTENCES
-from tests.server.conftest import free_port, start_server
+from tests.server.conftest import free_port, padded_ids, start_server
 from tests.server.test_behaviour import BATCHES_STARTED, _value, stall
 from tests.support import grpc_descriptor
 from tests.tolerances import assert_same_rows, assert_unit_length, tolerance
@@ -65,17 +65,6 @@ def _texts(texts: list[str]) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput("text", [len(texts)], "BYTES")
     tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=np.object_))
     return tensor
-
-
-def _ids(rpc, texts: list[str], dtype=np.int64) -> tuple[np.ndarray, np.ndarray]:
-    """The texts' token ids as the server's tokenizer makes them, right-padded with 0, and their mask."""
-    rows = [[t["id"] for t in row] for row in
-            httpx.post(rpc.url + "/tokenize", json={"inputs": texts}, timeout=60).json()]
-    width = max(map(len, rows))
-    ids, mask = np.zeros((len(rows), width), dtype), np.zeros((len(rows), width), dtype)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)], mask[i, :len(row)] = row, 1
-    return ids, mask
 
 
 def _tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
@@ -177,7 +166,7 @@ def test_texts_give_the_rows_http_gives(client, expected):
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32])
 def test_token_ids_with_a_mask_give_the_texts_rows(rpc, client, expected, dtype):
-    ids, mask = _ids(rpc, TEXTS, dtype)
+    ids, mask = padded_ids(rpc.url, TEXTS, dtype)
     got = client.infer(MODEL, [_tensor("input_ids", ids), _tensor("attention_mask", mask)]).as_numpy("embedding")
     assert_same_rows(got, expected)
     one = client.infer(MODEL, [_tensor("input_ids", ids[3])]).as_numpy("embedding")  # [L]: one unpadded row
@@ -190,7 +179,7 @@ def test_typed_contents_are_read_as_raw_ones_are(rpc):
     differently on the CPU)."""
     expected = np.array(httpx.post(rpc.url + "/infer", json={"inputs": TEXTS[:2]}, timeout=60).json()["embeddings"],
                         dtype=np.float32)
-    ids, mask = _ids(rpc, TEXTS[:2])
+    ids, mask = padded_ids(rpc.url, TEXTS[:2])
     Request, Response = _message("ModelInferRequest"), _message("ModelInferResponse")
     request = Request(model_name=MODEL)
     text = request.inputs.add(name="text", datatype="BYTES", shape=[2])
@@ -210,7 +199,7 @@ def test_typed_contents_are_read_as_raw_ones_are(rpc):
 
 def test_bad_input_is_a_clear_grpc_status_and_the_server_keeps_serving(rpc, client):
     bad = grpc.StatusCode.INVALID_ARGUMENT
-    ids, mask = _ids(rpc, TEXTS[:2])
+    ids, mask = padded_ids(rpc.url, TEXTS[:2])
     wrong = grpcclient.InferInput("texts", [1], "BYTES")
     wrong.set_data_from_numpy(np.array([b"x"], dtype=np.object_))
     _fails(lambda: client.infer(MODEL, [wrong]), bad, "'text'", "'input_ids'")
