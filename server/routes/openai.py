@@ -67,6 +67,8 @@ class Model(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    outputs: list[str] | None = Field(None, description="a model of several outputs (BGE-M3): what it gives, "
+                                      "model.api.Output's names; absent for the others")
 
 
 class ModelList(BaseModel):
@@ -80,7 +82,11 @@ def _has_text(inputs: list) -> bool:
 
 
 def _model(model, created: int) -> dict:
-    return {"id": model.name, "object": "model", "created": created, "owned_by": "fusedserve"}
+    entry = {"id": model.name, "object": "model", "created": created, "owned_by": "fusedserve"}
+    outputs = model.description.outputs if model.description is not None else ()
+    if "colbert" in outputs:  # a model of several outputs says which (OpenAI's clients ignore a field they lack)
+        entry["outputs"] = list(outputs)
+    return entry
 
 
 async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
@@ -115,13 +121,13 @@ router.add_api_route("/embeddings", embeddings, methods=["POST"], response_model
                      route_class_override=LeanRoute)
 
 
-@router.get("/models", response_model=ModelList)
+@router.get("/models", response_model=ModelList, response_model_exclude_none=True)
 async def models(service: ServiceDep) -> dict:
     """Every model the server serves (one that failed to load under model_load_failure=skip is left out)."""
     service.check_ready()
     return {"object": "list", "data": [_model(m, service.created) for m in service.serving]}
 
 
-@router.get("/models/{model_id:path}", response_model=Model)
+@router.get("/models/{model_id:path}", response_model=Model, response_model_exclude_none=True)
 async def model(model_id: str, service: ServiceDep) -> dict:
     return _model(service.model(model_id), service.created)

@@ -1,6 +1,6 @@
 """A tiny BGE-M3 directory served (tests/model/checkpoints.bge_m3), in one process and through FRONTENDS=1's engine:
 /v1/embeddings and /embed give its dense vectors, /embed_sparse and /v1/embeddings' sparse encoding its sparse head's
-weights, /embed_all its multi-vectors (one per token after the first); /info lists the outputs. Each answer equals
+weights, /embed_all its multi-vectors (one per token after the first); /info and /v1/models list the outputs. Each answer equals
 the model's own output for the same rows (tests/model/test_bge_m3.py holds those to FlagEmbedding), and the two
 process models answer alike."""
 
@@ -41,6 +41,8 @@ def test_the_three_outputs_over_http(tmp_path, expected, frontends):
         with httpx.Client(base_url=url, timeout=60) as client:
             info = client.get("/info").json()
             assert info["models"][0]["outputs"] == ["pooled", "tokens", "colbert", "sparse"], info["models"][0]
+            listed = client.get("/v1/models").json()["data"]
+            assert listed[0]["outputs"] == ["pooled", "tokens", "colbert", "sparse"], listed
             dense = want["pooled"] / np.linalg.norm(want["pooled"], axis=1, keepdims=True)
             r = client.post("/v1/embeddings", json={"input": TEXTS})
             assert r.status_code == 200, r.text
