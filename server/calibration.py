@@ -1,10 +1,13 @@
 """The int8/uint8 output types' ranges of one model (server.quantize): the embeddings of CALIBRATION_TEXTS, computed
 once on the model's batcher thread (at warm-up, or at the first request that asks for a quantized output), and their
-per-dimension min and max shaped as each request shapes its own (normalized or not, the first `dimensions`)."""
+per-dimension min and max shaped as each request shapes its own (normalized or not, the first `dimensions`).
+An engine's description carries the embeddings of its warm-up to its front-ends (to_json, embeddings_from_json): a
+front-end quantizes with the engine's own, to the bit, and runs no calibration forward of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import numpy as np
 
@@ -51,6 +54,14 @@ class Calibration:
         """The embeddings, computed for a request that waits (on the worker thread, between two batches)."""
         return await asyncio.wrap_future(self.batcher.between_batches(self.embed))
 
+    def to_json(self) -> dict | None:
+        """The embeddings as an engine's description carries them (None until computed): their float32 bytes,
+        little-endian, in base64, so the front-end's copy is the engine's to the bit."""
+        if self.embeddings is None:
+            return None
+        data = np.ascontiguousarray(self.embeddings, dtype="<f4").tobytes()
+        return {"shape": list(self.embeddings.shape), "float32": base64.b64encode(data).decode("ascii")}
+
     def info(self) -> dict | None:
         """/info's `quantization`: the per-dimension [min, max] of normalized full-width embeddings (None until
         computed)."""
@@ -58,3 +69,9 @@ class Calibration:
             return None
         return {"calibration_texts": len(CALIBRATION_TEXTS),
                 "ranges": ranges_of(shape(self.embeddings, normalize=True, dimensions=None)).tolist()}
+
+
+def embeddings_from_json(fields: dict) -> np.ndarray:
+    """The embeddings Calibration.to_json wrote."""
+    data = np.frombuffer(base64.b64decode(fields["float32"]), dtype="<f4")
+    return data.reshape(fields["shape"]).astype(np.float32)

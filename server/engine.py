@@ -43,8 +43,12 @@ SWITCH, SWITCHED = b"switch", b"switched"
 
 def describe(models: Sequence[ModelService]) -> dict:
     """What a front-end needs of each model, in the engine's order (a request names its model by index): the name
-    clients call it by and its Description (model.api), whose `text` lets the front-end prepare inputs itself."""
-    return {"models": [{"name": m.name, "description": m.description.to_json()} for m in models]}
+    clients call it by, its Description (model.api), whose `text` lets the front-end prepare inputs itself, and the
+    int8/uint8 calibration embeddings of its warm-up (server.calibration; None without warm-up), which the front-end
+    quantizes with instead of running the calibration texts through the engine again."""
+    return {"models": [{"name": m.name, "description": m.description.to_json(),
+                        "calibration": m.calibration.to_json() if m.calibration is not None else None}
+                       for m in models]}
 
 
 def _answerable(error: BaseException | None, identity: bytes, rid: int) -> ServiceError | None:

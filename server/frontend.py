@@ -28,7 +28,7 @@ from starlette.requests import Request
 from fusedserve.model import text_side
 from fusedserve.model.api import Description, Rows, TextOptions
 from fusedserve.server import wire, workers
-from fusedserve.server.calibration import Calibration
+from fusedserve.server.calibration import Calibration, embeddings_from_json
 from fusedserve.server.config import ModelSpec, Settings
 from fusedserve.server.deadline import Deadline
 from fusedserve.server.devices import usable_cpus
@@ -99,12 +99,19 @@ class RemoteBatcher:
 
 
 class RemoteCalibration(Calibration):
-    """The int8/uint8 ranges of a model served by engines: its calibration texts prepared here and run there, at the
-    first request that asks for a quantized output (the same embeddings the engine would compute)."""
+    """The int8/uint8 ranges of a model served by engines: the calibration embeddings the engine computed at its
+    warm-up, as its description carries them (adopt). Only where the engine did not warm up (WARMUP=false) are the
+    calibration texts prepared here and run there, at the first request that asks for a quantized output."""
 
     def __init__(self, served: RemoteModel) -> None:
         super().__init__(served.model, None, served.settings.max_batch_requests)
         self.served = served
+
+    def adopt(self, fields: dict | None) -> None:
+        """The engine's calibration embeddings (Calibration.to_json; None: it has none), unless this front-end has
+        its own already: the first kept, so every answer of this front-end quantizes alike."""
+        if fields is not None and self.embeddings is None:
+            self.embeddings = embeddings_from_json(fields)
 
     async def _computed(self) -> np.ndarray:
         rows = self.served.model.prepare(list(CALIBRATION_TEXTS), TextOptions())
@@ -122,9 +129,10 @@ class RemoteModel(ModelService):
         super().__init__(settings, metrics, name, spec)
         self.index, self.engines = index, engines
 
-    def attach(self, description: Description) -> None:
-        """The engine's description of this model: the first loads its text side here and opens its request path;
-        a later one (after a switch, or from an engine started again) replaces what /info reports."""
+    def attach(self, description: Description, calibrated: dict | None = None) -> None:
+        """The engine's description of this model (and its calibration embeddings, `calibrated`): the first loads
+        its text side here and opens its request path; a later one (after a switch, or from an engine started again)
+        replaces what /info reports."""
         if self.model is None:
             if description.text is None:
                 raise RuntimeError(f"model {self.name}: the engine describes no text side, so a front-end cannot "
@@ -133,6 +141,7 @@ class RemoteModel(ModelService):
             self.metrics = self.server_metrics.for_model(self.name, tuple(description.kernels))
             self.batcher = RemoteBatcher(self.engines, self.index)
             self.calibration = RemoteCalibration(self)
+        self.calibration.adopt(calibrated)
         self.description = description
 
     def stop(self, timeout_s: float) -> bool:
@@ -214,7 +223,7 @@ class FrontendService(Service):
             raise RuntimeError(f"the engine serves {[e['name'] for e in entries]}, this front-end was configured "
                                f"for {[m.name for m in self.models]}")
         for m, entry in zip(self.models, entries):
-            m.attach(Description.from_json(entry["description"]))
+            m.attach(Description.from_json(entry["description"]), entry.get("calibration"))
 
     def check_ready(self) -> None:
         super().check_ready()

@@ -81,6 +81,26 @@ def test_the_engine_describes_its_models_and_their_text_side(engine):
     assert len(rows) == 1 and rows.tokens > 3
 
 
+def test_the_description_carries_the_calibration_of_the_engines_warm_up(engine):
+    """The int8/uint8 calibration embeddings the engine computed at warm-up travel in its description, so front-ends
+    quantize with them and run no calibration forward of their own (server.calibration)."""
+    from fusedserve.model import load
+    from fusedserve.model.api import LoadOptions
+    from fusedserve.server.calibration import Calibration, embeddings_from_json
+    from fusedserve.server.quantize import CALIBRATION_TEXTS
+
+    async def scenario(clients, description):
+        return description
+
+    (model,) = _run(engine, scenario)["models"]
+    shipped = embeddings_from_json(model["calibration"])
+    local = load("tiny", LoadOptions(device="cpu", max_batch_tokens=512))
+    expected = Calibration(local, None, 64).embed()  # as the engine's warm-up computes them (no batcher needed)
+    assert shipped.dtype == np.float32
+    assert shipped.shape == expected.shape == (len(CALIBRATION_TEXTS), local.describe().dim)
+    assert_embeddings_close(shipped, expected, what="the engine's calibration embeddings vs the model in-process")
+
+
 def test_requests_of_several_clients_share_batches_and_get_their_own_rows(engine):
     texts = SENTENCES[:48]
 
