@@ -181,20 +181,55 @@ def bind_each(host: str, port: int, count: int) -> list[socket.socket]:
     return [first, *(bind(host, first.getsockname()[1], reuse_port=True) for _ in range(count - 1))]
 
 
+@dataclass(kw_only=True)
+class Restarts:
+    """The restart policy of a process slot, a worker's and an engine's alike: a process that exits after it was
+    ready is started again after RESTART_DELAY_S[0]; one that exits before it was ready is a failed start, started
+    again only if a process of this slot was ever ready, after RESTART_DELAY_S[n] for the n-th failed start in a row,
+    and not after the FAILED_STARTS-th (its owner then takes the device out, or stops the server)."""
+
+    ready: bool = False  # the slot's current process has been seen ready
+    ever_ready: bool = False  # some process of this slot has been ready
+    failed_starts: int = 0  # in a row, since the last ready process
+    restart_at: float | None = None  # monotonic time of a pending restart
+
+    def spawned(self) -> None:
+        self.ready = False
+
+    def seen_ready(self) -> None:
+        self.ready = self.ever_ready = True
+        self.failed_starts = 0
+
+    def exited(self, now: float) -> float | None:
+        """The current process exited: the delay before the slot's next start (restart_at set), or None where it
+        failed to start and is not started again."""
+        was_ready, self.ready = self.ready, False
+        if not was_ready:
+            self.failed_starts += 1
+            if not self.ever_ready or self.failed_starts >= FAILED_STARTS:
+                return None
+        delay = RESTART_DELAY_S[min(self.failed_starts, len(RESTART_DELAY_S) - 1)]
+        self.restart_at = now + delay
+        return delay
+
+    def due(self, now: float) -> bool:
+        """A pending restart's time has come (it is then no longer pending)."""
+        if self.restart_at is None or now < self.restart_at:
+            return False
+        self.restart_at = None
+        return True
+
+
 @dataclass
-class _Slot:
-    """One worker's place: its device, and the process holding it now."""
+class _Slot(Restarts):
+    """One worker's place: its device, the process holding it now, and its restarts."""
 
     index: int
     placement: Placement
     sock: socket.socket | None
     process: multiprocessing.process.BaseProcess | None = None
-    ready: bool = False  # this slot's current process has been seen ready
     counted: bool = True  # `expected` counts this slot (not while a restarted worker loads)
-    failed_starts: int = 0  # in a row, of restarted workers
-    restart_at: float | None = None  # monotonic time of a pending restart
     handed_over: bool = False  # the worker runs: the parent's copy of its socket is closed
-    restarted: bool = False  # this slot's worker has been started again at least once
 
 
 class _Supervisor:
@@ -223,7 +258,8 @@ class _Supervisor:
             target=self.target, args=(self.argv, slot.sock, slot.index, slot.placement, rejoin),
             name=f"fusedserve-worker-{slot.index}", daemon=False)
         slot.process.start()
-        slot.ready, slot.handed_over = False, False
+        slot.spawned()
+        slot.handed_over = False
 
     def live(self) -> list[_Slot]:
         return [s for s in self.slots if s.process is not None and s.process.is_alive()]
@@ -239,7 +275,7 @@ class _Supervisor:
         for slot in self.slots:
             p = slot.process
             if p is None:
-                if slot.restart_at is not None and now >= slot.restart_at:
+                if slot.due(now):
                     self._restart(slot)
                 continue
             if not slot.handed_over and (self.state / f"started-{p.pid}").exists() and not self.shared_socket:
@@ -247,7 +283,7 @@ class _Supervisor:
                 slot.handed_over = True
             if p.is_alive():
                 if not slot.ready and (self.state / f"ready-{p.pid}").exists():
-                    slot.ready, slot.failed_starts = True, 0
+                    slot.seen_ready()
                     if not slot.counted:
                         log.warning("worker %d on %s (pid %d) is ready again", slot.index, slot.placement.name, p.pid)
                         slot.counted = True
@@ -260,7 +296,7 @@ class _Supervisor:
         multiprocess.mark_process_dead(p.pid, str(self.state / "metrics"))  # its live gauges no longer count
         if not slot.handed_over and not self.shared_socket:
             slot.sock.close()
-        slot.process, slot.ready, slot.counted = None, False, False
+        slot.process, slot.counted = None, False
         if not self.shared_socket:
             slot.sock = None
         # the count first, then the marker: a probe in between must never see fewer ready workers than expected
@@ -268,21 +304,17 @@ class _Supervisor:
         self._write_expected()
         (self.state / f"ready-{p.pid}").unlink(missing_ok=True)
         if device in self.left_out:  # stopped with its device: not started again
+            slot.ready = False
             return
-        if was_ready:
+        delay = slot.exited(time.monotonic())
+        if delay is None:
+            self._leave_out(device, code, slot)
+        elif was_ready:
             log.critical("worker %d on %s (pid %d) exited with %s; starting it again, the other workers keep serving",
                          slot.index, device, p.pid, code)
-            slot.failed_starts = 0
-            slot.restart_at = time.monotonic() + RESTART_DELAY_S[0]
-            return
-        slot.failed_starts += 1
-        if slot.restarted and slot.failed_starts < FAILED_STARTS:
-            delay = RESTART_DELAY_S[min(slot.failed_starts, len(RESTART_DELAY_S) - 1)]
+        else:
             log.critical("worker %d on %s (pid %d) failed to start again (exit code %s); trying again in %.1fs",
                          slot.index, device, p.pid, code, delay)
-            slot.restart_at = time.monotonic() + delay
-            return
-        self._leave_out(device, code, slot)
 
     def _leave_out(self, device: str, code: int | None, slot: _Slot) -> None:
         if device in self.left_out:
@@ -302,7 +334,6 @@ class _Supervisor:
         self._write_expected()
 
     def _restart(self, slot: _Slot) -> None:
-        slot.restart_at, slot.restarted = None, True
         # bound now, listening only once the new worker is ready (REJOIN_ENV): until then the others take its share
         if not self.shared_socket:
             slot.sock = bind(self.host, self.port, reuse_port=True, listen=False)
@@ -325,16 +356,13 @@ class EngineProcesses:
     """FRONTENDS: the parent's engines (server.engine), one process per device, each its models on that device,
     listening on a socket in the workers' state directory. An engine that exits after it was ready is started again
     (its front-ends answer 503 meanwhile: server.frontend); one that fails before it was ready, at the start or
-    FAILED_STARTS times in a row after an exit, stops the server with its exit code."""
+    FAILED_STARTS times in a row after an exit, stops the server with its exit code (Restarts, as a worker's)."""
 
     def __init__(self, names: list[str], log_level: str) -> None:
         self.names, self.log_level = names, log_level
         self.state: Path | None = None
         self.processes: list[subprocess.Popen | None] = [None] * len(names)
-        self.ready = [False] * len(names)  # the engine running now has been ready
-        self.ever_ready = [False] * len(names)  # some engine of this device has been ready
-        self.failed_starts = [0] * len(names)
-        self.restart_at: list[float | None] = [None] * len(names)
+        self.restarts = [Restarts() for _ in names]  # each device's engine
 
     def addresses(self) -> list[str]:
         return [f"ipc://{self.state}/engine-{i}" for i in range(len(self.names))]
@@ -352,37 +380,32 @@ class EngineProcesses:
         self.processes[i] = subprocess.Popen(
             [sys.executable, "-m", "fusedserve.server.engine", "--address", self.addresses()[i],
              "--log-level", self.log_level], env=env, preexec_fn=os.setpgrp)
-        self.ready[i] = False
+        self.restarts[i].spawned()
         log.warning("engine %d on %s starting (pid %d)", i, name, self.processes[i].pid)
 
     def watch(self) -> int | None:
         """One look at every engine: ready ones marked, exited ones started again; the exit code that stops the
         server, if one does."""
         now = time.monotonic()
-        for i, p in enumerate(self.processes):
+        for i, (p, restarts) in enumerate(zip(self.processes, self.restarts)):
             if p is None:
-                if self.restart_at[i] is not None and now >= self.restart_at[i]:
-                    self.restart_at[i] = None
+                if restarts.due(now):
                     self._spawn(i)
                 continue
-            if not self.ready[i] and (self.state / f"engine-ready-{p.pid}").exists():
-                self.ready[i] = self.ever_ready[i] = True
-                self.failed_starts[i] = 0
+            if not restarts.ready and (self.state / f"engine-ready-{p.pid}").exists():
+                restarts.seen_ready()
             code = p.poll()
             if code is None:
                 continue
             multiprocess.mark_process_dead(p.pid, str(self.state / "metrics"))
             self.processes[i] = None
-            if not self.ready[i]:
-                self.failed_starts[i] += 1
-                if not self.ever_ready[i] or self.failed_starts[i] >= FAILED_STARTS:
-                    log.critical("engine %d on %s failed to start (exit code %s; its log lines above say why); "
-                                 "stopping", i, self.names[i], code)
-                    return code if code and code > 0 else 1
-            delay = RESTART_DELAY_S[min(self.failed_starts[i], len(RESTART_DELAY_S) - 1)]
+            delay = restarts.exited(now)
+            if delay is None:
+                log.critical("engine %d on %s failed to start (exit code %s; its log lines above say why); stopping",
+                             i, self.names[i], code)
+                return code if code and code > 0 else 1
             log.critical("engine %d on %s (pid %d) exited with %s; starting it again in %.1fs (its front-ends answer "
                          "503 meanwhile)", i, self.names[i], p.pid, code, delay)
-            self.restart_at[i] = now + delay
         return None
 
     def stop(self) -> None:
