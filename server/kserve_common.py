@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,15 +83,30 @@ class Stats:
     inferences: int = 0
     last_ms: int = 0
 
-    def succeeded(self, started_ns: int, inputs: int) -> None:
+    @contextmanager
+    def counted(self) -> Iterator[Inference]:
+        """One infer call, HTTP's or gRPC's, timed from here: a success with the inputs the caller sets on what this
+        yields once it has its embeddings, or a failure if an exception leaves the block. A cancelled call (its client
+        went away) counts as neither."""
+        started = time.perf_counter_ns()
+        inference = Inference()
+        try:
+            yield inference
+        except Exception:
+            self.fail += 1
+            self.fail_ns += time.perf_counter_ns() - started
+            raise
         self.success += 1
-        self.inferences += inputs
-        self.success_ns += time.perf_counter_ns() - started_ns
+        self.inferences += inference.inputs
+        self.success_ns += time.perf_counter_ns() - started
         self.last_ms = int(time.time() * 1000)
 
-    def failed(self, started_ns: int) -> None:
-        self.fail += 1
-        self.fail_ns += time.perf_counter_ns() - started_ns
+
+@dataclass
+class Inference:
+    """What an infer call tells Stats.counted: the inputs it embedded."""
+
+    inputs: int = 0
 
 
 def stats_of(model) -> Stats:

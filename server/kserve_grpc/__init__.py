@@ -254,18 +254,13 @@ class KServeGrpc:
     async def _ModelInfer(self, request):
         _check_version(request.model_version)
         model = self.service.model(request.model_name, "embedding")
-        stats = common.stats_of(model)
-        started = time.perf_counter_ns()
-        try:
+        with common.stats_of(model).counted() as inference:
             rows = read_rows(_inputs(request), self.service.settings.max_client_batch)
             if any(o.name != OUTPUT for o in request.outputs):
                 raise BadRequest(f"the only output is {OUTPUT!r}")
             normalize = _bool(request.parameters, "normalize", True)
             embeddings = (await model.embed(rows, TextOptions(), None, normalize=normalize)).rows
-        except Exception:
-            stats.failed(started)
-            raise
-        stats.succeeded(started, len(rows))
+            inference.inputs = len(rows)
         out = _Response["ModelInfer"](model_name=model.name, model_version="1", id=request.id)
         out.outputs.add(name=OUTPUT, datatype="FP32", shape=list(embeddings.shape))
         out.raw_output_contents.append(np.ascontiguousarray(embeddings, dtype="<f4").tobytes())

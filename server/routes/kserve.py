@@ -21,7 +21,6 @@ import asyncio
 import json
 import math
 import re
-import time
 import zlib
 from typing import Any
 
@@ -264,10 +263,8 @@ def _flag(parameters: dict[str, Any] | None, name: str, default: bool) -> bool:
 async def infer(name: str, service: ServiceDep, request: Request) -> Response:
     # Parsed by hand: Open Inference Protocol clients do not all send a JSON content type, and the binary
     # extension's bodies are JSON followed by raw bytes.
-    started = time.perf_counter_ns()
     model = service.model(name, "embedding")
-    stats = common.stats_of(model)
-    try:
+    with common.stats_of(model).counted() as inference:
         raw, s = await request.body(), service.settings
         args = (raw, request.headers.get("content-encoding"), request.headers.get(HEADER_LENGTH), s.max_body_bytes,
                 s.max_client_batch)
@@ -281,10 +278,7 @@ async def infer(name: str, service: ServiceDep, request: Request) -> Response:
         for output in body.outputs or ():
             binary = _flag(output.parameters, "binary_data", binary)
         embeddings = (await model.embed(rows, TextOptions(), request, normalize=normalize)).rows
-    except Exception:
-        stats.failed(started)
-        raise
-    stats.succeeded(started, len(rows))
+        inference.inputs = len(rows)
     output: dict[str, Any] = {"name": OUTPUT, "datatype": "FP32", "shape": [len(rows), model.dim]}
     response: dict[str, Any] = {"model_name": model.name, "model_version": "1", "outputs": [output]}
     if body.id is not None:
