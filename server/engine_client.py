@@ -9,7 +9,8 @@ one comes, finds no job and is dropped.
 
 The connection is watched (ZeroMQ's socket monitor): when the engine goes away every job in flight fails at once
 with a 503 and Retry-After (no client waits for its deadline), and `connected` is false until an engine listens at
-the address again (the engine binds only once its models are ready).
+the address again (the engine binds only once its models are ready). `connected` has two sources, the monitor and
+the engine's DESCRIPTION messages, which race; EngineClient._set_connected, the one place it changes, says the rule.
 """
 
 from __future__ import annotations
@@ -59,13 +60,18 @@ class EngineClient:
         self._described: asyncio.Future | None = None
         self._switched: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
-        self.connected = False  # an engine listens at the address and the connection stands
+        self._connected = False  # written by _set_connected only
         self.on_description = None  # called with each description the engine sends unasked (after a switch)
         self.disconnects = 0
 
     @property
     def in_flight(self) -> int:
         return len(self._jobs)
+
+    @property
+    def connected(self) -> bool:
+        """An engine listens at the address and the connection stands."""
+        return self._connected
 
     def start(self) -> None:
         """Start reading answers and watching the connection (on the running loop)."""
@@ -118,9 +124,21 @@ class EngineClient:
         self._socket.disable_monitor()
         self._socket.close(linger=0)
 
+    def _set_connected(self, standing: bool) -> None:
+        """The one place `connected` changes, from its two sources: the socket monitor (a handshake: True, a
+        disconnect: False) and a DESCRIPTION message (True: an engine that answers stands on the connection). They
+        race, since the monitor's events come on a socket of their own: the handshake event may come after the
+        description that the handshake made possible. So the rule is that of a latch, whatever the order: True from
+        the first of the two to come (a later True changes nothing), False only on a disconnect of a standing
+        connection, which fails its jobs in flight once (a disconnect while not connected is not a second loss)."""
+        if standing == self._connected:
+            return
+        self._connected = standing
+        if not standing:
+            self._lost()
+
     def _lost(self) -> None:
         """The engine went away: every job in flight fails now (the engine that comes back knows none of them)."""
-        self.connected = False
         self.disconnects += 1
         jobs, self._jobs = self._jobs, {}
         gone = Unavailable("the engine serving this model stopped; it is being started again",
@@ -137,15 +155,18 @@ class EngineClient:
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         try:
             while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self.connected = True
-                    if self.disconnects:  # a new engine: described anew (a describe waiting is answered by it)
-                        await self._socket.send_multipart([DESCRIBE])
-                elif event == zmq.EVENT_DISCONNECTED and self.connected:
-                    self._lost()
+                await self._on_event(parse_monitor_message(await monitor.recv_multipart())["event"])
         finally:
             monitor.close(linger=0)
+
+    async def _on_event(self, event: int) -> None:
+        """One event of the socket monitor."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._set_connected(True)
+            if self.disconnects:  # a new engine: described anew (a describe waiting is answered by it)
+                await self._socket.send_multipart([DESCRIBE])
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._set_connected(False)
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if not self._flushing:
@@ -160,33 +181,34 @@ class EngineClient:
 
     async def _read(self) -> None:
         while True:
-            frames = await self._socket.recv_multipart(copy=False)
-            kind = frames[0].bytes
-            if kind == DESCRIPTION:
-                # an engine describes its models on a connection that stands: the monitor's event for it may come
-                # after the message
-                self.connected = True
-                described = json.loads(frames[1].bytes)
-                if self._described is not None and not self._described.done():
-                    self._described.set_result(described)
-                elif self.on_description is not None:
-                    self.on_description(described)
-                continue
-            if kind == SWITCHED:
-                answer = json.loads(frames[1].bytes)
-                future = self._switched.get(answer.pop("ticket", None))
-                if future is not None and not future.done():
-                    future.set_result(answer)
-                continue
-            if kind != REPLIES:
-                log.warning("engine %s sent a message of unknown kind %r", self.address, kind[:32])
-                continue
-            for answer in wire.unpack_replies([f.buffer for f in frames[1:]]):
-                job = self._jobs.pop(answer.id, None)
-                if job is None or job.future.done():
-                    continue  # given up on
-                job.enqueued, job.started, job.done = answer.enqueued, answer.started, answer.done
-                if answer.error is not None:
-                    job.future.set_exception(answer.error)
-                else:
-                    job.future.set_result(answer.rows)
+            self._on_message(await self._socket.recv_multipart(copy=False))
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        """One message of the engine."""
+        kind = frames[0].bytes
+        if kind == DESCRIPTION:
+            self._set_connected(True)  # the engine answers on a connection that stands (_set_connected's rule)
+            described = json.loads(frames[1].bytes)
+            if self._described is not None and not self._described.done():
+                self._described.set_result(described)
+            elif self.on_description is not None:
+                self.on_description(described)
+            return
+        if kind == SWITCHED:
+            answer = json.loads(frames[1].bytes)
+            future = self._switched.get(answer.pop("ticket", None))
+            if future is not None and not future.done():
+                future.set_result(answer)
+            return
+        if kind != REPLIES:
+            log.warning("engine %s sent a message of unknown kind %r", self.address, kind[:32])
+            return
+        for answer in wire.unpack_replies([f.buffer for f in frames[1:]]):
+            job = self._jobs.pop(answer.id, None)
+            if job is None or job.future.done():
+                continue  # given up on
+            job.enqueued, job.started, job.done = answer.enqueued, answer.started, answer.done
+            if answer.error is not None:
+                job.future.set_exception(answer.error)
+            else:
+                job.future.set_result(answer.rows)
