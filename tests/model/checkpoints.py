@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import string
 from pathlib import Path
 
 import torch
@@ -837,3 +838,128 @@ def bge_m3(dest: Path, colbert_dim: int = 64) -> Path:
     torch.save({"weight": torch.randn(1, 64, generator=gen) * 64**-0.5, "bias": torch.tensor([0.3])},
                dest / "sparse_linear.pt")
     return dest
+
+
+# ---- ColBERT (PyLate's layout) -------------------------------------------------------------------------------------
+# the two bodies of the released PyLate checkpoints at a tiny shape: answerai-colbert-small-v1's (BERT; its markers
+# [unused0] / [unused1] are vocabulary entries) and GTE-ModernColBERT-v1's (ModernBERT; "[Q] " / "[D] " added to the
+# tokenizer, the token table grown by two rows; one global and one 16-wide sliding-window layer, so documents longer
+# than 8 tokens cross the window). Both on MiniLM's WordPiece tokenizer, whose [MASK] is the expansion token.
+COLBERT_BODIES = {
+    "bert": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=512),
+    "modernbert": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+                       max_position_embeddings=512, local_attention=16, global_attn_every_n_layers=2),
+}
+COLBERT_PREFIXES = {"bert": ("[unused0]", "[unused1]"), "modernbert": ("[Q] ", "[D] ")}
+COLBERT_SKIPLIST = list(string.punctuation)  # PyLate's default skiplist_words
+COLBERT_WEIGHT_FILES = ("model.safetensors", "1_Dense/model.safetensors")
+
+
+def colbert(dest: Path, body: str = "bert", *, attend_to_expansion_tokens: bool = False,
+            do_query_expansion: bool = True, query_length: int = 12, document_length: int = 24,
+            embedding_dim: int = 24, dense_bias: bool = False, seed: int = 21) -> Path:
+    """A random ColBERT directory as PyLate (pylate.models.ColBERT) saves one, written without PyLate or transformers:
+    the encoder body (COLBERT_BODIES[body], transformers' parameter names and a hand-written config.json), 1_Dense
+    (hidden -> embedding_dim, the identity activation, a bias only with dense_bias, as pylate.models.Dense writes it),
+    modules.json and config_sentence_transformers.json with PyLate's fields (COLBERT_PREFIXES[body], query_length
+    short enough that queries are expanded, the punctuation skiplist). Every weight is drawn from one CPU generator
+    seeded with `seed` in a fixed order, so the same bytes come out under any transformers (colbert_digests); PyLate
+    loads it with no weight missing or newly initialized (its add_tokens and resize_token_embeddings find nothing to
+    do). Token embeddings at order 1 and norm weights around 1, every projection at 1/sqrt(fan-in) (attention far from
+    uniform: a wrong mask on the expansion tokens moves the outputs), biases of order 0.1."""
+    dims = COLBERT_BODIES[body]
+    h, inner, layers = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"]
+    vocab = 30522 + (2 if body == "modernbert" else 0)  # + "[Q] ", "[D] "
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std=1.0, mean=0.0):
+        return mean + torch.randn(shape, generator=gen) * std
+
+    def linear(prefix: str, fan_out: int, fan_in: int, bias: bool = True) -> dict[str, torch.Tensor]:
+        out = {f"{prefix}.weight": normal(fan_out, fan_in, std=fan_in**-0.5)}
+        if bias:
+            out[f"{prefix}.bias"] = normal(fan_out, std=0.1)
+        return out
+
+    def norm(prefix: str, bias: bool = True) -> dict[str, torch.Tensor]:
+        out = {f"{prefix}.weight": normal(h, std=0.1, mean=1.0)}
+        if bias:
+            out[f"{prefix}.bias"] = normal(h, std=0.1)
+        return out
+
+    if body == "bert":
+        tensors = {"embeddings.word_embeddings.weight": normal(vocab, h),
+                   "embeddings.position_embeddings.weight": normal(dims["max_position_embeddings"], h),
+                   "embeddings.token_type_embeddings.weight": normal(2, h), **norm("embeddings.LayerNorm")}
+        for i in range(layers):
+            base = f"encoder.layer.{i}."
+            for proj in ("query", "key", "value"):
+                tensors.update(linear(f"{base}attention.self.{proj}", h, h))
+            tensors.update(linear(f"{base}attention.output.dense", h, h))
+            tensors.update(norm(f"{base}attention.output.LayerNorm"))
+            tensors.update({**linear(f"{base}intermediate.dense", inner, h), **linear(f"{base}output.dense", h, inner),
+                            **norm(f"{base}output.LayerNorm")})
+        tensors.update(linear("pooler.dense", h, h))  # unused by ColBERT; there so that BertModel loads it all
+        config = {"architectures": ["BertModel"], "model_type": "bert", "vocab_size": vocab, "type_vocab_size": 2,
+                  "hidden_act": "gelu", "layer_norm_eps": 1e-12, "pad_token_id": 0,
+                  "position_embedding_type": "absolute", **dims}
+    elif body == "modernbert":
+        tensors = {"embeddings.tok_embeddings.weight": normal(vocab, h), **norm("embeddings.norm", bias=False)}
+        for i in range(layers):
+            base = f"layers.{i}."
+            if i:  # the first layer's attention norm is the identity (the embeddings' norm precedes it)
+                tensors.update(norm(f"{base}attn_norm", bias=False))
+            tensors.update({**linear(f"{base}attn.Wqkv", 3 * h, h, bias=False),
+                            **linear(f"{base}attn.Wo", h, h, bias=False), **norm(f"{base}mlp_norm", bias=False),
+                            **linear(f"{base}mlp.Wi", 2 * inner, h, bias=False),
+                            **linear(f"{base}mlp.Wo", h, inner, bias=False)})
+        tensors.update(norm("final_norm", bias=False))
+        # GTE-ModernColBERT-v1's config.json is transformers 4's: the rotary bases as global / local_rope_theta
+        config = {"architectures": ["ModernBertModel"], "model_type": "modernbert", "vocab_size": vocab,
+                  "pad_token_id": 0, "bos_token_id": 101, "cls_token_id": 101, "eos_token_id": 102,
+                  "sep_token_id": 102, "hidden_activation": "gelu", "norm_eps": 1e-5, "norm_bias": False,
+                  "attention_bias": False, "mlp_bias": False, "global_rope_theta": 160000.0,
+                  "local_rope_theta": 10000.0, **dims}
+    else:
+        raise ValueError(f"unknown ColBERT body {body!r} (one of {sorted(COLBERT_BODIES)})")
+    dense = linear("linear", embedding_dim, h, bias=dense_bias)
+
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, dest / "model.safetensors")
+    (dest / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2))
+    _copy_tokenizer(dest)
+    query_prefix, document_prefix = COLBERT_PREFIXES[body]
+    if body == "modernbert":  # the added tokens as PyLate's tokenizer.add_tokens saves them
+        saved = json.loads((dest / "tokenizer.json").read_text())
+        saved["added_tokens"] += [{"id": 30522 + i, "content": token, "single_word": False, "lstrip": False,
+                                   "rstrip": False, "normalized": True, "special": False}
+                                  for i, token in enumerate((query_prefix, document_prefix))]
+        (dest / "tokenizer.json").write_text(json.dumps(saved, ensure_ascii=False))
+        tokenizer_config = json.loads((dest / "tokenizer_config.json").read_text())
+        # ModernBERT takes no token types (nor does its tokenizer give any)
+        tokenizer_config["model_input_names"] = ["input_ids", "attention_mask"]
+        (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (dest / "1_Dense").mkdir(exist_ok=True)
+    save_file(dense, dest / "1_Dense" / "model.safetensors")
+    (dest / "1_Dense" / "config.json").write_text(json.dumps({
+        "in_features": h, "out_features": embedding_dim, "bias": dense_bias,
+        "activation_function": "torch.nn.modules.linear.Identity", "use_residual": False}, indent=2))
+    (dest / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}], indent=2))
+    # PyLate sets max_seq_length itself before each tokenization (query_length or document_length, less the marker)
+    (dest / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": document_length - 1,
+                                                                "do_lower_case": False}, indent=2))
+    (dest / "config_sentence_transformers.json").write_text(json.dumps({
+        "model_type": "ColBERT", "prompts": {"query": "", "document": ""}, "default_prompt_name": None,
+        "similarity_fn_name": "MaxSim", "query_prefix": query_prefix, "document_prefix": document_prefix,
+        "query_length": query_length, "document_length": document_length,
+        "attend_to_expansion_tokens": attend_to_expansion_tokens, "skiplist_words": COLBERT_SKIPLIST,
+        "do_query_expansion": do_query_expansion}, indent=2))
+    return dest
+
+
+def colbert_digests(dest: Path) -> dict[str, str]:
+    """The sha256 of each weight file of a colbert() directory, by its path in the directory."""
+    return {name: weights_digest((dest / name).parent) for name in COLBERT_WEIGHT_FILES}
