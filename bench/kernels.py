@@ -27,6 +27,12 @@ Scenarios:
   splade          SPLADE pooling (splade_pool: the MLM head's vocab GEMM with each sequence's max of log1p(relu) in
                   its epilogue) at BERT's vocab and width: device time, TFLOP/s and the peak memory the call allocates,
                   against the unfused PyTorch that materializes the [tokens, vocab] logits, eager and torch.compile
+  m3-sparse       BGE-M3's sparse weights (m3_sparse: relu(x . w + b) per token, kept where the token is the largest
+                  of its (sequence, id), specials dropped; [tokens] out) at BGE-M3's width and vocabulary, on packed
+                  varlen and long batches: device time, GB/s of the hidden states read and the peak memory the call
+                  allocates, against FlagEmbedding's formulation (relu(linear), scatter_reduce amax into a zeroed
+                  [sequences, 250,002] float32, specials zeroed), eager and torch.compile; each checked in the dense
+                  form against the float64 reference
 
 Time ("us"): on a GPU the device time of one call captured in a CUDA graph and replayed with the L2 flushed before
 each replay (kernels.timing.device_us, median); "launch_us" is the same call launched from Python back to back
@@ -51,7 +57,7 @@ from fusedserve.kernels import fp8, timing
 from fusedserve.kernels.spec import OP_SPECS, ROWWISE_OPS
 from fusedserve.kernels.testing import compare, float64_reference
 
-SCENARIOS = ("fused-ops", "gemm-epilogues", "gemm-fp8", "attention", "decoder-ops", "splade")
+SCENARIOS = ("fused-ops", "gemm-epilogues", "gemm-fp8", "attention", "decoder-ops", "splade", "m3-sparse")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHAPES = ("4096x768", "32768x384", "32768x768", "16384x1024", "8192x4096")
 # name: (op, tokens M, in features K, out features N) at MiniLM-L6 (hidden 384) and BERT-base (768) widths
@@ -101,6 +107,17 @@ SPLADE_SHAPES = {
     "tiny b3 s5": (3, 5, 16, 70),
 }
 DEFAULT_SPLADE_SHAPES = tuple(name for name in SPLADE_SHAPES if not name.startswith("tiny"))
+# name: (sequences, tokens each (varlen: the longest, lengths uniform in 1..it), varlen, hidden H, vocabulary V):
+# BGE-M3 (XLM-RoBERTa-large's width and vocabulary) on a packed batch of short inputs and on its 8192-token inputs
+M3_SPARSE_SHAPES = {
+    "bge-m3 b64 varlen s256": (64, 256, True, 1024, 250002),
+    "bge-m3 b8 s8192": (8, 8192, False, 1024, 250002),
+    "bge-m3 b1 s8192": (1, 8192, False, 1024, 250002),
+    # the CPU test's: not in the default set
+    "tiny b3 varlen s9": (3, 9, True, 16, 70),
+}
+DEFAULT_M3_SPARSE_SHAPES = tuple(name for name in M3_SPARSE_SHAPES if not name.startswith("tiny"))
+M3_SPECIALS = (0, 1, 2, 3)  # XLM-R's <s>, <pad>, </s>, <unk>: the ids M3Embedder drops
 # name: (tokens T, hidden, query heads H, key/value heads KV, head dim d, FFN intermediate I): Qwen3-Embedding-0.6B's
 # and -4B's widths, at a batch of 4096 tokens and one of 32768; sequences of 512 tokens (the tiny case's: 8)
 DECODER_SHAPES = {
@@ -221,6 +238,34 @@ def unfused_splade_pool(x, weight, bias, cu_seqlens):
     peak = activations.new_zeros((batch + 1, activations.shape[1])).scatter_reduce_(
         0, seq[:, None].expand_as(activations), activations, "amax")
     return peak[:batch].float()
+
+
+def dense_m3_sparse(x, weight, bias, ids, cu_seqlens, dropped, *, vocab: int):
+    """BGE-M3's sparse output as FlagEmbedding's M3Embedder (and M3Head.sparse) computes it on the packed batch:
+    relu(linear) per token in the input dtype, each sequence's largest weight per token id by a scatter_reduce amax
+    into a zeroed [B + 1, vocab] float32 (the filler tokens into the last row), the dropped ids' columns zeroed ->
+    [B, vocab] float32. No host sync: a CUDA graph and torch.compile take it."""
+    t, batch = x.shape[0], cu_seqlens.numel() - 1
+    weights = torch.relu(F.linear(x, weight[None], bias.to(x.dtype))).squeeze(-1).float()
+    cu = cu_seqlens.long()
+    tokens = torch.arange(t, device=x.device)
+    # over the whole of cu, not cu[1:]: inductor (torch 2.11) cannot lower searchsorted on a slice (SliceView)
+    seq = torch.searchsorted(cu, tokens, right=True) - 1
+    seq = torch.where((tokens >= cu[0]) & (tokens < cu[-1]), seq, batch)
+    out = weights.new_zeros((batch + 1) * vocab).scatter_reduce_(0, seq * vocab + ids.long(), weights, "amax")
+    return out.view(batch + 1, vocab)[:batch].index_fill_(1, dropped.long(), 0.0)
+
+
+def per_token_dense(values, ids, cu_seqlens, vocab: int):
+    """A per-token output of m3_sparse (at most one nonzero per sequence and id) as the dense [B, vocab] of
+    dense_m3_sparse, in its dtype: for the accuracy check, outside the timing."""
+    t, batch = values.shape[0], cu_seqlens.numel() - 1
+    cu = cu_seqlens.long()
+    tokens = torch.arange(t, device=values.device)
+    seq = torch.searchsorted(cu, tokens, right=True) - 1
+    seq = torch.where((tokens >= cu[0]) & (tokens < cu[-1]), seq, batch)
+    out = values.new_zeros((batch + 1) * vocab).scatter_reduce_(0, seq * vocab + ids.long(), values, "amax")
+    return out.view(batch + 1, vocab)[:batch]
 
 
 def _glu(h, activation: str):
@@ -434,6 +479,30 @@ def splade_inputs(name: str, dtype: torch.dtype, device: str, seed: int) -> tupl
     bias = (torch.randn(vocab, generator=gen) * 0.5 - 0.5).to(device, dtype)
     cu = torch.arange(0, sequences * length + 1, length, dtype=torch.int32).to(device)
     return (x, weight, bias, cu)
+
+
+def m3_sparse_inputs(name: str, dtype: torch.dtype, device: str, seed: int) -> tuple:
+    """m3_sparse's arguments for a case: (x, weight, bias, ids, cu_seqlens, dropped) with x of order 1 (the encoder's
+    LayerNormed last states), weight at 1/sqrt(H) and a float32 bias shifted down (about a third of the weights are
+    relu's 0); token ids drawn for a text's repeats (two in five from 2,000 frequent ids, the others from the whole
+    vocabulary), each sequence between CLS (0) and EOS (2); XLM-R's four special ids dropped."""
+    sequences, longest, varlen, hidden, vocab = M3_SPARSE_SHAPES[name]
+    gen = torch.Generator().manual_seed(seed)
+    lengths = (torch.randint(1, longest + 1, (sequences,), generator=gen) if varlen
+               else torch.full((sequences,), longest))
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+    t = int(lengths.sum())
+    x = torch.randn(t, hidden, generator=gen)
+    weight = torch.randn(hidden, generator=gen) * hidden**-0.5
+    bias = torch.randn(1, generator=gen) * 0.25 - 0.5
+    frequent = torch.randint(4, vocab, (min(2000, vocab),), generator=gen)
+    ids = torch.where(torch.rand(t, generator=gen) < 0.4,
+                      frequent[torch.randint(0, frequent.numel(), (t,), generator=gen)],
+                      torch.randint(4, vocab, (t,), generator=gen)).to(torch.int32)
+    ids[cu[:-1].long()] = 0
+    ids[(cu[1:] - 1).long()] = 2
+    return (x.to(device, dtype), weight.to(device, dtype), bias.to(device), ids.to(device), cu.to(device),
+            torch.tensor(M3_SPECIALS, dtype=torch.int32, device=device))
 
 
 def peak_bytes(fn: Callable[[], object], device: str) -> int | None:
@@ -959,6 +1028,65 @@ def splade(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], No
     save(rows, summary, True)
 
 
+def m3_sparse(args: argparse.Namespace, save: Callable[[list[dict], dict, bool], None]) -> None:
+    device = args.device
+    names = args.m3_sparse_shapes or list(DEFAULT_M3_SPARSE_SHAPES)
+    dtypes = args.dtypes or (["float16", "bfloat16"] if device.startswith("cuda") else ["float32"])
+    names_wanted = [p for p in args.providers if p in ("triton", "eager", "compile")]  # no CUDA m3_sparse
+    provs, missing = providers([p for p in names_wanted if p == "triton"])
+    if "compile" in names_wanted:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = 1024  # one compile per dtype x shape, never a fallback
+        compiled = torch.compile(dense_m3_sparse, dynamic=False)
+    rows: list[dict] = []
+    summary = {"unavailable": missing}
+    for i, (name, dtype_name) in enumerate([(n, d) for n in names for d in dtypes], 1):
+        dtype = DTYPES[dtype_name]
+        vocab = M3_SPARSE_SHAPES[name][4]
+        inputs = m3_sparse_inputs(name, dtype, device, seed=i)
+        x, ids, cu = inputs[0], inputs[3], inputs[4]
+        # the float64 reference on the device, compared in the dense form: two tokens within rounding of each other
+        # may be ranked either way by a provider, the per-(sequence, id) maxima may not
+        ref = (per_token_dense(OP_SPECS["m3_sparse"].reference(
+            *(a.double() if a.is_floating_point() else a for a in inputs)), ids, cu, vocab) if args.check else None)
+        calls = {p: get("m3_sparse") for p, get in provs.items()}
+        if "eager" in names_wanted:
+            calls["eager"] = lambda *a, vocab=vocab: dense_m3_sparse(*a, vocab=vocab)
+        if "compile" in names_wanted:
+            calls["compile"] = lambda *a, vocab=vocab: compiled(*a, vocab=vocab)
+        shape = f"{x.shape[0]}x{x.shape[1]}x{vocab}"
+        nbytes = x.numel() * x.element_size()
+        line = []
+        for provider in names_wanted:
+            if provider not in calls:
+                continue
+            fn = calls[provider]
+            try:
+                out = fn(*inputs)  # warm-up: compilation happens here
+                err = None
+                if ref is not None:
+                    dense = out if out.dim() == 2 else per_token_dense(out, ids, cu, vocab)
+                    err = compare(dense, ref, dtype)
+                del out
+                us, launch_us = time_us(lambda: fn(*inputs), device)
+                peak = peak_bytes(lambda: fn(*inputs), device)
+            except Exception as exc:
+                rows.append({"op": "m3_sparse", "case": name, "dtype": dtype_name, "shape": shape,
+                             "provider": provider, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                line.append(f"{provider} FAILED")
+                continue
+            rows.append({"op": "m3_sparse", "case": name, "dtype": dtype_name, "shape": shape, "provider": provider,
+                         "us": us, "launch_us": launch_us, "rel_l2": err.rel_l2 if err else None,
+                         "max_abs": err.max_abs if err else None, "accurate": err.ok if err else None,
+                         "bytes": nbytes, "gbps": nbytes / us / 1e3, "peak_bytes": peak})
+            line.append(f"{provider} {us:8.1f} us" + (f" peak {peak / 2**20:7.1f} MiB" if peak is not None else ""))
+        del ref
+        print(f"{name} {dtype_name}: " + " | ".join(line), file=sys.stderr, flush=True)
+        save(rows, summary, False)
+    save(rows, summary, True)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenarios", nargs="*", metavar="SCENARIO", help=f"any of {', '.join(SCENARIOS)} (default: all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -966,7 +1094,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", nargs="+", choices=list(ROWWISE_OPS), help="fused-ops: the ops (default: all)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
                         help="default: all three for fused-ops; float16 (cpu: float32) for gemm-epilogues; float16 "
-                             "and bfloat16 (cpu: float32) for attention and splade")
+                             "and bfloat16 (cpu: float32) for attention, splade and m3-sparse")
     parser.add_argument("--shapes", nargs="+", help=f"fused-ops: ROWSxCOLS (default: {' '.join(SHAPES)})")
     parser.add_argument("--gemm-shapes", nargs="+", choices=list(GEMM_SHAPES),
                         help=f"gemm-epilogues: the cases (default: {', '.join(DEFAULT_GEMM_SHAPES)})")
@@ -976,6 +1104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"attention: the cases (default: {', '.join(DEFAULT_ATTENTION_SHAPES)})")
     parser.add_argument("--splade-shapes", nargs="+", choices=list(SPLADE_SHAPES),
                         help=f"splade: the cases (default: {', '.join(DEFAULT_SPLADE_SHAPES)})")
+    parser.add_argument("--m3-sparse-shapes", nargs="+", choices=list(M3_SPARSE_SHAPES),
+                        help=f"m3-sparse: the cases (default: {', '.join(DEFAULT_M3_SPARSE_SHAPES)})")
     parser.add_argument("--decoder-shapes", nargs="+", choices=list(DECODER_SHAPES),
                         help=f"decoder-ops: the cases (default: {', '.join(DEFAULT_DECODER_SHAPES)})")
     parser.add_argument("--decoder-ops", nargs="+", choices=DECODER_OPS, help="decoder-ops: the ops (default: all)")
@@ -995,7 +1125,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         settings = {"device": args.device, "providers": args.providers, "ops": args.ops, "dtypes": args.dtypes,
                     "shapes": {"fused-ops": args.shapes, "gemm-epilogues": args.gemm_shapes, "gemm-fp8": args.fp8_shapes,
                                "attention": args.attention_shapes, "decoder-ops": args.decoder_shapes,
-                               "splade": args.splade_shapes}[scenario],
+                               "splade": args.splade_shapes, "m3-sparse": args.m3_sparse_shapes}[scenario],
                     "device_rounds": DEVICE_ROUNDS, "check": args.check}
 
         def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,
@@ -1003,6 +1133,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             store.write(out, "kernels", gpu, scenario, store.block(head, settings, rows, summary, complete=complete))
 
         {"fused-ops": fused_ops, "gemm-epilogues": gemm_epilogues, "gemm-fp8": gemm_fp8, "attention": attention,
-         "decoder-ops": decoder_ops, "splade": splade}[scenario](args, save)
+         "decoder-ops": decoder_ops, "splade": splade, "m3-sparse": m3_sparse}[scenario](args, save)
         print(f"{scenario}: {out} ({time.monotonic() - started:.0f} s into the run)", file=sys.stderr, flush=True)
     return 0

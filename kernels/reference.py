@@ -215,6 +215,44 @@ def splade_pool(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tens
     return _store(peak[:segments].to(compute).log1p_(), compute, out)
 
 
+def m3_sparse(x: Tensor, weight: Tensor, bias: Tensor, ids: Tensor, cu_seqlens: Tensor, dropped: Tensor, *,
+              out: Tensor | None = None) -> Tensor:
+    """BGE-M3's sparse weights of a packed batch, per token: out[t] = w[t] = relu(x[t] . weight + bias) if token t is
+    the representative of its (sequence, id) group and its id is not in `dropped`, else 0. The representative is the
+    group's token of the largest weight, a NaN above every number, the lowest index among equals. So each sequence's
+    nonzeros are FlagEmbedding's sparse dict (the largest weight per token id, the special ids dropped) without the
+    [sequences, vocabulary] scatter of M3Embedder; a NaN weight is kept as its group's value (NaN, as the dense
+    scatter's amax gives it), never dropped. x [T, H], weight [H] (sparse_linear's one row), bias [1], ids [T] and
+    dropped [K] integer ids, non-decreasing offsets cu_seqlens [B + 1] -> [T] float32 (float64 stays float64).
+    Tokens outside [cu_seqlens[0], cu_seqlens[B]) (a packed batch's filler tokens) and dropped ones give 0 and their
+    rows enter the product as zeros; offsets are clamped to [0, T]. The weights are computed in float32 from the
+    inputs' values. Exact ranking by stable sorts (weight, NaN first, then id, then sequence): no [T, T] or [B, V]
+    buffer, no host synchronization (it runs inside CUDA graphs)."""
+    compute = _compute_dtype(x.dtype)
+    t, segments = x.shape[0], cu_seqlens.numel() - 1
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long).clamp(0, t)
+    cu = torch.cummax(cu, 0).values  # non-decreasing after the clamp
+    rows = torch.arange(t, device=x.device)
+    segment = torch.searchsorted(cu[1:], rows, right=True)  # cu[b] <= row < cu[b + 1]; past the end: segments
+    segment = torch.where(rows < cu[0], segments, segment)
+    ids = ids.to(device=x.device, dtype=torch.long)
+    dropped = dropped.to(device=x.device, dtype=torch.long)
+    kept = (segment < segments) & ~(ids[:, None] == dropped[None, :]).any(dim=1)
+    h = torch.where(kept[:, None], x, x.new_zeros(())).to(compute)
+    w = torch.relu(h @ weight.to(compute) + bias.to(compute))  # [T]
+    # a lexicographic order by stable sorts, the last sort the most significant key: (sequence, id) groups together,
+    # within each NaN first, then the weight descending, then the index ascending (the order left by the earlier sorts)
+    nan = torch.isnan(w)
+    order = torch.sort(torch.where(nan, torch.inf, w), descending=True, stable=True).indices
+    for key, descending in ((nan, True), (ids, False), (segment, False)):
+        order = order[torch.sort(key[order].to(torch.long), descending=descending, stable=True).indices]
+    group_ids, group_segments = ids[order], segment[order]
+    first = torch.ones_like(kept)
+    first[1:] = (group_ids[1:] != group_ids[:-1]) | (group_segments[1:] != group_segments[:-1])
+    representative = torch.zeros_like(kept).scatter_(0, order, first)
+    return _store(torch.where(representative & kept, w, w.new_zeros(())), compute, out)
+
+
 def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor, cu_seqlens: Tensor, max_seqlen: int, num_heads: int, *,
                   out: Tensor | None = None) -> Tensor:
     """Self-attention of each packed sequence with its QKV projection: qkv = x @ weight^T + bias for x [T, H] and

@@ -215,6 +215,41 @@ def _splade_pool_inputs(rows, cols, dtype, device, gen):
     return (x, w, b, offsets), {}
 
 
+M3_DROPPED_IDS = (0, 1, 2, 3, 250001)  # XLM-R's <s>, <pad>, </s>, <unk> (BGE-M3's CLS, PAD, EOS, UNK), one absent
+
+
+def _m3_sparse_inputs(rows, cols, dtype, device, gen):
+    # packed segments (_packed, one more empty segment among them; the filler tokens are NaN: never to be read) of
+    # token ids from a small vocabulary (repeats within and across sequences), each sequence between CLS (0) and EOS
+    # (2), a few UNK (3) and PAD (1), dropped with an id absent from the batch; about a quarter of the tokens copy an
+    # earlier token of their sequence, row and id (ties of equal weights). Exact values: x in 1/16ths of [-4, 4], the
+    # weight in 1/256ths at about 1/sqrt(cols), the bias in 1/4096ths: every product and partial sum is exact in fp32,
+    # so a weight is the same whatever the summation order and the representatives are not a matter of rounding
+    # (pre-activations ~ N(-0.5, 1.5): about a third of the weights are relu's 0)
+    real, lengths, offsets = _packed(rows, 128, 4, "cpu", gen)
+    at = int(torch.randint(0, offsets.numel(), (1,), generator=gen))
+    offsets = torch.cat([offsets[:at + 1], offsets[at:]])
+    vocab = 4 + max(3, real // 6)
+    ids = torch.randint(4, vocab, (rows,), generator=gen, dtype=torch.int32)
+    ids[torch.rand(rows, generator=gen) < 0.05] = 3
+    ids[torch.rand(rows, generator=gen) < 0.02] = 1
+    x = (torch.randn((rows, cols), generator=gen) * 24).round().clamp(-64, 64) / 16
+    copy, pick = torch.rand(rows, generator=gen).tolist(), torch.rand(rows, generator=gen).tolist()
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        for t in range(start + 1, end):
+            if copy[t] < 0.25:
+                source = start + int(pick[t] * (t - start))
+                x[t], ids[t] = x[source], ids[source]
+        if end - start > 1:
+            ids[start], ids[end - 1] = 0, 2
+    x[real:] = float("nan")
+    weight = (torch.randn((cols,), generator=gen) * 256 * cols**-0.5).round().clamp(-255, 255) / 256
+    bias = ((torch.randn((1,), generator=gen) * 0.25 - 0.5) * 4096).round() / 4096
+    dropped = torch.tensor(M3_DROPPED_IDS, dtype=torch.int32)
+    return (x.to(device, dtype), weight.to(device, dtype), bias.to(device), ids.to(device), offsets.to(device),
+            dropped.to(device)), {}
+
+
 def _attention_partials_inputs(rows, cols, dtype, device, gen):
     (x, w, b, offsets, max_seqlen, heads), _ = _qkv_attention_inputs(rows, cols, dtype, device, gen)
     out_weight = _randn((cols, cols), dtype, device, gen, scale=cols**-0.5)
@@ -270,6 +305,10 @@ def _per_segment(args, rows, cols, dtype):
 
 def _per_segment_vocab(args, rows, cols, dtype):
     return (args[3].numel() - 1, args[1].shape[0]), _fp32(dtype)
+
+
+def _per_token(args, rows, cols, dtype):
+    return (rows,), _fp32(dtype)
 
 
 def _like_first(x, *args, **kwargs) -> Tensor:
@@ -426,6 +465,15 @@ _SPECS = (
            "offset unread); the [T, V] logits are never written.",
            lambda x, weight, bias, cu: x.new_empty((cu.shape[0] - 1, weight.shape[0]), dtype=_fp32(x.dtype)),
            _splade_pool_inputs, rowwise=False, output=_per_segment_vocab, fused_in=_triton_only("splade_pool")),
+    # BGE-M3's sparse head over a packed batch: each token's weight where it is its (sequence, id)'s largest
+    OpSpec("m3_sparse", reference.m3_sparse,
+           "BGE-M3's sparse output per token of a packed batch: relu(x[t] . weight + bias) (fp32) where token t is its "
+           "(sequence, id) group's representative (the largest weight, a NaN above every number, the lowest index "
+           "among equals) and ids[t] is not in dropped, else 0, for x [T, H], weight [H] in x's dtype, bias [1] "
+           "float32, ids [T] and dropped [K] int32, offsets cu_seqlens [B + 1] -> [T] float32: each sequence's "
+           "nonzeros are FlagEmbedding's sparse dict; tokens outside the offsets give 0 (unread); no [B, V] buffer.",
+           lambda x, weight, bias, ids, cu, dropped: x.new_empty((x.shape[0],), dtype=_fp32(x.dtype)),
+           _m3_sparse_inputs, rowwise=False, output=_per_token, fused_in=_triton_only("m3_sparse")),
     # the few-token layer's pieces: attention + each head's share of the output projection -> [heads, rows, cols]
     # fp32; the FFN split over its intermediate width -> [splits, rows, cols] fp32; their LayerNorm over the sum
     OpSpec("attention_partials", reference.attention_partials,

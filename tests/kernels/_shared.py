@@ -271,6 +271,30 @@ def _splade_pool64(x, weight, bias, cu_seqlens):
     return torch.stack(rows) if rows else x.new_zeros((0, weight.shape[0]))
 
 
+def _m3_sparse64(x, weight, bias, ids, cu_seqlens, dropped):
+    # FlagEmbedding's per-sentence dict, kept as the token holding each entry: walk each sequence's tokens in order,
+    # skip the dropped ids, and let a token take its id's entry from the holder when its weight max(x . weight + b, 0)
+    # is larger (a NaN larger than any number, and than nothing it meets later); the holders keep their weights
+    weights = (x @ weight + bias).clamp(min=0.0)
+    out = torch.zeros(x.shape[0], dtype=x.dtype)
+    offsets, skip = cu_seqlens.tolist(), set(dropped.tolist())
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        holder: dict[int, int] = {}
+        for t in range(start, end):
+            token, w = int(ids[t]), float(weights[t])
+            if token in skip:
+                continue
+            if token not in holder:
+                holder[token] = t
+                continue
+            held = float(weights[holder[token]])
+            if held == held and (w != w or w > held):
+                holder[token] = t
+        for t in holder.values():
+            out[t] = weights[t]
+    return out
+
+
 def _add_layer_norm64(x, residual, bias, weight, ln_bias, eps=1e-12, *, return_sum=False):
     s = x + residual + (bias if bias is not None else 0.0)
     y = _layer_norm64(s, weight, ln_bias, eps)
@@ -298,6 +322,7 @@ FORMULAS = {
         x @ w.T + bias + residual, g, b, eps),
     "linear_glu": _linear_glu64,
     "splade_pool": _splade_pool64,
+    "m3_sparse": _m3_sparse64,
     "segment_mean": _segment_mean64,
     "qkv_attention": _attention64,
     "relative_attention": _relative_attention64,

@@ -58,9 +58,9 @@ def test_reference_without_out_returns_the_specified_output(op):
     result = REFERENCE_OPS[op](*args, **kwargs)
     shape, dtype = OP_SPECS[op].output(args, 5, 33, torch.bfloat16)
     assert result.dtype == dtype and result.shape == shape
-    # fp32 out of bf16 in: the pooled means and SPLADE maxima, and the partial sums of a split GEMM
-    assert dtype == (torch.float32 if op in ("segment_mean", "splade_pool", "attention_partials", "ffn_partials")
-                     else torch.bfloat16)
+    # fp32 out of bf16 in: the pooled means, SPLADE maxima and BGE-M3 sparse weights, and a split GEMM's partial sums
+    assert dtype == (torch.float32 if op in ("segment_mean", "splade_pool", "m3_sparse", "attention_partials",
+                                             "ffn_partials") else torch.bfloat16)
     assert compare(result, float64_reference(op, args, kwargs), torch.bfloat16).ok
 
 
