@@ -176,12 +176,58 @@ class PromptTemplate:
 
 
 @dataclass(frozen=True)
+class ColbertText:
+    """A ColBERT model's text side, as PyLate (pylate.models.ColBERT) prepares its inputs: the marker token put right
+    after the first token ([CLS]) of each query or document, the lengths (special tokens and the marker included;
+    texts are cut to one token less before the marker goes in), the mask token that pads a query to exactly
+    query_length when queries are expanded (attended to as keys only with attend_expansion), and the token ids whose
+    vectors a document drops (its skiplist: punctuation). A prepared row says its role by its second id (the query or
+    the document marker); a query's expansion tokens are its trailing mask ids (a text holding the mask token itself is
+    refused). prompt_name "document" prepares documents; None or "query" queries (PyLate's encode defaults to
+    queries)."""
+
+    query_marker: int
+    document_marker: int
+    mask_id: int
+    query_length: int
+    document_length: int
+    expansion: bool = True
+    attend_expansion: bool = False
+    skiplist: tuple[int, ...] = ()
+
+    def documents(self, rows: Rows) -> np.ndarray:
+        """Per row, whether it is a document ([n] bool: its second id is the document marker; otherwise a query)."""
+        starts = np.cumsum(rows.lengths) - rows.lengths
+        second = rows.ids[np.minimum(starts + 1, max(rows.tokens - 1, 0))] if rows.tokens else np.empty(0, np.int64)
+        return (rows.lengths >= 2) & (second == self.document_marker)
+
+    def kept(self, rows: Rows) -> np.ndarray:
+        """Per token, whether it has a vector ([tokens] bool): every token of a query (its expansion included), a
+        document's tokens whose id is not in the skiplist ([CLS], the marker and [SEP] are kept)."""
+        in_document = np.repeat(self.documents(rows), rows.lengths)
+        return ~(in_document & np.isin(rows.ids, np.asarray(self.skiplist, dtype=np.int64)))
+
+    def attended(self, rows: Rows) -> np.ndarray:
+        """Per row, how many of its first tokens are attended to as keys ([n] int64): all of them, but for a query
+        with expansion tokens not attended to (attend_expansion false), those before its trailing mask ids."""
+        if self.attend_expansion or not self.expansion:
+            return rows.lengths.copy()
+        out = rows.lengths.copy()
+        for i, row in enumerate(rows._split()):
+            if len(row) >= 2 and row[1] == self.query_marker and row[-1] == self.mask_id:
+                real = np.flatnonzero(row != self.mask_id)
+                out[i] = real[-1] + 1 if len(real) else 0
+        return out
+
+
+@dataclass(frozen=True)
 class TextSpec:
     """Everything a model does to its inputs before the encoder sees them, as data: the tokenizer file (its
-    tokenizer_config.json beside it), the length limit, the vocabulary's size, lower-casing, the prompts and a
-    reranker's pair template (Description.text). The model decides each of them at load, with its family's code
-    and torch; a process that only prepares inputs (a front-end in front of the process that runs the model) makes
-    the same preparation from it with fusedserve.model.text_side, with neither torch nor the weights."""
+    tokenizer_config.json beside it), the length limit, the vocabulary's size, lower-casing, the prompts, a
+    reranker's pair template and a ColBERT model's markers, lengths and skiplist (Description.text). The model decides
+    each of them at load, with its family's code and torch; a process that only prepares inputs (a front-end in front
+    of the process that runs the model) makes the same preparation from it with fusedserve.model.text_side, with
+    neither torch nor the weights."""
 
     tokenizer: str
     max_length: int
@@ -190,6 +236,7 @@ class TextSpec:
     prompts: tuple[tuple[str, str], ...] = ()
     default_prompt_name: str | None = None
     pair_template: PromptTemplate | None = None
+    colbert: ColbertText | None = None  # a ColBERT model's markers, lengths, expansion and skiplist
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -198,8 +245,11 @@ class TextSpec:
     def from_json(cls, text: str) -> TextSpec:
         fields = json.loads(text)
         template = fields.pop("pair_template")
+        colbert = fields.pop("colbert", None)
         return cls(**{**fields, "prompts": tuple(tuple(p) for p in fields["prompts"])},
-                   pair_template=PromptTemplate(**template) if template is not None else None)
+                   pair_template=PromptTemplate(**template) if template is not None else None,
+                   colbert=None if colbert is None else ColbertText(**{**colbert,
+                                                                       "skiplist": tuple(colbert["skiplist"])}))
 
 
 class OutOfDeviceMemory(RuntimeError):
@@ -219,8 +269,10 @@ class Pending(Protocol):
     def rows(self) -> np.ndarray: ...
 
 
-# launch's outputs: rows [n, dim] of the model's kind; per-token states [tokens, hidden]; BGE-M3's multi-vectors
-# [tokens - n, dim] and sparse vectors [n, vocabulary]
+# launch's outputs: rows [n, dim] of the model's kind; per-token states [tokens, hidden]; multi-vectors, BGE-M3's
+# [tokens - n, dim] or a ColBERT model's [sum of multi_vector_counts, dim] (normalized, each row's back to back);
+# BGE-M3's sparse weights [tokens, 1] (a token's weight where it holds its input's largest for its id, else zero:
+# with the rows' ids, each input's sparse vector)
 Output = Literal["pooled", "tokens", "colbert", "sparse"]
 
 
@@ -244,7 +296,8 @@ class Description:
     memory: Mapping[str, int] = field(default_factory=dict)    # bytes held on the device, by what holds them
     text: TextSpec | None = None   # how inputs become token ids, as data (prepare's rules)
     # what launch(output=...) gives: "pooled" (the kind's rows) and "tokens" (per-token states) for every model;
-    # BGE-M3 adds "colbert" (normalized multi-vectors of every token after the first) and "sparse" ([vocabulary])
+    # BGE-M3 adds "colbert" (normalized multi-vectors of every token after the first) and "sparse" (per-token weights);
+    # a ColBERT model gives ("tokens", "colbert") only (multi_vector_counts: how many vectors each row gets)
     outputs: tuple[str, ...] = ("pooled", "tokens")
     info: Mapping[str, object] = field(default_factory=dict)   # the rest of /info's entry
     report: str = ""
@@ -262,6 +315,20 @@ class Description:
         spec = fields.pop("text")
         return cls(**{**fields, "labels": tuple(fields["labels"]), "outputs": tuple(fields["outputs"])},
                    text=None if spec is None else TextSpec.from_json(json.dumps(spec)))
+
+
+def multi_vector_counts(description: Description, rows: Rows) -> np.ndarray:
+    """Per row, how many vectors launch(rows, output="colbert") gives for it ([n] int64), in the block's order: a
+    ColBERT model's queries all their tokens, its documents those not in the skiplist; BGE-M3 every token after the
+    first; otherwise every token."""
+    colbert = description.text.colbert if description.text is not None else None
+    if colbert is not None:
+        if not len(rows):  # (every row holds a token: Rows' contract)
+            return np.zeros(0, np.int64)
+        return np.add.reduceat(colbert.kept(rows).astype(np.int64), np.cumsum(rows.lengths) - rows.lengths)
+    if "colbert" in description.outputs:
+        return rows.lengths - 1
+    return rows.lengths.copy()
 
 
 class Worker(Protocol):

@@ -23,6 +23,14 @@ def head_line(e: Embedder) -> str:
         return (f"head: {e.family.label} sequence classifier, {len(c.labels)} label(s) {', '.join(c.labels)}, scores "
                 f"through {c.activation}")
     p = e.pipeline
+    if p.colbert is not None:
+        c, t = p.colbert, e.colbert
+        expansion = ("expanded with the mask token, " + ("attended" if t.attend_expansion else "not attended")) \
+            if t.expansion else "not expanded"
+        return (f"head: ColBERT ({p.source}), Dense {' -> '.join(str(d.weight.shape[0]) for d in c.dense)}, a "
+                f"normalized vector per token, dim {e.dim}; queries {c.query_prefix!r} up to {c.query_length} tokens "
+                f"({expansion}), documents {c.document_prefix!r} up to {c.document_length} tokens, "
+                f"{len(t.skiplist)} skiplist ids")
     if p.sparse is not None:
         return (f"head: SPLADE sparse vectors ({p.source}: masked-LM logits, log(1 + {p.sparse.activation}), max "
                 f"over the tokens), dim {e.dim}")

@@ -94,9 +94,31 @@ class Forwards:
         included; row i is the next batch.lengths[i] of them): the encoder's packed forward on the current
         selection, eagerly (no graph bucket has per-token output)."""
         batch = batch if isinstance(batch, Rows) else Rows.of(batch)
+        return self.token_states(batch, lambda hidden, packed: hidden.float()).cpu()
+
+    def token_states(self, batch: Rows, then: Callable[[Tensor, Packed], Tensor]) -> Tensor:
+        """then(hidden, packed) on the per-token states ([batch.tokens, hidden] on the device, in the encoder's dtype)
+        of the packed forward, eagerly, on the current selection (then's kernels too)."""
         with kernels.use(self.kernel_path.selection):
             packed = Packed.from_rows(batch, self.device, **self.token_layout)
-            return self.encoder.forward_packed(packed, self.kernel_path.attention)[: batch.tokens].float().cpu()
+            return then(self.encoder.forward_packed(packed, self.kernel_path.attention)[: batch.tokens], packed)
+
+    def masked_states(self, batch: Rows, attended) -> Tensor:
+        """Per-token states ([batch.tokens, hidden] on the device, in the encoder's dtype, rows back to back) where row
+        i's keys are its first attended[i] tokens: its other tokens are computed as queries but attended to by none
+        (a ColBERT query's expansion tokens under PyLate's attention mask). The packed layout attends every token of
+        a sequence, so this runs the padded one, eagerly, on the current selection."""
+        with kernels.use(self.kernel_path.selection):
+            seq = batch.longest
+            input_ids = torch.full((len(batch), seq), self.config.pad_token_id, dtype=torch.long)
+            keys = torch.zeros((len(batch), seq), dtype=torch.bool)
+            real = torch.zeros((len(batch), seq), dtype=torch.bool)
+            for row, ids in enumerate(batch.tolist()):
+                input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                keys[row, : int(attended[row])] = True
+                real[row, : len(ids)] = True
+            hidden = self.encoder(input_ids.to(self.device), keys.to(self.device), None)
+            return hidden[real.to(self.device)]
 
     def forward_eager(self, rows: Rows) -> Tensor:
         """The output rows of `rows` on the device, in whatever kernels.use() is current (the callers set it)."""

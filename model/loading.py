@@ -17,6 +17,7 @@ import torch
 from fusedserve import kernels
 from fusedserve.model import describing, host
 from fusedserve.model.api import name_of
+from fusedserve.model.colbert import read_colbert
 from fusedserve.model.config import PRESETS, EncoderConfig, UnsupportedModel
 from fusedserve.model.families import family
 from fusedserve.model.modules import (Classifier, Pipeline, masked_lm_tensors, read_classifier, read_m3_heads,
@@ -138,14 +139,25 @@ def read_model(model: str, pooling: str | None = None, name: str | None = None,
             read.pipeline = Pipeline(read_pipeline(read.tokenizer_dir, pooling).pooling, source="POOLING setting")
         return read
     path = default_model_dir() if model == "default" else Path(model)
+    colbert = read_colbert(path)
+    if colbert is not None:  # its lengths are the served ones; max_seq_length, where set, is its document_length
+        if max_seq_length is not None:
+            colbert = dataclasses.replace(colbert, document_length=max_seq_length)
+        positions = config.max_position_embeddings - config.position_offset
+        if colbert.longest > positions:
+            raise UnsupportedModel(f"{name}: ColBERT query_length {colbert.query_length} / document_length "
+                                   f"{colbert.document_length} over the encoder's {positions} positions")
+        max_seq_length = colbert.longest
     encoder, rest = load_checkpoint(path, config, max_seq_length=max_seq_length)
+    for head_tensor in colbert.head_tensors if colbert is not None else ():  # read with the projection
+        rest.pop(head_tensor, None)
     read = ReadModel(encoder, path, name)
     read.classifier = read_classifier(path, encoder.config, rest, encoder.embeddings.word_embeddings)
     if read.classifier is not None:
         if pooling:
             raise UnsupportedModel(f"{name} is a classifier (its head reads the first token): POOLING does not apply")
         return read
-    read.pipeline = read_pipeline(path, pooling, family(encoder.config).pooling)
+    read.pipeline = read_pipeline(path, pooling, family(encoder.config).pooling, colbert=colbert)
     if (m3 := read_m3_heads(path, encoder.config.hidden_size)) is not None:
         if read.pipeline.sparse is not None:
             raise UnsupportedModel(f"{name}: a SPLADE head and BGE-M3's heads in one directory")
@@ -172,7 +184,7 @@ def load(make: type[Embedder], model: str = "default", *, device: str = "auto", 
     dt = resolve_dtype(dtype, dev, fam.dtype_on_cuda)
     read = read_model(model, pooling, name, max_seq_length, config)
     encoder = read.encoder
-    if max_seq_length is not None:  # a preset's (a checkpoint's encoder was built for it)
+    if max_seq_length is not None and model in PRESETS:  # a checkpoint's encoder was built for it
         encoder.config = encoder.config.replace(max_seq_length=max_seq_length)
     tokenizer = TextTokenizer(read.tokenizer_dir, encoder.config.max_seq_length)
     embedder = make(encoder, tokenizer, read.name, dev, dt, pipeline=read.pipeline, classifier=read.classifier,

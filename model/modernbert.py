@@ -162,11 +162,13 @@ class Encoder(layers.PreNormEncoder):
         ids = input_ids.reshape(-1)
         x = self.embeddings(ids, None, torch.zeros_like(ids))
         positions = torch.arange(seq, device=input_ids.device)
-        # padding queries attend to themselves at least: a row of SDPA's mask without any key is NaN, and a NaN
-        # value row poisons every query that gives it weight 0
+        # the mask is over keys: a query of a masked position still attends to the others (a ColBERT query's
+        # expansion tokens). A query with no key at all (padding beyond a sliding window) attends to itself: a row
+        # of SDPA's mask without any key is NaN, and a NaN value row poisons every query that gives it weight 0
         itself = (positions[None, :] == positions[:, None])[None, None]
-        keep = attention_mask.bool()[:, None, None, :] | itself
+        keep = attention_mask.bool()[:, None, None, :].expand(batch, 1, seq, seq)
         near = keep & ((positions[None, :] - positions[:, None]).abs() <= self.config.sliding_window)[None, None]
+        keep, near = (mask | (itself & ~mask.any(-1, keepdim=True)) for mask in (keep, near))
         for layer in self.layers:
             x = layer(x, batch, seq, near if layer.window else keep, self.frequencies(layer))
         x = F.layer_norm(x, x.shape[-1:], self.final_ln_weight, self.final_ln_bias, self.config.layer_norm_eps)

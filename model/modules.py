@@ -15,6 +15,9 @@ is the sentence-transformers pipeline's (CLS, normalized); the same forward's pe
 multi-vector output (colbert_linear over every token after the first, each row normalized) and the sparse one
 (ReLU(sparse_linear) a token's weight, each token id's largest weight kept, special tokens dropped): M3Head.
 
+ColBERT models (PyLate's layout: modules.json Transformer then Dense, config_sentence_transformers.json model_type
+"ColBERT"): read by model.colbert into Pipeline.colbert, which takes the place of pooling (one vector per token).
+
 Classifiers (config.json architectures `*ForSequenceClassification`): the architecture's own head on the first token
 (the family's ClassifierHead: BERT pooler + tanh + classifier, DistilBERT pre_classifier + ReLU + classifier, ...),
 logits out; the activation (sigmoid for one label, softmax otherwise, or what config.json's sentence_transformers
@@ -31,6 +34,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +46,9 @@ from fusedserve.model.config import EncoderConfig, UnsupportedModel
 from fusedserve.model.families import family
 from fusedserve.model.family import ClassifierHead, YesNoReranker
 from fusedserve.model.weights import MASKED_LM
+
+if TYPE_CHECKING:
+    from fusedserve.model.colbert import Colbert
 
 _LEGACY_POOLING = {  # sentence-transformers' pooling_mode_* flags, in its order of concatenation
     "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
@@ -129,6 +136,7 @@ class Pipeline:
     source: str = "sentence-transformers"
     sparse: Sparse | None = None  # a SPLADE model's head instead of pooling
     m3: M3Heads | None = None  # BGE-M3's multi-vector and sparse heads beside the pooled output
+    colbert: Colbert | None = None  # a ColBERT model's projection and text rules instead of pooling (model.colbert)
 
 
 @dataclass(frozen=True)
@@ -176,9 +184,11 @@ def _pooling(config: dict, where: Path) -> tuple[str, ...]:
     return parse_pooling(modes or ("mean",))
 
 
-def _dense(path: Path) -> Dense:
+def read_dense(path: Path, default_activation: str = "torch.nn.modules.activation.Tanh") -> Dense:
+    """A Dense module's folder (config.json and its linear weights); default_activation: where its config names none
+    (sentence-transformers' Dense: Tanh; PyLate's: Identity)."""
     config = _json(path / "config.json")
-    activation = _ACTIVATIONS.get(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
+    activation = _ACTIVATIONS.get(config.get("activation_function", default_activation))
     if activation is None:
         raise UnsupportedModel(f"{path}: Dense activation {config['activation_function']!r} is not supported; "
                                f"supported: {', '.join(_ACTIVATIONS)}")
@@ -253,9 +263,11 @@ def masked_lm_tensors(sparse: Sparse, rest: dict[str, Tensor], config: EncoderCo
     return dataclasses.replace(sparse, tensors=tensors, norm_eps=config.layer_norm_eps)
 
 
-def read_pipeline(path: str | Path, pooling: str | None = None, plain: tuple[str, ...] = ("mean",)) -> Pipeline:
+def read_pipeline(path: str | Path, pooling: str | None = None, plain: tuple[str, ...] = ("mean",),
+                  colbert: Colbert | None = None) -> Pipeline:
     """The embedding pipeline of a model directory; `pooling` (the POOLING setting) overrides its pooling; `plain`:
-    the family's pooling of a plain Hugging Face directory (Family.pooling)."""
+    the family's pooling of a plain Hugging Face directory (Family.pooling); `colbert`: a ColBERT model's head
+    (model.colbert.read_colbert), which takes the place of pooling and its modules."""
     path = Path(path)
     modules_file = path / "modules.json"
     st = _json(path / "config_sentence_transformers.json") if (path / "config_sentence_transformers.json").is_file() \
@@ -267,6 +279,10 @@ def read_pipeline(path: str | Path, pooling: str | None = None, plain: tuple[str
         raise UnsupportedModel(f"default_prompt_name {default_prompt!r} is not among the model's prompts")
     common = dict(prompts=prompts, default_prompt_name=default_prompt,
                   do_lower_case=bool(bert.get("do_lower_case", False)))
+    if colbert is not None:
+        if pooling:
+            raise UnsupportedModel("POOLING does not apply to a ColBERT model: it serves one vector per token")
+        return Pipeline((), normalize=False, source="PyLate", colbert=colbert, **common)
     if not modules_file.is_file():
         modes = parse_pooling(pooling) if pooling else plain
         return Pipeline(modes, normalize=True, source="POOLING setting" if pooling else
@@ -295,7 +311,7 @@ def read_pipeline(path: str | Path, pooling: str | None = None, plain: tuple[str
         elif kind == "Dense":
             if modes is None or normalize:
                 raise UnsupportedModel("modules.json: Dense must follow Pooling (and precede Normalize)")
-            dense.append(_dense(where))
+            dense.append(read_dense(where))
         elif kind == "Normalize":
             normalize = True
         else:
@@ -507,34 +523,36 @@ class SparseHead(nn.Module):
 
 
 class M3Head(nn.Module):
-    """BGE-M3's multi-vector and sparse outputs, from the encoder's per-token states of a batch (float32 [tokens,
-    hidden], each input's rows back to back, special tokens included), as FlagEmbedding's M3Embedder computes them:
-    - multi-vector: colbert_linear over every token after each input's first, each row L2-normalized: [tokens - n,
-      dim];
-    - sparse: ReLU(sparse_linear) per token, each input's largest weight per token id ([n, vocabulary], zero where
-      an id is absent), the special tokens `dropped` (CLS, EOS, PAD, UNK) zero.
-    Plain torch in float32, after the encoder's forward: the per-token states are already on the host for these."""
+    """BGE-M3's multi-vector and sparse outputs from the encoder's packed per-token states (on the device, in its
+    dtype; each input's rows back to back, special tokens included), as FlagEmbedding's M3Embedder computes them:
+    - colbert: colbert_linear over every token after each input's first, each row L2-normalized in float32:
+      [tokens - n, dim];
+    - sparse: kernels.m3_sparse: per token ReLU(sparse_linear), kept where the token holds its input's largest weight
+      for its id (the first of equals) and the id is not one of the `dropped` specials (CLS, EOS, PAD, UNK), zero
+      elsewhere: [tokens] float32. Each input's kept (id, weight) pairs are FlagEmbedding's lexical weights, without
+      the [n, vocabulary] block its scatter_reduce fills (250,002 wide for BGE-M3)."""
 
-    def __init__(self, heads: M3Heads, vocab_size: int, dropped: tuple[int, ...]) -> None:
+    ops = ("m3_sparse",)
+
+    def __init__(self, heads: M3Heads, dropped: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__()
-        self.colbert_weight, self.colbert_bias = heads.colbert_weight, heads.colbert_bias
-        self.sparse_weight, self.sparse_bias = heads.sparse_weight, heads.sparse_bias
-        self.vocab_size, self.dropped = vocab_size, [i for i in dropped if 0 <= i < vocab_size]
+
+        def param(x: Tensor, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(x.to(dtype), requires_grad=False)
+
+        self.colbert_weight, self.colbert_bias = param(heads.colbert_weight, dtype), param(heads.colbert_bias, dtype)
+        self.sparse_weight = param(heads.sparse_weight[0], dtype)
+        self.sparse_bias = param(heads.sparse_bias, torch.float32)
+        self.register_buffer("dropped", torch.tensor(sorted(set(dropped)), dtype=torch.int32), persistent=False)
         self.colbert_dim = heads.colbert_weight.shape[0]
 
-    def colbert(self, hidden: Tensor, lengths: Tensor) -> Tensor:
-        keep = torch.ones(hidden.shape[0], dtype=torch.bool)
-        keep[torch.cumsum(lengths, 0) - lengths] = False  # each input's first token (CLS) has no vector
-        return F.normalize(F.linear(hidden[keep], self.colbert_weight, self.colbert_bias), dim=-1)
+    def colbert(self, hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
+        keep = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        keep[cu_seqlens[:-1].long()] = False  # each input's first token (CLS) has no vector
+        return F.normalize(F.linear(hidden[keep], self.colbert_weight, self.colbert_bias).float(), dim=-1)
 
-    def sparse(self, hidden: Tensor, ids: Tensor, lengths: Tensor) -> Tensor:
-        weights = torch.relu(F.linear(hidden, self.sparse_weight, self.sparse_bias)).squeeze(-1)
-        row = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        out = torch.zeros(len(lengths) * self.vocab_size)
-        out.scatter_reduce_(0, row * self.vocab_size + ids.long(), weights, "amax")  # weights >= 0: zeros stay below
-        out = out.view(len(lengths), self.vocab_size)
-        out[:, self.dropped] = 0.0
-        return out
+    def sparse(self, hidden: Tensor, ids: Tensor, cu_seqlens: Tensor) -> Tensor:
+        return kernels.m3_sparse(hidden, self.sparse_weight, self.sparse_bias, ids.int(), cu_seqlens, self.dropped)
 
 
 class ClassificationHead(nn.Module):

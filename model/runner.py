@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from fusedserve.model import colbert as colbert_model
 from fusedserve.model import describing, loading
 from fusedserve.model.api import BATCH_INPUTS, Rows, TextOptions, batch_tokens, l2_normalize
 from fusedserve.model.families import family
@@ -57,30 +58,36 @@ class Embedder:
             self.pipeline = self.pipeline or Pipeline(normalize=self.config.normalize)
             if self.pipeline.sparse is not None:  # a SPLADE model: its decoder is the encoder's word embeddings
                 head = SparseHead(self.pipeline.sparse, self.encoder.embeddings.word_embeddings, dtype)
+            elif self.pipeline.colbert is not None:  # a ColBERT model: its projection, per token (model.colbert)
+                head = colbert_model.ColbertHead(self.pipeline.colbert, colbert_model.colbert_text(
+                    self.pipeline.colbert, tokenizer, self.config.vocab_size), self.config.hidden_size)
             else:
                 head = EmbeddingHead(self.pipeline, self.config.hidden_size)
         self.head = head.to(device).eval().requires_grad_(False)
-        # BGE-M3's other outputs, from the per-token states on the host (FlagEmbedding drops these specials' weights)
-        self.m3 = M3Head(self.pipeline.m3, self.config.vocab_size, tokenizer.special_ids(M3_DROPPED)
-                         if tokenizer is not None else ()) if self.pipeline is not None and self.pipeline.m3 else None
+        # a ColBERT model's text rules (markers, lengths, expansion, skiplist), None for any other
+        self.colbert = head.text if isinstance(head, colbert_model.ColbertHead) else None
+        # BGE-M3's other outputs, from the per-token states on the device (FlagEmbedding drops these specials' weights)
+        self.m3 = M3Head(self.pipeline.m3, tokenizer.special_ids(M3_DROPPED) if tokenizer is not None else (),
+                         dtype).to(device).eval() if self.pipeline is not None and self.pipeline.m3 else None
         self.kind = "classifier" if classifier is not None else "sparse" if self.pipeline.sparse else "embedding"
         # the one place inputs become token ids (prompts, lower-casing, pairs, truncation)
         self.text = TextPreparation(
             tokenizer, self.config.vocab_size, lower_case=self.pipeline is not None and self.pipeline.do_lower_case,
             prompts=self.pipeline.prompts if self.pipeline is not None else None,
             default_prompt_name=self.pipeline.default_prompt_name if self.pipeline is not None else None,
-            pair_template=classifier.template if classifier is not None else None,
+            pair_template=classifier.template if classifier is not None else None, colbert=self.colbert,
         ) if tokenizer is not None else None
         self.dim: int = head.dim
         self.name, self.device, self.dtype, self.layout = name, device, dtype, layout
         self.max_batch_tokens, self.max_batch = max_batch_tokens, max_batch
         self.kernel_path = KernelPath(self.encoder, self.family, device, dtype, name=name, layout=layout,
-                                      attention=attention, head_ops=self.head.ops, backend=backend,
+                                      attention=attention, head_ops=self.head.ops + (self.m3.ops if self.m3 else ()), backend=backend,
                                       backend_overrides=backend_overrides, precision=precision)
         # a cross-encoder's text pairs carry token types (the second text's: 1) where the model has them
         self.forwards = Forwards(self.encoder, self.head, self.kernel_path,
                                  pair_types=classifier is not None and self.config.type_vocab_size > 1,
-                                 cuda_graphs=cuda_graphs, max_batch_tokens=max_batch_tokens, max_batch=max_batch,
+                                 cuda_graphs=cuda_graphs and self.colbert is None,  # no pooled rows served
+                                 max_batch_tokens=max_batch_tokens, max_batch=max_batch,
                                  max_graphs=max_graphs)
         self.graphs = self.forwards.graphs
         self.kernel_path.graphs = self.graphs  # each new selection retargets them (or drops what they captured)
@@ -158,6 +165,9 @@ class Embedder:
               prompt_name: str | None = None) -> Tensor:
         """Embeddings [len(texts), dim] float32 on the CPU, normalized as the model's pipeline says unless
         `normalize` says otherwise."""
+        if self.colbert is not None:
+            raise ValueError(f"{self.name} is a ColBERT model: it gives one vector per token (launch with output "
+                             "'colbert'), not one per text")
         return self.embed_ids(self.text.texts(texts, TextOptions(truncate=truncate, prompt_name=prompt_name)),
                               normalize)
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fusedserve import kernels
-from fusedserve.model import describing
+from fusedserve.model import colbert, describing
 from fusedserve.model.api import (Description, InputError, LoadOptions, OutOfDeviceMemory, Output, Rows, TextOptions,
                                   Worker, name_of)
 from fusedserve.model.forwards import Pending
@@ -125,7 +125,8 @@ class Served:
             activation=classifier.activation if classifier is not None else "identity",
             fused=path.fused, path=path.label, precision=path.active_precision, kernels=dict(path.selection.used),
             graphs=graphs, memory=memory, text=self._text,
-            outputs=("pooled", "tokens", "colbert", "sparse") if e.m3 is not None else ("pooled", "tokens"),
+            outputs=colbert.OUTPUTS if e.colbert is not None else
+            ("pooled", "tokens", "colbert", "sparse") if e.m3 is not None else ("pooled", "tokens"),
             info={"max_seq_length": self._limit, "device": str(e.device),
                   "dtype": str(e.dtype).removeprefix("torch."), "cpu_isa": cpu_isa(e.device, e.dtype), **state},
             report=self._report())
@@ -152,15 +153,17 @@ class Served:
     def launch(self, rows: Rows, *, output: Output = "pooled", reference: bool = False) -> _Block:
         e = self.embedder
         with _device_memory_errors():
+            if e.colbert is not None:  # per-token outputs only (model.colbert)
+                return _Block(Pending(colbert.launch(e.forwards, e.head, rows, output, self.name)),
+                              e.kernel_path.label)
             if output == "tokens":
                 return _Block(Pending(e.forwards.embed_tokens(rows)), e.kernel_path.label)
             if output in ("colbert", "sparse"):
                 if e.m3 is None:
                     raise InputError(f"model {self.name} has no {output} output (BGE-M3's heads)", param="output")
-                hidden, lengths = e.forwards.embed_tokens(rows), torch.as_tensor(rows.lengths)
-                block = e.m3.colbert(hidden, lengths) if output == "colbert" else \
-                    e.m3.sparse(hidden, torch.as_tensor(rows.ids), lengths)
-                return _Block(Pending(block), e.kernel_path.label)
+                head = (lambda hidden, packed: e.m3.colbert(hidden, packed.cu_seqlens)) if output == "colbert" else \
+                    lambda hidden, packed: e.m3.sparse(hidden, packed.input_ids[: rows.tokens], packed.cu_seqlens)[:, None]
+                return _Block(Pending(e.forwards.token_states(rows, head).cpu()), e.kernel_path.label)
             if reference:
                 return _Block(Pending(e.embed_ids(rows, normalize=False, reference=True)), "reference")
             return _Block(e.launch_ids(rows), e.kernel_path.label)
@@ -213,6 +216,9 @@ class Served:
         for i, batch in enumerate(sweep):
             progress("warmup", i / len(sweep))
             worker.between_batches(lambda batch=batch: e.embed_ids(batch, graphs=False)).result()
+        if e.colbert is not None:  # its own forward: queries with unattended expansion run the padded layout
+            rows = e.text.prepare(["warm up"] * 2, TextOptions())
+            worker.between_batches(lambda: colbert.launch(e.forwards, e.head, rows, "colbert", self.name)).result()
         kernels.save_tuning(e.device)  # every launch shape met: what the kernels tuned, kept for the next start
         seconds["shape sweep"] = time.perf_counter() - phase
         log.info("warm-up of %s: %d launch shapes run in %.1fs", self.name, len(sweep), seconds["shape sweep"])

@@ -15,7 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer, processors
 
 from fusedserve.model.api import InputTooLong as _InputTooLong
-from fusedserve.model.api import InvalidInput, PromptTemplate, Rows, TextOptions, TextSpec, Token
+from fusedserve.model.api import ColbertText, InvalidInput, PromptTemplate, Rows, TextOptions, TextSpec, Token
 from fusedserve.model.config import UnsupportedModel
 
 # the SentencePiece model files checkpoints ship beside (or instead of) tokenizer.json: DeBERTa-v3's spm.model,
@@ -223,31 +223,109 @@ def cut(rows: list[list[int]], limit: int, truncate: bool, direction: str) -> li
     return out
 
 
+class ColbertPreparation:
+    """A ColBERT model's queries and documents as PyLate's ColBERT.tokenize makes them (model.api.ColbertText): the
+    text (prompt, strip and lower-casing done by the caller) cut to one token less than its role's length, [CLS] and
+    [SEP] counted (the tokenizer's own limit does not apply), the role's marker put after the first token, and a query
+    padded with the mask id to exactly query_length where queries are expanded. Token-id rows are taken as prepared
+    where their second id is a marker (it says the role), cut to the role's length."""
+
+    def __init__(self, spec: ColbertText, path: str | Path) -> None:
+        self.spec = spec
+        self.query = TextTokenizer(path, spec.query_length - 1)  # the marker's slot kept free
+        self.document = TextTokenizer(path, spec.document_length - 1)
+        vocabulary = self.query.untruncated
+        self.names = {i: vocabulary.id_to_token(i) for i in (spec.mask_id, spec.query_marker, spec.document_marker)}
+
+    @staticmethod
+    def is_document(prompt_name: str | None) -> bool:
+        """The role of texts: documents for prompt_name "document", else queries (PyLate's encode: is_query=True)."""
+        return prompt_name == "document"
+
+    def texts(self, texts: list[str], document: bool, options: TextOptions) -> Rows:
+        spec = self.spec
+        length, marker = (spec.document_length, spec.document_marker) if document else \
+            (spec.query_length, spec.query_marker)
+        try:
+            encodings = (self.document if document else self.query).encodings(texts, options.truncate,
+                                                                                 options.direction)
+        except InputTooLong as exc:  # counted with the marker, against the role's length
+            raise InputTooLong(exc.index, exc.tokens + 1, length) from None
+        rows = []
+        for index, e in enumerate(encodings):
+            ids = e.ids
+            if spec.mask_id in ids:
+                raise InvalidInput(f"input {index} holds the mask token {self.names[spec.mask_id]!r}, which a ColBERT "
+                                   "model keeps for query expansion")
+            row = ids[:1] + [marker] + ids[1:]
+            if not document and spec.expansion:
+                row += [spec.mask_id] * (length - len(row))
+            rows.append(row)
+        return Rows.of(rows)
+
+    def ids(self, rows: list[list[int]], options: TextOptions) -> Rows:
+        spec, out = self.spec, []
+        for index, row in enumerate(rows):
+            if len(row) < 2 or row[1] not in (spec.query_marker, spec.document_marker):
+                raise InvalidInput(
+                    f"input {index}: token ids for a ColBERT model are taken as prepared, so their second id must be "
+                    f"the query marker {spec.query_marker} ({self.names[spec.query_marker]!r}) or the document marker "
+                    f"{spec.document_marker} ({self.names[spec.document_marker]!r}); send texts to have them prepared")
+            limit = spec.document_length if row[1] == spec.document_marker else spec.query_length
+            if len(row) > limit:
+                if not options.truncate:
+                    raise InputTooLong(index, len(row), limit)
+                # the first token and the marker stay, as the last token does when cutting from the right
+                if options.direction == "right":
+                    row = row[: limit - 1] + row[-1:]
+                else:
+                    row = row[:2] + row[len(row) - limit + 2:]
+            out.append(row)
+        return Rows.of(out)
+
+    def details(self, texts: list[str], options: TextOptions) -> tuple[Rows, list]:
+        """/tokenize: every token of each text (nothing cut, no expansion), the role's marker after the first token
+        where special tokens are added."""
+        document = self.is_document(options.prompt_name)
+        marker = self.spec.document_marker if document else self.spec.query_marker
+        encodings = self.query.untruncated.encode_batch(texts, add_special_tokens=options.special_tokens)
+        rows, details = [], []
+        for text, e in zip(texts, encodings):
+            tokens = _tokens(text, e)
+            if options.special_tokens:
+                tokens.insert(1, Token(marker, self.names[marker], True, None, None))
+            rows.append([t.id for t in tokens])
+            details.append(tokens)
+        return Rows.of(rows), details
+
+
 class TextPreparation:
     """What a model does to its inputs before the encoder sees them. Thread-safe (the tokenizers release the GIL and
     keep no state between calls)."""
 
     def __init__(self, tokenizer: TextTokenizer, vocab_size: int, *, lower_case: bool = False,
                  prompts: Mapping[str, str] | None = None, default_prompt_name: str | None = None,
-                 pair_template: PairTemplate | None = None) -> None:
+                 pair_template: PairTemplate | None = None, colbert: ColbertText | None = None) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.limit = tokenizer.max_length
         self.lower_case, self.prompts, self.default_prompt_name = lower_case, dict(prompts or {}), default_prompt_name
         self.pair_template = pair_template
+        self.colbert = ColbertPreparation(colbert, tokenizer.path) if colbert is not None else None
 
     @classmethod
     def of(cls, spec: TextSpec) -> TextPreparation:
         """The preparation a TextSpec describes (its tokenizer file read again)."""
         return cls(TextTokenizer(spec.tokenizer, spec.max_length), spec.vocab_size, lower_case=spec.lower_case,
                    prompts=dict(spec.prompts), default_prompt_name=spec.default_prompt_name,
-                   pair_template=spec.pair_template)
+                   pair_template=spec.pair_template, colbert=spec.colbert)
 
     def spec(self) -> TextSpec:
         """This preparation as data: TextPreparation.of(spec) makes one that prepares every input the same way."""
         t = self.pair_template
         return TextSpec(str(self.tokenizer.path), self.limit, self.vocab_size, lower_case=self.lower_case,
                         prompts=tuple(self.prompts.items()), default_prompt_name=self.default_prompt_name,
-                        pair_template=None if t is None else PromptTemplate(t.prefix, t.body, t.suffix, t.instruction))
+                        pair_template=None if t is None else PromptTemplate(t.prefix, t.body, t.suffix, t.instruction),
+                        colbert=self.colbert.spec if self.colbert is not None else None)
 
     def prompt(self, prompt_name: str | None) -> str:
         """The text a prompt name stands for ("" for none; the model's default prompt when not named)."""
@@ -268,6 +346,8 @@ class TextPreparation:
         pairs = [(i, x) for i, x in enumerate(inputs) if isinstance(x, tuple)]
         given = [(i, x) for i, x in enumerate(inputs) if not isinstance(x, (str, tuple))]
         if pairs:
+            if self.colbert is not None:
+                raise InvalidInput("a ColBERT model takes texts (queries or documents) or token ids, not text pairs")
             if len(pairs) != len(inputs):
                 raise InvalidInput("a batch holds texts or text pairs, not both")
             return self.pairs([x for _, x in pairs], options)
@@ -288,11 +368,26 @@ class TextPreparation:
         Transformer module lower-cases where the model says so, then the tokenizer adds the special tokens and
         truncates."""
         _check_unicode(texts)
-        prompt = self.prompt(options.prompt_name)
+        colbert = self.colbert
+        if colbert is not None and options.prompt_name in ("query", "document") and \
+                options.prompt_name not in self.prompts:
+            prompt = ""  # the role's name, with no prompt of that name
+        else:
+            prompt = self.prompt(options.prompt_name)
         if prompt:
             texts = [prompt + t for t in texts]
+        if colbert is not None:  # sentence-transformers' Transformer strips each text (PyLate's tokenize calls it)
+            texts = [t.strip() for t in texts]
         if self.lower_case:
             texts = [t.lower() for t in texts]
+        if colbert is not None and options.details:
+            rows, details = colbert.details(texts, options)
+            if options.max_tokens is not None and rows.tokens > options.max_tokens:
+                raise _InputTooLong(f"{rows.tokens} tokens in one request; per-token output is limited to "
+                                    f"{options.max_tokens}")
+            return Rows(rows.ids, rows.lengths, details=details)
+        if colbert is not None:
+            return colbert.texts(texts, colbert.is_document(options.prompt_name), options)
         if options.details:  # /tokenize: every token, with the text it covers (in the text as prepared)
             encodings = self.tokenizer.untruncated.encode_batch(texts, add_special_tokens=options.special_tokens)
             rows = _rows_of(encodings)
@@ -322,6 +417,8 @@ class TextPreparation:
             if min(row) < 0 or max(row) >= self.vocab_size:  # in C; the offender is looked up only on failure
                 bad = next(t for t in row if not 0 <= t < self.vocab_size)
                 raise InvalidInput(f"input {i} has token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        if self.colbert is not None:
+            return self.colbert.ids(rows, options)
         return Rows.of(cut(rows, self.limit, options.truncate, options.direction))
 
     def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:

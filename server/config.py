@@ -224,6 +224,10 @@ class BatchingSettings(BaseSettings):
                                  "RESOURCE_EXHAUSTED. Both ports' caps must fit the open files limit (checked at "
                                  "start)")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request body limit in bytes (413 beyond)")
+    max_response_bytes: int = Field(128 * 1024 * 1024, ge=1024, description="per-token answers (/embed_all, "
+                                    "multi-vectors on /v1/embeddings): the largest body one may take in its encoding "
+                                    "(413 beyond, naming the smaller encodings: base64 takes 44% of float JSON's "
+                                    "bytes, base64_float16 22%)")
     grpc_port: int = Field(0, ge=0, le=65535, description="port of the KServe v2 gRPC service (`tritonclient.grpc`; "
                            "texts or token ids in, embeddings out), on the HTTP server's host, under the same keys, "
                            "limits and metrics: max_connections, header_timeout_s for the HTTP/2 handshake, "

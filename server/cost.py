@@ -127,16 +127,17 @@ def measure(model: ServedModel) -> list[tuple[np.ndarray, float]]:
     SLOW_RUN_S: the probes' costliest run, and so long a run already averages over such bursts (a slowed one makes
     the prediction err high, never low). Then, while the middle input's time lies above the line through the other
     two (overdue: see overdue_middle), it runs again, up to MAX_RUNS. The inputs are prefixes of one long text as the
-    model's own tokenizer makes it, so every id is one the model takes."""
-    longest = model.describe().max_length
-    ids = model.prepare(["warm up " * longest], TextOptions()).row(0).tolist()
+    model's own tokenizer makes it, so every id is one the model takes (a ColBERT model's: queries)."""
+    description = model.describe()
+    ids = model.prepare(["warm up " * description.max_length], TextOptions()).row(0).tolist()
     shapes = probe_shapes(len(ids))
     batches = [Rows.of([ids[:length]] * rows) for rows, length in shapes]
     times: list[list[float]] = [[] for _ in shapes]
+    output = "pooled" if "pooled" in description.outputs else "colbert"  # a ColBERT model's only forward
 
     def run(i: int) -> None:
         started = time.perf_counter()
-        model.launch(batches[i]).rows()
+        model.launch(batches[i], output=output).rows()
         times[i].append(time.perf_counter() - started)
 
     for i in range(len(shapes)):

@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from fusedserve.model import load
 from fusedserve.model.api import (Description, InputError, InputTooLong, LoadOptions, Rows, ServedModel,
-                                  TextOptions, name_of)
+                                  TextOptions, multi_vector_counts, name_of)
 from fusedserve.server.batcher import Batcher
 from fusedserve.server.calibration import Calibration
 from fusedserve.server.config import ModelSpec, Settings
@@ -26,7 +26,8 @@ from fusedserve.server.deadline import Deadline, not_served
 from fusedserve.server.errors import BadRequest, PayloadTooLarge, Unprocessable
 from fusedserve.server.metrics import Metrics, ModelMetrics
 from fusedserve.server.observability import CURRENT, ClientGone
-from fusedserve.server.quantize import QUANTIZED, encode
+from fusedserve.server.quantize import (MULTI_VECTOR_ENCODINGS, QUANTIZED, SparseRow, encode, sparse_of_rows,
+                                        sparse_of_tokens)
 from fusedserve.server.switches import Switches, state
 from fusedserve.server.verify import Verifier
 
@@ -208,6 +209,17 @@ class Limits:
             raise PayloadTooLarge(f"{tokens} tokens in one request; per-token output is limited to "
                                   f"max_batch_tokens ({self.settings.max_batch_tokens})")
 
+    def response_bytes(self, values: int, encoding: str) -> None:
+        """A per-token answer of `values` floats in `encoding` (quantize.MULTI_VECTOR_ENCODINGS) takes at most
+        max_response_bytes."""
+        size = values * MULTI_VECTOR_ENCODINGS[encoding][1]
+        if size > self.settings.max_response_bytes:
+            smaller = [name for name, (_, per) in MULTI_VECTOR_ENCODINGS.items() if values * per <=
+                       self.settings.max_response_bytes]
+            raise PayloadTooLarge(f"this answer takes about {size / 2**20:.0f} MiB as {encoding}; the limit is "
+                                  f"max_response_bytes ({self.settings.max_response_bytes / 2**20:.0f} MiB)" +
+                                  (f": ask for {' or '.join(smaller)}" if smaller else ": send fewer tokens"))
+
     def dimensions(self, dimensions: int | None) -> None:
         dim = self._dim()
         if dimensions is not None and not 1 <= dimensions <= dim:
@@ -295,9 +307,10 @@ class ModelService:
         log.info("cost model of %s: %s (fit in %.1fs); a request predicted to run past its deadline "
                  "(request_timeout_s=%g) is refused", self.name, self.cost_model,
                  self.warmup_seconds["cost model"], s.request_timeout_s)
-        phase = time.perf_counter()
-        self.calibration.compute()
-        self.warmup_seconds["calibration"] = time.perf_counter() - phase
+        if "pooled" in self.description.outputs:  # int8/uint8 apply to one vector per input (not ColBERT's)
+            phase = time.perf_counter()
+            self.calibration.compute()
+            self.warmup_seconds["calibration"] = time.perf_counter() - phase
         log.info("warm-up of %s done in %.1fs", self.name, time.perf_counter() - started)
 
     def fail(self, exc: BaseException) -> None:
@@ -363,28 +376,30 @@ class ModelService:
 
     @property
     def multi_vector(self) -> bool:
-        """A model whose per-token output is its multi-vectors (BGE-M3's: every token after the first), not its
-        hidden states."""
+        """A model whose per-token output is its multi-vectors (BGE-M3's: every token after the first; a ColBERT
+        model's: model.api.multi_vector_counts), not its hidden states."""
         return "colbert" in self.description.outputs
 
-    async def token_rows(self, rows: Rows, request: Request | None = None,
-                         deadline: Deadline | None = None) -> list[np.ndarray]:
+    async def token_rows(self, rows: Rows, request: Request | None = None, deadline: Deadline | None = None,
+                         encoding: str = "float") -> list[np.ndarray]:
         """Per input, its per-token rows: the hidden states ([tokens, dim] float32, special tokens included), or a
-        multi-vector model's vectors ([tokens - 1, dim], the first token's left out)."""
+        multi-vector model's vectors ([count, dim], model.api.multi_vector_counts); refused (413) where they would
+        take more than max_response_bytes in `encoding`."""
         block = await self.output_rows(rows, "tokens", request, deadline)
-        counts = rows.lengths - 1 if self.multi_vector else rows.lengths
-        return np.split(block, np.cumsum(counts)[:-1])
+        self.limits.response_bytes(block.size, encoding)
+        return np.split(block, np.cumsum(multi_vector_counts(self.description, rows))[:-1])
 
     async def sparse_rows(self, rows: Rows, request: Request | None = None,
-                          deadline: Deadline | None = None) -> np.ndarray:
-        """[n, vocabulary] sparse vectors: a SPLADE model's rows from the batches, BGE-M3's from its sparse head."""
+                          deadline: Deadline | None = None) -> list[SparseRow]:
+        """Per input its sparse vector: a SPLADE model's rows from the batches, BGE-M3's from its sparse head."""
         if self.kind == "sparse":
-            return (await self.run(rows, request, deadline=deadline)).rows
-        return await self.output_rows(rows, "sparse", request, deadline)
+            return sparse_of_rows((await self.run(rows, request, deadline=deadline)).rows)
+        weights = await self.output_rows(rows, "sparse", request, deadline)
+        return sparse_of_tokens(weights.reshape(-1), rows.ids, rows.lengths)
 
     async def output_rows(self, rows: Rows, output: str, request: Request | None = None,
                           deadline: Deadline | None = None) -> np.ndarray:
-        """One block of `output` ("tokens": per-token rows back to back; "sparse": BGE-M3's [n, vocabulary]), as one
+        """One block of `output` ("tokens": per-token rows back to back; "sparse": BGE-M3's per-token weights), as one
         forward on the batcher's thread between batches. A client that disconnects while the forward waits
         (ClientGone), or a deadline that passes (504; default: request_timeout_s from the request's arrival), has it
         skipped."""

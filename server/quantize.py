@@ -15,6 +15,7 @@ quantized `int8`, `uint8`, `binary`, `ubinary` with sentence-transformers' `quan
 from __future__ import annotations
 
 import base64
+from typing import NamedTuple
 
 import numpy as np
 
@@ -127,6 +128,24 @@ def encode(matrix: np.ndarray, encoding: str, ranges: np.ndarray | None = None):
     return quantize(matrix, encoding, ranges)
 
 
+# Per-token (multi-vector) answers: `float` as nested lists (TEI's /embed_all), or per input one object {"shape":
+# [tokens, dim], "dtype", "data": base64 of its little-endian row-major block}: float32, or float16 (half the bytes;
+# ColBERT's MaxSim loses nothing it can rank on). The bytes an answer takes per value, for the response byte limit
+# (JSON floats: about 11 characters and a separator each).
+MULTI_VECTOR_ENCODINGS = {"float": ("float32", 12.0), "base64": ("float32", 16 / 3), "base64_float16": ("float16", 8 / 3)}
+
+
+def encode_multi_vectors(blocks: list[np.ndarray], encoding: str) -> list:
+    """Per input, its [tokens, dim] vectors as a response carries them (MULTI_VECTOR_ENCODINGS)."""
+    if encoding == "float":
+        return [np.ascontiguousarray(block, dtype=np.float32) for block in blocks]
+    dtype = MULTI_VECTOR_ENCODINGS[encoding][0]
+    little = np.dtype(dtype).newbyteorder("<")
+    return [{"shape": list(block.shape), "dtype": dtype,
+             "data": base64.b64encode(np.ascontiguousarray(block, dtype=little).tobytes()).decode()}
+            for block in blocks]
+
+
 def shape(rows: np.ndarray, *, normalize: bool, dimensions: int | None) -> np.ndarray:
     """Raw rows as a request asks for them: the first `dimensions` columns (Matryoshka), then L2-normalized when it
     asks for normalized embeddings: the one place embeddings are normalized on their way out (the batcher runs it once per batch and
@@ -136,11 +155,36 @@ def shape(rows: np.ndarray, *, normalize: bool, dimensions: int | None) -> np.nd
     return l2_normalize(rows) if normalize else rows
 
 
-def sparse_entries(rows: np.ndarray) -> list[list[dict]]:
-    """A sparse model's vocabulary-wide rows as text-embeddings-inference's /embed_sparse gives them: per row, the
-    entries above zero as {"index", "value"} in index order (SPLADE's log(1 + relu) is zero everywhere else)."""
+class SparseRow(NamedTuple):
+    """One input's sparse vector: its non-zero entries, `indices` (token ids, ascending, int64) and their `values`
+    (float32)."""
+
+    indices: np.ndarray
+    values: np.ndarray
+
+
+def sparse_of_rows(rows: np.ndarray) -> list[SparseRow]:
+    """A SPLADE model's vocabulary-wide rows [n, vocabulary] as sparse rows: the entries above zero (its log(1 +
+    relu) is zero everywhere else)."""
     out = []
     for row in rows:
         index = np.flatnonzero(row > 0)
-        out.append([{"index": int(i), "value": float(v)} for i, v in zip(index, row[index])])
+        out.append(SparseRow(index, row[index]))
     return out
+
+
+def sparse_of_tokens(weights: np.ndarray, ids: np.ndarray, lengths: np.ndarray) -> list[SparseRow]:
+    """BGE-M3's sparse output as the model gives it (model.api.Output "sparse": per token of the batch, its weight
+    where it holds its input's largest for its id, else zero; `ids` and `lengths` the batch's) as sparse rows."""
+    out = []
+    for w, i in zip(np.split(weights, np.cumsum(lengths)[:-1]), np.split(ids, np.cumsum(lengths)[:-1])):
+        keep = np.flatnonzero(w > 0)
+        order = np.argsort(i[keep], kind="stable")
+        out.append(SparseRow(i[keep][order].astype(np.int64), w[keep][order]))
+    return out
+
+
+def sparse_entries(rows: list[SparseRow]) -> list[list[dict]]:
+    """Sparse rows as text-embeddings-inference's /embed_sparse gives them: per row, its entries as {"index",
+    "value"} in index order."""
+    return [[{"index": int(i), "value": float(v)} for i, v in zip(row.indices, row.values)] for row in rows]

@@ -41,10 +41,18 @@ def _process_age_s() -> float | None:
 
 
 def _serves(model: ModelService, kind: str) -> bool:
-    """Whether a route of `kind` can serve the model: its own kind, or sparse vectors from a model that gives them
-    beside its dense ones (BGE-M3: Description.outputs)."""
-    return model.kind == kind or kind == "sparse" and model.description is not None and \
-        "sparse" in model.description.outputs
+    """Whether a route of `kind` can serve the model: its own kind, or sparse vectors or multi-vectors from a model
+    that gives them (BGE-M3, ColBERT: Description.outputs), or a re-rank ("reranker": a classifier or a
+    late-interaction model)."""
+    outputs = model.description.outputs if model.description is not None else ()
+    if kind == "reranker":  # a cross-encoder, or a late-interaction model scoring by MaxSim
+        return model.kind == "classifier" or "colbert" in outputs
+    if kind == "embedding" and outputs and "pooled" not in outputs:  # a ColBERT model: multi-vectors only
+        return False
+    if kind == "tokens":  # per-token rows (/embed_all): every embedding model's
+        return model.kind == "embedding"
+    return model.kind == kind or kind == "sparse" and "sparse" in outputs or kind == "multi_vector" and \
+        "colbert" in outputs
 
 
 class SharedSwitch:
@@ -216,11 +224,18 @@ class Service:
             chosen = self._first_of(kind)
         if chosen.load_error is not None:
             raise Unavailable(f"model {chosen.name!r} failed to load ({chosen.load_error})")
+        if kind == "embedding" and chosen.kind == "embedding" and not _serves(chosen, kind):
+            raise Unprocessable(f"{chosen.name} gives multi-vectors only (a ColBERT model): /embed_all, /v1/embeddings "
+                                f"with output multi_vector, /rerank or /v1/rerank")
+        if kind == "multi_vector" and not _serves(chosen, kind):
+            raise Unprocessable(f"{chosen.name} gives no multi-vectors (a BGE-M3 or ColBERT model does); its "
+                                f"per-token hidden states are on /embed_all", param="output")
         if kind is not None and not _serves(chosen, kind):
             served = chosen.kind
             use = {"classifier": "/rerank, /v1/rerank or /predict",
                    "sparse": "/embed_sparse, or /v1/embeddings with encoding_format sparse"}.get(
                        served, "/infer, /embed or /v1/embeddings")
+            kind = {"tokens": "embedding", "reranker": "re-ranking"}.get(kind, kind)
             raise Unprocessable(f"this route serves {kind} models; {chosen.name} is a{'n' * (served[0] in 'ae')} "
                                 f"{served} model: use {use}")
         record = CURRENT.get()

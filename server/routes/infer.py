@@ -19,6 +19,17 @@ ENCODING_HELP = ("output type: `float`; `base64` (each row's float32 bytes, litt
                  "(per-dimension calibrated ranges); `binary` / `ubinary` (sign bits packed 8 to a byte, as int8 / "
                  "uint8); sentence-transformers' quantize_embeddings semantics")
 
+MultiVectorEncoding = Literal["float", "base64", "base64_float16"]  # quantize.MULTI_VECTOR_ENCODINGS
+MULTI_VECTOR_HELP = ("per-token output type: `float` (nested lists); `base64` / `base64_float16`: per input "
+                     "`{shape: [tokens, dim], dtype, data}`, data the little-endian row-major float32 / float16 bytes "
+                     "in base64 (44% / 22% of float JSON's size; a body over max_response_bytes is a 413)")
+
+
+class EncodedVectors(BaseModel):
+    shape: list[int]
+    dtype: Literal["float32", "float16"]
+    data: str
+
 
 class StrictRequest(BaseModel):
     """A request body whose unknown fields are a 422 naming them (a typo such as `normalise` must not pass as a

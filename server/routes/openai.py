@@ -15,10 +15,9 @@ from fusedserve.model.api import TextOptions
 from fusedserve.server.deadline import Deadline
 from fusedserve.server.deps import ServiceDep
 from fusedserve.server.errors import Unprocessable
-from fusedserve.server.model_service import Result
-from fusedserve.server.quantize import sparse_entries
+from fusedserve.server.quantize import MULTI_VECTOR_ENCODINGS, encode_multi_vectors, sparse_entries
 from fusedserve.server.responses import EmbeddingResponse, LeanRoute
-from fusedserve.server.routes.infer import ENCODING_HELP, Encoding, StrictRequest
+from fusedserve.server.routes.infer import ENCODING_HELP, MULTI_VECTOR_HELP, Encoding, StrictRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -28,9 +27,14 @@ class EmbeddingsRequest(StrictRequest):
         ..., description="a text, texts, one input's token ids, or several inputs' token ids")
     model: str | None = Field(None, description="one of the served models' ids (GET /v1/models); empty or absent: the "
                               "first embedding model")
-    encoding_format: Encoding | Literal["sparse"] = Field(
+    encoding_format: Encoding | Literal["sparse", "base64_float16"] = Field(
         "float", description=ENCODING_HELP + "; `sparse` (a sparse model's only one): each embedding as its non-zero "
-        "entries `[{index, value}]`, as TEI's /embed_sparse")
+        "entries `[{index, value}]`, as TEI's /embed_sparse; with output `multi_vector`: " + MULTI_VECTOR_HELP)
+    output: Literal["dense", "multi_vector", "sparse"] = Field(
+        "dense", description="an extension for models of several outputs (GET /v1/models lists them): `dense` (one "
+        "vector per input), `multi_vector` (one per token: BGE-M3's and ColBERT models' late-interaction vectors, "
+        "each embedding a [tokens, dim] list, or a string with `shape` and `dtype` in a base64 encoding), `sparse` "
+        "(as encoding_format `sparse`)")
     dimensions: StrictInt | None = Field(None, description="keep the first N dimensions (renormalized)")
     truncate: StrictBool = Field(True, description="cut inputs at max_seq_length tokens; false makes an over-long "
                                  "input a 413")
@@ -47,7 +51,9 @@ class SparseValue(BaseModel):
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | list[int] | str | list[SparseValue]
+    embedding: list[float] | list[int] | str | list[SparseValue] | list[list[float]]
+    shape: list[int] | None = Field(None, description="a base64 multi-vector's [tokens, dim]")
+    dtype: Literal["float32", "float16"] | None = Field(None, description="a base64 multi-vector's value type")
 
 
 class EmbeddingsUsage(BaseModel):
@@ -90,10 +96,20 @@ def _model(model, created: int) -> dict:
 
 
 async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
-    sparse = body.encoding_format == "sparse"
-    model = service.model(body.model, "sparse" if sparse else "embedding")
-    if sparse and body.dimensions is not None:
-        raise Unprocessable("dimensions does not apply to sparse vectors", param="dimensions")
+    sparse = body.encoding_format == "sparse" or body.output == "sparse"
+    if sparse and body.encoding_format not in ("float", "sparse"):
+        raise Unprocessable(f"sparse vectors come as entries; encoding_format {body.encoding_format} does not apply",
+                            param="encoding_format")
+    multi = body.output == "multi_vector"
+    if body.encoding_format == "base64_float16" and not multi:
+        raise Unprocessable("base64_float16 applies to multi-vectors (output multi_vector)", param="encoding_format")
+    if multi and body.encoding_format not in MULTI_VECTOR_ENCODINGS:
+        raise Unprocessable(f"multi-vectors come as {', '.join(MULTI_VECTOR_ENCODINGS)}, not "
+                            f"{body.encoding_format}", param="encoding_format")
+    model = service.model(body.model, "sparse" if sparse else "multi_vector" if multi else "embedding")
+    if (sparse or multi) and body.dimensions is not None:
+        raise Unprocessable(f"dimensions does not apply to {body.output.replace('_', '-')} vectors",
+                            param="dimensions")
     model.limits.dimensions(body.dimensions)
     data = body.input
     if isinstance(data, str):
@@ -106,14 +122,23 @@ async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Requ
     if sparse:  # a SPLADE model's rows, or BGE-M3's sparse head
         deadline = Deadline.of_request(service.settings.request_timeout_s)
         prepared = await model.prepare(inputs, options, deadline=deadline)
-        result = Result(await model.sparse_rows(prepared, request, deadline), prepared.tokens)
-        rows = await asyncio.to_thread(sparse_entries, result.rows)
+        rows = await asyncio.to_thread(sparse_entries, await model.sparse_rows(prepared, request, deadline))
+        tokens = prepared.tokens
+    elif multi:
+        deadline = Deadline.of_request(service.settings.request_timeout_s)
+        prepared = await model.prepare(inputs, options, deadline=deadline)
+        blocks = await model.token_rows(prepared, request, deadline, encoding=body.encoding_format)
+        rows = await asyncio.to_thread(encode_multi_vectors, blocks, body.encoding_format)
+        tokens = prepared.tokens
     else:
         result = await model.embed(inputs, options, request, normalize=True, dimensions=body.dimensions)
         rows = await model.output(result.rows, body.encoding_format, normalize=True, dimensions=body.dimensions)
-    items = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
+        tokens = result.tokens
+    items = [{"object": "embedding", "index": i, "embedding": row} if not isinstance(row, dict) else
+             {"object": "embedding", "index": i, "embedding": row["data"], "shape": row["shape"], "dtype": row["dtype"]}
+             for i, row in enumerate(rows)]
     return EmbeddingResponse({"object": "list", "data": items, "model": model.name,
-                              "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}})
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
 # the hot route parses its own body (server.responses.LeanRoute); the others are plain routes

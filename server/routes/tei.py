@@ -17,9 +17,10 @@ from pydantic import BaseModel, Field, RootModel, StrictBool, StrictInt
 from fusedserve.model.api import TextOptions
 from fusedserve.server.deadline import Deadline
 from fusedserve.server.deps import ServiceDep
-from fusedserve.server.quantize import sparse_entries
+from fusedserve.server.quantize import encode_multi_vectors, sparse_entries
 from fusedserve.server.responses import EmbeddingResponse, LeanRoute, off_the_loop
-from fusedserve.server.routes.infer import ENCODING_HELP, Encoding
+from fusedserve.server.routes.infer import (ENCODING_HELP, MULTI_VECTOR_HELP, EncodedVectors, Encoding,
+                                           MultiVectorEncoding)
 
 router = APIRouter(tags=["text-embeddings-inference"], route_class=LeanRoute)
 
@@ -48,6 +49,7 @@ class EmbedAllRequest(BaseModel):
     truncate: StrictBool | None = Field(None, description=TRUNCATE_HELP)
     truncation_direction: Direction = Field("right", description=DIRECTION_HELP)
     prompt_name: str | None = Field(None, description=PROMPT_HELP)
+    encoding_format: MultiVectorEncoding = Field("float", description=MULTI_VECTOR_HELP)
 
 
 class EmbedSparseRequest(BaseModel):
@@ -159,14 +161,16 @@ async def similarity(body: SimilarityRequest, service: ServiceDep, request: Requ
     return await _similarity(body, service, request)
 
 
-@router.post("/embed_all", response_model=list[list[list[float]]])
+@router.post("/embed_all", response_model=list[list[list[float]]] | list[EncodedVectors])
 async def embed_all(body: EmbedAllRequest, service: ServiceDep, request: Request) -> Response:
-    """Per-token hidden states of each input, special tokens included: `[[[float]]]` (inputs x tokens x dim)."""
-    model = service.model(None, "embedding")
+    """Per-token rows of each input: `[[[float]]]` (inputs x tokens x dim): the hidden states, special tokens
+    included, or a multi-vector model's vectors (BGE-M3, ColBERT); with a base64 `encoding_format`, per input
+    `{shape, dtype, data}`."""
+    model = service.model(None, "tokens")
     rows = await model.prepare(_items(body.inputs), _options(body.truncate, body.truncation_direction,
                                                              body.prompt_name))
-    block = await model.token_rows(rows, request)
-    return await off_the_loop(lambda: block)
+    blocks = await model.token_rows(rows, request, encoding=body.encoding_format)
+    return await off_the_loop(lambda: encode_multi_vectors(blocks, body.encoding_format))
 
 
 @router.post("/embed_sparse", response_model=list[list[SparseValue]])

@@ -41,10 +41,24 @@ def flag(directory):
                             return_colbert_vecs=True)
 
 
+def vocabulary_rows(weights: np.ndarray, rows, vocab: int) -> np.ndarray:
+    """The sparse output (per token: its weight where it holds its input's largest for its id, else zero) as rows
+    over the vocabulary, checking that each input keeps at most one token per id."""
+    out = np.zeros((len(rows), vocab), np.float32)
+    cut = np.cumsum(rows.lengths)[:-1]
+    for row, (w, ids) in enumerate(zip(np.split(weights.reshape(-1), cut), np.split(rows.ids, cut))):
+        kept = ids[w > 0]
+        assert len(set(kept.tolist())) == len(kept), f"input {row} keeps an id twice: {sorted(kept.tolist())}"
+        out[row, kept] = w[w > 0]
+    return out
+
+
 def _outputs(model, texts: list[str]) -> dict[str, np.ndarray]:
     rows = model.prepare(texts, TextOptions())
-    return {output: model.launch(rows, output=output).rows() for output in ("pooled", "colbert", "sparse")} | \
-        {"lengths": np.asarray(rows.lengths)}
+    got = {output: model.launch(rows, output=output).rows() for output in ("pooled", "colbert", "sparse")}
+    assert got["sparse"].shape == (rows.tokens, 1) and got["sparse"].dtype == np.float32
+    got["sparse"] = vocabulary_rows(got["sparse"], rows, model.embedder.config.vocab_size)
+    return got | {"lengths": np.asarray(rows.lengths)}
 
 
 def test_the_three_outputs_equal_flag_embeddings(ours, flag):

@@ -6,6 +6,8 @@ process models answer alike."""
 
 from __future__ import annotations
 
+import base64
+
 import httpx
 import numpy as np
 import pytest
@@ -13,8 +15,9 @@ import pytest
 from fusedserve.model import load
 from fusedserve.model.api import LoadOptions, TextOptions
 from tests.model import checkpoints
+from tests.model.test_bge_m3 import vocabulary_rows
 from tests.server.test_startup import launch, stop, wait_ready
-from tests.tolerances import assert_embeddings_close, assert_same_rows, assert_sparse_close
+from tests.tolerances import assert_embeddings_close, assert_same_rows, assert_scores_close, assert_sparse_close
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +30,7 @@ def expected(tmp_path_factory):
     model = load(str(directory), LoadOptions(device="cpu", dtype="float32"))
     rows = model.prepare(TEXTS, TextOptions())
     outputs = {output: model.launch(rows, output=output).rows() for output in ("pooled", "colbert", "sparse")}
+    outputs["sparse"] = vocabulary_rows(outputs["sparse"], rows, model.embedder.config.vocab_size)
     model.stop()
     return directory, rows, outputs
 
@@ -67,5 +71,88 @@ def test_the_three_outputs_over_http(tmp_path, expected, frontends):
                 assert_embeddings_close(got, theirs, what="multi-vectors")
             again = client.post("/embed_all", json={"inputs": TEXTS}).json()
             assert_same_rows(np.concatenate(again), np.concatenate(r.json()))
+            floats = r.json()
+            # the same vectors in base64, float32 exactly and float16 rounded; OpenAI's route with output multi_vector
+            for encoding, dtype in (("base64", np.float32), ("base64_float16", np.float16)):
+                r = client.post("/embed_all", json={"inputs": TEXTS, "encoding_format": encoding})
+                assert r.status_code == 200, r.text
+                for got, want_rows in zip(r.json(), floats):
+                    assert got["shape"] == [len(want_rows), len(want_rows[0])] and got["dtype"] == dtype.__name__
+                    assert_same_rows(_decoded(got["data"], dtype, got["shape"]),
+                                     np.asarray(want_rows, np.float32).astype(dtype))
+                r = client.post("/v1/embeddings", json={"input": TEXTS, "output": "multi_vector",
+                                                        "encoding_format": encoding})
+                assert r.status_code == 200, r.text
+                for item, want_rows in zip(r.json()["data"], floats):
+                    assert_same_rows(_decoded(item["embedding"], dtype, item["shape"]),
+                                     np.asarray(want_rows, np.float32).astype(dtype))
+            r = client.post("/v1/embeddings", json={"input": TEXTS, "output": "multi_vector"})
+            assert r.status_code == 200, r.text
+            assert_same_rows(np.concatenate([d["embedding"] for d in r.json()["data"]]), np.concatenate(floats))
+            # what does not apply is a 422 naming it
+            for body, param in (({"input": TEXTS, "encoding_format": "base64_float16"}, "encoding_format"),
+                                ({"input": TEXTS, "output": "multi_vector", "encoding_format": "int8"},
+                                 "encoding_format"),
+                                ({"input": TEXTS, "output": "multi_vector", "dimensions": 8}, "dimensions"),
+                                ({"input": TEXTS, "output": "sparse", "encoding_format": "base64"},
+                                 "encoding_format")):
+                r = client.post("/v1/embeddings", json=body)
+                assert r.status_code == 422 and r.json()["error"]["param"] == param, (body, r.text)
+    finally:
+        stop(process, log_path)
+
+
+def _decoded(data: str, dtype, shape: list[int]) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(data), dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+
+
+def test_a_per_token_answer_over_the_byte_limit_is_a_413_naming_smaller_encodings(tmp_path, expected):
+    directory, _, _ = expected
+    texts = ["a long enough input for the limit"] * 8
+    process, url, log_path = launch(tmp_path, model=str(directory), backend="torch", torch_threads=1,
+                                    max_batch_tokens=512, max_response_bytes=40000)
+    try:
+        wait_ready(process, url, log_path)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            r = client.post("/embed_all", json={"inputs": texts})
+            assert r.status_code == 413, r.text
+            assert "max_response_bytes" in r.text and "base64_float16" in r.text, r.text
+            r = client.post("/embed_all", json={"inputs": texts, "encoding_format": "base64_float16"})
+            assert r.status_code == 200, r.text
+            assert len(r.content) <= 40000
+    finally:
+        stop(process, log_path)
+
+
+def test_rerank_scores_as_flag_embeddings_compute_score(tmp_path, expected):
+    """/rerank and /v1/rerank on BGE-M3: its MaxSim score (the sum over the query's multi-vectors over their count),
+    and with weights the weighted dense + sparse + multi-vector score, as FlagEmbedding's compute_score gives them
+    one pair at a time (its batches pad the passages' vectors with zeros, a floor of 0 under each query vector's
+    maximum that depends on the batch; ours does not)."""
+    from FlagEmbedding import BGEM3FlagModel
+
+    directory, _, _ = expected
+    query, texts = "late interaction retrieval", ["maxsim scores late interaction", "le chat dort", TEXTS[0]]
+    flag = BGEM3FlagModel(str(directory), use_fp16=False, devices="cpu")
+    weights = [0.4, 0.2, 0.4]
+    want = flag.compute_score([(query, t) for t in texts], batch_size=1, weights_for_different_modes=weights)
+    process, url, log_path = launch(tmp_path, model=str(directory), backend="torch", torch_threads=1,
+                                    max_batch_tokens=512)
+    try:
+        wait_ready(process, url, log_path)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            for body, key in (({}, "colbert"), ({"weights": dict(zip(("dense", "sparse", "colbert"), weights))},
+                                                 "colbert+sparse+dense")):
+                r = client.post("/rerank", json={"query": query, "texts": texts, **body})
+                assert r.status_code == 200, r.text
+                got = {item["index"]: item["score"] for item in r.json()}
+                assert_scores_close([got[i] for i in range(len(texts))], want[key], "float32", logits=True, what=key)
+                assert [item["index"] for item in r.json()] == list(np.argsort(-np.asarray(want[key]), kind="stable"))
+                r = client.post("/v1/rerank", json={"query": query, "documents": texts, "top_n": 2, **body})
+                assert r.status_code == 200, r.text
+                assert [x["index"] for x in r.json()["results"]] == \
+                    list(np.argsort(-np.asarray(want[key]), kind="stable"))[:2]
+            r = client.post("/rerank", json={"query": query, "texts": texts, "weights": {"dense": 0}})
+            assert r.status_code == 422 and "at least one weight" in r.text, r.text
     finally:
         stop(process, log_path)
