@@ -272,8 +272,8 @@ class Pending(Protocol):
 # launch's outputs: rows [n, dim] of the model's kind; per-token states [tokens, hidden]; multi-vectors, BGE-M3's
 # [tokens - n, dim] or a ColBERT model's [sum of multi_vector_counts, dim] (normalized, each row's back to back);
 # BGE-M3's sparse weights [tokens, 1] (a token's weight where it holds its input's largest for its id, else zero:
-# with the rows' ids, each input's sparse vector)
-Output = Literal["pooled", "tokens", "colbert", "sparse"]
+# with the rows' ids, each input's sparse vector); "m3": BGE-M3's three from one forward in one column (split_m3)
+Output = Literal["pooled", "tokens", "colbert", "sparse", "m3"]
 
 
 @dataclass(frozen=True)
@@ -315,6 +315,16 @@ class Description:
         spec = fields.pop("text")
         return cls(**{**fields, "labels": tuple(fields["labels"]), "outputs": tuple(fields["outputs"])},
                    text=None if spec is None else TextSpec.from_json(json.dumps(spec)))
+
+
+def split_m3(block: np.ndarray, description: Description, rows: Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """BGE-M3's one-forward block (launch(rows, output="m3")) as (the dense head's raw rows [n, dim], the
+    multi-vectors [tokens - n, width] back to back, the sparse weights [tokens, 1])."""
+    flat, n, tokens = block.reshape(-1), len(rows), rows.tokens
+    dense, rest = flat[: n * description.dim], flat[n * description.dim:]
+    vectors, sparse = rest[: len(rest) - tokens], rest[len(rest) - tokens:]
+    width = len(vectors) // (tokens - n) if tokens > n else 0
+    return dense.reshape(n, description.dim), vectors.reshape(tokens - n, width), sparse.reshape(tokens, 1)
 
 
 def multi_vector_counts(description: Description, rows: Rows) -> np.ndarray:

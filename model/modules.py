@@ -546,6 +546,19 @@ class M3Head(nn.Module):
         self.register_buffer("dropped", torch.tensor(sorted(set(dropped)), dtype=torch.int32), persistent=False)
         self.colbert_dim = heads.colbert_weight.shape[0]
 
+    def block(self, output: str, hidden: Tensor, packed, dense: nn.Module) -> Tensor:
+        """launch's block of `output` from one forward's per-token states: "colbert" [tokens - n, dim], "sparse"
+        [tokens, 1], or "m3", all three flattened into one column ([n * dense width + (tokens - n) * dim + tokens,
+        1]: the `dense` head's raw rows, the multi-vectors, the sparse weights; model.api.split_m3 takes it apart)."""
+        cu_seqlens = packed.cu_seqlens
+        if output == "colbert":
+            return self.colbert(hidden, cu_seqlens)
+        sparse = self.sparse(hidden, packed.input_ids[: hidden.shape[0]], cu_seqlens)[:, None]
+        if output == "sparse":
+            return sparse
+        pooled = dense(hidden, packed).float()
+        return torch.cat([pooled.reshape(-1), self.colbert(hidden, cu_seqlens).reshape(-1), sparse.reshape(-1)])[:, None]
+
     def colbert(self, hidden: Tensor, cu_seqlens: Tensor) -> Tensor:
         keep = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         keep[cu_seqlens[:-1].long()] = False  # each input's first token (CLS) has no vector

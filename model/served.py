@@ -158,12 +158,11 @@ class Served:
                               e.kernel_path.label)
             if output == "tokens":
                 return _Block(Pending(e.forwards.embed_tokens(rows)), e.kernel_path.label)
-            if output in ("colbert", "sparse"):
+            if output in ("colbert", "sparse", "m3"):
                 if e.m3 is None:
                     raise InputError(f"model {self.name} has no {output} output (BGE-M3's heads)", param="output")
-                head = (lambda hidden, packed: e.m3.colbert(hidden, packed.cu_seqlens)) if output == "colbert" else \
-                    lambda hidden, packed: e.m3.sparse(hidden, packed.input_ids[: rows.tokens], packed.cu_seqlens)[:, None]
-                return _Block(Pending(e.forwards.token_states(rows, head).cpu()), e.kernel_path.label)
+                block = e.forwards.token_states(rows, lambda hidden, packed: e.m3.block(output, hidden, packed, e.head))
+                return _Block(Pending(block.cpu()), e.kernel_path.label)
             if reference:
                 return _Block(Pending(e.embed_ids(rows, normalize=False, reference=True)), "reference")
             return _Block(e.launch_ids(rows), e.kernel_path.label)

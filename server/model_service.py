@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from fusedserve.model import load
 from fusedserve.model.api import (Description, InputError, InputTooLong, LoadOptions, Rows, ServedModel,
-                                  TextOptions, multi_vector_counts, name_of)
+                                  TextOptions, l2_normalize, multi_vector_counts, name_of, split_m3)
 from fusedserve.server.batcher import Batcher
 from fusedserve.server.calibration import Calibration
 from fusedserve.server.config import ModelSpec, Settings
@@ -374,12 +374,6 @@ class ModelService:
         return await self.run(await self.prepare(inputs, options, deadline=deadline), request, normalize=normalize,
                               dimensions=dimensions, deadline=deadline)
 
-    @property
-    def multi_vector(self) -> bool:
-        """A model whose per-token output is its multi-vectors (BGE-M3's: every token after the first; a ColBERT
-        model's: model.api.multi_vector_counts), not its hidden states."""
-        return "colbert" in self.description.outputs
-
     async def token_rows(self, rows: Rows, request: Request | None = None, deadline: Deadline | None = None,
                          encoding: str = "float") -> list[np.ndarray]:
         """Per input, its per-token rows: the hidden states ([tokens, dim] float32, special tokens included), or a
@@ -397,6 +391,17 @@ class ModelService:
         weights = await self.output_rows(rows, "sparse", request, deadline)
         return sparse_of_tokens(weights.reshape(-1), rows.ids, rows.lengths)
 
+    async def all_outputs(self, rows: Rows, request: Request | None = None, deadline: Deadline | None = None,
+                          encoding: str = "float") -> tuple[np.ndarray, list[np.ndarray], list[SparseRow]]:
+        """BGE-M3's three outputs of one forward: the dense vectors (normalized), each input's multi-vectors (413
+        past max_response_bytes in `encoding`) and its sparse vector."""
+        block = await self.output_rows(rows, "m3", request, deadline)
+        dense, vectors, weights = split_m3(block, self.description, rows)
+        self.limits.response_bytes(vectors.size, encoding)
+        counts = multi_vector_counts(self.description, rows)
+        return (l2_normalize(dense), np.split(vectors, np.cumsum(counts)[:-1]),
+                sparse_of_tokens(weights.reshape(-1), rows.ids, rows.lengths))
+
     async def output_rows(self, rows: Rows, output: str, request: Request | None = None,
                           deadline: Deadline | None = None) -> np.ndarray:
         """One block of `output` ("tokens": per-token rows back to back; "sparse": BGE-M3's per-token weights), as one
@@ -407,7 +412,8 @@ class ModelService:
             self.limits.token_output(rows.tokens)
         deadline = deadline or Deadline.of_request(self.settings.request_timeout_s)
         admit(self, rows, deadline.left())
-        launched = "colbert" if output == "tokens" and self.multi_vector else output
+        # a multi-vector model's per-token output is its multi-vectors (BGE-M3, ColBERT), not its hidden states
+        launched = "colbert" if output == "tokens" and "colbert" in self.description.outputs else output
         block, stamps = await _between_batches(self.batcher, lambda: self.model.launch(rows, output=launched).rows(),
                                                request, deadline)
         record = CURRENT.get()

@@ -41,7 +41,8 @@ HAS_PAIRS = 1  # flags: the request's rows carry second-text starts
 # flags: what the answer holds (ModelService.output_rows): one row per input from the batches (neither flag), every
 # token's row (/embed_all: [tokens, width], BGE-M3's multi-vectors [tokens - n, width]) or BGE-M3's sparse vectors
 TOKENS, SPARSE = 2, 4
-OUTPUTS = {"pooled": 0, "tokens": TOKENS, "sparse": SPARSE}
+OUTPUTS = {"pooled": 0, "tokens": TOKENS, "sparse": SPARSE, "m3": TOKENS | SPARSE}  # m3: BGE-M3's three at once
+_OUTPUT_OF = {flag: name for name, flag in OUTPUTS.items()}
 NO_STAMP = -1.0  # a stamp the engine did not take (the request failed before its first batch)
 
 # an error's status -> its class, to raise the same ServiceError on the front-end as the engine's
@@ -136,7 +137,7 @@ def unpack_requests(frames: Sequence[bytes | memoryview]) -> tuple[list[Submit],
             second, pair = seconds[pair:pair + count], pair + count
         out.append(Submit(rid, model, Rows(ids[token:token + tokens], lens, second), bool(normalize),
                           dimensions or None, deadline,
-                          "tokens" if flags & TOKENS else "sparse" if flags & SPARSE else "pooled"))
+                          _OUTPUT_OF[flags & (TOKENS | SPARSE)]))
         row, token = row + count, token + tokens
     return out, cancels
 

@@ -22,6 +22,9 @@ from fusedserve.server.routes.infer import ENCODING_HELP, MULTI_VECTOR_HELP, Enc
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
+OutputName = Literal["dense", "multi_vector", "sparse"]
+
+
 class EmbeddingsRequest(StrictRequest):
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
         ..., description="a text, texts, one input's token ids, or several inputs' token ids")
@@ -30,11 +33,12 @@ class EmbeddingsRequest(StrictRequest):
     encoding_format: Encoding | Literal["sparse", "base64_float16"] = Field(
         "float", description=ENCODING_HELP + "; `sparse` (a sparse model's only one): each embedding as its non-zero "
         "entries `[{index, value}]`, as TEI's /embed_sparse; with output `multi_vector`: " + MULTI_VECTOR_HELP)
-    output: Literal["dense", "multi_vector", "sparse"] = Field(
+    output: OutputName | list[OutputName] = Field(
         "dense", description="an extension for models of several outputs (GET /v1/models lists them): `dense` (one "
         "vector per input), `multi_vector` (one per token: BGE-M3's and ColBERT models' late-interaction vectors, "
         "each embedding a [tokens, dim] list, or a string with `shape` and `dtype` in a base64 encoding), `sparse` "
-        "(as encoding_format `sparse`)")
+        "(as encoding_format `sparse`); several (BGE-M3) from one forward, as float: each item's `embedding` (dense), "
+        "`multi_vector` and `sparse_embedding`, those asked for")
     dimensions: StrictInt | None = Field(None, description="keep the first N dimensions (renormalized)")
     truncate: StrictBool = Field(True, description="cut inputs at max_seq_length tokens; false makes an over-long "
                                  "input a 413")
@@ -51,7 +55,9 @@ class SparseValue(BaseModel):
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | list[int] | str | list[SparseValue] | list[list[float]]
+    embedding: list[float] | list[int] | str | list[SparseValue] | list[list[float]] | None = None
+    multi_vector: list[list[float]] | None = Field(None, description="with several outputs asked for")
+    sparse_embedding: list[SparseValue] | None = Field(None, description="with several outputs asked for")
     shape: list[int] | None = Field(None, description="a base64 multi-vector's [tokens, dim]")
     dtype: Literal["float32", "float16"] | None = Field(None, description="a base64 multi-vector's value type")
 
@@ -95,12 +101,61 @@ def _model(model, created: int) -> dict:
     return entry
 
 
+def _inputs(data) -> list:
+    if isinstance(data, str):
+        return [data]
+    if data and all(isinstance(x, int) for x in data):
+        return [data]  # one input's token ids
+    return list(data)
+
+
+async def _several(body: EmbeddingsRequest, outputs: list[str], service, request: Request) -> EmbeddingResponse:
+    """Several outputs of one forward (BGE-M3's: model.api's "m3"), as float."""
+    if body.encoding_format != "float":
+        raise Unprocessable("several outputs come as float", param="encoding_format")
+    if body.dimensions is not None:
+        raise Unprocessable("dimensions does not apply to several outputs", param="dimensions")
+    model = service.model(body.model, "embedding")
+    if not {"pooled", "colbert", "sparse"} <= set(model.description.outputs):
+        raise Unprocessable(f"{model.name} gives one output a request ({', '.join(model.description.outputs)}); "
+                            f"several at once come from BGE-M3", param="output")
+    inputs = _inputs(body.input)
+    options = TextOptions(truncate=body.truncate, prompt_name=body.prompt_name if _has_text(inputs) else None)
+    deadline = Deadline.of_request(service.settings.request_timeout_s)
+    prepared = await model.prepare(inputs, options, deadline=deadline)
+    dense, vectors, sparse = await model.all_outputs(prepared, request, deadline)
+
+    def items() -> list[dict]:
+        entries = sparse_entries(sparse) if "sparse" in outputs else None
+        out = []
+        for i in range(len(prepared)):
+            item = {"object": "embedding", "index": i}
+            if "dense" in outputs:
+                item["embedding"] = dense[i]
+            if "multi_vector" in outputs:
+                item["multi_vector"] = vectors[i]
+            if entries is not None:
+                item["sparse_embedding"] = entries[i]
+            out.append(item)
+        return out
+
+    data = await asyncio.to_thread(items)
+    return EmbeddingResponse({"object": "list", "data": data, "model": model.name,
+                              "usage": {"prompt_tokens": prepared.tokens, "total_tokens": prepared.tokens}})
+
+
 async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Request) -> EmbeddingResponse:
-    sparse = body.encoding_format == "sparse" or body.output == "sparse"
+    outputs = [body.output] if isinstance(body.output, str) else list(dict.fromkeys(body.output))
+    if not outputs:
+        raise Unprocessable("output: name at least one", param="output")
+    if len(outputs) > 1:
+        return await _several(body, outputs, service, request)
+    output = outputs[0]
+    sparse = body.encoding_format == "sparse" or output == "sparse"
     if sparse and body.encoding_format not in ("float", "sparse"):
         raise Unprocessable(f"sparse vectors come as entries; encoding_format {body.encoding_format} does not apply",
                             param="encoding_format")
-    multi = body.output == "multi_vector"
+    multi = output == "multi_vector"
     if body.encoding_format == "base64_float16" and not multi:
         raise Unprocessable("base64_float16 applies to multi-vectors (output multi_vector)", param="encoding_format")
     if multi and body.encoding_format not in MULTI_VECTOR_ENCODINGS:
@@ -108,16 +163,10 @@ async def embeddings(body: EmbeddingsRequest, service: ServiceDep, request: Requ
                             f"{body.encoding_format}", param="encoding_format")
     model = service.model(body.model, "sparse" if sparse else "multi_vector" if multi else "embedding")
     if (sparse or multi) and body.dimensions is not None:
-        raise Unprocessable(f"dimensions does not apply to {body.output.replace('_', '-')} vectors",
+        raise Unprocessable(f"dimensions does not apply to {output.replace('_', '-')} vectors",
                             param="dimensions")
     model.limits.dimensions(body.dimensions)
-    data = body.input
-    if isinstance(data, str):
-        inputs = [data]
-    elif data and all(isinstance(x, int) for x in data):
-        inputs = [data]  # one input's token ids
-    else:
-        inputs = list(data)
+    inputs = _inputs(body.input)
     options = TextOptions(truncate=body.truncate, prompt_name=body.prompt_name if _has_text(inputs) else None)
     if sparse:  # a SPLADE model's rows, or BGE-M3's sparse head
         deadline = Deadline.of_request(service.settings.request_timeout_s)

@@ -73,22 +73,18 @@ async def _late_scores(model: ModelService, query: str, texts: list[str], trunca
         rows = Rows.gather([(query_rows, 0)] + [(text_rows, i) for i in range(len(texts))])
     else:
         rows = await model.prepare([query, *texts], TextOptions(truncate=truncate))
-    vectors = await model.token_rows(rows, request)
+    if weights is None:
+        vectors = await model.token_rows(rows, request)
+    else:  # BGE-M3's three outputs from one forward
+        dense, vectors, sparse = await model.all_outputs(rows, request)
     q, scores = vectors[0], np.array([maxsim(vectors[0], d) for d in vectors[1:]], dtype=np.float32)
-    tokens = rows.tokens
     if not colbert:  # FlagEmbedding's colbert_score: the sum over the query's vectors' count
         scores /= max(len(q), 1)
     if weights is not None:
-        parts = {"colbert": scores}
-        if weights.dense:
-            dense = (await model.run(rows, request, normalize=True)).rows
-            parts["dense"] = dense[1:] @ dense[0]
-        if weights.sparse:
-            sparse = await model.sparse_rows(rows, request)
-            parts["sparse"] = np.array([lexical_match(sparse[0], s) for s in sparse[1:]], dtype=np.float32)
-        total = weights.dense + weights.sparse + weights.colbert
-        scores = sum(getattr(weights, name) * part for name, part in parts.items()) / total
-    return scores.astype(np.float32)[:, None], tokens
+        lexical = np.array([lexical_match(sparse[0], s) for s in sparse[1:]], dtype=np.float32)
+        scores = (weights.dense * (dense[1:] @ dense[0]) + weights.sparse * lexical + weights.colbert * scores) / \
+            (weights.dense + weights.sparse + weights.colbert)
+    return scores.astype(np.float32)[:, None], rows.tokens
 
 
 def maxsim(query: np.ndarray, text: np.ndarray) -> float:

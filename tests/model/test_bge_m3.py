@@ -92,12 +92,25 @@ def test_each_output_is_the_same_alone_as_in_a_batch(ours):
         assert_sparse_close(alone["sparse"], together["sparse"][i:i + 1], what=f"sparse of {text!r}")
 
 
+def test_one_forward_gives_the_three_outputs(ours):
+    """launch(output="m3"): the dense head's rows, the multi-vectors and the sparse weights of one forward in one
+    column (model.api.split_m3), each equal to its own launch's."""
+    from fusedserve.model.api import split_m3
+
+    rows = ours.prepare(TEXTS, TextOptions())
+    dense, vectors, sparse = split_m3(ours.launch(rows, output="m3").rows(), ours.describe(), rows)
+    assert_embeddings_close(dense, ours.launch(rows, output="pooled").rows(), what="dense")
+    assert_embeddings_close(vectors, ours.launch(rows, output="colbert").rows(), what="colbert")
+    assert np.array_equal(sparse > 0, ours.launch(rows, output="sparse").rows() > 0)
+    assert_sparse_close(sparse.T, ours.launch(rows, output="sparse").rows().T, what="sparse")
+
+
 def test_a_model_without_the_heads_refuses_their_outputs():
     model = load("tiny", LoadOptions(device="cpu", dtype="float32"))
     try:
         assert model.describe().outputs == ("pooled", "tokens")
         rows = model.prepare(["no heads here"], TextOptions())
-        for output in ("colbert", "sparse"):
+        for output in ("colbert", "sparse", "m3"):
             with pytest.raises(InputError, match=f"no {output} output"):
                 model.launch(rows, output=output)
     finally:

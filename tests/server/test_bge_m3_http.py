@@ -72,6 +72,18 @@ def test_the_three_outputs_over_http(tmp_path, expected, frontends):
             again = client.post("/embed_all", json={"inputs": TEXTS}).json()
             assert_same_rows(np.concatenate(again), np.concatenate(r.json()))
             floats = r.json()
+            # several outputs from one forward: each the same as its own request's
+            r = client.post("/v1/embeddings", json={"input": TEXTS, "output": ["dense", "multi_vector", "sparse"]})
+            assert r.status_code == 200, r.text
+            sparse = client.post("/embed_sparse", json={"inputs": TEXTS}).json()
+            for item, rows_of, entries in zip(r.json()["data"], floats, sparse):
+                assert_same_rows(item["multi_vector"], rows_of)
+                assert [e["index"] for e in item["sparse_embedding"]] == [e["index"] for e in entries]
+                assert_scores_close([e["value"] for e in item["sparse_embedding"]], [e["value"] for e in entries])
+            assert_embeddings_close([d["embedding"] for d in r.json()["data"]], dense, what="dense of several")
+            r = client.post("/v1/embeddings", json={"input": TEXTS, "output": ["dense", "sparse"],
+                                                    "encoding_format": "base64"})
+            assert r.status_code == 422 and r.json()["error"]["param"] == "encoding_format", r.text
             # the same vectors in base64, float32 exactly and float16 rounded; OpenAI's route with output multi_vector
             for encoding, dtype in (("base64", np.float32), ("base64_float16", np.float16)):
                 r = client.post("/embed_all", json={"inputs": TEXTS, "encoding_format": encoding})
