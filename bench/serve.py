@@ -23,9 +23,11 @@ Scenarios:
   head-of-line one client sending a one-input request every --gap-ms, first alone, then while another sends the
                largest requests the limits allow (max_client_batch inputs of max_request_chars in all) back to back:
                the one input's p50/p99 beside the large requests', at the server's default batch limits
-  cpu          the CPU device only: sentence-transformers in-process (and its ONNX backend where it runs) against
-               the server on the same cores, fp32 / bfloat16 / WORKERS=2, same run and texts, --rounds alternating
-               rounds: texts/s, one text at a time, time to ready, cosine on held-out texts (bench/cpu_peers.py)
+  cpu          the CPU device only: sentence-transformers in-process (and its ONNX backend where it runs; its
+               OpenVINO backend, default and f32 hint, in a venv of its own) against the server on the same cores,
+               fp32 / bfloat16 / WORKERS=2, same run and texts, --rounds alternating rounds: texts/s and CPU ms per
+               text (median, min, max), one text at a time, time to ready, cosine on held-out texts
+               (bench/cpu_peers.py)
   openai-load  POST /v1/embeddings (float JSON) from aiohttp clients in load-generator processes of their own, at
                each of --openai-points (CLIENTSxTEXTS; 1x1 is single sequential requests), over 5-200-word texts;
                with --baseline DIR, an older tree's server started in turn with ours, the medians of --starts starts
@@ -612,7 +614,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                          "devices": devices_load.settings(args), "frontends": frontends_load.settings(args),
                          "startup": {"first_requests": args.first_requests},
                          "head-of-line": {"gap_ms": args.gap_ms},
-                         "cpu": {"configs": args.cpu_configs, "clients": args.cpu_clients, "rounds": args.rounds}}[
+                         "cpu": cpu_peers.settings(args)}[
             scenario])
         if scenario in ("openai-load", "devices", "frontends"):  # their points say how many texts a request carries
             del settings["per_request"]

@@ -4,7 +4,6 @@ valid block whose counts agree with themselves. It asserts structure and counts,
 from __future__ import annotations
 
 import pytest
-import torch
 
 from bench import results as store
 from bench.__main__ import main
@@ -76,33 +75,3 @@ def test_a_block_name_is_for_one_scenario(tmp_path):
         main(["serve", "startup", "single", "--device", "cpu", "--model", "tiny", "--as", "startup-other",
               "--out", str(tmp_path / "serve.json")])
     assert not (tmp_path / "serve.json").exists()
-
-
-def test_the_cpu_scenario_against_sentence_transformers(tmp_path):
-    """The CPU scenario on the packaged MiniLM (sentence-transformers needs a checkpoint): a round beside the
-    in-process peers, the ONNX peer recorded as unavailable with its reason where it cannot run, the served vectors
-    checked against sentence-transformers'. One configuration (one server start keeps the test short); a bfloat16
-    server is tested in tests/model/test_runner.py."""
-    out = tmp_path / "serve.json"
-    assert main(["serve", "cpu", "--device", "cpu", "--setting", "torch_threads=1", "--texts", "16", "--max-words",
-                 "12", "--seconds", "1", "--rounds", "1", "--one-text-count", "3", "--per-request", "4",
-                 "--cpu-configs", "fp32", "--out", str(out)]) == 0
-    block = store.load(out)["scenarios"]["cpu"]
-    assert block["complete"] and block["summary"]["sentence_transformers_one_text"]["p50_ms"] > 0
-    assert block["summary"]["peers"]["sentence-transformers"]["texts_per_s"] > 0
-    onnx = "sentence-transformers onnx"
-    assert (onnx in block["summary"]["peers"]) != (onnx in block["summary"]["unavailable"])
-    (fp32,) = block["results"]
-    assert fp32["dtype"] == "float32" and fp32["attention"] == "varlen" and fp32["errors"] == 0
-    assert fp32["min_cosine"] > 0.99999 and fp32["texts_per_s"] > 0 and fp32["one_text"]["p50_ms"] > 0
-    assert 0 <= fp32["client_cpu_share"] < 1 and len(fp32["rounds"]) == 1 and fp32["ready_s"] > 0
-    assert fp32["config"] == "fp32" and fp32["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
-
-
-def test_the_cpu_scenario_skips_bfloat16_saying_why_on_a_cpu_without_it(monkeypatch):
-    from fusedserve.model import loading
-    from bench import cpu_peers
-
-    monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert "amx_bf16, avx512_bf16" in cpu_peers._supported("bfloat16")
-    assert cpu_peers._supported("fp32") is cpu_peers._supported("workers-2") is None
