@@ -167,6 +167,15 @@ def embedding_layer_norm(
     return _store(_layer_norm(h, weight, bias, eps), word_embeddings.dtype, out)
 
 
+def _segments(cu_seqlens: Tensor, t: int, device) -> tuple[Tensor, Tensor]:
+    """(the offsets clamped to [0, t] and made non-decreasing, each of t packed rows' segment: b where cu[b] <= row <
+    cu[b + 1], or B, one past the last, for a row outside them: a packed batch's filler tokens)."""
+    cu = torch.cummax(cu_seqlens.to(device=device, dtype=torch.long).clamp(0, t), 0).values
+    rows = torch.arange(t, device=device)
+    segment = torch.searchsorted(cu[1:], rows, right=True)
+    return cu, torch.where(rows < cu[0], cu_seqlens.numel() - 1, segment)
+
+
 def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) -> Tensor:
     """Mean of each segment of rows: out[b] = mean(x[cu_seqlens[b] : cu_seqlens[b + 1]]) for x [T, H] and
     cu_seqlens [B + 1] (non-decreasing offsets, as varlen attention takes them) -> [B, H], float32 (float64 stays
@@ -175,11 +184,7 @@ def segment_mean(x: Tensor, cu_seqlens: Tensor, *, out: Tensor | None = None) ->
     (sentence-transformers' Pooling). No host synchronization: the fused-path-off model runs it inside CUDA graphs."""
     compute = _compute_dtype(x.dtype)
     t, segments = x.shape[0], cu_seqlens.numel() - 1
-    cu = cu_seqlens.to(device=x.device, dtype=torch.long).clamp(0, t)
-    cu = torch.cummax(cu, 0).values  # non-decreasing after the clamp
-    rows = torch.arange(t, device=x.device)
-    segment = torch.searchsorted(cu[1:], rows, right=True)  # cu[b] <= row < cu[b + 1]; past the end: segments
-    segment = torch.where(rows < cu[0], segments, segment)
+    cu, segment = _segments(cu_seqlens, t, x.device)
     sums = torch.zeros((segments + 1, x.shape[1]), dtype=compute, device=x.device)
     sums.index_add_(0, segment, x.to(compute))
     lengths = (cu[1:] - cu[:-1]).clamp(min=1)[:, None].to(compute)
@@ -199,11 +204,7 @@ def splade_pool(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tens
     materialized. No host synchronization: it runs inside CUDA graphs."""
     compute = _compute_dtype(x.dtype)
     t, segments, vocab = x.shape[0], cu_seqlens.numel() - 1, weight.shape[0]
-    cu = cu_seqlens.to(device=x.device, dtype=torch.long).clamp(0, t)
-    cu = torch.cummax(cu, 0).values  # non-decreasing after the clamp
-    rows = torch.arange(t, device=x.device)
-    segment = torch.searchsorted(cu[1:], rows, right=True)  # cu[b] <= row < cu[b + 1]; past the end: segments
-    segment = torch.where(rows < cu[0], segments, segment)
+    cu, segment = _segments(cu_seqlens, t, x.device)
     # rows outside every segment enter the GEMM as zeros: whatever they hold cannot reach a segment's logits (oneDNN's
     # AMX bfloat16 matmul in torch 2.14.1's CPU build leaks a NaN row into another where K is not a multiple of 32,
     # uxlfoundation/oneDNN#5717)
@@ -230,11 +231,7 @@ def m3_sparse(x: Tensor, weight: Tensor, bias: Tensor, ids: Tensor, cu_seqlens: 
     buffer, no host synchronization (it runs inside CUDA graphs)."""
     compute = _compute_dtype(x.dtype)
     t, segments = x.shape[0], cu_seqlens.numel() - 1
-    cu = cu_seqlens.to(device=x.device, dtype=torch.long).clamp(0, t)
-    cu = torch.cummax(cu, 0).values  # non-decreasing after the clamp
-    rows = torch.arange(t, device=x.device)
-    segment = torch.searchsorted(cu[1:], rows, right=True)  # cu[b] <= row < cu[b + 1]; past the end: segments
-    segment = torch.where(rows < cu[0], segments, segment)
+    cu, segment = _segments(cu_seqlens, t, x.device)
     ids = ids.to(device=x.device, dtype=torch.long)
     dropped = dropped.to(device=x.device, dtype=torch.long)
     kept = (segment < segments) & ~(ids[:, None] == dropped[None, :]).any(dim=1)
