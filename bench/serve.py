@@ -38,6 +38,11 @@ Scenarios:
   devices      two GPUs or more: one server on every GPU against one pinned to one GPU and half the CPUs, both
                WORKERS=auto, openai-load's clients; per-device busy time and tokens; then one device's workers
                killed under load: failed and wrong answers, the rejoin time (bench/devices_load.py)
+  m3           a BGE-M3-shaped directory (XLM-RoBERTa-large's shape, random weights, built once; or --m3-model)
+               served: POST /v1/embeddings at each of --m3-points in four request shapes taking turns (dense only,
+               the three outputs of one forward, the three as three requests, sparse only): requests/s, texts/s,
+               tokens/s, p50/p99, response bytes and each side's CPU, with all-in-one's tokens/s over dense's and
+               over three requests' (bench/m3_load.py)
 """
 
 from __future__ import annotations
@@ -61,14 +66,14 @@ from pathlib import Path
 
 import httpx
 
-from bench import cpu_peers, devices_load, frontends_load, openai_load, peer
+from bench import cpu_peers, devices_load, frontends_load, m3_load, openai_load, peer
 from bench import results as store
 from bench.harness import (load, log_path, mixed_texts, on_cuda, one_connection_session, percentiles_ms, request_body,
                            running_servers, sentences, server_breakdown, server_settings, server_sums, settled_sums,
                            traffic)
 
 SCENARIOS = ("closed-loop", "single", "workers", "replicas", "soak", "startup", "peer", "openai-load", "devices",
-             "head-of-line", "cpu", "frontends")
+             "head-of-line", "cpu", "frontends", "m3")
 DEFAULT_SCENARIOS = ("closed-loop", "single", "workers")
 
 
@@ -578,6 +583,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     openai_load.add_arguments(parser)
     devices_load.add_arguments(parser)
     frontends_load.add_arguments(parser)
+    m3_load.add_arguments(parser)
     cpu_peers.add_arguments(parser)
 
 
@@ -594,7 +600,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                  "devices": devices_load.devices_scenario,
                  "replicas": replicas_scenario, "soak": soak_scenario, "startup": startup_scenario,
                  "head-of-line": head_of_line_scenario, "cpu": cpu_peers.cpu_scenario,
-                 "frontends": frontends_load.frontends_scenario}
+                 "frontends": frontends_load.frontends_scenario, "m3": m3_load.m3_scenario}
     if args.block_name and len(args.scenarios or DEFAULT_SCENARIOS) != 1:
         raise SystemExit("--as names one scenario's block: run one scenario with it")
     started = time.monotonic()
@@ -612,11 +618,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                          "soak": {"clients": args.soak_clients, "cancel_rate": args.cancel_rate},
                          "peer": peer.settings(args), "openai-load": openai_load.settings(args),
                          "devices": devices_load.settings(args), "frontends": frontends_load.settings(args),
+                         "m3": m3_load.settings(args),
                          "startup": {"first_requests": args.first_requests},
                          "head-of-line": {"gap_ms": args.gap_ms},
                          "cpu": cpu_peers.settings(args)}[
             scenario])
-        if scenario in ("openai-load", "devices", "frontends"):  # their points say how many texts a request carries
+        if scenario in ("openai-load", "devices", "frontends", "m3"):  # their points say how many texts a request carries
             del settings["per_request"]
 
         def save(rows: list[dict], summary: dict, complete: bool, scenario: str = scenario, head: dict = head,

@@ -817,25 +817,43 @@ def xlmr_tokenizer(dest: Path) -> int:
     return len(tokenizer)
 
 
-def bge_m3(dest: Path, colbert_dim: int = 64) -> Path:
-    """A tiny BGE-M3 directory as BAAI/bge-m3 is laid out: an XLM-RoBERTa body on an XLM-R-style tokenizer,
+# BGE-M3's body at a tiny shape and at BAAI/bge-m3's (XLM-RoBERTa-large's: 568M parameters, inputs of up to 8192
+# tokens), both on xlmr_tokenizer's few hundred pieces: the large token table keeps XLM-R's 250,002 rows all the same
+# (its size is the model's, whatever the ids the tokenizer emits)
+BGE_M3_SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                 max_position_embeddings=130),
+    "large": dict(vocab_size=250002, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                  intermediate_size=4096, max_position_embeddings=8194, layer_norm_eps=1e-5),
+}
+BGE_M3_MAX_SEQ_LENGTH = {"tiny": 128, "large": 8192}
+
+
+def bge_m3(dest: Path, colbert_dim: int | None = None, shape: str = "tiny") -> Path:
+    """A random BGE-M3 directory as BAAI/bge-m3 is laid out: an XLM-RoBERTa body on an XLM-R-style tokenizer,
     sentence-transformers' modules (CLS pooling, Normalize: its dense output), and FlagEmbedding's heads as torch
-    state dicts, colbert_linear.pt (hidden -> colbert_dim, the hidden size as in BAAI/bge-m3) and sparse_linear.pt (hidden -> 1; a positive bias, so
-    most tokens carry a weight)."""
+    state dicts, colbert_linear.pt (hidden -> colbert_dim, by default the hidden size as in BAAI/bge-m3) and
+    sparse_linear.pt (hidden -> 1; a positive bias, so most tokens carry a weight). The large shape's body is saved
+    in float16 (1.1 GB rather than 2.3; the loader reads any float type), its heads in float32 as the tiny one's."""
     from transformers import XLMRobertaConfig, XLMRobertaModel
 
     dest.mkdir(parents=True, exist_ok=True)
     vocab = xlmr_tokenizer(dest)
     torch.manual_seed(3)
-    config = XLMRobertaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              intermediate_size=128, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
-                              bos_token_id=0, eos_token_id=2)
-    XLMRobertaModel(config).save_pretrained(dest, safe_serialization=True)
-    _st_files(dest, ["cls"], max_seq_length=128)
+    dims = {"vocab_size": vocab, **BGE_M3_SHAPES[shape]}
+    hidden = dims["hidden_size"]
+    colbert_dim = hidden if colbert_dim is None else colbert_dim
+    config = XLMRobertaConfig(**dims, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    model = XLMRobertaModel(config)
+    if shape != "tiny":
+        model = model.half()
+    model.save_pretrained(dest, safe_serialization=True)
+    del model
+    _st_files(dest, ["cls"], max_seq_length=BGE_M3_MAX_SEQ_LENGTH[shape])
     gen = torch.Generator().manual_seed(4)
-    torch.save({"weight": torch.randn(colbert_dim, 64, generator=gen) * 64**-0.5,
+    torch.save({"weight": torch.randn(colbert_dim, hidden, generator=gen) * hidden**-0.5,
                 "bias": torch.randn(colbert_dim, generator=gen) * 0.1}, dest / "colbert_linear.pt")
-    torch.save({"weight": torch.randn(1, 64, generator=gen) * 64**-0.5, "bias": torch.tensor([0.3])},
+    torch.save({"weight": torch.randn(1, hidden, generator=gen) * hidden**-0.5, "bias": torch.tensor([0.3])},
                dest / "sparse_linear.pt")
     return dest
 
