@@ -30,13 +30,13 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.harness import load, log_path, min_cosine, mixed_texts, percentiles_ms, running_servers, server_settings
+from bench.harness import (kept_log, load, log_path, min_cosine, mixed_texts, percentiles_ms, running_servers,
+                           server_settings)
 
 CONFIGS = {"fp32": {}, "bfloat16": {"dtype": "bfloat16"}, "workers-2": {"workers": "2"}}
 HELD_OUT = 32  # texts each configuration's and peer's vectors are checked on
@@ -307,7 +307,7 @@ def _peers(args: argparse.Namespace, path: Path, texts: list[str], unavailable: 
     if not args.openvino:
         unavailable.update(dict.fromkeys(OPENVINO_PEERS, "not run (--no-openvino)"))
         return peers, None
-    log = _log(args, "cpu-openvino")
+    log = kept_log(args, "cpu-openvino")
     try:
         process = PeerProcess(openvino_python(args, log), log)
         process.call(op="texts", texts=texts)
@@ -322,15 +322,6 @@ def _peers(args: argparse.Namespace, path: Path, texts: list[str], unavailable: 
         except Exception as error:  # noqa: BLE001 - recorded as the row's reason
             unavailable[name] = _reason(error)
     return peers, process
-
-
-def _log(args: argparse.Namespace, name: str) -> str:
-    """Scenario part `name`'s log: in --log-dir, else a temporary file (its tail goes into an error)."""
-    path = log_path(args, name)
-    if path == os.devnull:
-        handle, path = tempfile.mkstemp(prefix=f"fusedserve-{name}-", suffix=".log")
-        os.close(handle)
-    return path
 
 
 # ---- our server -------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import math
 import multiprocessing
 import os
 import queue
+import tempfile
 import random
 import socket
 import statistics
@@ -111,6 +112,15 @@ def log_path(args: argparse.Namespace, name: str) -> str:
         return os.devnull
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     return str(Path(args.log_dir) / f"serve-{name}.log")
+
+
+def kept_log(args: argparse.Namespace, name: str) -> str:
+    """log_path, or without --log-dir a temporary file: a process whose log tail goes into its start-up error."""
+    path = log_path(args, name)
+    if path == os.devnull:
+        handle, path = tempfile.mkstemp(prefix=f"fusedserve-{name}-", suffix=".log")
+        os.close(handle)
+    return path
 
 
 # ---- servers ----------------------------------------------------------------------------------------------------

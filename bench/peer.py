@@ -15,13 +15,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.harness import (SAME_MODEL_MIN_COSINE, free_port, load, log_path, min_cosine, on_cuda, percentiles_ms,
+from bench.harness import (SAME_MODEL_MIN_COSINE, free_port, kept_log, load, min_cosine, on_cuda, percentiles_ms,
                            request_body, running_servers, sentences, server_settings, traffic, wait_until_ready)
 
 INFINITY_VERSION = "0.0.78"
@@ -164,15 +163,6 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
-def _log(args: argparse.Namespace, name: str) -> str:
-    """The scenario's log for `name`: in --log-dir, else a temporary file (its tail goes into a start-up error)."""
-    path = log_path(args, name)
-    if path == os.devnull:
-        handle, path = tempfile.mkstemp(prefix=f"fusedserve-{name}-", suffix=".log")
-        os.close(handle)
-    return path
-
-
 def _version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -203,7 +193,7 @@ def peer_scenario(args: argparse.Namespace, save) -> None:
               f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {r['errors']} errors", file=sys.stderr, flush=True)
         save(rows, summary, False)
 
-    with running_servers(1, _log(args, "peer-fusedserve"), **server_settings(args)) as servers:
+    with running_servers(1, kept_log(args, "peer-fusedserve"), **server_settings(args)) as servers:
         url = servers[0][1]
         info = httpx.get(url + "/info", timeout=30).json()
         tokens = token_counts(model, info["max_seq_length"], texts)
@@ -220,7 +210,7 @@ def peer_scenario(args: argparse.Namespace, save) -> None:
 
     def infinity(batch_size: int):
         return running_infinity(site, model, device=args.device, dtype=dtype, batch_size=batch_size,
-                                log_path=_log(args, f"peer-infinity-{batch_size}"))
+                                log_path=kept_log(args, f"peer-infinity-{batch_size}"))
 
     for batch_size in args.peer_batch_sizes:
         with infinity(batch_size) as (_, url):

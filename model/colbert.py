@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from fusedserve.model.api import ColbertText, InputError, Rows
 from fusedserve.model.config import UnsupportedModel
-from fusedserve.model.modules import Dense, _json, _module_kind, read_dense
+from fusedserve.model.modules import Dense, _json, _module_kind, linear_of, read_dense
 
 if TYPE_CHECKING:
     from fusedserve.model.forwards import Forwards
@@ -206,12 +206,7 @@ class ColbertHead(nn.Module):
             if d.weight.shape[1] != width:
                 raise UnsupportedModel(f"ColBERT Dense takes {d.weight.shape[1]} features, the encoder (or the Dense "
                                        f"before) gives {width}")
-            layer = nn.Linear(d.weight.shape[1], d.weight.shape[0], bias=d.bias is not None)
-            with torch.no_grad():
-                layer.weight.copy_(d.weight)
-                if d.bias is not None:
-                    layer.bias.copy_(d.bias)
-            self.dense.append(layer)
+            self.dense.append(linear_of(d))
             width = d.weight.shape[0]
         self.dim = width
 

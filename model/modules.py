@@ -419,6 +419,16 @@ def _last_padded(hidden: Tensor, mask: Tensor) -> Tensor:
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), mask.sum(1).long() - 1]
 
 
+def linear_of(dense: Dense) -> nn.Linear:
+    """A Dense module's projection as an nn.Linear holding its tensors (its activation is the caller's)."""
+    layer = nn.Linear(dense.weight.shape[1], dense.weight.shape[0], bias=dense.bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(dense.weight)
+        if dense.bias is not None:
+            layer.bias.copy_(dense.bias)
+    return layer
+
+
 class EmbeddingHead(nn.Module):
     """Pooling (one or several modes, concatenated in sentence-transformers' order) then the Dense modules."""
 
@@ -433,12 +443,7 @@ class EmbeddingHead(nn.Module):
         for d in pipeline.dense:
             if d.weight.shape[1] != width:
                 raise UnsupportedModel(f"Dense takes {d.weight.shape[1]} features, the pooling gives {width}")
-            layer = nn.Linear(d.weight.shape[1], d.weight.shape[0], bias=d.bias is not None)
-            with torch.no_grad():
-                layer.weight.copy_(d.weight)
-                if d.bias is not None:
-                    layer.bias.copy_(d.bias)
-            self.dense.append(layer)
+            self.dense.append(linear_of(d))
             self.activations.append(d.activation)
             width = d.weight.shape[0]
         self.dim = width
